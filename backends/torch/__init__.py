@@ -1,0 +1,1 @@
+"""TORCH backend: PyTorch's own ATen ops (torch.matmul, torch._scaled_mm, ...)."""

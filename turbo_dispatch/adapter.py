@@ -1,0 +1,58 @@
+"""The contract every backend adapter fulfils.
+
+An adapter knows its library and nothing else: no env vars, priorities or tuning database.
+Those are the resolver's business.
+"""
+from __future__ import annotations
+
+from typing import Any, Hashable, Sequence
+
+
+class Adapter:
+    """Base class for backend adapters; one subclass per (backend, op).
+
+    Subclasses override ``run`` and, where they have limits, ``available`` and ``supports``.
+    ``available`` is called once per process (the registry caches it), so it may import its
+    library lazily and probe the device. ``supports`` is called once per problem key and must
+    look only at the problem (host-side facts), never at tensor data.
+
+    Example:
+        >>> from turbo_dispatch.adapter import Adapter
+        >>> class Doubler(Adapter):
+        ...     library = "example"
+        ...     def run(self, problem, x, config=None):
+        ...         return 2 * x
+        >>> Doubler().supports(None) is None
+        True
+    """
+
+    #: Library the adapter drives; shown in ``turbo-dispatch backends`` and used in identity().
+    library: str = "unknown"
+
+    def available(self) -> str | None:
+        """None when the backend can run in this process, else the reason it cannot."""
+        return None
+
+    def supports(self, problem: Any) -> str | None:
+        """None when this backend can serve ``problem``, else the reason it cannot."""
+        return None
+
+    def configs(self, problem: Any) -> Sequence[Hashable]:
+        """Configs the autotuner may try for ``problem``; ``[None]`` means "just the default"."""
+        return [None]
+
+    def describe(self, problem: Any) -> str | None:
+        """Optional one-line note on how this backend would run ``problem`` (shown by explain)."""
+        return None
+
+    def version(self) -> str:
+        """Version of the library behind the adapter."""
+        return "unknown"
+
+    def identity(self, config: Hashable = None) -> str:
+        """What a tuning result was measured on: library, version and kernel/config."""
+        suffix = "" if config is None else f"/{config}"
+        return f"{self.library}-{self.version()}:{type(self).__name__}{suffix}"
+
+    def run(self, problem: Any, *tensors: Any, config: Hashable = None) -> Any:
+        raise NotImplementedError(f"{type(self).__name__}.run")

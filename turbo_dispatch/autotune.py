@@ -1,0 +1,177 @@
+"""Correctness-gated autotuning of one problem key over backends and their configs.
+
+Results live in process memory (the persistent tuning database layers on top of this). A key
+whose every candidate failed is remembered as failed and not retried. While a CUDA graph is
+being captured or torch.compile is tracing, nothing is profiled: stored results still apply,
+and a miss yields a *provisional* outcome that is used once and not cached.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import statistics
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Sequence
+
+import torch
+
+from .op_spec import OpSpec, format_key
+
+log = logging.getLogger("turbo_dispatch.autotune")
+
+BUDGET_ENV = "PRIMUS_TURBO_TUNE_BUDGET_MS"
+_DEFAULT_BUDGET_MS = 3000.0
+_WARMUP = 3
+_MAX_REPEATS = 25
+_MIN_REPEATS = 5
+
+#: Counters that tests and the CLI read: "keys_profiled", "candidate_runs".
+STATS: Counter = Counter()
+
+
+@dataclass(frozen=True)
+class TuneRecord:
+    """The outcome of tuning one key: the winner (None when every candidate failed)."""
+
+    backend: str | None
+    config: Hashable
+    time_ms: float
+    rejected: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass
+class TuneOutcome:
+    entry: Any = None
+    config: Hashable = None
+    source: str = "autotune"
+    notes: list[str] = field(default_factory=list)
+    provisional: bool = False
+
+
+_memory: dict[tuple[str, Any], TuneRecord] = {}
+_lock = threading.Lock()
+
+
+def clear_memory() -> None:
+    """Forgets every in-memory tuning result (GlobalBackendManager.reset calls this)."""
+    with _lock:
+        _memory.clear()
+
+
+def profiling_blocked() -> str | None:
+    """Why profiling must not happen right now, or None."""
+    if torch.compiler.is_compiling():
+        return "torch.compile is tracing"
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return "a CUDA graph is being captured"
+    return None
+
+
+def lookup(op: str, problem: Any) -> TuneRecord | None:
+    return _memory.get((op, problem))
+
+
+def tune(spec: OpSpec, problem: Any, candidates: Sequence[Any]) -> TuneOutcome:
+    """Returns the stored winner for ``problem`` or, when allowed, profiles ``candidates``."""
+    record = lookup(spec.name, problem)
+    if record is None:
+        blocked = profiling_blocked()
+        if blocked is not None:
+            return TuneOutcome(notes=[f"autotune: no stored result and {blocked}, so nothing was profiled"],
+                               provisional=True)
+        with _lock:
+            record = _memory.get((spec.name, problem))
+            if record is None:
+                record = profile(spec, problem, candidates)
+                _memory[(spec.name, problem)] = record
+    if record.backend is None:
+        reasons = "; ".join(f"{name}: {why}" for name, why in record.rejected) or "no candidate"
+        return TuneOutcome(notes=[f"autotune failed for this key earlier (remembered, not retried): {reasons}"])
+    entry = next((c for c in candidates if c.name == record.backend), None)
+    if entry is None:
+        return TuneOutcome(notes=[f"autotune winner {record.backend} cannot serve this call any more"])
+    return TuneOutcome(entry, record.config, notes=[f"tuned: {record.time_ms:.4f} ms"])
+
+
+def _budget_s() -> float:
+    return float(os.environ.get(BUDGET_ENV, _DEFAULT_BUDGET_MS)) / 1e3
+
+
+def _input_sets(spec: OpSpec, problem: Any, device: torch.device) -> list[Sequence[Any]]:
+    """Enough independent input sets that rotating through them defeats the L2 cache."""
+    first = spec.make_inputs(problem, device)
+    if device.type != "cuda":
+        return [first]
+    nbytes = sum(t.numel() * t.element_size() for t in first if isinstance(t, torch.Tensor))
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    count = max(1, min(8, math.ceil(2 * l2 / max(nbytes, 1))))
+    return [first] + [spec.make_inputs(problem, device) for _ in range(count - 1)]
+
+
+def _time_ms(fn, sets: list, device: torch.device, deadline: float) -> float:
+    for i in range(_WARMUP):
+        fn(sets[i % len(sets)])
+    samples = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for i in range(_MAX_REPEATS):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(sets[i % len(sets)])
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+            if len(samples) >= _MIN_REPEATS and time.monotonic() > deadline:
+                break
+    else:
+        for i in range(_MAX_REPEATS):
+            t0 = time.perf_counter()
+            fn(sets[i % len(sets)])
+            samples.append((time.perf_counter() - t0) * 1e3)
+            if len(samples) >= _MIN_REPEATS and time.monotonic() > deadline:
+                break
+    return statistics.median(samples)
+
+
+def profile(spec: OpSpec, problem: Any, candidates: Sequence[Any]) -> TuneRecord:
+    """Times every (backend, config) that first passes the op's correctness check."""
+    platform = spec.platform_of(problem)
+    device = torch.device("cuda", torch.cuda.current_device()) if platform in ("cuda", "rocm") else torch.device("cpu")
+    key = format_key(problem)
+    STATS["keys_profiled"] += 1
+    sets = _input_sets(spec, problem, device)
+    reference = spec.reference(problem, sets[0])
+    deadline = time.monotonic() + _budget_s()
+    best: tuple[float, str, Hashable] | None = None
+    rejected: list[tuple[str, str]] = []
+    for entry in candidates:
+        for config in entry.adapter.configs(problem):
+            label = entry.name if config is None else f"{entry.name}[{config}]"
+            if time.monotonic() > deadline and best is not None:
+                rejected.append((label, "not profiled: the key's time budget ran out"))
+                continue
+            STATS["candidate_runs"] += 1
+            try:
+                out = spec.run(entry.adapter, problem, sets[0], config)
+                reason = spec.check(problem, out, reference)
+                if reason is None:
+                    run = lambda inputs: spec.run(entry.adapter, problem, inputs, config)
+                    ms = _time_ms(run, sets, device, deadline)
+            except Exception as exc:  # a broken candidate loses, it does not take the job down
+                reason = f"raised {type(exc).__name__}: {exc}"
+            if reason is not None:
+                rejected.append((label, f"failed the correctness gate: {reason}"))
+                log.info("autotune %s %s: %s rejected: %s", spec.name, key, label, reason)
+                continue
+            log.info("autotune %s %s: %s %.4f ms", spec.name, key, label, ms)
+            if best is None or ms < best[0]:
+                best = (ms, entry.name, config)
+    if best is None:
+        log.warning("autotune %s %s: every candidate failed; remembered for this key", spec.name, key)
+        return TuneRecord(None, None, math.inf, tuple(rejected))
+    log.info("autotune %s %s: winner %s (%.4f ms)", spec.name, key, best[1], best[0])
+    return TuneRecord(best[1], best[2], best[0], tuple(rejected))

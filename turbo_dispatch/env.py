@@ -1,0 +1,73 @@
+"""The PRIMUS_TURBO_* environment grammar.
+
+``PRIMUS_TURBO_<FAMILY>_BACKEND`` holds a comma-separated list of items. An item is either a
+bare backend name (all precisions not listed elsewhere) or ``<precision>:<backend>``, where
+precision is one of bf16/fp16/fp32/fp8 or ``other`` (= every precision not listed). The backend
+may be ``autotune``. Names are case-insensitive. Examples: ``TRITON``,
+``fp8:triton,bf16:cublaslt``, ``fp8:autotune,other:torch``.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from .backend_type import BackendType, PrecisionType
+from .errors import ConfigError
+
+ALL_PRECISIONS = "*"
+_OTHER_NAMES = {"other", "others", "default", "all", "*"}
+AUTO_TUNE_ENV = "PRIMUS_TURBO_AUTO_TUNE"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+def valid_backend_names(plugin_names: Iterable[str]) -> list[str]:
+    return sorted({m.value for m in BackendType} | {"NATIVE"} | set(plugin_names))
+
+
+def check_backend_name(backend: "BackendType | str", plugin_names: Iterable[str], where: str) -> "BackendType | str":
+    """Parses a backend name, rejecting one that is neither built in nor registered by a plugin."""
+    parsed = BackendType.parse(backend)
+    plugin_names = set(plugin_names)
+    if isinstance(parsed, str) and parsed not in plugin_names:
+        raise ConfigError(
+            f"{where}: unknown backend {backend!r}; valid backends: {', '.join(valid_backend_names(plugin_names))}"
+        )
+    return parsed
+
+
+def parse_backend_setting(raw: str, env_var: str, plugin_names: Iterable[str]) -> dict[str, "BackendType | str"]:
+    """Parses one ``PRIMUS_TURBO_*_BACKEND`` value into {precision or '*': backend}."""
+    setting: dict[str, BackendType | str] = {}
+    for item in raw.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        precision_text, sep, backend_text = item.rpartition(":")
+        if not sep:
+            key = ALL_PRECISIONS
+        elif precision_text.strip().lower() in _OTHER_NAMES:
+            key = ALL_PRECISIONS
+        else:
+            try:
+                key = PrecisionType.parse(precision_text).value
+            except ValueError:
+                valid = ", ".join([p.value for p in PrecisionType] + ["other"])
+                raise ConfigError(
+                    f"{env_var}={raw!r}: unknown precision {precision_text.strip()!r}; valid precisions: {valid}"
+                ) from None
+        if key in setting:
+            raise ConfigError(f"{env_var}={raw!r}: precision {key if key != '*' else 'other'!r} is set twice")
+        setting[key] = check_backend_name(backend_text.strip(), plugin_names, f"{env_var}={raw!r}")
+    return setting
+
+
+def parse_bool(raw: str | None, env_var: str) -> bool | None:
+    """Parses an on/off environment variable; None when it is unset."""
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(f"{env_var}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")

@@ -1,0 +1,260 @@
+"""Float8 quantize / dequantize in plain torch ops.
+
+All functions are free of host syncs (no ``.item()``, no data-dependent Python
+control flow), so they trace under ``torch.compile(fullgraph=True)`` and can be
+captured in CUDA graphs. Shapes only depend on the input shape and block size.
+
+Scales follow the *dequant* convention: ``x ≈ data.float() * scale`` with the
+scale broadcast over its block. Zero blocks get scale 1 (never 0/NaN/inf).
+
+Non-finite inputs: a NaN or ±inf anywhere in a scaling group (tensor, row or
+block) makes that group's scale non-finite, and the whole group dequantizes to
+NaN. This is deliberate: silently clamping would hide overflow upstream.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import MX_BLOCK_SIZE, Float8QuantConfig, ScalingGranularity, _coerce_enum
+
+__all__ = ["FP8_MAX", "QuantizedTensor", "quantize", "dequantize", "quantize_with_config"]
+
+FP8_MAX: dict[torch.dtype, float] = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+# Exponent of the largest power of two representable in each element format
+# (OCP MX spec "emax_elem"): 448 = 1.75 * 2**8, 57344 = 1.75 * 2**15.
+_MX_EMAX: dict[torch.dtype, int] = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedTensor:
+    """An fp8 tensor plus the float32 dequant scale(s) needed to recover it.
+
+    ``eq=False`` keeps identity equality/hash: field-wise ``==`` on tensors is
+    elementwise and would make ``==``/``hash`` ambiguous.
+
+    Scale shapes (input ``x`` of shape ``S``, reduction axis ``a``):
+
+    * TENSORWISE: ``[]``
+    * ROWWISE: ``S`` with ``S[a] = 1``
+    * BLOCKWISE / MX_BLOCKWISE (1-D blocks): ``S`` with ``S[a] = ceil(S[a] / block_size)``
+    * BLOCKWISE with ``block_2d``: ``(*S[:-2], ceil(S[-2]/bs), ceil(S[-1]/bs))``
+
+    >>> q = quantize(torch.randn(4, 100), torch.float8_e4m3fn, "blockwise", block_size=64)
+    >>> q.data.dtype, tuple(q.scale.shape), dequantize(q).shape
+    (torch.float8_e4m3fn, (4, 2), torch.Size([4, 100]))
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    granularity: ScalingGranularity
+    axis: int
+    block_size: int | None
+    block_2d: bool
+
+    def scale_e8m0(self) -> torch.Tensor:
+        """MX scales as ``torch.float8_e8m0fnu`` (exact: MX scales are powers of two)."""
+        if self.granularity is not ScalingGranularity.MX_BLOCKWISE:
+            raise ValueError(
+                f"scale_e8m0: only MX_BLOCKWISE scales are powers of two; granularity is {self.granularity.name}"
+            )
+        e8m0 = getattr(torch, "float8_e8m0fnu", None)
+        if e8m0 is None:
+            raise RuntimeError(f"scale_e8m0: this torch ({torch.__version__}) has no float8_e8m0fnu dtype")
+        return self.scale.to(e8m0)
+
+
+def _fp_scale(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
+    """Tight float32 scale ``amax / fp8_max``; 1 where ``amax == 0``.
+
+    The clamp to the smallest normal float32 stops tiny-but-nonzero blocks from
+    getting a 0 scale, which would turn their zeros into 0/0 = NaN.
+    """
+    scale = (amax / fp8_max).clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.where(amax == 0, torch.ones_like(scale), scale)
+
+
+def _mx_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """OCP MX power-of-two scale ``2 ** (floor(log2(amax)) - emax_elem)`` as float32.
+
+    ``floor(log2(amax))`` is read exactly from the float32 exponent bits rather
+    than computed with ``log2`` (whose rounding could be off by one just below a
+    power of two), and the result is built from bits too, so it is an exact
+    power of two on every backend. The exponent is clamped to the E8M0 range
+    [-127, 127]. Subnormal ``amax`` (< 2**-126) reads as exponent -127, which
+    after subtracting emax clamps to -127 exactly as the true value would.
+    """
+    bits = amax.view(torch.int32)
+    floor_log2 = ((bits >> 23) & 0xFF) - 127
+    exp = (floor_log2 - _MX_EMAX[dtype]).clamp(-127, 127)
+    # Normal float32 powers of two for exp >= -126; 2**-127 is the subnormal 1 << 22.
+    scale_bits = torch.where(exp >= -126, (exp + 127) << 23, torch.full_like(exp, 1 << 22))
+    scale = scale_bits.view(torch.float32)
+    scale = torch.where(amax == 0, torch.ones_like(scale), scale)
+    # Keep inf/NaN so a non-finite block dequantizes to NaN (see module docstring).
+    return torch.where(torch.isfinite(amax), scale, amax)
+
+
+def _check_block_size(block_size: object, granularity: ScalingGranularity) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(
+            f"quantize: granularity={granularity.name} needs block_size (a positive int, e.g. 128); got {block_size!r}"
+        )
+    return block_size
+
+
+def quantize(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    granularity: ScalingGranularity | str,
+    *,
+    axis: int = -1,
+    block_size: int | None = None,
+    block_2d: bool = False,
+) -> QuantizedTensor:
+    """Quantize ``x`` to float8 ``dtype`` with scales at the given granularity.
+
+    ``axis`` is the reduction (K) axis: rows and 1-D blocks run along it.
+    ``block_2d`` (BLOCKWISE only) uses square ``block_size x block_size`` tiles
+    over the last two dims instead, the usual layout for weights. Partial edge
+    blocks are fine (handled by zero-padding, which cannot change an amax).
+    All math is in float32; values are saturated to ``±FP8_MAX[dtype]`` before
+    the cast.
+
+    MX_BLOCKWISE (block_size must be 32 or None) uses power-of-two scales per
+    the OCP MX spec, so ``amax / scale`` lies in ``[2**emax, 2**(emax+1))`` and
+    can exceed ``FP8_MAX`` (e.g. up to 512 for e4m3); those few values saturate
+    to ``FP8_MAX``, as the spec prescribes.
+
+    >>> x = torch.randn(8, 130)
+    >>> q = quantize(x, torch.float8_e4m3fn, ScalingGranularity.ROWWISE, axis=1)
+    >>> tuple(q.scale.shape), q.axis
+    ((8, 1), 1)
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"quantize: x must be a floating-point tensor; got {got}")
+    if x.dim() < 1:
+        raise ValueError("quantize: x must have at least 1 dimension; got a 0-d tensor")
+    if dtype not in FP8_MAX:
+        raise ValueError(
+            f"quantize: dtype must be torch.float8_e4m3fn or torch.float8_e5m2 (OCP float8); got {dtype}"
+        )
+    gran = _coerce_enum(ScalingGranularity, granularity, "granularity", "quantize")
+    if not -x.dim() <= axis < x.dim():
+        raise ValueError(f"quantize: axis must be in [{-x.dim()}, {x.dim() - 1}] for a {x.dim()}-D x; got {axis}")
+    axis = axis % x.dim()
+
+    if gran is ScalingGranularity.BLOCKWISE:
+        block_size = _check_block_size(block_size, gran)
+    elif gran is ScalingGranularity.MX_BLOCKWISE:
+        if block_size is None:
+            block_size = MX_BLOCK_SIZE
+        if block_size != MX_BLOCK_SIZE:
+            raise ValueError(f"quantize: granularity=MX_BLOCKWISE needs block_size={MX_BLOCK_SIZE}; got {block_size!r}")
+    elif block_size is not None:
+        raise ValueError(f"quantize: granularity={gran.name} takes no block_size (expected None); got {block_size!r}")
+    if block_2d:
+        if gran is not ScalingGranularity.BLOCKWISE:
+            raise ValueError(f"quantize: block_2d=True is only supported with BLOCKWISE; got granularity={gran.name}")
+        if x.dim() < 2:
+            raise ValueError(f"quantize: block_2d=True needs x with at least 2 dims; got {x.dim()}-D")
+
+    fp8_max = FP8_MAX[dtype]
+    xf = x.float()
+
+    def cast(v: torch.Tensor) -> torch.Tensor:
+        return v.clamp(-fp8_max, fp8_max).to(dtype)
+
+    if gran is ScalingGranularity.TENSORWISE:
+        scale = _fp_scale(xf.abs().amax(), fp8_max)
+        data = cast(xf / scale)
+    elif gran is ScalingGranularity.ROWWISE:
+        scale = _fp_scale(xf.abs().amax(dim=axis, keepdim=True), fp8_max)
+        data = cast(xf / scale)
+    elif block_2d:
+        assert block_size is not None
+        *lead, rows, cols = xf.shape
+        nr, nc = math.ceil(rows / block_size), math.ceil(cols / block_size)
+        padded = F.pad(xf, (0, nc * block_size - cols, 0, nr * block_size - rows))
+        tiles = padded.reshape(*lead, nr, block_size, nc, block_size)
+        scale = _fp_scale(tiles.abs().amax(dim=(-3, -1), keepdim=True), fp8_max)
+        data = cast(tiles / scale).reshape(*lead, nr * block_size, nc * block_size)[..., :rows, :cols]
+        scale = scale.reshape(*lead, nr, nc)
+    else:
+        assert block_size is not None
+        moved = xf.movedim(axis, -1)
+        k = moved.shape[-1]
+        nb = math.ceil(k / block_size)
+        blocks = F.pad(moved, (0, nb * block_size - k)).reshape(*moved.shape[:-1], nb, block_size)
+        amax = blocks.abs().amax(dim=-1, keepdim=True)
+        if gran is ScalingGranularity.MX_BLOCKWISE:
+            scale = _mx_scale(amax, dtype)
+        else:
+            scale = _fp_scale(amax, fp8_max)
+        data = cast(blocks / scale).reshape(*moved.shape[:-1], nb * block_size)[..., :k].movedim(-1, axis)
+        scale = scale.squeeze(-1).movedim(-1, axis)
+
+    return QuantizedTensor(
+        data=data.contiguous(),
+        scale=scale.contiguous(),
+        granularity=gran,
+        axis=axis,
+        block_size=block_size,
+        block_2d=block_2d,
+    )
+
+
+def _expand_scale(q: QuantizedTensor) -> torch.Tensor:
+    """Scale broadcastable to ``q.data.shape`` (blocks repeated, edge blocks sliced)."""
+    shape = q.data.shape
+    if q.granularity in (ScalingGranularity.TENSORWISE, ScalingGranularity.ROWWISE):
+        return q.scale  # already broadcastable (0-d or keepdim)
+    bs = q.block_size
+    assert bs is not None
+    if q.block_2d:
+        *lead, nr, nc = q.scale.shape
+        full = q.scale[..., :, None, :, None].expand(*lead, nr, bs, nc, bs).reshape(*lead, nr * bs, nc * bs)
+        return full[..., : shape[-2], : shape[-1]]
+    moved = q.scale.movedim(q.axis, -1)
+    nb = moved.shape[-1]
+    full = moved.unsqueeze(-1).expand(*moved.shape, bs).reshape(*moved.shape[:-1], nb * bs)
+    return full[..., : shape[q.axis]].movedim(-1, q.axis)
+
+
+def dequantize(q: QuantizedTensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Recover ``x ≈ q.data.float() * scale`` (computed in float32), cast to ``out_dtype``.
+
+    >>> x = torch.randn(3, 65, 130)
+    >>> q = quantize(x, torch.float8_e4m3fn, "blockwise", block_size=32, block_2d=True)
+    >>> dequantize(q, torch.bfloat16).shape
+    torch.Size([3, 65, 130])
+    """
+    if not out_dtype.is_floating_point or out_dtype in FP8_MAX:
+        raise ValueError(f"dequantize: out_dtype must be a non-fp8 floating dtype; got {out_dtype}")
+    return (q.data.float() * _expand_scale(q)).to(out_dtype)
+
+
+def quantize_with_config(
+    x: torch.Tensor,
+    config: Float8QuantConfig,
+    *,
+    axis: int = -1,
+    block_2d: bool = False,
+    grad: bool = False,
+) -> QuantizedTensor:
+    """Quantize ``x`` per ``config``; ``grad=True`` selects the gradient dtype (``config.format.bwd_dtype()``).
+
+    >>> cfg = Float8QuantConfig("hybrid", "rowwise")
+    >>> quantize_with_config(torch.randn(4, 8), cfg, grad=True).data.dtype
+    torch.float8_e5m2
+    """
+    if not isinstance(config, Float8QuantConfig):
+        raise ValueError(f"quantize_with_config: config must be a Float8QuantConfig; got {type(config).__name__}")
+    dtype = config.format.bwd_dtype() if grad else config.format.fwd_dtype()
+    return quantize(x, dtype, config.granularity, axis=axis, block_size=config.block_size, block_2d=block_2d)

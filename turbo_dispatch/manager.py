@@ -1,0 +1,202 @@
+"""GlobalBackendManager: code-level backend settings, layered over the environment.
+
+Settings live in one immutable snapshot that is swapped atomically under a lock, so readers
+(the resolver's hot path) never lock and never see a half-applied change. Every change bumps a
+generation counter; decisions are cached per generation, so a change takes effect on the next
+call. Environment variables are read when the snapshot is first built and again on every
+change or ``reset()``: a process that edits ``os.environ`` after its first op call must call
+``GlobalBackendManager.reset()`` (or any setter) for the edit to count.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from .backend_type import BackendLike, BackendType, PrecisionType
+from .env import ALL_PRECISIONS, AUTO_TUNE_ENV, check_backend_name, parse_backend_setting, parse_bool
+from .op_spec import FAMILY_ENV
+
+Choice = "BackendType | str"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One consistent view of every setting; never mutated after construction."""
+
+    generation: int
+    code: dict = field(default_factory=dict)  # family -> {precision|'*': BackendType|str}
+    code_auto_tune: bool | None = None
+    env: dict = field(default_factory=dict)  # family -> {precision|'*': BackendType|str}
+    env_auto_tune: bool | None = None
+
+    def backend_choice(self, family: str, precision: str) -> tuple["BackendType | str | None", str]:
+        """The backend (or AUTOTUNE) set for this family/precision and where it came from."""
+        for layer, source in ((self.code, "code"), (self.env, "env")):
+            per_family = layer.get(family)
+            if per_family:
+                value = per_family.get(precision, per_family.get(ALL_PRECISIONS))
+                if value is not None:
+                    return value, source
+        return None, ""
+
+    def global_auto_tune(self) -> tuple[bool, str]:
+        if self.code_auto_tune is not None:
+            return self.code_auto_tune, "code"
+        if self.env_auto_tune is not None:
+            return self.env_auto_tune, "env"
+        return False, ""
+
+
+_generation = itertools.count(1)
+_lock = threading.RLock()
+_settings: Settings | None = None
+_listeners: list[Callable[[], None]] = []
+
+
+def _plugin_names() -> set[str]:
+    from .registry import get_registry
+
+    return get_registry().names()
+
+
+def _read_env() -> tuple[dict, bool | None]:
+    plugins = None
+    env = {}
+    for family, var in FAMILY_ENV.items():
+        raw = os.environ.get(var)
+        if raw is None or not raw.strip():
+            continue
+        if plugins is None:
+            plugins = _plugin_names()
+        env[family] = parse_backend_setting(raw, var, plugins)
+    return env, parse_bool(os.environ.get(AUTO_TUNE_ENV), AUTO_TUNE_ENV)
+
+
+def current_settings() -> Settings:
+    """The live snapshot (built from the environment on first use)."""
+    settings = _settings
+    if settings is None:
+        with _lock:
+            if _settings is None:
+                _publish(Settings(0))
+            settings = _settings
+    return settings  # type: ignore[return-value]
+
+
+def _publish(base: Settings, **changes) -> None:
+    """Re-reads the environment, applies ``changes`` and installs the result as a new generation."""
+    global _settings
+    env, env_auto_tune = _read_env()
+    _settings = replace(base, generation=next(_generation), env=env, env_auto_tune=env_auto_tune, **changes)
+    for listener in list(_listeners):
+        listener()
+
+
+def on_change(listener: Callable[[], None]) -> None:
+    """Registers a callback run after every settings change (e.g. to drop decision caches)."""
+    _listeners.append(listener)
+
+
+def _family_setter(family: str):
+    def setter(backend: BackendLike | None = None, precision: PrecisionType | str | None = None,
+               auto_tune: bool = False) -> None:
+        if backend is not None and auto_tune:
+            raise ValueError(
+                f"set_{family}_backend: pass either backend=... (pin it) or auto_tune=True (tune it), not both"
+            )
+        key = ALL_PRECISIONS if precision is None else PrecisionType.parse(precision).value
+        value = BackendType.AUTOTUNE if auto_tune else None
+        if backend is not None:
+            value = check_backend_name(backend, _plugin_names(), f"set_{family}_backend(backend={backend!r})")
+        with _lock:
+            settings = current_settings()
+            per_family = dict(settings.code.get(family, {}))
+            if value is None and precision is None:
+                per_family.clear()  # set_*(None) unsets every precision of the family
+            elif value is None:
+                per_family.pop(key, None)
+            else:
+                per_family[key] = value
+            code = dict(settings.code)
+            if per_family:
+                code[family] = per_family
+            else:
+                code.pop(family, None)
+            _publish(settings, code=code)
+
+    setter.__name__ = f"set_{family}_backend"
+    setter.__doc__ = f"""Pins (or, with ``auto_tune=True``, autotunes) the {family} backend in code.
+
+    ``precision`` limits the setting to one precision class; the env var keeps governing the
+    others. ``backend=None`` unsets: for one precision, or (with ``precision=None``) all of them.
+
+    Example:
+        >>> from turbo_dispatch import GlobalBackendManager, BackendType
+        >>> GlobalBackendManager.set_{family}_backend(BackendType.TORCH, precision="bf16")
+        >>> GlobalBackendManager.get_{family}_backend("bf16")
+        <BackendType.TORCH: 'TORCH'>
+        >>> GlobalBackendManager.set_{family}_backend(None)
+    """
+    return staticmethod(setter)
+
+
+def _family_getter(family: str):
+    def getter(precision: PrecisionType | str | None = None) -> "BackendType | str | None":
+        per_family = current_settings().code.get(family, {})
+        if precision is None:
+            return per_family.get(ALL_PRECISIONS)
+        key = PrecisionType.parse(precision).value
+        return per_family.get(key, per_family.get(ALL_PRECISIONS))
+
+    getter.__name__ = f"get_{family}_backend"
+    getter.__doc__ = f"The code-level {family} setting for ``precision`` (None: not set in code)."
+    return staticmethod(getter)
+
+
+class GlobalBackendManager:
+    """Process-wide backend settings, set in code (they take priority over env vars).
+
+    Example:
+        >>> from turbo_dispatch import GlobalBackendManager, BackendType
+        >>> GlobalBackendManager.set_gemm_backend(BackendType.TORCH, precision="fp8")
+        >>> GlobalBackendManager.get_gemm_backend("fp8")
+        <BackendType.TORCH: 'TORCH'>
+        >>> GlobalBackendManager.reset()
+        >>> GlobalBackendManager.get_gemm_backend("fp8") is None
+        True
+    """
+
+    set_gemm_backend = _family_setter("gemm")
+    set_grouped_gemm_backend = _family_setter("grouped_gemm")
+    set_attn_backend = _family_setter("attn")
+    set_moe_dispatch_combine_backend = _family_setter("moe_dispatch_combine")
+    get_gemm_backend = _family_getter("gemm")
+    get_grouped_gemm_backend = _family_getter("grouped_gemm")
+    get_attn_backend = _family_getter("attn")
+    get_moe_dispatch_combine_backend = _family_getter("moe_dispatch_combine")
+
+    @staticmethod
+    def set_auto_tune(enabled: bool | None) -> None:
+        """Turns autotuning on or off for every op (None: defer to PRIMUS_TURBO_AUTO_TUNE)."""
+        if enabled is not None and not isinstance(enabled, bool):
+            raise TypeError(f"set_auto_tune(enabled=...) expects a bool or None, got {enabled!r}")
+        with _lock:
+            _publish(current_settings(), code_auto_tune=enabled)
+
+    @staticmethod
+    def get_auto_tune() -> bool:
+        """Whether autotuning is globally on (code setting, else PRIMUS_TURBO_AUTO_TUNE)."""
+        return current_settings().global_auto_tune()[0]
+
+    @staticmethod
+    def reset() -> None:
+        """Clears every code setting, re-reads the environment and drops all cached decisions
+        and in-memory tuning results."""
+        with _lock:
+            _publish(Settings(0))
+        from . import autotune
+
+        autotune.clear_memory()

@@ -1,0 +1,4 @@
+"""nn.Module drop-ins built on the ops."""
+from .linear import Linear
+
+__all__ = ["Linear"]

@@ -1,0 +1,116 @@
+"""Op specifications: what the resolver and autotuner need to know about each op.
+
+An op's *problem* is a hashable NamedTuple built only from host-side facts (shapes, dtypes,
+layout flags, quantisation recipe, platform). It is both the cache key and the argument that
+``Adapter.supports`` inspects, so a cached decision can never be reused for a call whose flags
+differ from the ones ``supports`` approved.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+
+from .backend_type import PrecisionType
+
+#: op name -> settings family (which env var / GlobalBackendManager setter governs it).
+OP_FAMILIES: dict[str, str] = {
+    "gemm": "gemm",
+    "gemm_fp8": "gemm",
+    "grouped_gemm": "grouped_gemm",
+    "grouped_gemm_fp8": "grouped_gemm",
+    "attention": "attn",
+    "moe_dispatch_combine": "moe_dispatch_combine",
+}
+KNOWN_OPS = frozenset(OP_FAMILIES)
+
+#: family -> environment variable (names kept from Primus-Turbo).
+FAMILY_ENV: dict[str, str] = {
+    "gemm": "PRIMUS_TURBO_GEMM_BACKEND",
+    "grouped_gemm": "PRIMUS_TURBO_GROUPED_GEMM_BACKEND",
+    "attn": "PRIMUS_TURBO_ATTN_BACKEND",
+    "moe_dispatch_combine": "PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND",
+}
+
+_DTYPE_NAMES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.float8_e4m3fn: "e4m3",
+    torch.float8_e5m2: "e5m2",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def precision_of_dtype(dtype: torch.dtype) -> PrecisionType:
+    return {torch.bfloat16: PrecisionType.BF16, torch.float16: PrecisionType.FP16}.get(dtype, PrecisionType.FP32)
+
+
+def format_key(problem: NamedTuple) -> str:
+    """Human-readable, canonical rendering of a problem key: ``m=8,n=16,...``."""
+    parts = []
+    for name, value in zip(problem._fields, problem):
+        if isinstance(value, torch.dtype):
+            value = dtype_name(value)
+        elif isinstance(value, bool):
+            value = int(value)
+        elif isinstance(value, enum.Enum):
+            value = value.value
+        parts.append(f"{name}={value}")
+    return ",".join(parts)
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """What the framework needs to know about one op.
+
+    ``make_inputs(problem, device)`` draws fresh random inputs for a problem (autotuning and
+    offline tuning work from keys alone); ``run(adapter, problem, inputs, config)`` calls a
+    backend; ``reference(problem, inputs)`` computes the high-precision answer and
+    ``check(problem, out, ref)`` returns None or why ``out`` is wrong; ``flops(problem)`` is for reports.
+    """
+
+    name: str
+    precision_of: Callable[[Any], PrecisionType]
+    make_inputs: Callable[[Any, torch.device], Sequence[Any]]
+    run: Callable[[Any, Any, Sequence[Any], Any], Any]
+    reference: Callable[[Any, Sequence[Any]], Any]
+    check: Callable[[Any, Any, Any], "str | None"]
+    flops: Callable[[Any], float]
+    platform_of: Callable[[Any], str]
+
+    @property
+    def family(self) -> str:
+        return OP_FAMILIES[self.name]
+
+    @property
+    def env_var(self) -> str:
+        return FAMILY_ENV[self.family]
+
+
+_SPECS: dict[str, OpSpec] = {}
+
+
+def register_op(spec: OpSpec) -> OpSpec:
+    if spec.name not in KNOWN_OPS:
+        raise ValueError(f"unknown op {spec.name!r}; known ops: {', '.join(sorted(KNOWN_OPS))}")
+    _SPECS[spec.name] = spec
+    return spec
+
+
+def get_op_spec(name: str) -> OpSpec:
+    try:
+        return _SPECS[name]
+    except KeyError:
+        implemented = ", ".join(sorted(_SPECS)) or "none"
+        raise ValueError(f"op {name!r} is not implemented; implemented ops: {implemented}") from None
+
+
+def implemented_ops() -> list[str]:
+    return sorted(_SPECS)

@@ -1,0 +1,110 @@
+"""The priority chain: code setting -> env var -> autotune -> platform default -> fallback.
+
+A pinned backend (code or env) that cannot serve the call is an error naming the reason, never
+a silent swap. Automatic choices fall back with a logged reason. Decisions are cached per
+(op, problem, settings generation): a warm call costs one dict lookup plus building the key.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from . import manager as _manager
+from .backend_type import BackendType
+from .decision import Decision
+from .errors import BackendUnsupportedError, NoBackendError
+from .op_spec import OpSpec, format_key
+from .platform import vendor_blaslt
+from .registry import get_registry
+
+log = logging.getLogger("turbo_dispatch.resolver")
+
+_cache: dict[tuple, Decision] = {}
+_manager.on_change(_cache.clear)
+
+
+def resolve(spec: OpSpec, problem: Any) -> Decision:
+    """The decision for ``problem``; cached unless provisional."""
+    settings = _manager._settings or _manager.current_settings()
+    cache_key = (spec.name, problem, settings.generation)
+    decision = _cache.get(cache_key)
+    if decision is None:
+        decision = _decide(spec, problem, settings)
+        if not decision.provisional:
+            _cache[cache_key] = decision
+        log.debug("decision\n%s", decision)
+    return decision
+
+
+def clear_cache() -> None:
+    _cache.clear()
+
+
+def _pinned_name(choice: "BackendType | str", platform: str, what: str) -> str:
+    if choice is BackendType.BLASLT:
+        name = vendor_blaslt(platform)
+        if name is None:
+            raise BackendUnsupportedError(f"{what}: BLASLT names the vendor BLAS-Lt, and platform {platform} has none")
+        return name
+    return choice.value if isinstance(choice, BackendType) else choice
+
+
+def _decide(spec: OpSpec, problem: Any, settings: "_manager.Settings") -> Decision:
+    from . import autotune
+
+    registry = get_registry()
+    platform = spec.platform_of(problem)
+    precision = spec.precision_of(problem).value
+    entries = registry.backends(spec.name)
+    reasons = {e.name: e.check(problem, platform) for e in entries}
+
+    def decided(entry, source, config=None, notes=(), provisional=False) -> Decision:
+        rejected = tuple(
+            (e.name, reasons[e.name] or f"can serve; not chosen ({entry.name} came from {source})")
+            for e in entries
+            if e is not entry
+        )
+        described = entry.adapter.describe(problem)
+        notes = tuple(notes) + ((f"{entry.name}: {described}",) if described else ())
+        return Decision(spec.name, problem, entry.name, source, config, rejected, notes, provisional, entry)
+
+    choice, origin = settings.backend_choice(spec.family, precision)
+    if choice is not None and choice is not BackendType.AUTOTUNE:
+        what = (
+            f"{spec.name} backend {choice} pinned by "
+            + (f"GlobalBackendManager.set_{spec.family}_backend" if origin == "code" else spec.env_var)
+            + f" (precision {precision})"
+        )
+        name = _pinned_name(choice, platform, what)
+        entry = registry.get(spec.name, name)
+        if entry is None:
+            registered = ", ".join(e.name for e in entries) or "none"
+            raise BackendUnsupportedError(f"{what}: {name} is not registered for {spec.name} (registered: {registered})")
+        if reasons[name] is not None:
+            raise BackendUnsupportedError(f"{what} cannot serve {format_key(problem)}: {reasons[name]}")
+        return decided(entry, origin)
+
+    notes: list[str] = []
+    provisional = False
+    tune_on = choice is BackendType.AUTOTUNE or settings.global_auto_tune()[0]
+    if tune_on:
+        candidates = [e for e in entries if reasons[e.name] is None]
+        outcome = autotune.tune(spec, problem, candidates)
+        if outcome.entry is not None:
+            return decided(outcome.entry, outcome.source, outcome.config, outcome.notes)
+        notes += outcome.notes
+        provisional = outcome.provisional
+
+    default_name = registry.default(spec.name, platform)
+    if default_name is not None:
+        if reasons.get(default_name) is None:
+            return decided(registry.get(spec.name, default_name), "default", notes=notes, provisional=provisional)
+        notes.append(f"platform default {default_name} rejected: {reasons[default_name]}")
+
+    for entry in entries:
+        if reasons[entry.name] is None:
+            log.warning("%s %s: falling back to %s (%s)", spec.name, format_key(problem), entry.name, "; ".join(notes))
+            return decided(entry, "fallback", notes=notes, provisional=provisional)
+
+    detail = "\n".join(f"  {e.name}: {reasons[e.name]}" for e in entries) or "  (no backend registered)"
+    raise NoBackendError(f"no backend can serve {spec.name} {format_key(problem)} on {platform}:\n{detail}")
