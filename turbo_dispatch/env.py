@@ -28,7 +28,7 @@ def check_backend_name(backend: "BackendType | str", plugin_names: Iterable[str]
     """Parses a backend name, rejecting one that is neither built in nor registered by a plugin."""
     parsed = BackendType.parse(backend)
     plugin_names = set(plugin_names)
-    if isinstance(parsed, str) and parsed not in plugin_names:
+    if not isinstance(parsed, BackendType) and parsed not in plugin_names:
         raise ConfigError(
             f"{where}: unknown backend {backend!r}; valid backends: {', '.join(valid_backend_names(plugin_names))}"
         )

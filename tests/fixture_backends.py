@@ -1,0 +1,58 @@
+"""Test fixtures: deterministic plugin backends whose behaviour and speed the tests control.
+
+These are not product backends; they exist to exercise the resolver and autotuner.
+"""
+import time
+
+import torch
+
+from turbo_dispatch.adapter import Adapter
+
+
+class _Fixture(Adapter):
+    library = "fixture"
+    delay_s = 0.0
+    calls = 0
+
+    def version(self) -> str:
+        return "1"
+
+
+class NNOnlyGemm(_Fixture):
+    """Correct, but only for trans_a=False, trans_b=False."""
+
+    def supports(self, p):
+        if p.trans_a or p.trans_b:
+            return "fixture supports only the NN layout"
+        return None
+
+    def run(self, p, a, b, config=None):
+        type(self).calls += 1
+        return torch.matmul(a, b).to(p.out_dtype)
+
+
+class SlowGemm(_Fixture):
+    """Correct and slow (sleeps), for every layout."""
+
+    delay_s = 0.002
+
+    def run(self, p, a, b, config=None):
+        time.sleep(self.delay_s)
+        lhs = a.t() if p.trans_a else a
+        rhs = b.t() if p.trans_b else b
+        return torch.matmul(lhs, rhs).to(p.out_dtype)
+
+
+class WrongFastGemm(_Fixture):
+    """Instant and wrong: must never win an autotune."""
+
+    def run(self, p, a, b, config=None):
+        return torch.ones(p.m, p.n, dtype=p.out_dtype, device=a.device)
+
+
+class Unavailable(_Fixture):
+    def available(self):
+        return "fixture library is not installed"
+
+    def run(self, p, a, b, config=None):
+        raise AssertionError("never runs")

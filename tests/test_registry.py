@@ -1,0 +1,127 @@
+"""Registry loading and validation."""
+import textwrap
+
+import pytest
+
+from turbo_dispatch.errors import RegistryError
+from turbo_dispatch.registry import builtin_registry_path, load_registry
+
+
+def write(tmp_path, text, name="extra.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def test_builtin_registry_loads_and_defaults_resolve():
+    reg = load_registry(extra_files=[])
+    assert builtin_registry_path().is_file()
+    for op in ("gemm", "gemm_fp8"):
+        assert reg.get(op, "TORCH") is not None
+        for platform in ("cuda", "rocm", "cpu"):
+            assert reg.default(op, platform) == "TORCH"
+
+
+def test_extra_registry_adds_plugin_backend(tmp_path):
+    extra = write(tmp_path, """
+        version: 1
+        ops:
+          gemm:
+            backends:
+              - name: nn_only
+                adapter: fixture_backends:NNOnlyGemm
+                platforms: [cpu]
+        """)
+    reg = load_registry(extra_files=[extra])
+    entry = reg.get("gemm", "NN_ONLY")
+    assert entry is not None and entry.platforms == ("cpu",)
+    assert [e.name for e in reg.backends("gemm")] == ["TORCH", "NN_ONLY"]
+
+
+@pytest.mark.parametrize("body, message", [
+    ("""
+        ops:
+          gemmm:
+            backends: []
+     """, "unknown op 'gemmm'"),
+    ("""
+        ops:
+          gemm:
+            backends:
+              - name: X
+                adapter: no_such_module_xyz:Thing
+                platforms: [cpu]
+     """, "failed to import"),
+    ("""
+        ops:
+          gemm:
+            backends:
+              - name: X
+                adapter: not-a-path
+                platforms: [cpu]
+     """, "must look like 'package.module:ClassName'"),
+    ("""
+        ops:
+          gemm:
+            backends:
+              - name: TORCH
+                adapter: fixture_backends:SlowGemm
+                platforms: [cpu]
+     """, "duplicate backend 'TORCH'"),
+    ("""
+        ops:
+          gemm:
+            backends:
+              - name: X
+                adapter: fixture_backends:SlowGemm
+                platforms: [tpu]
+     """, "invalid platforms"),
+    ("""
+        ops:
+          gemm:
+            backends:
+              - name: X
+                adapter: fixture_backends:NoSuchClass
+                platforms: [cpu]
+     """, "has no attribute 'NoSuchClass'"),
+    ("""
+        ops:
+          gemm:
+            defaults: {cpu: MISSING}
+     """, "is not a backend registered"),
+])
+def test_bad_registry_is_a_clear_error_naming_the_line(tmp_path, body, message):
+    extra = write(tmp_path, body)
+    with pytest.raises(RegistryError) as info:
+        load_registry(extra_files=[extra])
+    text = str(info.value)
+    assert message in text
+    if "registered" not in message:  # defaults are checked after loading; the rest name file:line
+        assert f"{extra}:" in text and text.split(f"{extra}:")[1].split(":")[0].isdigit()
+
+
+def test_invalid_yaml_is_a_registry_error(tmp_path):
+    extra = write(tmp_path, "ops: [unclosed\n")
+    with pytest.raises(RegistryError, match="invalid YAML"):
+        load_registry(extra_files=[extra])
+
+
+def test_entry_point_plugins_are_loaded(monkeypatch, tmp_path):
+    from importlib import metadata
+
+    import turbo_dispatch.registry as registry_module
+
+    doc = {"ops": {"gemm": {"backends": [
+        {"name": "EP_SLOW", "adapter": "fixture_backends:SlowGemm", "platforms": ["cpu"]}]}}}
+
+    class FakeEntryPoint:
+        name, value = "fixture", "fixture_backends:doc"
+
+        def load(self):
+            return lambda: doc
+
+    monkeypatch.setattr(registry_module.metadata, "entry_points",
+                        lambda group: [FakeEntryPoint()] if group == "turbo_dispatch.backends" else [])
+    reg = load_registry(extra_files=[])
+    assert reg.get("gemm", "EP_SLOW") is not None
+    assert metadata  # the real module stays importable
