@@ -56,3 +56,26 @@ class Unavailable(_Fixture):
 
     def run(self, p, a, b, config=None):
         raise AssertionError("never runs")
+
+
+class _RankDependent(_Fixture):
+    """Correct; fast on one rank (FIXTURE_RANK env var) and slow on the other."""
+
+    fast_rank = 0
+
+    def run(self, p, a, b, config=None):
+        import os
+
+        if int(os.environ.get("FIXTURE_RANK", "0")) != self.fast_rank:
+            time.sleep(0.003)
+        lhs = a.t() if p.trans_a else a
+        rhs = b.t() if p.trans_b else b
+        return torch.matmul(lhs, rhs).to(p.out_dtype)
+
+
+class FastOnRank0(_RankDependent):
+    fast_rank = 0
+
+
+class FastOnRank1(_RankDependent):
+    fast_rank = 1

@@ -24,6 +24,7 @@ from .op_spec import OpSpec, format_key
 log = logging.getLogger("turbo_dispatch.autotune")
 
 BUDGET_ENV = "PRIMUS_TURBO_TUNE_BUDGET_MS"
+CONSENSUS_ENV = "PRIMUS_TURBO_TUNE_CONSENSUS"
 _DEFAULT_BUDGET_MS = 3000.0
 _WARMUP = 3
 _MAX_REPEATS = 25
@@ -146,13 +147,14 @@ def profile(spec: OpSpec, problem: Any, candidates: Sequence[Any]) -> TuneRecord
     sets = _input_sets(spec, problem, device)
     reference = spec.reference(problem, sets[0])
     deadline = time.monotonic() + _budget_s()
-    best: tuple[float, str, Hashable] | None = None
+    timings: list[tuple[str, Hashable, float]] = []  # (backend, config, ms); inf = rejected
     rejected: list[tuple[str, str]] = []
     for entry in candidates:
         for config in entry.adapter.configs(problem):
             label = entry.name if config is None else f"{entry.name}[{config}]"
-            if time.monotonic() > deadline and best is not None:
+            if time.monotonic() > deadline and any(math.isfinite(t[2]) for t in timings):
                 rejected.append((label, "not profiled: the key's time budget ran out"))
+                timings.append((entry.name, config, math.inf))
                 continue
             STATS["candidate_runs"] += 1
             try:
@@ -166,12 +168,46 @@ def profile(spec: OpSpec, problem: Any, candidates: Sequence[Any]) -> TuneRecord
             if reason is not None:
                 rejected.append((label, f"failed the correctness gate: {reason}"))
                 log.info("autotune %s %s: %s rejected: %s", spec.name, key, label, reason)
+                timings.append((entry.name, config, math.inf))
                 continue
             log.info("autotune %s %s: %s %.4f ms", spec.name, key, label, ms)
-            if best is None or ms < best[0]:
-                best = (ms, entry.name, config)
+            timings.append((entry.name, config, ms))
+    if consensus_enabled():
+        timings = agree_across_ranks(key, timings)
+    finite = [t for t in timings if math.isfinite(t[2])]
+    best = min(((ms, name, config) for name, config, ms in finite), default=None, key=lambda t: t[0])
     if best is None:
         log.warning("autotune %s %s: every candidate failed; remembered for this key", spec.name, key)
         return TuneRecord(None, None, math.inf, tuple(rejected))
     log.info("autotune %s %s: winner %s (%.4f ms)", spec.name, key, best[1], best[0])
     return TuneRecord(best[1], best[2], best[0], tuple(rejected))
+
+
+def consensus_enabled() -> bool:
+    """Rank consensus is opt-in (PRIMUS_TURBO_TUNE_CONSENSUS=1) and needs torch.distributed."""
+    if os.environ.get(CONSENSUS_ENV, "").strip().lower() not in ("1", "true", "yes", "on"):
+        return False
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def agree_across_ranks(key: str, timings: list[tuple[str, Hashable, float]]) -> list[tuple[str, Hashable, float]]:
+    """Makes every rank see the same timings: each candidate's worst time over all ranks.
+
+    The winner is then the same on every rank. This is a collective: every rank must tune the
+    same keys in the same order, or the job hangs. Keys that differ between ranks (e.g. MoE
+    token counts) must therefore not be tuned online with consensus on: tune them offline, or
+    pin them. Mismatched keys or candidate lists are detected here and raise instead of mixing
+    one rank's timings into another's key.
+    """
+    dist = torch.distributed
+    mine = (key, [(name, repr(config)) for name, config, _ in timings], [ms for _, _, ms in timings])
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    for rank, (other_key, labels, _) in enumerate(gathered):
+        if other_key != key or labels != mine[1]:
+            raise RuntimeError(
+                f"autotune rank consensus: rank {rank} tuned {other_key} with candidates {labels}, this rank "
+                f"{key} with {mine[1]}; with {CONSENSUS_ENV}=1 every rank must tune the same keys in the same order"
+            )
+    worst = [max(times[i] for _, _, times in gathered) for i in range(len(timings))]
+    return [(name, config, ms) for (name, config, _), ms in zip(timings, worst)]
