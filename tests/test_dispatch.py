@@ -11,7 +11,6 @@ from turbo_dispatch.errors import BackendUnsupportedError, ConfigError, NoBacken
 from turbo_dispatch.low_precision import Float8QuantConfig, Format, ScalingGranularity
 from turbo_dispatch.registry import reload_registry
 
-import fixture_backends
 
 PLUGINS = """
 version: 1

@@ -75,7 +75,7 @@ def _positive_int(text: str) -> int:
 def _versions() -> list[tuple[str, str]]:
     """Everything a backend decision (and a tuning result) depends on, as (name, value) rows."""
     from . import __version__
-    from .platform import default_platform
+    from .device_platform import default_platform
 
     if getattr(torch.version, "hip", None):
         runtime = f"HIP {torch.version.hip}"
@@ -112,7 +112,7 @@ def _versions() -> list[tuple[str, str]]:
 
 def _cmd_backends(args: argparse.Namespace) -> int:
     from .op_spec import KNOWN_OPS
-    from .platform import default_platform
+    from .device_platform import default_platform
     from .registry import get_registry
 
     registry = get_registry()
@@ -177,7 +177,7 @@ def _fp8_config(args: argparse.Namespace):
 def _gemm_problem(args: argparse.Namespace):
     """The gemm / gemm_fp8 problem key from shapes alone: operands live on the meta device."""
     from .ops.gemm import PROBLEM_BUILDERS
-    from .platform import platform_of
+    from .device_platform import platform_of
 
     device = _explain_device(args.device)
     dtype, out_dtype = _DTYPES[args.dtype], _DTYPES.get(args.out_dtype)

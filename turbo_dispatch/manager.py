@@ -195,8 +195,14 @@ class GlobalBackendManager:
     def reset() -> None:
         """Clears every code setting, re-reads the environment and drops all cached decisions
         and in-memory tuning results."""
-        with _lock:
-            _publish(Settings(0))
         from . import autotune
 
-        autotune.clear_memory()
+        global _settings
+        with _lock:
+            # Drop the old snapshot first: if the environment is now invalid, every later call
+            # must raise the same ConfigError instead of running on stale settings.
+            _settings = None
+            try:
+                _publish(Settings(0))
+            finally:
+                autotune.clear_memory()

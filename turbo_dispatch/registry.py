@@ -32,7 +32,7 @@ from .adapter import Adapter
 from .backend_type import BackendType
 from .errors import RegistryError
 from .op_spec import KNOWN_OPS
-from .platform import PLATFORMS
+from .device_platform import PLATFORMS
 
 log = logging.getLogger(__name__)
 

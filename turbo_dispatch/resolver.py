@@ -14,7 +14,7 @@ from .backend_type import BackendType
 from .decision import Decision
 from .errors import BackendUnsupportedError, NoBackendError
 from .op_spec import OpSpec, format_key
-from .platform import vendor_blaslt
+from .device_platform import vendor_blaslt
 from .registry import get_registry
 
 log = logging.getLogger("turbo_dispatch.resolver")

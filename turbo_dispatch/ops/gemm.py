@@ -14,9 +14,9 @@ import torch
 from ..backend_type import PrecisionType
 from ..low_precision import Float8QuantConfig, ScalingGranularity
 from ..op_spec import OpSpec, precision_of_dtype, register_op
-from ..platform import platform_of
+from ..device_platform import platform_of
 from ..resolver import resolve
-from ._common import HIGH_PRECISION, check_rel, check_snr, require_bool, require_dtype, require_tensor
+from ._common import check_rel, check_snr, require_bool, require_dtype, require_tensor
 
 
 class GemmProblem(NamedTuple):

@@ -1,0 +1,54 @@
+"""Shared test setup: clean backend settings per test, per-test seeds, and the ``device`` fixture.
+
+* Every test starts and ends with ``GlobalBackendManager.reset()``: the settings snapshot the
+  ``PRIMUS_TURBO_*`` environment variables, and ``reset()`` drops code settings, re-reads the
+  environment and clears cached decisions, so no test sees another's choices. Fixtures that use
+  ``monkeypatch`` are set up after this one and therefore torn down before it: the final reset
+  re-reads the environment as monkeypatch restored it.
+* Every test gets its own deterministic seed (from its node id), so a failure reproduces when
+  the test runs alone. ``TURBO_TEST_SEED=<int>`` shifts all seeds (to check a margin is not luck).
+* ``device`` runs a test on the CPU and, as a ``gpu``-marked param, on CUDA. ``@pytest.mark.gpu``
+  tests (and the CUDA params) are skipped when ``torch.cuda.is_available()`` is False. The
+  ``gpu``/``slow`` markers themselves are declared in pyproject.toml.
+"""
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+
+import turbo_dispatch
+
+#: Params for a device-parametrized test: ``@pytest.mark.parametrize("device", DEVICES)``, or
+#: just take the ``device`` fixture below.
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    """"cpu", and "cuda" (marked ``gpu``, so skipped without a GPU)."""
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _reset_backend_settings():
+    turbo_dispatch.GlobalBackendManager.reset()
+    yield
+    turbo_dispatch.GlobalBackendManager.reset()
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    base = int(os.environ.get("TURBO_TEST_SEED", "0"))
+    torch.manual_seed((zlib.crc32(request.node.nodeid.encode()) + base) % (2**31))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
