@@ -15,7 +15,8 @@ Rows:
 Method: per variant, rounds of ``--iters`` back-to-back calls timed with time.perf_counter
 (``--device cuda``: a torch.cuda.synchronize() ends each round, so this is the enqueue rate; keep
 shapes tiny so the GPU is not the bottleneck); turbo and direct rounds alternate, and the median
-round gives microseconds per call. Slow calls (e.g. CPU fp8 emulation) get fewer iterations so a
+round gives microseconds per call; "added" is the difference of the medians, with the
+min..max of the per-round (paired) differences beside it as a noise gauge. Slow calls (e.g. CPU fp8 emulation) get fewer iterations so a
 round lasts at most ``--max-round-s``. Target (the issue): <= 5 us added in eager mode.
 
 Usage:
@@ -55,8 +56,9 @@ def device_name(device: str) -> str:
 
 
 def time_rounds(fns: dict[str, Callable[[], object]], iters: int, rounds: int, sync: Callable[[], None],
-                max_round_s: float) -> tuple[dict[str, float], int]:
-    """Median microseconds per call of each fn; rounds of the fns alternate to share any drift."""
+                max_round_s: float) -> tuple[dict[str, list[float]], int]:
+    """Microseconds per call of each fn, one sample per round; the fns' rounds alternate, so
+    round i of each fn saw the same machine state (a fair pairing for differences)."""
     for fn in fns.values():  # warm-up: decision cache, allocator, lazy inits
         for _ in range(200):
             fn()
@@ -77,7 +79,7 @@ def time_rounds(fns: dict[str, Callable[[], object]], iters: int, rounds: int, s
                 fn()
             sync()
             samples[name].append((time.perf_counter() - t0) / iters * 1e6)
-    return {name: statistics.median(values) for name, values in samples.items()}, iters
+    return samples, iters
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,12 +132,15 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for name, baseline, turbo_fn, direct_fn, eager in cases:
-        medians, iters = time_rounds({"turbo": turbo_fn, "direct": direct_fn}, args.iters, args.rounds, sync,
+        samples, iters = time_rounds({"turbo": turbo_fn, "direct": direct_fn}, args.iters, args.rounds, sync,
                                      args.max_round_s)
-        added = medians["turbo"] - medians["direct"]
+        turbo_us, direct_us = statistics.median(samples["turbo"]), statistics.median(samples["direct"])
+        added = turbo_us - direct_us
+        paired = [t - d for t, d in zip(samples["turbo"], samples["direct"])]
         rows.append({
-            "case": name, "baseline": baseline, "turbo_us": medians["turbo"], "direct_us": medians["direct"],
-            "added_us": added, "iters": iters, "rounds": args.rounds,
+            "case": name, "baseline": baseline, "turbo_us": turbo_us, "direct_us": direct_us,
+            "added_us": added, "added_min_us": min(paired), "added_max_us": max(paired),
+            "iters": iters, "rounds": args.rounds,
             "target": (("PASS" if added <= TARGET_US else "FAIL") if eager else "info"),
         })
 
@@ -148,12 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {env['torch']} | device {device} ({env['device_name']}) | threads {env['threads']} | "
           f"M=N=K={s} {args.dtype} | gemm -> {env['gemm_backend']}, gemm_fp8 -> {env['gemm_fp8_backend']}")
     print()
-    print(f"| case | direct baseline | turbo us/call | direct us/call | added us | iters x rounds | "
-          f"<= {TARGET_US:g} us |")
-    print("|---|---|---:|---:|---:|---:|---|")
+    print(f"| case | direct baseline | turbo us/call | direct us/call | added us | added, paired rounds "
+          f"min..max | iters x rounds | <= {TARGET_US:g} us |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
     for r in rows:
         print(f"| {r['case']} | {r['baseline']} | {r['turbo_us']:.2f} | {r['direct_us']:.2f} | "
-              f"{r['added_us']:+.2f} | {r['iters']} x {r['rounds']} | {r['target']} |")
+              f"{r['added_us']:+.2f} | {r['added_min_us']:+.2f}..{r['added_max_us']:+.2f} | "
+              f"{r['iters']} x {r['rounds']} | {r['target']} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"env": env, "results": rows}, f, indent=2)

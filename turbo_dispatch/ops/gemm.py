@@ -80,9 +80,8 @@ def _mnk(op: str, a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool
     return m, n, k_a
 
 
-def gemm_problem(a: torch.Tensor, b: torch.Tensor, trans_a: bool = False, trans_b: bool = False,
-                 out_dtype: Optional[torch.dtype] = None) -> GemmProblem:
-    """Validates gemm's arguments and returns its problem key."""
+def _validated_gemm_problem(a, b, trans_a, trans_b, out_dtype) -> GemmProblem:
+    """The full checks, each with its own message; the slow path of gemm_problem."""
     m, n, k = _mnk("gemm", a, b, trans_a, trans_b)
     require_dtype("gemm", "a.dtype", a.dtype)
     if b.dtype != a.dtype:
@@ -90,6 +89,37 @@ def gemm_problem(a: torch.Tensor, b: torch.Tensor, trans_a: bool = False, trans_
     out_dtype = a.dtype if out_dtype is None else out_dtype
     require_dtype("gemm", "out_dtype", out_dtype)
     return GemmProblem(m, n, k, trans_a, trans_b, a.dtype, b.dtype, out_dtype, platform_of(a.device.type))
+
+
+_HP = frozenset((torch.bfloat16, torch.float16, torch.float32))
+_GPU_PLATFORM = platform_of("cuda")
+_new = tuple.__new__
+
+
+def _platform(x: torch.Tensor) -> str:
+    # x.device.type builds a device object (~0.5 us); is_cuda / is_cpu are plain flags.
+    return _GPU_PLATFORM if x.is_cuda else ("cpu" if x.is_cpu else platform_of(x.device.type))
+
+
+def gemm_problem(a: torch.Tensor, b: torch.Tensor, trans_a: bool = False, trans_b: bool = False,
+                 out_dtype: Optional[torch.dtype] = None) -> GemmProblem:
+    """Validates gemm's arguments and returns its problem key.
+
+    This runs on every eager call, so the common case takes one combined check (about 1 us);
+    anything unusual goes through ``_validated_gemm_problem``, which names what is wrong.
+    """
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == 2 and b.dim() == 2:
+        dtype = a.dtype
+        if (b.dtype is dtype and dtype in _HP and (out_dtype is None or out_dtype in _HP)
+                and trans_a.__class__ is bool and trans_b.__class__ is bool and a.get_device() == b.get_device()):
+            a0, a1 = a.shape
+            b0, b1 = b.shape
+            m, k = (a1, a0) if trans_a else (a0, a1)
+            n, k_b = (b0, b1) if trans_b else (b1, b0)
+            if k == k_b:
+                return _new(GemmProblem, (m, n, k, trans_a, trans_b, dtype, dtype,
+                                          dtype if out_dtype is None else out_dtype, _platform(a)))
+    return _validated_gemm_problem(a, b, trans_a, trans_b, out_dtype)
 
 
 def gemm_fp8_problem(a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool, out_dtype: Optional[torch.dtype],
@@ -310,13 +340,26 @@ _gemm_fp8_op.register_autograd(_gemm_fp8_backward, setup_context=_gemm_fp8_setup
 
 
 def _forward_fp8_problem(a, b, trans_a, trans_b, out_dtype, cfg: Float8QuantConfig) -> GemmFp8Problem:
+    """The forward GEMM's problem; reuses gemm's fast checks where the dtypes allow."""
     fwd = cfg.format.fwd_dtype()
-    return gemm_fp8_problem(a, b, trans_a, trans_b, out_dtype, fwd, fwd, cfg.granularity, cfg.block_size,
-                            False, cfg.granularity is ScalingGranularity.BLOCKWISE)
+    granularity = cfg.granularity
+    w2d = granularity is ScalingGranularity.BLOCKWISE
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and b.dtype is a.dtype:
+        try:
+            p = gemm_problem(a, b, trans_a, trans_b, out_dtype)
+        except (TypeError, ValueError):
+            pass  # the full fp8 checks below give the fp8-specific message
+        else:
+            return _new(GemmFp8Problem, (p.m, p.n, p.k, trans_a, trans_b, p.a_dtype, p.b_dtype, p.out_dtype, fwd,
+                                         fwd, granularity, cfg.block_size, False, w2d, p.platform))
+    return gemm_fp8_problem(a, b, trans_a, trans_b, out_dtype, fwd, fwd, granularity, cfg.block_size, False, w2d)
+
+
+_DEFAULT_FP8 = Float8QuantConfig()
 
 
 def _needs_grad(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+    return (a.requires_grad or b.requires_grad) and torch.is_grad_enabled()
 
 
 # -- public API --------------------------------------------------------------------------------------
@@ -356,7 +399,7 @@ def gemm_fp8(a: torch.Tensor, b: torch.Tensor, trans_a: bool = False, trans_b: b
         >>> turbo.ops.gemm_fp8(a, b, trans_b=True, config=cfg).shape
         torch.Size([16, 8])
     """
-    cfg = Float8QuantConfig() if config is None else config
+    cfg = _DEFAULT_FP8 if config is None else config
     if not isinstance(cfg, Float8QuantConfig):
         raise TypeError(f"gemm_fp8: config must be a Float8QuantConfig or None; got {type(config).__name__}")
     if torch.compiler.is_compiling():
