@@ -176,8 +176,8 @@ def _fp8_config(args: argparse.Namespace):
 
 def _gemm_problem(args: argparse.Namespace):
     """The gemm / gemm_fp8 problem key from shapes alone: operands live on the meta device."""
-    from .ops.gemm import PROBLEM_BUILDERS
     from .device_platform import platform_of
+    from .op_spec import get_op_spec
 
     device = _explain_device(args.device)
     dtype, out_dtype = _DTYPES[args.dtype], _DTYPES.get(args.out_dtype)
@@ -185,10 +185,10 @@ def _gemm_problem(args: argparse.Namespace):
     b = torch.empty((args.n, args.k) if args.trans_b else (args.k, args.n), dtype=dtype, device="meta")
     config = _fp8_config(args)
     if config is None:
-        op, problem = "gemm", PROBLEM_BUILDERS["gemm"](a, b, args.trans_a, args.trans_b, out_dtype)
+        op, problem = "gemm", get_op_spec("gemm").problem_from_call(a, b, args.trans_a, args.trans_b, out_dtype)
     else:
         op = "gemm_fp8"
-        problem = PROBLEM_BUILDERS["gemm_fp8"](a, b, args.trans_a, args.trans_b, out_dtype, config=config)
+        problem = get_op_spec(op).problem_from_call(a, b, args.trans_a, args.trans_b, out_dtype, config=config)
     # The builders take the platform from the operands' device, which is "meta" here.
     return op, problem._replace(platform=platform_of(device))
 

@@ -17,10 +17,9 @@ def explain(op: str, *args: Any, **kwargs: Any) -> Decision:
         >>> print(d.backend, d.source)
         TORCH default
     """
-    from .ops.gemm import PROBLEM_BUILDERS
+    from . import ops  # noqa: F401  (registers the op specs)
 
     spec = get_op_spec(op)
-    builder = PROBLEM_BUILDERS.get(op)
-    if builder is None:
-        raise ValueError(f"explain: op {op!r} has no argument parser; explainable ops: {', '.join(PROBLEM_BUILDERS)}")
-    return resolve(spec, builder(*args, **kwargs))
+    if spec.problem_from_call is None:
+        raise ValueError(f"explain: op {op!r} cannot build a problem from call arguments")
+    return resolve(spec, spec.problem_from_call(*args, **kwargs))

@@ -84,6 +84,8 @@ class OpSpec:
     check: Callable[[Any, Any, Any], "str | None"]
     flops: Callable[[Any], float]
     platform_of: Callable[[Any], str]
+    #: Builds the problem from the public call's arguments (what explain() uses).
+    problem_from_call: Callable[..., Any] | None = None
 
     @property
     def family(self) -> str:

@@ -163,6 +163,7 @@ GEMM = register_op(OpSpec(
     check=lambda p, out, ref: check_rel(out, ref),
     flops=lambda p: 2.0 * p.m * p.n * p.k,
     platform_of=lambda p: p.platform,
+    problem_from_call=lambda *args, **kwargs: gemm_problem(*args, **kwargs),
 ))
 
 GEMM_FP8 = register_op(OpSpec(
@@ -174,6 +175,7 @@ GEMM_FP8 = register_op(OpSpec(
     check=_fp8_check,
     flops=lambda p: 2.0 * p.m * p.n * p.k,
     platform_of=lambda p: p.platform,
+    problem_from_call=lambda *args, **kwargs: _explain_gemm_fp8(*args, **kwargs),
 ))
 
 
@@ -414,6 +416,3 @@ def gemm_fp8(a: torch.Tensor, b: torch.Tensor, trans_a: bool = False, trans_b: b
 def _explain_gemm_fp8(a, b, trans_a=False, trans_b=False, out_dtype=None, config=None) -> GemmFp8Problem:
     return _forward_fp8_problem(a, b, trans_a, trans_b, out_dtype, Float8QuantConfig() if config is None else config)
 
-
-#: op name -> builder of its forward problem from the public call's arguments (for explain()).
-PROBLEM_BUILDERS = {"gemm": gemm_problem, "gemm_fp8": _explain_gemm_fp8}
