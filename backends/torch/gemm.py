@@ -122,9 +122,10 @@ def _scaled(p, qa: QuantizedTensor, qb: QuantizedTensor) -> torch.Tensor:
     scaled_mm, ScalingType = _f_scaled_mm()
     scale_a = qa.scale.t() if p.trans_a else _outer_major(qa.scale)
     if p.b_2d:
-        tiles = qb.scale if p.trans_b else qb.scale.t()  # [N/128, K/128]
-        pad = (-tiles.shape[1]) % 4  # cuBLASLt reads the K-block count rounded up to 4
-        scale_b = torch.nn.functional.pad(tiles, (0, pad)).contiguous()
+        # torch 2.11 wants the 128x128 scales of B as [K/128 rounded up to 4, N/128] (seen on an
+        # H200: "scale_b must have shape 4 x 2" for K = N = 256).
+        tiles = qb.scale.t() if p.trans_b else qb.scale  # [K/128, N/128]
+        scale_b = torch.nn.functional.pad(tiles, (0, 0, 0, (-tiles.shape[0]) % 4)).contiguous()
         kind_b = ScalingType.BlockWise128x128
     else:
         scale_b = _outer_major(qb.scale) if p.trans_b else qb.scale.t()
