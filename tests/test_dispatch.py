@@ -315,3 +315,20 @@ def test_warm_path_is_cached():
     assert turbo.explain("gemm", a, b) is first
     GlobalBackendManager.set_gemm_backend("TORCH")
     assert turbo.explain("gemm", a, b) is not first
+
+
+def test_grad_path_uses_autograd_function_unless_backend_is_uniform(plugins, monkeypatch):
+    """Default TORCH: torch autograd records the matmul directly; an autotuned or plugin choice
+    goes through turbo's autograd.Function so each backward GEMM is dispatched on its own."""
+    a = torch.randn(8, 5, requires_grad=True)
+    b = torch.randn(5, 6, requires_grad=True)
+    out = turbo.ops.gemm(a, b)
+    assert "Mm" in type(out.grad_fn).__name__
+    GlobalBackendManager.set_gemm_backend("SLOW")
+    out = turbo.ops.gemm(a, b)
+    assert "GemmFunction" in type(out.grad_fn).__name__
+    out.sum().backward()
+    torch.testing.assert_close(b.grad, a.detach().t() @ torch.ones(8, 6))
+    GlobalBackendManager.set_gemm_backend(None)
+    GlobalBackendManager.set_auto_tune(True)
+    assert "GemmFunction" in type(turbo.ops.gemm(a, b).grad_fn).__name__

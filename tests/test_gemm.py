@@ -105,9 +105,11 @@ def assert_written(name: str, x: torch.Tensor, shape, dtype) -> None:
 
 
 def mx_unsupported_here(device: str, cfg: Float8QuantConfig) -> bool:
-    """MX_BLOCKWISE on an NVIDIA GPU older than sm_100 must be refused, not emulated."""
-    return (cfg.granularity is G.MX_BLOCKWISE and device == "cuda" and torch.version.hip is None
-            and torch.cuda.get_device_capability() < (10, 0))
+    """MX_BLOCKWISE on a GPU without hardware MX (NVIDIA older than sm_100, or ROCm) must be
+    refused with an error that says so, not emulated."""
+    if cfg.granularity is not G.MX_BLOCKWISE or device != "cuda":
+        return False
+    return torch.version.hip is not None or torch.cuda.get_device_capability() < (10, 0)
 
 
 def fp8_snrs(device, m, n, k, trans_a, trans_b, cfg, dtype=BF16, out_dtype=None) -> dict[str, float]:
@@ -152,10 +154,12 @@ def test_gemm_matches_fp64(device, m, n, k, trans_a, trans_b, dtype_id):
         err, tol = rel_error(x, ref), rel_tol(x.dtype, device)
         assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.0e}"
 
-    # The no-grad fast path returns the same numbers as the autograd path.
+    # The no-grad fast path runs the same backend call as the autograd path: the same numbers
+    # (bit for bit on the CPU; on a GPU, within the dtype's default tolerance).
     with torch.no_grad():
         plain = turbo.ops.gemm(a, b, trans_a=trans_a, trans_b=trans_b, out_dtype=out_dtype)
-    torch.testing.assert_close(plain, out.detach(), rtol=0, atol=0)
+    exact = dict(rtol=0, atol=0) if device == "cpu" else {}
+    torch.testing.assert_close(plain, out.detach(), **exact)
 
 
 @pytest.mark.parametrize("which", ["a", "b"])
@@ -326,6 +330,9 @@ BAD_INPUTS = {
     "gemm-out_dtype-int8": (lambda t: gemm(t(4, 8), t(8, 3), out_dtype=torch.int8), TypeError, "out_dtype"),
     "gemm-out_dtype-str": (lambda t: gemm(t(4, 8), t(8, 3), out_dtype="float32"), TypeError, "out_dtype"),
     "gemm-out_dtype-fp8": (lambda t: gemm(t(4, 8), t(8, 3), out_dtype=E4M3), TypeError, "out_dtype"),
+    # a and b on different devices, runnable without a GPU: "meta" is a device of its own
+    "gemm-devices-cpu-meta": (lambda t: gemm(t(4, 8), t(8, 3).to("meta")), ValueError, "same device"),
+    "gemm-devices-meta-cpu": (lambda t: gemm(t(4, 8).to("meta"), t(8, 3)), ValueError, "same device"),
     # gemm_fp8
     "fp8-mismatched-k": (lambda t: gemm_fp8(t(4, 8), t(7, 3)), ValueError, "inner dimensions"),
     "fp8-int32-a": (lambda t: gemm_fp8(t(4, 8, dtype=I32), t(8, 3)), TypeError, "a.dtype"),
@@ -335,6 +342,7 @@ BAD_INPUTS = {
     "fp8-trans_b-str": (lambda t: gemm_fp8(t(4, 8), t(3, 8), trans_b="T"), TypeError, "trans_b"),
     "fp8-out_dtype-fp8": (lambda t: gemm_fp8(t(4, 8), t(8, 3), out_dtype=E4M3), TypeError, "out_dtype"),
     "fp8-out_dtype-int32": (lambda t: gemm_fp8(t(4, 8), t(8, 3), out_dtype=I32), TypeError, "out_dtype"),
+    "fp8-devices-cpu-meta": (lambda t: gemm_fp8(t(4, 8), t(8, 3).to("meta")), ValueError, "same device"),
     "fp8-config-str": (lambda t: gemm_fp8(t(4, 8), t(8, 3), config="e4m3"), TypeError, "config"),
     "fp8-config-dict": (lambda t: gemm_fp8(t(4, 8), t(8, 3), config={"format": "e4m3"}), TypeError, "config"),
     "fp8-config-enum": (lambda t: gemm_fp8(t(4, 8), t(8, 3), config=G.ROWWISE), TypeError, "config"),

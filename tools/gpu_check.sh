@@ -9,5 +9,5 @@ turbo-dispatch backends 2>&1 | tee $OUT/backends.txt
 for g in "" "--fp8 tensorwise" "--fp8 rowwise" "--fp8 blockwise" "--fp8 mx"; do
   turbo-dispatch explain gemm --m 8192 --n 4096 --k 4096 --dtype bf16 $g 2>&1 | tee -a $OUT/explain.txt
 done
-timeout 420 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_gemm.py tests/test_gpu_capture.py tests/test_gpu_fp8_paths.py tests/test_dispatch.py tests/test_low_precision.py "$@" 2>&1 | tee $OUT/pytest.txt | tail -40
+timeout 420 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_gemm.py tests/test_gpu_capture.py tests/test_gpu_fp8_paths.py tests/test_compile.py tests/test_dispatch.py tests/test_low_precision.py "$@" 2>&1 | tee $OUT/pytest.txt | tail -40
 for d in cuda cpu; do python3 benchmarks/bench_dispatch_overhead.py --device $d --json $OUT/overhead_$d.json 2>&1 | tee -a $OUT/overhead.txt; done

@@ -28,6 +28,9 @@ class Adapter:
 
     #: Library the adapter drives; shown in ``turbo-dispatch backends`` and used in identity().
     library: str = "unknown"
+    #: True when ``run`` is made of differentiable torch ops and serves every problem of its op, so
+    #: an op may let torch's autograd record it directly instead of wrapping it (saves ~9 us/call).
+    differentiable: bool = False
 
     def available(self) -> str | None:
         """None when the backend can run in this process, else the reason it cannot."""

@@ -19,6 +19,8 @@ class _TorchAdapter(Adapter):
 class TorchGemm(_TorchAdapter):
     """torch.matmul on views; no copies for any trans_a/trans_b combination."""
 
+    differentiable = True
+
     def run(self, problem, a, b, config=None):
         lhs = a.t() if problem.trans_a else a
         rhs = b.t() if problem.trans_b else b

@@ -101,6 +101,14 @@ def _platform(x: torch.Tensor) -> str:
     return _GPU_PLATFORM if x.is_cuda else ("cpu" if x.is_cpu else platform_of(x.device.type))
 
 
+def _same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Cheap same-device test for the fast path; anything but cpu/cpu or one GPU takes the slow path
+    (get_device() is -1 for every non-CUDA device, so it alone cannot tell cpu from meta)."""
+    if a.is_cuda:
+        return b.is_cuda and a.get_device() == b.get_device()
+    return a.is_cpu and b.is_cpu
+
+
 def gemm_problem(a: torch.Tensor, b: torch.Tensor, trans_a: bool = False, trans_b: bool = False,
                  out_dtype: Optional[torch.dtype] = None) -> GemmProblem:
     """Validates gemm's arguments and returns its problem key.
@@ -111,7 +119,7 @@ def gemm_problem(a: torch.Tensor, b: torch.Tensor, trans_a: bool = False, trans_
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == 2 and b.dim() == 2:
         dtype = a.dtype
         if (b.dtype is dtype and dtype in _HP and (out_dtype is None or out_dtype in _HP)
-                and trans_a.__class__ is bool and trans_b.__class__ is bool and a.get_device() == b.get_device()):
+                and trans_a.__class__ is bool and trans_b.__class__ is bool and _same_device(a, b)):
             a0, a1 = a.shape
             b0, b1 = b.shape
             m, k = (a1, a0) if trans_a else (a0, a1)
@@ -358,6 +366,9 @@ def _forward_fp8_problem(a, b, trans_a, trans_b, out_dtype, cfg: Float8QuantConf
 
 
 _DEFAULT_FP8 = Float8QuantConfig()
+#: Decision sources that pick the same backend for the backward GEMMs as for the forward when
+#: that backend serves every problem (autotune may pick per key, so it is not listed).
+_SAME_BACKEND_FOR_GRADS = frozenset(("code", "env", "default"))
 
 
 def _needs_grad(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -382,6 +393,14 @@ def gemm(a: torch.Tensor, b: torch.Tensor, trans_a: bool = False, trans_b: bool 
         return torch.ops.turbo_dispatch.gemm(a, b, trans_a, trans_b, out_dtype)
     problem = gemm_problem(a, b, trans_a, trans_b, out_dtype)
     if _needs_grad(a, b):
+        decision = resolve(GEMM, problem)
+        if (decision.entry.adapter.differentiable and decision.source in _SAME_BACKEND_FOR_GRADS
+                and problem.out_dtype is problem.a_dtype):
+            # The dgrad/wgrad problems would resolve to this same adapter (it serves every
+            # problem, and a pinned or default choice does not depend on the layout), so torch's
+            # own autograd can record it; torch.autograd.Function alone costs ~9 us per call. Only
+            # when out_dtype is the input dtype: otherwise our backward casts the gradient first.
+            return decision.entry.adapter.run(problem, a, b, config=decision.config)
         return _GemmFunction.apply(a, b, problem)
     return _run_gemm(problem, a, b)
 
