@@ -1,0 +1,599 @@
+"""Correctness of turbo_dispatch.ops.flash_attn_func / flash_attn_varlen_func (TORCH and CUDNN).
+
+Reference: the naive softmax(q k^T * scale + mask) v in float64 on the CPU, written here
+independently of the library (bottom-right aligned masks, FlashAttention semantics), with
+gradients from torch.autograd on float64 copies. Rows that may attend no key output 0, get zero
+gradients and an lse of -inf. Inputs and output gradients are random (never zero).
+
+Gates: fp32 on the CPU, relative error ||x - ref|| / ||ref|| <= 1e-5 for out, lse, dq, dk, dv;
+bf16/fp16 on GPUs, SNR = 10 log10(||ref||^2 / ||ref - x||^2) >= 40 dB for each of them.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import turbo_dispatch as turbo
+from turbo_dispatch import BackendUnsupportedError
+from turbo_dispatch.ops import attention as attn_mod
+from turbo_dispatch.ops._common import rel_error, snr_db
+
+FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
+flash_attn_func = turbo.ops.flash_attn_func
+flash_attn_varlen_func = turbo.ops.flash_attn_varlen_func
+
+
+# -- reference -------------------------------------------------------------------------------------
+def randn(shape, dtype=FP32, device="cpu", requires_grad=False):
+    x = torch.randn(shape, device=device)
+    x = torch.where(x == 0, torch.ones_like(x), x).to(dtype)
+    return x.requires_grad_(requires_grad)
+
+
+def ref_attention(q, k, v, scale=None, causal=False, window=(-1, -1)):
+    """float64 out [B, Sq, Hq, Dv] and lse [B, Hq, Sq] of dense attention; differentiable."""
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    scale = d ** -0.5 if scale is None else scale
+    k = k.repeat_interleave(hq // hk, dim=2)
+    v = v.repeat_interleave(hq // hk, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    left, right = window
+    if causal:
+        right = 0
+    i = torch.arange(sq)[:, None]
+    j = torch.arange(sk)[None, :]
+    diag = i + sk - sq
+    allowed = torch.ones(sq, sk, dtype=torch.bool)
+    if right >= 0:
+        allowed &= j <= diag + right
+    if left >= 0:
+        allowed &= j >= diag - left
+    rows = allowed.any(-1, keepdim=True)
+    masked = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(masked.detach(), -1)
+    probs = torch.softmax(masked.masked_fill(~rows, 0.0), -1) * rows
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v), lse
+
+
+def ref_grads(q, k, v, grad, **kw):
+    leaves = [x.detach().cpu().double().requires_grad_() for x in (q, k, v)]
+    out, lse = ref_attention(*leaves, **kw)
+    out.backward(grad.detach().cpu().double())
+    return out.detach(), lse, [x.grad for x in leaves]
+
+
+def run_op(fn, q, k, v, grad, *args, **kw):
+    """out, lse (or None) and (dq, dk, dv) of one call, inputs as fresh leaves."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    result = fn(*leaves, *args, **kw)
+    out, lse = result if isinstance(result, tuple) else (result, None)
+    out.backward(grad)
+    return out.detach(), lse, [x.grad for x in leaves]
+
+
+def assert_close(name, got, ref, dtype):
+    assert got is not None and got.shape == ref.shape, (name, getattr(got, "shape", None), ref.shape)
+    assert torch.isfinite(got).all(), f"{name} has NaN/inf"
+    if dtype == FP32:
+        tol = 1e-5 if got.device.type == "cpu" else 1e-4  # GPU kernels sum in other orders
+        err = rel_error(got.cpu(), ref)
+        assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
+    else:
+        db = snr_db(got.cpu(), ref)
+        assert db >= 40.0, f"{name}: SNR {db:.1f} dB < 40 dB"
+
+
+def assert_lse(got, ref, dtype):
+    """lse: same -inf rows, finite values within the gate (relative error, or SNR on GPUs)."""
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    got = got.cpu().double()
+    assert torch.equal(torch.isinf(got), torch.isinf(ref)), "rows with -inf lse differ"
+    assert (got[torch.isinf(got)] < 0).all()
+    finite = torch.isfinite(ref)
+    assert_close("lse", got[finite], ref[finite], dtype if dtype == FP32 else BF16)
+
+
+# -- dense cases -----------------------------------------------------------------------------------
+#: id -> (B, Sq, Sk, Hq, Hkv, Dqk, Dv, kwargs)
+DENSE = {
+    "plain": (2, 17, 17, 4, 4, 32, 32, {}),
+    "causal": (2, 17, 17, 4, 4, 32, 32, dict(causal=True)),
+    "sq<sk": (2, 13, 29, 4, 4, 32, 32, {}),
+    "sq<sk-causal": (2, 13, 29, 4, 4, 32, 32, dict(causal=True)),
+    "sq>sk-causal": (1, 29, 13, 2, 2, 16, 16, dict(causal=True)),  # rows 0..15 attend nothing
+    "sq>sk": (1, 29, 13, 2, 2, 16, 16, {}),
+    "gqa-causal": (2, 19, 23, 4, 2, 32, 32, dict(causal=True)),
+    "mqa": (2, 11, 11, 4, 1, 16, 16, {}),
+    "mqa-window": (1, 21, 21, 4, 1, 16, 16, dict(window_size=(3, 0))),
+    "window30": (2, 21, 21, 2, 2, 16, 16, dict(window_size=(3, 0))),
+    "window22": (2, 21, 21, 2, 2, 16, 16, dict(window_size=(2, 2))),
+    "window22-sq<sk": (1, 9, 21, 2, 2, 16, 16, dict(window_size=(2, 2))),
+    "window-left-only": (1, 15, 15, 2, 2, 16, 16, dict(window_size=(4, -1))),
+    "window-right-only-sq>sk": (1, 20, 7, 2, 2, 16, 16, dict(window_size=(-1, 3))),
+    "causal+window": (1, 17, 25, 4, 2, 16, 16, dict(causal=True, window_size=(5, 7))),  # causal overrides right
+    "dv!=dqk": (2, 15, 15, 4, 4, 48, 32, dict(causal=True)),
+    "mla-192/128": (1, 9, 9, 2, 2, 192, 128, dict(causal=True)),
+    "head-dim-256": (1, 7, 9, 2, 1, 256, 256, {}),
+    "scale": (1, 10, 12, 2, 2, 8, 8, dict(softmax_scale=0.37)),
+    "sq=1-causal": (3, 1, 9, 2, 2, 16, 16, dict(causal=True)),
+}
+
+
+def ref_kwargs(kw):
+    return dict(scale=kw.get("softmax_scale"), causal=kw.get("causal", False), window=kw.get("window_size", (-1, -1)))
+
+
+@pytest.mark.parametrize("case", list(DENSE))
+def test_dense_fwd_bwd_lse(case):
+    b, sq, sk, hq, hk, d, dv, kw = DENSE[case]
+    q, k, v = randn((b, sq, hq, d)), randn((b, sk, hk, d)), randn((b, sk, hk, dv))
+    grad = randn((b, sq, hq, dv))
+    ref_out, ref_lse, ref_g = ref_grads(q, k, v, grad, **ref_kwargs(kw))
+    out, lse, grads = run_op(flash_attn_func, q, k, v, grad, return_lse=True, **kw)
+    assert out.shape == (b, sq, hq, dv)
+    assert_close("out", out, ref_out, FP32)
+    assert_lse(lse, ref_lse, FP32)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_g):
+        assert_close(name, g, r, FP32)
+    # Without return_lse and without grad: the same output.
+    with torch.no_grad():
+        plain = flash_attn_func(q, k, v, **kw)
+    assert isinstance(plain, torch.Tensor) and torch.equal(plain, out)
+
+
+@pytest.mark.parametrize("case", ["sq>sk-causal", "window22-sq<sk", "causal+window", "window-right-only-sq>sk",
+                                  "gqa-causal"])
+def test_lse_in_small_blocks(case, monkeypatch):
+    """The lse pass in blocks of a few rows, each reading only the keys its rows may attend."""
+    from turbo_dispatch.backends.torch import attention as torch_attn
+
+    monkeypatch.setattr(torch_attn, "_LSE_BLOCK", 1)  # one query row per block
+    b, sq, sk, hq, hk, d, dv, kw = DENSE[case]
+    q, k, v = randn((b, sq, hq, d)), randn((b, sk, hk, d)), randn((b, sk, hk, dv))
+    _, ref_lse = ref_attention(q.double(), k.double(), v.double(), **ref_kwargs(kw))
+    _, lse = flash_attn_func(q, k, v, return_lse=True, **kw)
+    assert_lse(lse, ref_lse, FP32)
+
+
+def test_empty_rows_are_zero_with_zero_grads():
+    q, k, v = randn((1, 8, 2, 16)), randn((1, 3, 2, 16)), randn((1, 3, 2, 16))
+    out, lse, (dq, _, _) = run_op(flash_attn_func, q, k, v, randn((1, 8, 2, 16)), causal=True, return_lse=True)
+    assert (out[:, :5] == 0).all() and (dq[:, :5] == 0).all()
+    assert torch.isneginf(lse[:, :, :5]).all() and torch.isfinite(lse[:, :, 5:]).all()
+
+
+def test_non_contiguous_inputs():
+    """q, k, v as slices of one packed qkv tensor (strided heads), as in fused QKV projections."""
+    qkv = randn((2, 13, 3, 4, 16))
+    q, k, v = qkv.unbind(2)
+    assert not q.is_contiguous()
+    grad = randn((2, 13, 4, 16))
+    ref_out, _, ref_g = ref_grads(q, k, v, grad, causal=True)
+    out, _, grads = run_op(flash_attn_func, q, k, v, grad, causal=True)
+    assert_close("out", out, ref_out, FP32)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_g):
+        assert_close(name, g, r, FP32)
+
+
+def test_dropout_runs_and_backward_matches_its_mask():
+    """dropout_p > 0 (TORCH: SDPA's dropout): different from p=0, reproducible under one seed,
+    and the eager backward is SDPA's own, i.e. uses the mask the forward drew (checked against
+    torch's SDPA with the same seed)."""
+    q, k, v = randn((1, 16, 2, 16)), randn((1, 16, 2, 16)), randn((1, 16, 2, 16))
+    grad = randn((1, 16, 2, 16))
+    torch.manual_seed(7)
+    out, _, grads = run_op(flash_attn_func, q, k, v, grad, dropout_p=0.3)
+    torch.manual_seed(7)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    want = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in leaves), dropout_p=0.3)
+    want.transpose(1, 2).backward(grad)
+    assert torch.equal(out, want.transpose(1, 2).detach())
+    for g, w in zip(grads, leaves):
+        assert torch.equal(g, w.grad)
+    assert not torch.allclose(out, flash_attn_func(q, k, v))
+
+
+# -- varlen ----------------------------------------------------------------------------------------
+#: id -> (lens_q, lens_k, Hq, Hkv, Dqk, Dv, max_pad, kwargs); max_pad is added to the true max.
+VARLEN = {
+    "plain": ([5, 1, 7, 3], [5, 1, 7, 3], 4, 4, 16, 16, 0, {}),
+    "causal-sq!=sk": ([5, 1, 7, 3], [9, 4, 7, 2], 4, 2, 16, 16, 0, dict(causal=True)),
+    "window-mqa": ([6, 11, 2], [6, 11, 2], 4, 1, 16, 16, 3, dict(window_size=(2, 1))),
+    "dv!=dqk-window30": ([4, 9], [7, 9], 2, 2, 48, 32, 0, dict(window_size=(3, 0))),
+    "empty-k-and-q": ([3, 0, 4], [0, 2, 5], 2, 2, 16, 16, 1, dict(causal=True)),
+}
+
+
+def cu(lens):
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("case", list(VARLEN))
+def test_varlen_matches_per_sequence_reference(case):
+    lens_q, lens_k, hq, hk, d, dv, pad, kw = VARLEN[case]
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    tq, tk = sum(lens_q), sum(lens_k)
+    q, k, v = randn((tq, hq, d)), randn((tk, hk, d)), randn((tk, hk, dv))
+    grad = randn((tq, hq, dv))
+    out, lse, grads = run_op(flash_attn_varlen_func, q, k, v, grad, cu_q, cu_k, max(lens_q) + pad,
+                             max(lens_k) + pad, return_lse=True, **kw)
+    assert out.shape == (tq, hq, dv) and lse.shape == (hq, tq)
+    ref_out = torch.zeros(tq, hq, dv, dtype=torch.float64)
+    ref_lse = torch.full((hq, tq), float("-inf"), dtype=torch.float64)
+    ref_g = [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v)]
+    for b in range(len(lens_q)):
+        sq_ = slice(cu_q[b], cu_q[b + 1])
+        sk_ = slice(cu_k[b], cu_k[b + 1])
+        if lens_q[b] == 0:
+            continue
+        o, l_, g = ref_grads(q[None, sq_], k[None, sk_], v[None, sk_], grad[None, sq_], **ref_kwargs(kw))
+        ref_out[sq_], ref_lse[:, sq_] = o[0], l_[0]
+        ref_g[0][sq_] = g[0][0]
+        ref_g[1][sk_] += g[1][0]
+        ref_g[2][sk_] += g[2][0]
+    assert_close("out", out, ref_out, FP32)
+    assert_lse(lse, ref_lse, FP32)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_g):
+        assert_close(name, g, r, FP32)
+
+
+def test_varlen_key_uses_host_facts_only():
+    q = randn((12, 2, 16))
+    key_a = turbo.explain("attention", q, q, q, cu([5, 7]), cu([5, 7]), 8, 8).key
+    key_b = turbo.explain("attention", q, q, q, cu([1, 11]), cu([6, 6]), 8, 8).key
+    assert key_a == key_b and "varlen=1" in key_a and "total_q=12" in key_a and "seqlen_q=8" in key_a
+
+
+# -- the explicit forward/backward protocol and the problem key -------------------------------------------
+def test_explicit_backward_protocol_matches(monkeypatch):
+    """Adapters without native autograd go through _AttentionFunction, which calls the forward's
+    adapter's backward (TORCH's: recomputation); results must match the reference."""
+    from turbo_dispatch.backends.torch.attention import TorchAttention
+
+    monkeypatch.setattr(TorchAttention, "native_autograd", False)
+    calls = []
+    original = TorchAttention.backward
+    monkeypatch.setattr(TorchAttention, "backward", lambda self, *a, **kw: calls.append(1) or original(self, *a, **kw))
+    q, k, v = randn((2, 9, 4, 16)), randn((2, 12, 2, 16)), randn((2, 12, 2, 8))
+    grad = randn((2, 9, 4, 8))
+    ref_out, ref_lse, ref_g = ref_grads(q, k, v, grad, causal=True, window=(4, -1))
+    out, lse, grads = run_op(flash_attn_func, q, k, v, grad, causal=True, window_size=(4, -1), return_lse=True)
+    assert calls == [1]
+    assert not lse.requires_grad
+    assert_close("out", out, ref_out, FP32)
+    assert_lse(lse, ref_lse, FP32)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_g):
+        assert_close(name, g, r, FP32)
+
+
+def test_problem_key_normalisation():
+    q = randn((1, 6, 2, 8))
+    k = randn((1, 10, 2, 8))
+    p = turbo.explain("attention", q, k, k, causal=True, window_size=(20, 3)).problem
+    assert (p.causal, p.window_left, p.window_right) == (True, -1, 0)  # causal overrides right; 20 >= Sk
+    p = turbo.explain("attention", q, k, k, window_size=(-1, 0)).problem
+    assert p.causal  # a (-1, 0) window is causal
+    p = turbo.explain("attention", q, k, k, window_size=(2, 5)).problem
+    assert (p.causal, p.window_left, p.window_right) == (False, 2, -1)  # right >= Sq - 1 excludes nothing
+    p = turbo.explain("attention", randn((1, 1, 2, 8)), k, k, causal=True).problem
+    assert not p.causal  # a single bottom-right query attends every key
+    assert math.isclose(p.softmax_scale, 8 ** -0.5)
+
+
+def test_autotune_cpu_dense_and_varlen():
+    """The op spec's make_inputs/reference/check work: autotuning on the CPU picks TORCH."""
+    turbo.GlobalBackendManager.set_attn_backend(auto_tune=True)
+    q, k, v = randn((1, 9, 2, 16)), randn((1, 9, 2, 16)), randn((1, 9, 2, 16))
+    d = turbo.explain("attention", q, k, v, causal=True)
+    assert d.backend == "TORCH" and d.source == "autotune", d
+    c = cu([4, 5])
+    d = turbo.explain("attention", q[0], k[0], v[0], c, c, 5, 5, causal=True)
+    assert d.backend == "TORCH" and d.source == "autotune", d
+
+
+def test_cudnn_supports_reasons():
+    """CUDNN's supports() names a reason for each case it refuses (checked on synthetic keys, no GPU)."""
+    from turbo_dispatch.backends.cudnn.attention import CudnnAttention
+
+    base = attn_mod.AttentionProblem(2, 256, 256, 512, 512, 8, 8, 128, 128, BF16, False, -1, -1, 0.0,
+                                     128 ** -0.5, False, False, False, "cuda")
+    adapter = CudnnAttention()
+    assert adapter.supports(base) is None
+    assert adapter.supports(base._replace(causal=True, window_right=0)) is None
+    refused = {
+        "platform": base._replace(platform="cpu"),
+        "bf16/fp16": base._replace(dtype=FP32),
+        "head dim": base._replace(head_dim_qk=256, head_dim_v=256),
+        "multiples of 8": base._replace(head_dim_qk=60, head_dim_v=60),
+        "v head dim": base._replace(head_dim_v=64),
+        "GQA": base._replace(heads_kv=2),
+        "varlen": base._replace(varlen=True),
+        "sliding window": base._replace(window_left=3, window_right=0, causal=True),
+        "bottom-right": base._replace(seqlen_q=128, causal=True, window_right=0),
+        "dropout": base._replace(dropout_p=0.1),
+        "lse": base._replace(return_lse=True),
+        "deterministic": base._replace(deterministic=True),
+    }
+    for word, p in refused.items():
+        reason = adapter.supports(p)
+        assert reason is not None and word in reason, (word, reason)
+
+
+def test_cudnn_pinned_on_cpu_is_an_error():
+    turbo.GlobalBackendManager.set_attn_backend("CUDNN")
+    q = randn((1, 4, 2, 8))
+    with pytest.raises(BackendUnsupportedError, match="CUDNN"):
+        flash_attn_func(q, q, q)
+
+
+# -- bad input -------------------------------------------------------------------------------------
+def _bad_dense():
+    q, k, v = randn((2, 5, 4, 16)), randn((2, 7, 2, 16)), randn((2, 7, 2, 16))
+    return [
+        ("heads", (q, randn((2, 7, 3, 16)), randn((2, 7, 3, 16))), {}, ValueError, "multiple of the heads"),
+        ("kv-heads", (q, k, randn((2, 7, 1, 16))), {}, ValueError, "same number of heads"),
+        ("head-dim-qk", (q, randn((2, 7, 2, 8)), v), {}, ValueError, "same head dim"),
+        ("ndim", (q[0], k, v), {}, ValueError, "4-D"),
+        ("batch", (q, randn((3, 7, 2, 16)), randn((3, 7, 2, 16))), {}, ValueError, "batch size"),
+        ("seqlen-kv", (q, k, randn((2, 6, 2, 16))), {}, ValueError, "seqlen_k"),
+        ("head-dim>256", (randn((1, 2, 1, 264)),) * 3, {}, ValueError, r"\[1, 256\]"),
+        ("window-type", (q, k, v), dict(window_size=5), TypeError, "window_size"),
+        ("window-value", (q, k, v), dict(window_size=(-2, 0)), ValueError, "window_size"),
+        ("window-len", (q, k, v), dict(window_size=(1, 2, 3)), TypeError, "window_size"),
+        ("window-float", (q, k, v), dict(window_size=(1.5, 0)), ValueError, "window_size"),
+        ("dtype", (q.double(), k.double(), v.double()), {}, TypeError, "q.dtype"),
+        ("mixed-dtype", (q, k.bfloat16(), v), {}, TypeError, "share one dtype"),
+        ("causal-type", (q, k, v), dict(causal=1), TypeError, "causal"),
+        ("dropout", (q, k, v), dict(dropout_p=1.0), ValueError, "dropout_p"),
+        ("scale", (q, k, v), dict(softmax_scale="x"), TypeError, "softmax_scale"),
+        ("not-a-tensor", (q.tolist(), k, v), {}, TypeError, "torch.Tensor"),
+    ]
+
+
+@pytest.mark.parametrize("case", _bad_dense(), ids=lambda c: c[0])
+def test_bad_dense_input(case):
+    _, args, kw, exc, match = case
+    with pytest.raises(exc, match=match):
+        flash_attn_func(*args, **kw)
+
+
+def test_bad_varlen_input():
+    q = randn((12, 2, 16))
+    c = cu([5, 7])
+    with pytest.raises(TypeError, match="int32"):
+        flash_attn_varlen_func(q, q, q, c.long(), c, 7, 7)
+    with pytest.raises(ValueError, match="batch \\+ 1"):
+        flash_attn_varlen_func(q, q, q, c, cu([5, 4, 3]), 7, 7)
+    with pytest.raises(TypeError, match="max_seqlen_q"):
+        flash_attn_varlen_func(q, q, q, c, c, torch.tensor(7), 7)
+    with pytest.raises(ValueError, match="3-D"):
+        flash_attn_varlen_func(q[None], q, q, c, c, 7, 7)
+    with pytest.raises(ValueError, match="same number of tokens"):
+        flash_attn_varlen_func(q, q, q[:11], c, c, 7, 7)
+
+
+# -- torch.compile ---------------------------------------------------------------------------------
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+COMPILE_CASES = {
+    "causal-gqa-lse-aot_eager": (dict(causal=True, return_lse=True), "aot_eager"),
+    "window-aot_eager": (dict(window_size=(3, 1)), "aot_eager"),
+    "plain-inductor": ({}, "inductor"),
+}
+
+
+@pytest.mark.parametrize("case", list(COMPILE_CASES))
+def test_compile_fullgraph_dense(case, fresh_dynamo):
+    kw, backend = COMPILE_CASES[case]
+    q, k, v = randn((2, 11, 4, 16)), randn((2, 13, 2, 16)), randn((2, 13, 2, 16))
+    grad = randn((2, 11, 4, 16))
+
+    def step(q, k, v):
+        result = flash_attn_func(q, k, v, **kw)
+        out = result[0] if isinstance(result, tuple) else result
+        return out * 2.0, result
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    doubled, result = compiled(*leaves)
+    doubled.backward(grad)
+    ref_out, ref_lse, ref_g = ref_grads(q, k, v, 2.0 * grad, **ref_kwargs(kw))
+    assert_close("out", doubled.detach() / 2, ref_out, FP32)
+    if kw.get("return_lse"):
+        assert_lse(result[1].detach(), ref_lse, FP32)
+    for name, g, r in zip(("dq", "dk", "dv"), (x.grad for x in leaves), ref_g):
+        assert_close(name, g, r, FP32)
+
+
+def test_compile_fullgraph_varlen(fresh_dynamo):
+    c_q, c_k = cu([3, 6]), cu([5, 6])
+    q, k, v = randn((9, 2, 16)), randn((11, 1, 16)), randn((11, 1, 8))
+    grad = randn((9, 2, 8))
+    compiled = torch.compile(lambda *a: flash_attn_varlen_func(*a, causal=True), fullgraph=True, backend="aot_eager")
+    out_c, _, grads_c = run_op(compiled, q, k, v, grad, c_q, c_k, 6, 6)
+    out_e, _, grads_e = run_op(flash_attn_varlen_func, q, k, v, grad, c_q, c_k, 6, 6, causal=True)
+    assert_close("out", out_c, out_e.double(), FP32)
+    for name, g, r in zip(("dq", "dk", "dv"), grads_c, grads_e):
+        assert_close(name, g, r.double(), FP32)
+
+
+def test_compile_dropout_is_refused(fresh_dynamo):
+    q = randn((1, 4, 2, 8), requires_grad=True)
+    compiled = torch.compile(lambda q: flash_attn_func(q, q, q, dropout_p=0.1), fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="dropout_p > 0 is not supported under torch.compile"):
+        compiled(q)
+
+
+# -- GPU -------------------------------------------------------------------------------------------
+@pytest.fixture
+def no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def gpu_check(backend, b, sq, sk, hq, hk, d, dv, dtype, **kw):
+    if backend is not None:
+        turbo.GlobalBackendManager.set_attn_backend(backend)
+    # Inputs rounded to ``dtype`` first: the reference sees exactly what the kernel sees.
+    q, k, v = randn((b, sq, hq, d), dtype), randn((b, sk, hk, d), dtype), randn((b, sk, hk, dv), dtype)
+    grad = randn((b, sq, hq, dv), dtype)
+    ref_out, ref_lse, ref_g = ref_grads(q, k, v, grad, **ref_kwargs(kw))
+    cuda = [x.to("cuda") for x in (q, k, v, grad)]
+    out, lse, grads = run_op(flash_attn_func, *cuda[:3], cuda[3], **kw)
+    assert out.dtype == dtype
+    assert_close("out", out.float(), ref_out, dtype)
+    if kw.get("return_lse"):
+        assert_lse(lse, ref_lse, dtype)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_g):
+        assert_close(name, g.float(), r, dtype)
+    return turbo.explain("attention", *cuda[:3], **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["TORCH", "CUDNN"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_bf16_b2_s256_h8_d128(backend, causal):
+    d = gpu_check(backend, 2, 256, 256, 8, 8, 128, 128, BF16, causal=causal)
+    assert d.backend == backend and d.source == "code"
+
+
+#: (B, Sq, Sk, Hq, Hkv, Dqk, Dv, dtype, kwargs): the grid CUDNN's supports() is judged on; every
+#: case it accepts must be correct, and every TORCH case too.
+GPU_GRID = [
+    (2, 256, 256, 8, 8, 128, 128, BF16, {}),
+    (2, 256, 256, 8, 8, 128, 128, FP16, dict(causal=True)),
+    (1, 200, 200, 4, 4, 64, 64, BF16, dict(causal=True)),
+    (2, 129, 129, 4, 4, 64, 64, BF16, {}),
+    (1, 96, 320, 4, 4, 128, 128, BF16, {}),
+    (1, 128, 384, 4, 4, 128, 128, BF16, dict(causal=True)),
+    (1, 128, 384, 8, 2, 128, 128, BF16, dict(causal=True)),
+    (1, 128, 384, 8, 2, 96, 64, BF16, dict(causal=True)),
+    (1, 384, 128, 4, 4, 64, 64, BF16, dict(causal=True)),
+    (2, 256, 256, 8, 2, 128, 128, BF16, dict(causal=True)),
+    (2, 256, 256, 8, 1, 64, 64, BF16, {}),
+    (1, 256, 256, 4, 4, 128, 128, BF16, dict(window_size=(64, 0))),
+    (1, 256, 256, 4, 4, 128, 128, BF16, dict(window_size=(32, 32))),
+    (1, 128, 128, 4, 4, 192, 128, BF16, dict(causal=True)),
+    (1, 128, 128, 4, 4, 256, 256, BF16, {}),
+    (1, 128, 128, 4, 4, 40, 40, BF16, {}),
+    (1, 128, 128, 4, 4, 128, 128, BF16, dict(return_lse=True, causal=True)),
+    (1, 128, 128, 4, 4, 64, 64, FP32, {}),
+    (1, 128, 128, 4, 2, 64, 64, FP32, dict(causal=True, window_size=(16, 0))),
+    (2, 128, 128, 4, 4, 64, 64, BF16, dict(deterministic=True, causal=True)),
+    (1, 128, 128, 4, 4, 64, 64, BF16, dict(softmax_scale=0.05)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["TORCH", "CUDNN"])
+@pytest.mark.parametrize("case", GPU_GRID, ids=lambda c: "-".join(map(str, c[:7])) + f"-{c[7]}-{c[8]}".replace(" ", ""))
+def test_gpu_grid(backend, case, no_tf32):
+    *shape, dtype, kw = case
+    q = torch.empty((shape[0], shape[1], shape[3], shape[5]), device="cuda", dtype=dtype)
+    k = torch.empty((shape[0], shape[2], shape[4], shape[5]), device="cuda", dtype=dtype)
+    v = torch.empty((shape[0], shape[2], shape[4], shape[6]), device="cuda", dtype=dtype)
+    from turbo_dispatch.backends.cudnn.attention import CudnnAttention
+
+    reason = CudnnAttention().supports(attn_mod.attention_problem(q, k, v, **kw))
+    if backend == "CUDNN" and reason is not None:
+        turbo.GlobalBackendManager.set_attn_backend("CUDNN")
+        with pytest.raises(BackendUnsupportedError, match="CUDNN") as info:
+            flash_attn_func(q, k, v, **kw)
+        assert reason in str(info.value)
+        return
+    gpu_check(backend, *shape, dtype, **kw)
+
+
+@pytest.mark.gpu
+def test_gpu_cudnn_pinned_unsupported_raises_with_reason():
+    turbo.GlobalBackendManager.set_attn_backend("CUDNN")
+    q = randn((2, 64, 8, 128), BF16, "cuda")
+    k = randn((2, 64, 2, 128), BF16, "cuda")
+    with pytest.raises(BackendUnsupportedError, match="GQA/MQA"):
+        flash_attn_func(q, k, k, causal=True)
+    with pytest.raises(BackendUnsupportedError, match="sliding window"):
+        flash_attn_func(q, q, q, window_size=(16, 0))
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_torch_bf16():
+    lens_q, lens_k = [100, 7, 250, 33], [120, 7, 250, 20]
+    c_q, c_k = cu(lens_q).cuda(), cu(lens_k).cuda()
+    q, k, v = randn((390, 8, 128), BF16), randn((397, 2, 128), BF16), randn((397, 2, 128), BF16)
+    grad = randn((390, 8, 128), BF16)
+    cuda = [x.to("cuda") for x in (q, k, v, grad)]
+    out, lse, grads = run_op(flash_attn_varlen_func, *cuda[:3], cuda[3], c_q, c_k, 250, 250, causal=True,
+                             return_lse=True)
+    cq, ck = cu(lens_q), cu(lens_k)
+    for b in range(4):
+        sq_, sk_ = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        o, l_, g = ref_grads(q[None, sq_], k[None, sk_], v[None, sk_], grad[None, sq_], causal=True)
+        assert_close("out", out[sq_].float(), o[0], BF16)
+        assert_lse(lse[:, sq_], l_[0], BF16)
+        assert_close("dq", grads[0][sq_].float(), g[0][0], BF16)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture():
+    """Nothing in the forward syncs the host: dense (windowed, with lse) and varlen calls are
+    captured in a CUDA graph, and replays recompute with new inputs."""
+    lens = [100, 7, 250, 33]
+    c = cu(lens).cuda()
+    qv, kv, vv = (randn((390, 4, 64), BF16, "cuda") for _ in range(3))
+    qd, kd, vd = (randn((2, 200, 4, 64), BF16, "cuda") for _ in range(3))
+
+    def calls():
+        return (flash_attn_varlen_func(qv, kv, vv, c, c, 250, 250, causal=True, return_lse=True),
+                flash_attn_func(qd, kd, vd, window_size=(32, 0), return_lse=True))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        calls()  # warm-up on the capture stream: resolves the decisions, loads kernels
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = calls()
+    for x in (qv, kv, vv, qd, kd, vd):
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    for (got_out, got_lse), (want_out, want_lse) in zip(captured, calls()):
+        assert torch.equal(got_out, want_out)
+        assert torch.equal(got_lse, want_lse)
+
+
+@pytest.mark.gpu
+def test_gpu_compile_cudnn(fresh_dynamo):
+    turbo.GlobalBackendManager.set_attn_backend("CUDNN")
+    q, k, v = (randn((2, 256, 8, 128), BF16, "cuda") for _ in range(3))
+    grad = randn((2, 256, 8, 128), BF16, "cuda")
+    compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True), fullgraph=True,
+                             backend="aot_eager")
+    out_c, _, grads_c = run_op(compiled, q, k, v, grad)
+    out_e, _, grads_e = run_op(flash_attn_func, q, k, v, grad, causal=True)
+    assert snr_db(out_c.float(), out_e.float()) > 60
+    for g, r in zip(grads_c, grads_e):
+        assert snr_db(g.float(), r.float()) > 40
+
+
+def test_doctests():
+    import doctest
+
+    for module in (attn_mod, __import__("turbo_dispatch.backends.cudnn.attention", fromlist=["x"])):
+        result = doctest.testmod(module)
+        assert result.failed == 0, module.__name__
+    assert doctest.testmod(attn_mod).attempted >= 2

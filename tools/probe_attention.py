@@ -1,0 +1,116 @@
+"""GPU probe for the attention backends: what SDPA's cuDNN kernel accepts on this machine, which
+kernel the TORCH backend reaches per mask kind, and forward+backward timings.
+
+Run on a GPU box: ``python3 tools/probe_attention.py``. Informs CUDNN's supports() limits
+(backends/cudnn/attention.py) and the notes in docs; it changes nothing.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import turbo_dispatch as turbo
+
+dev, bf16 = "cuda", torch.bfloat16
+print("torch", torch.__version__, "cudnn", torch.backends.cudnn.version(), torch.cuda.get_device_name())
+
+
+def t(b, h, s, d, hk=None, sk=None, dv=None):
+    hk, sk, dv = hk or h, sk or s, dv or d
+    q = torch.randn(b, h, s, d, device=dev, dtype=bf16, requires_grad=True)
+    k = torch.randn(b, hk, sk, d, device=dev, dtype=bf16, requires_grad=True)
+    v = torch.randn(b, hk, sk, dv, device=dev, dtype=bf16, requires_grad=True)
+    return q, k, v
+
+
+print("\n== SDPA forced onto cuDNN (fwd+bwd) ==")
+cases = {
+    "base 256 d128": (t(2, 8, 256, 128), {}),
+    "causal 256 d128": (t(2, 8, 256, 128), dict(is_causal=True)),
+    "odd seqlen 129": (t(2, 8, 129, 128), {}),
+    "sq!=sk 96/320": (t(1, 4, 96, 128, sk=320), {}),
+    "gqa 8/2": (t(2, 8, 256, 128, hk=2), dict(enable_gqa=True)),
+    "dv!=d 192/128": (t(1, 4, 128, 192, dv=128), {}),
+    "d256": (t(1, 4, 128, 256), {}),
+    "d40": (t(1, 4, 128, 40), {}),
+    "dropout": (t(1, 4, 128, 64), dict(dropout_p=0.1)),
+    "bool mask": (t(1, 4, 128, 64), dict(attn_mask=torch.ones(128, 128, device=dev, dtype=torch.bool).tril())),
+}
+for name, ((q, k, v), kw) in cases.items():
+    try:
+        with warnings.catch_warnings(record=True) as w, sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            warnings.simplefilter("always")
+            out = F.scaled_dot_product_attention(q, k, v, **kw)
+            out.sum().backward()
+        torch.cuda.synchronize()
+        print(f"  {name:18s} OK")
+    except Exception as exc:  # noqa: BLE001
+        print(f"  {name:18s} REFUSED: {str(exc).splitlines()[0][:110]}")
+        for x in w[:2]:
+            print(f"  {'':18s}   warning: {str(x.message).splitlines()[0][:110]}")
+
+
+def bench(fn, reps=20):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+print("\n== flash_attn_func fwd+bwd, bf16, ms (TFLOP/s) ==")
+B, S, H, D = 2, 4096, 32, 128
+shapes = {
+    "causal": dict(hk=H, kw=dict(causal=True)),
+    "full": dict(hk=H, kw={}),
+    "gqa 32/8 causal": dict(hk=8, kw=dict(causal=True)),
+    "window (1024,0)": dict(hk=H, kw=dict(window_size=(1024, 0))),
+    "causal + lse": dict(hk=H, kw=dict(causal=True, return_lse=True)),
+}
+for name, cfg in shapes.items():
+    q = torch.randn(B, S, H, D, device=dev, dtype=bf16, requires_grad=True)
+    k = torch.randn(B, S, cfg["hk"], D, device=dev, dtype=bf16, requires_grad=True)
+    v = torch.randn(B, S, cfg["hk"], D, device=dev, dtype=bf16, requires_grad=True)
+    g = torch.randn(B, S, H, D, device=dev, dtype=bf16)
+    row = []
+    for backend in ("TORCH", "CUDNN"):
+        turbo.GlobalBackendManager.set_attn_backend(backend)
+        try:
+            def step():
+                r = turbo.ops.flash_attn_func(q, k, v, **cfg["kw"])
+                (r[0] if isinstance(r, tuple) else r).backward(g)
+
+            ms = bench(step)
+            flops = 3.5 * 4 * B * H * S * S * D * (0.5 if cfg["kw"].get("causal") else 1.0)
+            row.append(f"{backend} {ms:7.3f} ({flops / ms / 1e9:5.0f})")
+        except Exception as exc:  # noqa: BLE001
+            row.append(f"{backend} refused: {str(exc).splitlines()[-1][:60]}")
+    print(f"  {name:18s} " + " | ".join(row))
+turbo.GlobalBackendManager.set_attn_backend(None)
+
+print("\n== varlen (TORCH) vs dense, causal, 8 x 1024 tokens, fwd+bwd ms ==")
+n, L = 8, 1024
+q = torch.randn(n * L, H, D, device=dev, dtype=bf16, requires_grad=True)
+cu = torch.arange(0, n * L + 1, L, device=dev, dtype=torch.int32)
+g = torch.randn(n * L, H, D, device=dev, dtype=bf16)
+ms_var = bench(lambda: turbo.ops.flash_attn_varlen_func(q, q, q, cu, cu, L, L, causal=True).backward(g))
+qd = q.detach().view(n, L, H, D).requires_grad_()
+ms_dense = bench(lambda: turbo.ops.flash_attn_func(qd, qd, qd, causal=True).backward(g.view(n, L, H, D)))
+print(f"  varlen {ms_var:.3f} ms, dense {ms_dense:.3f} ms")
+try:
+    from torch.nn.attention import varlen as tv
+    import inspect
+
+    print("  torch.nn.attention.varlen.varlen_attn", inspect.signature(tv.varlen_attn))
+    ms_tv = bench(lambda: tv.varlen_attn(q, q, q, cu, cu, L, L, is_causal=True).backward(g))
+    print(f"  torch varlen_attn (is_causal) {ms_tv:.3f} ms")
+except Exception as exc:  # noqa: BLE001
+    print("  torch varlen_attn:", type(exc).__name__, str(exc)[:120])
