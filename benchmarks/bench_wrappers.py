@@ -38,14 +38,14 @@ def grouped_rows(results: list) -> None:
                     turbo_ms, plain_ms, flops))
     cfg = Float8QuantConfig(granularity=ScalingGranularity.ROWWISE)
     d = turbo.explain("grouped_gemm_fp8", a, b, lens, trans_b=True, config=cfg)
-    direct = lambda: d.entry.adapter.run(d.problem, a, b, lens, config=d.config)
+    direct = lambda: d.entry.adapter.run(d.problem, a, b, lens, None, config=d.config)
     try:
         plain8 = bench(direct)
         turbo8 = bench(lambda: turbo.ops.grouped_gemm_fp8(a, b, lens, trans_b=True, config=cfg))
         results.append(("grouped_gemm_fp8 rowwise fwd (quantise incl.)", "same adapter called directly",
                         f"G={g} M={g * tokens} N={n} K={k}", turbo8, plain8, flops))
     except Exception as exc:  # report, don't hide
-        results.append(("grouped_gemm_fp8 rowwise fwd", f"FAILED: {type(exc).__name__}: {exc}", "", 0, 0, 0))
+        results.append(("grouped_gemm_fp8 rowwise fwd (quantise incl.)", f"FAILED: {type(exc).__name__}: {exc}", "", 0, 0, 0))
 
 
 def attention_rows(results: list) -> None:

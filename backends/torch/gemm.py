@@ -74,9 +74,17 @@ def _scaled_mm_unsupported(p) -> str | None:
     return "MX_BLOCKWISE torch scaled_mm needs sm_100+"
 
 
-def _outer_major(scale: torch.Tensor) -> torch.Tensor:
-    """[rows, blocks] scales stored column-major, the layout cuBLASLt's 1x128 scaling reads."""
-    return scale.t().contiguous().t()
+def _row_major(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with strides exactly (cols, 1). ``.contiguous()`` is not enough: it keeps odd
+    strides on size-1 dims, which cuBLASLt rejects (seen with M=1 on an H200)."""
+    if x.stride() == (x.shape[1], 1):
+        return x
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
+
+
+def _col_major(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with strides exactly (1, rows): the layout cuBLASLt reads block scales in."""
+    return _row_major(x.t()).t()
 
 
 class TorchGemmFp8(_TorchAdapter):
@@ -114,22 +122,22 @@ class TorchGemmFp8(_TorchAdapter):
 
 def _scaled(p, qa: QuantizedTensor, qb: QuantizedTensor) -> torch.Tensor:
     # cuBLASLt wants A row-major [M, K] and B column-major [K, N].
-    lhs = qa.data.t().contiguous() if p.trans_a else qa.data
-    rhs = qb.data.t() if p.trans_b else qb.data.t().contiguous().t()
+    lhs = _row_major(qa.data.t() if p.trans_a else qa.data)
+    rhs = _row_major(qb.data).t() if p.trans_b else _col_major(qb.data)
     g = p.granularity
     if g is ScalingGranularity.TENSORWISE:
         return torch._scaled_mm(lhs, rhs, qa.scale, qb.scale, out_dtype=p.out_dtype)
     if g is ScalingGranularity.ROWWISE:
         return torch._scaled_mm(lhs, rhs, qa.scale.reshape(p.m, 1), qb.scale.reshape(1, p.n), out_dtype=p.out_dtype)
     scaled_mm, ScalingType = _f_scaled_mm()
-    scale_a = qa.scale.t() if p.trans_a else _outer_major(qa.scale)
+    # Shapes and strides below are what torch 2.11 checks for on an H200 (its error messages name them).
+    scale_a = _col_major(qa.scale.t() if p.trans_a else qa.scale)  # [M, K/128], strides (1, M)
     if p.b_2d:
-        # torch 2.11 wants the 128x128 scales of B as [K/128 rounded up to 4, N/128] (seen on an
-        # H200: "scale_b must have shape 4 x 2" for K = N = 256).
-        tiles = qb.scale.t() if p.trans_b else qb.scale  # [K/128, N/128]
-        scale_b = torch.nn.functional.pad(tiles, (0, 0, 0, (-tiles.shape[0]) % 4)).contiguous()
+        tiles = qb.scale if p.trans_b else qb.scale.t()  # [N/128, K/128]
+        padded = torch.nn.functional.pad(tiles, (0, (-tiles.shape[1]) % 4))  # K/128 rounded up to 4
+        scale_b = _row_major(padded).t()  # [K/128 padded, N/128], strides (1, K/128 padded)
         kind_b = ScalingType.BlockWise128x128
     else:
-        scale_b = _outer_major(qb.scale) if p.trans_b else qb.scale.t()
+        scale_b = _col_major(qb.scale if p.trans_b else qb.scale.t())  # [N, K/128], strides (1, N)
         kind_b = ScalingType.BlockWise1x128
     return scaled_mm(lhs, rhs, scale_a, ScalingType.BlockWise1x128, scale_b, kind_b, output_dtype=p.out_dtype)
