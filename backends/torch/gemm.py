@@ -66,6 +66,9 @@ def _scaled_mm_unsupported(p) -> str | None:
             return "this torch has no torch.nn.functional.scaled_mm (blockwise recipes)"
         if p.block_size != 128 or p.k % 128 or p.n % 128:
             return f"blockwise torch scaled_mm needs block 128 and K, N divisible by 128 (K={p.k}, N={p.n})"
+        if p.m % 8:
+            # cuBLASLt returned NOT_SUPPORTED for M=1 on an H200 (M=200 and 256 ran).
+            return f"blockwise torch scaled_mm needs M divisible by 8 here (M={p.m})"
         if torch.float8_e5m2 in (p.a_fp8, p.b_fp8):
             return "blockwise torch scaled_mm takes e4m3 operands only"
         if p.out_dtype != torch.bfloat16:
