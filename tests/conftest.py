@@ -52,3 +52,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """torch._dynamo state reset around a torch.compile test, so cases do not share graphs."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -379,13 +379,6 @@ def test_bad_varlen_input():
 
 
 # -- torch.compile ---------------------------------------------------------------------------------
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 COMPILE_CASES = {
     "causal-gqa-lse-aot_eager": (dict(causal=True, return_lse=True), "aot_eager"),
     "window-aot_eager": (dict(window_size=(3, 1)), "aot_eager"),

@@ -327,13 +327,6 @@ def test_opcheck(device, trans_b):
 
 
 # -- torch.compile(fullgraph=True) -----------------------------------------------------------------
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 COMPILE_CASES = {
     "fp32-NN-aot_eager": (FP32, False, None, "aot_eager"),
     "bf16-NT-aot_eager": (BF16, True, None, "aot_eager"),
