@@ -38,7 +38,8 @@ def grouped_rows(results: list) -> None:
                     turbo_ms, plain_ms, flops))
     cfg = Float8QuantConfig(granularity=ScalingGranularity.ROWWISE)
     d = turbo.explain("grouped_gemm_fp8", a, b, lens, trans_b=True, config=cfg)
-    direct = lambda: d.entry.adapter.run(d.problem, a, b, lens, None, config=d.config)
+    group_offs = torch.nn.functional.pad(torch.cumsum(lens, 0), (1, 0))  # as the op computes it
+    direct = lambda: d.entry.adapter.run(d.problem, a, b, lens, group_offs, config=d.config)
     try:
         plain8 = bench(direct)
         turbo8 = bench(lambda: turbo.ops.grouped_gemm_fp8(a, b, lens, trans_b=True, config=cfg))
