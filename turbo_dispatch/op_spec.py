@@ -66,6 +66,16 @@ def format_key(problem: NamedTuple) -> str:
     return ",".join(parts)
 
 
+def run_adapter(adapter: Any, problem: Any, inputs: Sequence[Any], config: Any) -> Any:
+    """The default ``OpSpec.run``: ``adapter.run(problem, *inputs, config=config)``."""
+    return adapter.run(problem, *inputs, config=config)
+
+
+def problem_platform(problem: Any) -> str:
+    """The default ``OpSpec.platform_of``: the problem's own ``platform`` field."""
+    return problem.platform
+
+
 @dataclass(frozen=True)
 class OpSpec:
     """What the framework needs to know about one op.
@@ -79,11 +89,13 @@ class OpSpec:
     name: str
     precision_of: Callable[[Any], PrecisionType]
     make_inputs: Callable[[Any, torch.device], Sequence[Any]]
-    run: Callable[[Any, Any, Sequence[Any], Any], Any]
     reference: Callable[[Any, Sequence[Any]], Any]
     check: Callable[[Any, Any, Any], "str | None"]
     flops: Callable[[Any], float]
-    platform_of: Callable[[Any], str]
+    #: Calls a backend on synthesised inputs; most ops pass them straight to ``adapter.run``.
+    run: Callable[[Any, Any, Sequence[Any], Any], Any] = run_adapter
+    #: Every problem so far carries a ``platform`` field.
+    platform_of: Callable[[Any], str] = problem_platform
     #: Builds the problem from the public call's arguments (what explain() uses).
     problem_from_call: Callable[..., Any] | None = None
 

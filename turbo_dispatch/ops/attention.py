@@ -297,11 +297,9 @@ ATTENTION = register_op(OpSpec(
     name="attention",
     precision_of=lambda p: precision_of_dtype(p.dtype),
     make_inputs=_make_inputs,
-    run=lambda adapter, p, inputs, config: adapter.run(p, *inputs, config=config),
     reference=_reference,
     check=_check,
     flops=_flops,
-    platform_of=lambda p: p.platform,
     problem_from_call=_problem_from_call,
 ))
 

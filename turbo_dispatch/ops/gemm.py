@@ -166,11 +166,9 @@ GEMM = register_op(OpSpec(
     name="gemm",
     precision_of=lambda p: precision_of_dtype(p.a_dtype),
     make_inputs=_operands,
-    run=lambda adapter, p, inputs, config: adapter.run(p, *inputs, config=config),
     reference=_reference,
     check=lambda p, out, ref: check_rel(out, ref),
     flops=lambda p: 2.0 * p.m * p.n * p.k,
-    platform_of=lambda p: p.platform,
     problem_from_call=lambda *args, **kwargs: gemm_problem(*args, **kwargs),
 ))
 
@@ -178,11 +176,9 @@ GEMM_FP8 = register_op(OpSpec(
     name="gemm_fp8",
     precision_of=lambda p: PrecisionType.FP8,
     make_inputs=_operands,
-    run=lambda adapter, p, inputs, config: adapter.run(p, *inputs, config=config),
     reference=_reference,
     check=_fp8_check,
     flops=lambda p: 2.0 * p.m * p.n * p.k,
-    platform_of=lambda p: p.platform,
     problem_from_call=lambda *args, **kwargs: _explain_gemm_fp8(*args, **kwargs),
 ))
 

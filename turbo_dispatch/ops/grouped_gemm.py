@@ -311,19 +311,13 @@ def _fp8_check(p: GroupedGemmFp8Problem, out, ref):
     return check_snr(20.0 if torch.float8_e5m2 in (p.a_fp8, p.b_fp8) else 25.0)(out, ref)
 
 
-def _run_adapter(adapter, p, inputs, config):
-    return adapter.run(p, *inputs, config=config)
-
-
 GROUPED_GEMM = register_op(OpSpec(
     name="grouped_gemm",
     precision_of=lambda p: precision_of_dtype(p.dtype),
     make_inputs=_make_inputs,
-    run=_run_adapter,
     reference=grouped_reference,
     check=lambda p, out, ref: check_rel(out, ref),
     flops=lambda p: 2.0 * p.m * p.n * p.k,
-    platform_of=lambda p: p.platform,
     problem_from_call=lambda *args, **kwargs: grouped_gemm_problem(*args, **kwargs),
 ))
 
@@ -331,11 +325,9 @@ GROUPED_GEMM_FP8 = register_op(OpSpec(
     name="grouped_gemm_fp8",
     precision_of=lambda p: PrecisionType.FP8,
     make_inputs=_make_inputs,
-    run=_run_adapter,
     reference=grouped_reference,
     check=_fp8_check,
     flops=lambda p: 2.0 * p.m * p.n * p.k,
-    platform_of=lambda p: p.platform,
     problem_from_call=lambda *args, **kwargs: _explain_grouped_gemm_fp8(*args, **kwargs),
 ))
 

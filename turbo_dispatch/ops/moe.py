@@ -247,7 +247,6 @@ MOE_DISPATCH_COMBINE = register_op(OpSpec(
     reference=lambda p, inputs: None,
     check=lambda p, out, ref: _NOT_TUNABLE,
     flops=lambda p: 0.0,
-    platform_of=lambda p: p.platform,
     problem_from_call=_explain_problem,
 ))
 
