@@ -5,6 +5,8 @@
   environment and clears cached decisions, so no test sees another's choices. Fixtures that use
   ``monkeypatch`` are set up after this one and therefore torn down before it: the final reset
   re-reads the environment as monkeypatch restored it.
+* Every test gets its own writable tuning DB under its tmp_path (``PRIMUS_TURBO_TUNE_DB``) and
+  the package's shipped DBs switched off (``PRIMUS_TURBO_TUNE_DB_SHIPPED=0``).
 * Every test gets its own deterministic seed (from its node id), so a failure reproduces when
   the test runs alone. ``TURBO_TEST_SEED=<int>`` shifts all seeds (to check a margin is not luck).
 * ``device`` runs a test on the CPU and, as a ``gpu``-marked param, on CUDA. ``@pytest.mark.gpu``
@@ -32,10 +34,29 @@ def device(request) -> str:
     return request.param
 
 
+_DB_ENV = {"PRIMUS_TURBO_TUNE_DB": None, "PRIMUS_TURBO_TUNE_DB_SHIPPED": "0",
+           "PRIMUS_TURBO_TUNE_DB_PATH": None, "PRIMUS_TURBO_RECORD_UNTUNED": None}
+
+
 @pytest.fixture(autouse=True)
-def _reset_backend_settings():
-    turbo_dispatch.GlobalBackendManager.reset()
-    yield
+def _reset_backend_settings(tmp_path):
+    # No test may read or write the user's real tuning DB, and the DBs shipped in the package
+    # stay out of the way unless a test turns them back on. (Not via monkeypatch: this fixture
+    # must tear down after the test's own monkeypatch has restored the environment.)
+    saved = {var: os.environ.get(var) for var in _DB_ENV}
+    for var, value in _DB_ENV.items():
+        os.environ.pop(var, None)
+        if value is not None:
+            os.environ[var] = value
+    os.environ["PRIMUS_TURBO_TUNE_DB"] = str(tmp_path / "user_tuning.jsonl")
+    try:
+        turbo_dispatch.GlobalBackendManager.reset()
+        yield
+    finally:
+        for var, value in saved.items():
+            os.environ.pop(var, None)
+            if value is not None:
+                os.environ[var] = value
     turbo_dispatch.GlobalBackendManager.reset()
 
 

@@ -20,6 +20,7 @@ from typing import Any, Hashable, Sequence
 import torch
 
 from .op_spec import OpSpec, format_key
+from .tuning import database as _tunedb
 
 log = logging.getLogger("turbo_dispatch.autotune")
 
@@ -36,12 +37,19 @@ STATS: Counter = Counter()
 
 @dataclass(frozen=True)
 class TuneRecord:
-    """The outcome of tuning one key: the winner (None when every candidate failed)."""
+    """The outcome of tuning one key: the winner (None when every candidate failed).
+
+    ``source`` is "autotune" (profiled in this process) or "tuned-db" (read from a database);
+    ``timings`` holds every candidate's median (inf when rejected) for reports and the DB.
+    """
 
     backend: str | None
     config: Hashable
     time_ms: float
     rejected: tuple[tuple[str, str], ...] = ()
+    timings: tuple[tuple[str, float], ...] = ()
+    source: str = "autotune"
+    note: str = ""
 
 
 @dataclass
@@ -73,13 +81,39 @@ def profiling_blocked() -> str | None:
 
 
 def lookup(op: str, problem: Any) -> TuneRecord | None:
+    """The in-memory result for (op, problem), if this process has one."""
     return _memory.get((op, problem))
 
 
-def tune(spec: OpSpec, problem: Any, candidates: Sequence[Any]) -> TuneOutcome:
-    """Returns the stored winner for ``problem`` or, when allowed, profiles ``candidates``."""
-    record = lookup(spec.name, problem)
+def _stored(spec: OpSpec, problem: Any) -> TuneRecord | None:
+    """The memory layer, then the database layers (a DB hit is cached in memory)."""
+    record = _memory.get((spec.name, problem))
+    if record is not None:
+        return record
+    try:
+        hit = _tunedb.lookup(spec, problem)
+    except Exception as exc:  # a broken DB must never take the job down
+        log.warning("tuning DB lookup for %s failed (%s: %s); ignoring the DB", spec.name, type(exc).__name__, exc)
+        hit = None
+    if hit is None:
+        return None
+    record = TuneRecord(hit.backend, hit.config, hit.time_ms, source="tuned-db", note=hit.note())
+    _memory[(spec.name, problem)] = record
+    return record
+
+
+def tune(spec: OpSpec, problem: Any, candidates: Sequence[Any], profile_allowed: bool = True) -> TuneOutcome:
+    """The stored winner for ``problem`` (memory, then the tuning DBs) or, when
+    ``profile_allowed`` and nothing blocks it, a freshly profiled one (saved to the user DB).
+
+    With ``profile_allowed=False`` (autotune off) a miss returns an empty outcome: the resolver
+    goes on to the default.
+    """
+    record = _stored(spec, problem)
     if record is None:
+        _tunedb.record_untuned(spec, problem)
+        if not profile_allowed:
+            return TuneOutcome()
         blocked = profiling_blocked()
         if blocked is not None:
             return TuneOutcome(notes=[f"autotune: no stored result and {blocked}, so nothing was profiled"],
@@ -89,13 +123,23 @@ def tune(spec: OpSpec, problem: Any, candidates: Sequence[Any]) -> TuneOutcome:
             if record is None:
                 record = profile(spec, problem, candidates)
                 _memory[(spec.name, problem)] = record
+                if record.backend is not None:
+                    _save(spec, problem, record, candidates)
     if record.backend is None:
         reasons = "; ".join(f"{name}: {why}" for name, why in record.rejected) or "no candidate"
         return TuneOutcome(notes=[f"autotune failed for this key earlier (remembered, not retried): {reasons}"])
     entry = next((c for c in candidates if c.name == record.backend), None)
     if entry is None:
-        return TuneOutcome(notes=[f"autotune winner {record.backend} cannot serve this call any more"])
-    return TuneOutcome(entry, record.config, notes=[f"tuned: {record.time_ms:.4f} ms"])
+        return TuneOutcome(notes=[f"{record.source} winner {record.backend} cannot serve this call any more"])
+    note = record.note or f"tuned: {record.time_ms:.4f} ms"
+    return TuneOutcome(entry, record.config, source=record.source, notes=[note])
+
+
+def _save(spec: OpSpec, problem: Any, record: TuneRecord, candidates: Sequence[Any]) -> None:
+    entry = next(c for c in candidates if c.name == record.backend)
+    result = _tunedb.result_for(spec, problem, record.backend, record.config, entry.adapter.identity(record.config),
+                                record.time_ms, record.timings, record.rejected)
+    _tunedb.save([result])
 
 
 def _budget_s() -> float:
@@ -174,13 +218,14 @@ def profile(spec: OpSpec, problem: Any, candidates: Sequence[Any]) -> TuneRecord
             timings.append((entry.name, config, ms))
     if consensus_enabled():
         timings = agree_across_ranks(key, timings)
+    labelled = [(name if config is None else f"{name}[{config}]", ms) for name, config, ms in timings]
     finite = [t for t in timings if math.isfinite(t[2])]
     best = min(((ms, name, config) for name, config, ms in finite), default=None, key=lambda t: t[0])
     if best is None:
         log.warning("autotune %s %s: every candidate failed; remembered for this key", spec.name, key)
-        return TuneRecord(None, None, math.inf, tuple(rejected))
+        return TuneRecord(None, None, math.inf, tuple(rejected), tuple(labelled))
     log.info("autotune %s %s: winner %s (%.4f ms)", spec.name, key, best[1], best[0])
-    return TuneRecord(best[1], best[2], best[0], tuple(rejected))
+    return TuneRecord(best[1], best[2], best[0], tuple(rejected), tuple(labelled))
 
 
 def consensus_enabled() -> bool:

@@ -6,6 +6,8 @@ Subcommands (one ``_cmd_*`` function each):
   not, each op's default per platform, plus the versions of everything a decision depends on.
 * ``turbo-dispatch explain gemm --m 8192 --n 4096 --k 4096 --dtype bf16 [--fp8 rowwise]``: the
   Decision the resolver makes for one problem, built from shapes alone (no data is allocated).
+* ``turbo-dispatch tune ...`` and ``turbo-dispatch db show|validate|prune|merge ...``: the tuning
+  database (cli_tune.py).
 
 Errors a user can cause (a bad ``PRIMUS_TURBO_*`` value, a pinned backend that cannot serve the
 problem, an invalid fp8 recipe) print ``error: <message>`` to stderr and exit with status 2.
@@ -226,7 +228,8 @@ def _add_gemm_explain(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="turbo-dispatch", description="Inspect turbo_dispatch backends and explain backend decisions.")
+        prog="turbo-dispatch",
+        description="Inspect turbo_dispatch backends, explain backend decisions, tune and manage tuning DBs.")
     parser.add_argument("--log-level", choices=_LOG_LEVELS, default="warning",
                         help="logging level of turbo_dispatch's loggers (default: warning)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -238,6 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
     explain.set_defaults(func=_cmd_explain)
     ops = explain.add_subparsers(dest="op", required=True, metavar="OP")
     _add_gemm_explain(ops)
+
+    from .cli_tune import add_parsers
+
+    add_parsers(sub)
     return parser
 
 
@@ -257,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _setup_logging(args.log_level)
     try:
         return args.func(args)
-    except (TurboDispatchError, UsageError, ValueError, TypeError) as exc:
+    except (TurboDispatchError, UsageError, ValueError, TypeError, OSError) as exc:
         log.debug("%s failed", args.command, exc_info=True)
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -13,11 +13,13 @@ import itertools
 import os
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Sequence
 
 from .backend_type import BackendLike, BackendType, PrecisionType
 from .env import ALL_PRECISIONS, AUTO_TUNE_ENV, check_backend_name, parse_backend_setting, parse_bool
 from .op_spec import FAMILY_ENV
+from .tuning import config as _db_config
 
 Choice = "BackendType | str"
 
@@ -31,6 +33,17 @@ class Settings:
     code_auto_tune: bool | None = None
     env: dict = field(default_factory=dict)  # family -> {precision|'*': BackendType|str}
     env_auto_tune: bool | None = None
+    code_db: dict = field(default_factory=dict)  # tuning-DB settings set in code (tuning.config names)
+    env_db: dict = field(default_factory=dict)  # tuning-DB settings read from the environment
+
+    @property
+    def db(self) -> "_db_config.DbSettings":
+        """The effective tuning-database settings (computed once per snapshot)."""
+        cached = self.__dict__.get("_db")
+        if cached is None:
+            cached = _db_config.effective(self.code_db, self.env_db)
+            object.__setattr__(self, "_db", cached)
+        return cached
 
     def backend_choice(self, family: str, precision: str) -> tuple["BackendType | str | None", str]:
         """The backend (or AUTOTUNE) set for this family/precision and where it came from."""
@@ -62,7 +75,7 @@ def _plugin_names() -> set[str]:
     return get_registry().names()
 
 
-def _read_env() -> tuple[dict, bool | None]:
+def _read_env() -> tuple[dict, bool | None, dict]:
     plugins = None
     env = {}
     for family, var in FAMILY_ENV.items():
@@ -72,7 +85,7 @@ def _read_env() -> tuple[dict, bool | None]:
         if plugins is None:
             plugins = _plugin_names()
         env[family] = parse_backend_setting(raw, var, plugins)
-    return env, parse_bool(os.environ.get(AUTO_TUNE_ENV), AUTO_TUNE_ENV)
+    return env, parse_bool(os.environ.get(AUTO_TUNE_ENV), AUTO_TUNE_ENV), _db_config.read_env()
 
 
 def current_settings() -> Settings:
@@ -89,8 +102,9 @@ def current_settings() -> Settings:
 def _publish(base: Settings, **changes) -> None:
     """Re-reads the environment, applies ``changes`` and installs the result as a new generation."""
     global _settings
-    env, env_auto_tune = _read_env()
-    _settings = replace(base, generation=next(_generation), env=env, env_auto_tune=env_auto_tune, **changes)
+    env, env_auto_tune, env_db = _read_env()
+    _settings = replace(base, generation=next(_generation), env=env, env_auto_tune=env_auto_tune, env_db=env_db,
+                        **changes)
     for listener in list(_listeners):
         listener()
 
@@ -156,6 +170,17 @@ def _family_getter(family: str):
     return staticmethod(getter)
 
 
+def _set_db(name: str, value: object, unset: bool) -> None:
+    with _lock:
+        settings = current_settings()
+        code_db = dict(settings.code_db)
+        if unset:
+            code_db.pop(name, None)
+        else:
+            code_db[name] = value
+        _publish(settings, code_db=code_db)
+
+
 class GlobalBackendManager:
     """Process-wide backend settings, set in code (they take priority over env vars).
 
@@ -190,6 +215,53 @@ class GlobalBackendManager:
     def get_auto_tune() -> bool:
         """Whether autotuning is globally on (code setting, else PRIMUS_TURBO_AUTO_TUNE)."""
         return current_settings().global_auto_tune()[0]
+
+    # -- tuning database ------------------------------------------------------------------------------
+    @staticmethod
+    def set_tune_db(path: "str | os.PathLike[str] | None", *, unset: bool = False) -> None:
+        """Names the writable tuning DB (overrides PRIMUS_TURBO_TUNE_DB). ``None`` keeps results in
+        memory only; ``unset=True`` drops the code setting (the env var / default apply again).
+
+        Example:
+            >>> from turbo_dispatch import GlobalBackendManager
+            >>> GlobalBackendManager.set_tune_db("/tmp/my_tuning.jsonl")
+            >>> str(GlobalBackendManager.get_tune_db())
+            '/tmp/my_tuning.jsonl'
+            >>> GlobalBackendManager.set_tune_db(None, unset=True)
+        """
+        _set_db("user_db", None if path is None else Path(path).expanduser(), unset)
+
+    @staticmethod
+    def get_tune_db() -> "Path | None":
+        """The writable tuning DB in force (None: memory only)."""
+        return current_settings().db.user_db
+
+    @staticmethod
+    def set_tune_db_path(paths: "Sequence[str | os.PathLike[str]] | None") -> None:
+        """Read-only tuning DBs, searched in order after the user DB (overrides
+        PRIMUS_TURBO_TUNE_DB_PATH; None unsets). They are never written."""
+        if isinstance(paths, (str, os.PathLike)):
+            raise TypeError("set_tune_db_path expects a list of paths (or None), not a single path")
+        _set_db("read_only", None if paths is None else tuple(Path(p).expanduser() for p in paths), paths is None)
+
+    @staticmethod
+    def set_shipped_tune_db(enabled: bool | None) -> None:
+        """Whether the DBs shipped in the package are searched (default on; None: defer to
+        PRIMUS_TURBO_TUNE_DB_SHIPPED)."""
+        if enabled is not None and not isinstance(enabled, bool):
+            raise TypeError(f"set_shipped_tune_db(enabled=...) expects a bool or None, got {enabled!r}")
+        _set_db("shipped", enabled, enabled is None)
+
+    @staticmethod
+    def set_record_untuned(path: "str | os.PathLike[str] | None") -> None:
+        """Records every problem key the job meets without a tuned result into ``path`` (for
+        ``turbo-dispatch tune --from-recorded``); None unsets (PRIMUS_TURBO_RECORD_UNTUNED applies)."""
+        _set_db("record_untuned", None if path is None else Path(path).expanduser(), path is None)
+
+    @staticmethod
+    def tune_db_layers() -> "list[tuple[str, Path]]":
+        """The tuning-DB files searched, in order, as (layer, path)."""
+        return current_settings().db.layers()
 
     @staticmethod
     def reset() -> None:

@@ -87,6 +87,8 @@ class OpSpec:
     """
 
     name: str
+    #: The problem NamedTuple (the tuning database decodes stored keys with it).
+    problem_type: type
     precision_of: Callable[[Any], PrecisionType]
     make_inputs: Callable[[Any, torch.device], Sequence[Any]]
     reference: Callable[[Any, Sequence[Any]], Any]

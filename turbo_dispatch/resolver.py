@@ -1,4 +1,4 @@
-"""The priority chain: code setting -> env var -> autotune -> platform default -> fallback.
+"""The priority chain: code setting -> env var -> tuned DB / autotune -> platform default -> fallback.
 
 A pinned backend (code or env) that cannot serve the call is an error naming the reason, never
 a silent swap. Automatic choices fall back with a logged reason. Decisions are cached per
@@ -86,14 +86,15 @@ def _decide(spec: OpSpec, problem: Any, settings: "_manager.Settings") -> Decisi
 
     notes: list[str] = []
     provisional = False
+    # Stored results (memory, then the tuning DBs) apply whether or not autotune is on: a shipped
+    # or cluster DB is meant to be used as is. Only profiling a miss needs autotune on.
     tune_on = choice is BackendType.AUTOTUNE or settings.global_auto_tune()[0]
-    if tune_on:
-        candidates = [e for e in entries if reasons[e.name] is None]
-        outcome = autotune.tune(spec, problem, candidates)
-        if outcome.entry is not None:
-            return decided(outcome.entry, outcome.source, outcome.config, outcome.notes)
-        notes += outcome.notes
-        provisional = outcome.provisional
+    candidates = [e for e in entries if reasons[e.name] is None]
+    outcome = autotune.tune(spec, problem, candidates, profile_allowed=tune_on)
+    if outcome.entry is not None:
+        return decided(outcome.entry, outcome.source, outcome.config, outcome.notes)
+    notes += outcome.notes
+    provisional = outcome.provisional
 
     default_name = registry.default(spec.name, platform)
     if default_name is not None:

@@ -295,6 +295,7 @@ def _problem_from_call(*args, **kwargs) -> AttentionProblem:
 
 ATTENTION = register_op(OpSpec(
     name="attention",
+    problem_type=AttentionProblem,
     precision_of=lambda p: precision_of_dtype(p.dtype),
     make_inputs=_make_inputs,
     reference=_reference,

@@ -164,6 +164,7 @@ def _fp8_check(p: GemmFp8Problem, out, ref):
 
 GEMM = register_op(OpSpec(
     name="gemm",
+    problem_type=GemmProblem,
     precision_of=lambda p: precision_of_dtype(p.a_dtype),
     make_inputs=_operands,
     reference=_reference,
@@ -174,6 +175,7 @@ GEMM = register_op(OpSpec(
 
 GEMM_FP8 = register_op(OpSpec(
     name="gemm_fp8",
+    problem_type=GemmFp8Problem,
     precision_of=lambda p: PrecisionType.FP8,
     make_inputs=_operands,
     reference=_reference,

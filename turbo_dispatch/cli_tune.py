@@ -1,0 +1,210 @@
+"""The tuning subcommands of ``turbo-dispatch``: ``tune`` and ``db show|validate|prune|merge``.
+
+* ``turbo-dispatch tune --model llama3.1-8b --ops gemm,gemm_fp8``: tunes every key of one
+  training step of the model presets (or ``--from-recorded FILE``) and merges the winners into
+  the writable tuning DB (``--db``, default: the one in force). Prints a summary table of each
+  winner against the op's default. ``--distributed`` under torchrun shards the keys over ranks.
+* ``turbo-dispatch db show FILE``: one row per entry with its verdict for this machine, then
+  ``N entries (... skipped, and why)``. ``db validate FILE...`` exits 1 on problems; ``db prune
+  FILE`` drops entries stale for this machine; ``db merge -o OUT IN...`` merges files.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(t) for t in _csv(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+def add_parsers(sub) -> None:
+    from .cli import _positive_int
+    from .tuning.keys import FP8_GRANULARITIES, OPS
+
+    tune = sub.add_parser("tune", help="tune the keys of model presets (or a recorded file) into a tuning DB",
+                          description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    tune.add_argument("--model", type=_csv, default=None,
+                      help="comma-separated presets (see --list-models); default: llama3.1-8b on a GPU, tiny on CPU")
+    tune.add_argument("--ops", type=_csv, default=list(OPS), help=f"comma-separated ops (default: {','.join(OPS)})")
+    tune.add_argument("--from-recorded", type=Path, default=None, metavar="FILE",
+                      help="tune the keys a job recorded with PRIMUS_TURBO_RECORD_UNTUNED=FILE")
+    tune.add_argument("--micro-batches", type=_ints, default=[1], help="e.g. 1,2,4 (default: 1)")
+    tune.add_argument("--seq-len", type=_positive_int, default=None, help="default: the preset's")
+    tune.add_argument("--fp8", type=_csv, default=list(FP8_GRANULARITIES),
+                      help=f"fp8 granularities for the *_fp8 ops (default: {','.join(FP8_GRANULARITIES)})")
+    tune.add_argument("--ep", type=_positive_int, default=8, help="expert parallelism for MoE presets (default 8)")
+    tune.add_argument("--tokens-per-expert", type=_positive_int, default=4096)
+    tune.add_argument("--db", type=Path, default=None, help="DB to write (default: the writable DB in force)")
+    tune.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when a GPU is visible")
+    tune.add_argument("--force", action="store_true", help="re-tune keys that already have a stored result")
+    tune.add_argument("--distributed", action="store_true", help="under torchrun: shard keys over ranks")
+    tune.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tune.add_argument("--list-models", action="store_true", help="list the model presets and exit")
+    tune.set_defaults(func=_cmd_tune)
+
+    db = sub.add_parser("db", help="inspect and maintain tuning DB files")
+    db_sub = db.add_subparsers(dest="db_command", required=True, metavar="ACTION")
+    show = db_sub.add_parser("show", help="one row per entry and its verdict for this machine")
+    show.add_argument("file", type=Path)
+    show.set_defaults(func=_cmd_db_show)
+    validate = db_sub.add_parser("validate", help="exit 1 if a file has unreadable lines or stale entries")
+    validate.add_argument("files", type=Path, nargs="+")
+    validate.set_defaults(func=_cmd_db_validate)
+    prune = db_sub.add_parser("prune", help="drop the entries that are stale for this machine")
+    prune.add_argument("file", type=Path)
+    prune.add_argument("--foreign", action="store_true", help="also drop entries tuned on other machines")
+    prune.set_defaults(func=_cmd_db_prune)
+    merge = db_sub.add_parser("merge", help="merge files into OUT (the faster result of one key wins)")
+    merge.add_argument("-o", "--output", type=Path, required=True)
+    merge.add_argument("inputs", type=Path, nargs="+")
+    merge.set_defaults(func=_cmd_db_merge)
+
+
+# -- tune ------------------------------------------------------------------------------------------
+def _tune_device(requested: str | None) -> str:
+    from .cli import UsageError
+
+    if requested is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: torch sees no GPU on this machine")
+    return requested
+
+
+def _init_distributed() -> None:
+    from .cli import UsageError
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise UsageError("--distributed needs torchrun (RANK and WORLD_SIZE are not set)")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from .cli import UsageError, _table
+    from .device_platform import platform_of
+    from .manager import GlobalBackendManager
+    from .presets import MODELS
+    from .tuning import keys as key_sources
+    from .tuning import offline
+
+    if args.list_models:
+        for name, model in MODELS.items():
+            print(f"{name:16s} {model.note or ''}")
+        return 0
+    if args.distributed:
+        _init_distributed()
+    device = _tune_device(args.device)
+    platform = platform_of(device)
+    db = args.db or GlobalBackendManager.get_tune_db()
+    if db is None:
+        raise UsageError("no writable tuning DB: PRIMUS_TURBO_TUNE_DB is off; pass --db FILE")
+    if args.from_recorded is not None:
+        if args.model is not None:
+            raise UsageError("pass either --model or --from-recorded, not both")
+        keys = offline.recorded_keys(args.from_recorded)
+        source = str(args.from_recorded)
+    else:
+        models = args.model or (["llama3.1-8b"] if device == "cuda" else ["tiny"])
+        keys = []
+        for model in models:
+            keys += key_sources.model_keys(model, args.ops, platform, args.micro_batches, args.seq_len, args.fp8,
+                                           args.ep, args.tokens_per_expert)
+        keys = list(dict.fromkeys(keys))
+        source = ",".join(models)
+    rank = torch.distributed.get_rank() if args.distributed else 0
+    if rank == 0:
+        print(f"tuning {len(keys)} key(s) from {source} on {device} into {db}", file=sys.stderr)
+    reports = offline.run(keys, db, force=args.force, progress=not args.no_progress, distributed=args.distributed)
+    if rank != 0:
+        return 0
+    rows = []
+    for r in reports:
+        speedup = f"{r.speedup:.2f}x" if math.isfinite(r.speedup) else "-"
+        rows.append([r.op, r.key, r.status, r.winner, _ms(r.winner_ms), r.default, _ms(r.default_ms), speedup,
+                     f"{r.seconds:.1f}"])
+    print(_table(["OP", "KEY", "STATUS", "WINNER", "MS", "DEFAULT", "DEFAULT MS", "SPEEDUP", "TUNE S"], rows))
+    tuned = [r for r in reports if r.status == "tuned"]
+    failed = [r for r in reports if r.status in ("failed", "no candidate")]
+    total = sum(r.seconds for r in reports)
+    print(f"{len(reports)} keys: {len(tuned)} tuned, {sum(r.status == 'stored' for r in reports)} already stored, "
+          f"{len(failed)} failed; {total:.1f} s profiling"
+          + (f" ({total / len(tuned):.2f} s per tuned key)" if tuned else ""))
+    for r in failed:
+        print(f"  {r.status}: {r.op} {r.key}: {r.note}")
+    return 1 if failed and not tuned else 0
+
+
+def _ms(value: float) -> str:
+    return f"{value:.4f}" if math.isfinite(value) else "-"
+
+
+# -- db --------------------------------------------------------------------------------------------
+def _cmd_db_show(args: argparse.Namespace) -> int:
+    from .cli import UsageError, _table
+    from .tuning.report import inspect
+
+    report = inspect(args.file)
+    if report.missing:
+        raise UsageError(f"db show: {args.file} does not exist")
+    rows = [[r.op, r.key, r.backend, str(r.config), f"{r.time_ms:.4f}", r.gpu, r.status] for r in report.rows]
+    if rows:
+        print(_table(["OP", "KEY", "BACKEND", "CONFIG", "MS", "GPU", "STATUS"], rows, indent=""))
+    print(report.summary())
+    return 0
+
+
+def _cmd_db_validate(args: argparse.Namespace) -> int:
+    from .tuning.report import inspect, validate_problems
+
+    status = 0
+    for path in args.files:
+        report = inspect(path)
+        problems = validate_problems(report)
+        if problems:
+            status = 1
+            print(f"{path}: INVALID")
+            for problem in problems:
+                print(f"  {problem}")
+        else:
+            print(f"{path}: ok, {report.summary()}")
+    return status
+
+
+def _cmd_db_prune(args: argparse.Namespace) -> int:
+    from .cli import UsageError
+    from .tuning.report import prune
+
+    if not args.file.exists():
+        raise UsageError(f"db prune: {args.file} does not exist")
+    removed, kept = prune(args.file, foreign_too=args.foreign)
+    print(f"{args.file}: removed {removed} entr{'y' if removed == 1 else 'ies'}, kept {kept}")
+    return 0
+
+
+def _cmd_db_merge(args: argparse.Namespace) -> int:
+    from .tuning.report import merge
+
+    written, warnings = merge(args.output, args.inputs)
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    print(f"{args.output}: {written} entries after merging {len(args.inputs)} file(s)")
+    return 0

@@ -1,0 +1,168 @@
+"""The layered tuning database: find a stored winner for a key, store a new one, record misses.
+
+Validation is per entry (docs/tuning-db.md). An entry serves this machine when its stamp's hard
+fields match this machine, its op and key decode with this version's problem type, its backend
+is registered, and the backend's current ``identity(config)`` equals the stored one. Anything
+else is skipped with a reason; the other entries of the file still serve.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Hashable, Sequence
+
+from .. import manager as _manager
+from ..op_spec import OpSpec, format_key, get_op_spec
+from . import store
+from .codec import decode_config, decode_key, encode_config, encode_key
+from .stamp import Stamp, current_stamp
+
+log = logging.getLogger("turbo_dispatch.tuning")
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A stored winner that serves this call."""
+
+    backend: str
+    config: Hashable
+    time_ms: float
+    layer: str
+    path: Path
+    soft: tuple[str, ...]  # soft stamp fields that differ from this machine
+
+    def note(self) -> str:
+        soft = f"; differs in {', '.join(self.soft)} (soft)" if self.soft else ""
+        return f"tuned-db: {self.backend} {self.time_ms:.4f} ms from the {self.layer} DB {self.path}{soft}"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether one stored result serves this machine, and why not."""
+
+    problem: Any  # the decoded problem, None when the key does not decode
+    reason: str | None  # None: usable
+    soft: tuple[str, ...] = ()
+
+
+def judge(result: store.Result, stamps: dict, entry_for=None) -> Verdict:
+    """Validates one stored result for this machine (the hard/soft rules of docs/tuning-db.md).
+
+    ``entry_for(op, backend)`` returns the registry entry (default: the live registry).
+    """
+    from ..registry import get_registry
+
+    try:
+        spec = get_op_spec(result.op)
+    except ValueError:
+        return Verdict(None, f"unknown op {result.op!r}")
+    try:
+        problem = decode_key(spec.problem_type, result.key)
+    except (ValueError, TypeError, KeyError) as exc:
+        return Verdict(None, f"stale key schema: {exc}")
+    stamp: Stamp = stamps[result.stamp]
+    platform = spec.platform_of(problem)
+    if stamp.platform != platform:
+        return Verdict(problem, f"stamp platform {stamp.platform} differs from the key's {platform}")
+    try:
+        here = current_stamp(platform)
+    except Exception as exc:  # e.g. a cuda key on a machine without a GPU
+        return Verdict(problem, f"no {platform} device here ({type(exc).__name__}: {exc})")
+    foreign = stamp.hard_mismatch(here)
+    if foreign:
+        return Verdict(problem, foreign)
+    entry = (entry_for or get_registry().get)(result.op, result.backend)
+    if entry is None:
+        return Verdict(problem, f"backend {result.backend} is not registered for {result.op}")
+    try:
+        config = decode_config(result.config)
+        identity = entry.adapter.identity(config)
+    except Exception as exc:
+        return Verdict(problem, f"backend {result.backend} cannot describe config {result.config!r}: {exc}")
+    if identity != result.identity:
+        return Verdict(problem, f"stale: tuned with {result.identity}, this install has {identity}")
+    return Verdict(problem, None, tuple(stamp.soft_mismatch(here)))
+
+
+def lookup(spec: OpSpec, problem: Any) -> Hit | None:
+    """The first usable stored winner for ``problem`` across the layers, or None."""
+    settings = _manager.current_settings().db
+    key = encode_key(problem)
+    text = store.key_text(key)
+    for layer, path in settings.layers():
+        contents = store.read(path)
+        matches = contents.for_key(spec.name, text)
+        usable = []
+        for result in matches:
+            verdict = judge(result, contents.stamps)
+            if verdict.reason is None:
+                usable.append((result, verdict))
+            else:
+                log.info("tuning DB %s: entry for %s %s skipped: %s", path, spec.name, format_key(problem),
+                         verdict.reason)
+        if usable:
+            result, verdict = min(usable, key=lambda rv: rv[0].time_ms)
+            return Hit(result.backend, decode_config(result.config), result.time_ms, layer, path, verdict.soft)
+    return None
+
+
+def result_for(spec: OpSpec, problem: Any, backend: str, config: Hashable, identity: str, time_ms: float,
+               timings: Sequence[tuple[str, float]], rejected: Sequence[tuple[str, str]]) -> store.Result:
+    """The stored form of one tuning outcome on this machine."""
+    stamp = current_stamp(spec.platform_of(problem))
+    return store.Result(
+        stamp=stamp.id, op=spec.name, key=encode_key(problem), backend=backend, config=encode_config(config),
+        identity=identity, time_ms=round(float(time_ms), 6),
+        candidates={label: (round(ms, 6) if math.isfinite(ms) else None) for label, ms in timings},
+        rejected=tuple((label, why) for label, why in rejected),
+        tuned=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    )
+
+
+def contents_of(results: Sequence[store.Result]) -> store.Contents:
+    """A Contents holding ``results`` and the stamps they reference (this machine's)."""
+    contents = store.Contents()
+    for result in results:
+        contents.add_result(result)
+        spec = get_op_spec(result.op)
+        stamp = current_stamp(spec.platform_of(decode_key(spec.problem_type, result.key)))
+        contents.stamps[stamp.id] = stamp
+    return contents
+
+
+_write_failed: set = set()
+
+
+def save(results: Sequence[store.Result]) -> None:
+    """Merges ``results`` into the writable user DB, if one is set; a failure is logged once and
+    never raised (a training job must not die because its cache folder is read-only)."""
+    path = _manager.current_settings().db.user_db
+    if path is None or not results:
+        return
+    try:
+        store.update(path, contents_of(results))
+    except Exception as exc:
+        if str(path) not in _write_failed:
+            _write_failed.add(str(path))
+            log.warning("tuning DB %s: cannot write tuning results (%s); they stay in memory", path, exc)
+
+
+_recorded: set = set()
+
+
+def record_untuned(spec: OpSpec, problem: Any) -> None:
+    """In record-untuned mode, appends ``problem`` to the record file (once per process and key)."""
+    path = _manager.current_settings().db.record_untuned
+    if path is None or (spec.name, problem, path) in _recorded:
+        return
+    _recorded.add((spec.name, problem, path))
+    contents = store.Contents()
+    key = encode_key(problem)
+    contents.keys[(spec.name, store.key_text(key))] = key
+    try:
+        store.update(path, contents)
+    except Exception as exc:
+        log.warning("record-untuned file %s: cannot write (%s)", path, exc)

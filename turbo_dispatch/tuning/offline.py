@@ -1,0 +1,148 @@
+"""Offline tuning: profile a list of problem keys and store the winners in a tuning DB.
+
+Used by ``turbo-dispatch tune``. Keys come from model presets (``keys.model_keys``) or from a
+file written by the record-untuned mode. Under torch.distributed each rank tunes every
+world_size-th key on its own GPU and rank 0 merges all results into the DB, so a node with 8
+GPUs tunes 8 keys at a time.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .. import autotune
+from ..op_spec import format_key, get_op_spec
+from ..registry import get_registry
+from . import store
+from .codec import decode_key
+from .database import result_for
+from .stamp import Stamp, current_stamp
+
+log = logging.getLogger("turbo_dispatch.tuning")
+
+
+@dataclass(frozen=True)
+class KeyReport:
+    """What tuning one key gave, for the summary table."""
+
+    op: str
+    key: str
+    status: str  # "tuned", "stored" (already in a DB), "failed", "no candidate"
+    winner: str = "-"
+    winner_ms: float = math.nan
+    default: str = "-"
+    default_ms: float = math.nan
+    seconds: float = 0.0
+    note: str = ""
+
+    @property
+    def speedup(self) -> float:
+        return self.default_ms / self.winner_ms if self.winner_ms > 0 else math.nan
+
+
+def recorded_keys(path: "str | os.PathLike[str]") -> list[tuple[str, Any]]:
+    """The (op, problem) keys of a record-untuned file; undecodable lines are logged and skipped."""
+    contents = store.read(path)
+    if contents.foreign:
+        raise ValueError(f"{path}: {contents.foreign}")
+    if not Path(path).exists():
+        raise ValueError(f"{path}: no such file")
+    keys = []
+    for (op, _), key in sorted(contents.keys.items()):
+        try:
+            spec = get_op_spec(op)
+            keys.append((op, decode_key(spec.problem_type, key)))
+        except (ValueError, TypeError) as exc:
+            log.warning("%s: skipping recorded %s key %s: %s", path, op, key, exc)
+    return keys
+
+
+def _default_label(op: str, problem: Any) -> str | None:
+    return get_registry().default(op, get_op_spec(op).platform_of(problem))
+
+
+def tune_one(op: str, problem: Any, force: bool = False) -> tuple[KeyReport, "store.Result | None"]:
+    """Profiles one key (unless a stored result exists and not ``force``)."""
+    spec = get_op_spec(op)
+    platform = spec.platform_of(problem)
+    key = format_key(problem)
+    default = _default_label(op, problem) or "-"
+    if not force:
+        stored = autotune._stored(spec, problem)
+        if stored is not None and stored.backend is not None:
+            return KeyReport(op, key, "stored", stored.backend, stored.time_ms, default, note=stored.note), None
+    entries = get_registry().backends(op)
+    candidates = [e for e in entries if e.check(problem, platform) is None]
+    if not candidates:
+        reasons = "; ".join(f"{e.name}: {e.check(problem, platform)}" for e in entries)
+        return KeyReport(op, key, "no candidate", default=default, note=reasons), None
+    started = time.perf_counter()
+    record = autotune.profile(spec, problem, candidates)
+    seconds = time.perf_counter() - started
+    default_ms = dict(record.timings).get(default, math.nan)
+    if record.backend is None:
+        note = "; ".join(f"{label}: {why}" for label, why in record.rejected)
+        return KeyReport(op, key, "failed", default=default, default_ms=default_ms, seconds=seconds, note=note), None
+    entry = next(c for c in candidates if c.name == record.backend)
+    result = result_for(spec, problem, record.backend, record.config, entry.adapter.identity(record.config),
+                        record.time_ms, record.timings, record.rejected)
+    autotune._memory[(spec.name, problem)] = record
+    winner = record.backend if record.config is None else f"{record.backend}[{record.config}]"
+    return KeyReport(op, key, "tuned", winner, record.time_ms, default, default_ms, seconds), result
+
+
+def _progress(items: Sequence, enabled: bool, desc: str):
+    if not enabled:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit="key", dynamic_ncols=True)
+
+
+def run(keys: Sequence[tuple[str, Any]], db: Path, *, force: bool = False, progress: bool = True,
+        distributed: bool = False) -> list[KeyReport]:
+    """Tunes ``keys`` and merges the winners into ``db``; returns one report per key (on rank 0
+    under ``distributed``, every rank's keys; elsewhere this rank's)."""
+    rank, world = 0, 1
+    if distributed:
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    mine = list(keys)[rank::world]
+    reports: list[KeyReport] = []
+    results: list[tuple[dict, dict]] = []  # (result json, stamp json): stamps travel with results
+    for op, problem in _progress(mine, progress and rank == 0, f"tuning (rank {rank}/{world})" if world > 1 else "tuning"):
+        report, result = tune_one(op, problem, force)
+        reports.append(report)
+        log.info("tune %s %s: %s %s (%.1f s)", op, report.key, report.status, report.winner, report.seconds)
+        if result is not None:
+            stamp = current_stamp(get_op_spec(op).platform_of(problem))
+            results.append((result.to_json(), stamp.to_json()))
+            if world == 1:  # save as we go, so an interrupted run keeps what it measured
+                _write(db, results[-1:])
+    if world > 1:
+        gathered_reports: list = [None] * world
+        gathered_results: list = [None] * world
+        torch.distributed.gather_object(reports, gathered_reports if rank == 0 else None, dst=0)
+        torch.distributed.gather_object(results, gathered_results if rank == 0 else None, dst=0)
+        if rank == 0:
+            reports = [r for part in gathered_reports for r in part]
+            _write(db, [r for part in gathered_results for r in part])
+        torch.distributed.barrier()
+    return reports
+
+
+def _write(db: Path, results: Sequence[tuple[dict, dict]]) -> None:
+    if not results:
+        return
+    contents = store.Contents()
+    for result_json, stamp_json in results:
+        stamp = Stamp.from_json(stamp_json)
+        contents.stamps[stamp.id] = stamp
+        contents.add_result(store.Result.from_json(result_json))
+    store.update(db, contents)

@@ -1,0 +1,129 @@
+"""What ``turbo-dispatch db show|validate|prune|merge`` compute (the CLI only prints it)."""
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from . import store
+from .database import judge
+
+
+@dataclass(frozen=True)
+class EntryRow:
+    op: str
+    key: str
+    backend: str
+    config: object
+    time_ms: float
+    gpu: str
+    status: str  # "ok", "ok (soft: driver)", or "skipped: <reason>"
+
+
+@dataclass
+class FileReport:
+    path: Path
+    rows: list = field(default_factory=list)
+    line_problems: Counter = field(default_factory=Counter)  # unparseable lines by reason
+    entry_skips: Counter = field(default_factory=Counter)  # entries unusable here, by reason
+    foreign: str | None = None
+    missing: bool = False
+
+    @property
+    def usable(self) -> int:
+        return sum(1 for r in self.rows if r.status.startswith("ok"))
+
+    def summary(self) -> str:
+        if self.missing:
+            return f"{self.path}: no such file"
+        if self.foreign:
+            return f"0 entries ({self.foreign})"
+        skipped = sum(self.entry_skips.values()) + sum(self.line_problems.values())
+        text = f"{len(self.rows)} entries ({self.usable} usable here, {skipped} skipped"
+        reasons = self.line_problems + self.entry_skips
+        if reasons:
+            text += ": " + "; ".join(f"{n} x {why}" for why, n in reasons.most_common())
+        return text + ")"
+
+
+def _reason_class(reason: str) -> str:
+    """Groups per-entry reasons for the summary (the rows keep the full text)."""
+    for prefix in ("tuned on another machine", "stale:", "stale key schema", "unknown op", "backend"):
+        if reason.startswith(prefix):
+            return prefix.rstrip(":")
+    return reason
+
+
+def inspect(path: "str | os.PathLike[str]") -> FileReport:
+    """Every entry of the file at ``path`` with its verdict for this machine."""
+    path = Path(path)
+    report = FileReport(path)
+    if not path.exists():
+        report.missing = True
+        return report
+    contents = store.read(path)
+    report.foreign = contents.foreign
+    report.line_problems.update(contents.skipped)
+    for mk in sorted(contents.results, key=lambda k: (k[1], k[2], k[0])):
+        result = contents.results[mk]
+        stamp = contents.stamps[result.stamp]
+        verdict = judge(result, contents.stamps)
+        if verdict.reason is None:
+            status = "ok" + (f" (soft: {', '.join(verdict.soft)})" if verdict.soft else "")
+        else:
+            status = f"skipped: {verdict.reason}"
+            report.entry_skips[_reason_class(verdict.reason)] += 1
+        key = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in result.key.items())
+        report.rows.append(EntryRow(result.op, key, result.backend, result.config, result.time_ms, stamp.gpu, status))
+    return report
+
+
+def validate_problems(report: FileReport) -> list[str]:
+    """Problems that make ``db validate`` fail: an unreadable/foreign file, unparseable lines, and
+    entries that are broken or stale for *this* machine. Entries tuned on another GPU are fine
+    (a cluster file may cover several) and are not problems."""
+    if report.missing:
+        return ["no such file"]
+    problems = [report.foreign] if report.foreign else []
+    problems += [f"{n} line(s): {why}" for why, n in report.line_problems.items()]
+    problems += [f"{n} entr{'y' if n == 1 else 'ies'}: {why}" for why, n in report.entry_skips.items()
+                 if why != "tuned on another machine"]
+    return problems
+
+
+def prune(path: "str | os.PathLike[str]", foreign_too: bool = False) -> tuple[int, int]:
+    """Drops the entries that are unusable on this machine (stale identity, undecodable key,
+    unknown op/backend; with ``foreign_too`` also entries of other machines). Returns
+    (removed, kept)."""
+    removed = 0
+
+    def change(contents: store.Contents) -> None:
+        nonlocal removed
+        for mk, result in list(contents.results.items()):
+            reason = judge(result, contents.stamps).reason
+            if reason is not None and (foreign_too or not reason.startswith("tuned on another machine")):
+                contents.discard(mk)
+                removed += 1
+
+    written = store.rewrite(path, change)
+    return removed, len(written.results)
+
+
+def merge(output: "str | os.PathLike[str]", inputs: Sequence["str | os.PathLike[str]"]) -> tuple[int, list[str]]:
+    """Merges ``inputs`` into ``output`` (created if missing; its own entries are kept, and the
+    faster measurement of one stamp/op/key wins). Returns (entries written, warnings)."""
+    combined = store.Contents()
+    warnings = []
+    for path in inputs:
+        if not Path(path).exists():
+            raise ValueError(f"db merge: input {path} does not exist")
+        contents = store.read(path)
+        if contents.foreign:
+            raise ValueError(f"db merge: input {path}: {contents.foreign}")
+        if contents.skipped:
+            warnings.append(f"{path}: skipped " + "; ".join(f"{n} x {why}" for why, n in contents.skipped.items()))
+        combined.merge(contents)
+    written = store.update(output, combined)
+    return len(written.results), warnings

@@ -1,0 +1,309 @@
+"""The tuning-database file: JSON Lines, read tolerantly, written without losing anything.
+
+One object per line (schema in docs/tuning-db.md): a ``header``, ``stamp`` lines (one per
+environment), ``result`` lines (one tuned winner per stamp x op x key) and ``key`` lines (keys a
+job met untuned, written by the record-untuned mode). Reading never raises on bad content: each
+line that cannot be used is skipped and counted with its reason. Writing takes an exclusive lock
+on ``<file>.lock``, re-reads the file, merges, writes a temporary file in the same folder, fsyncs
+it and renames it over the original, so concurrent writers lose nothing and a writer killed at
+any instant leaves either the old or the new complete file. Lines that are not valid JSON are
+never silently dropped by a rewrite: every line that was skipped is appended to ``<file>.corrupt``
+first.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+import threading
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+from .stamp import Stamp
+
+log = logging.getLogger("turbo_dispatch.tuning")
+
+FORMAT = "turbo_dispatch-tunedb"
+VERSION = 1
+_RESULT_FIELDS = ("stamp", "op", "key", "backend", "config", "identity", "time_ms")
+
+
+@dataclass(frozen=True)
+class Result:
+    """One tuned winner as stored: the key and config in their JSON forms."""
+
+    stamp: str
+    op: str
+    key: dict
+    backend: str
+    config: Any
+    identity: str
+    time_ms: float
+    candidates: dict = field(default_factory=dict)  # label -> ms, None when rejected
+    rejected: tuple = ()  # (label, reason) pairs
+    tuned: str = ""
+
+    @property
+    def key_text(self) -> str:
+        return key_text(self.key)
+
+    @property
+    def merge_key(self) -> tuple[str, str, str]:
+        return self.stamp, self.op, self.key_text
+
+    def to_json(self) -> dict:
+        return {"type": "result", "stamp": self.stamp, "op": self.op, "key": self.key, "backend": self.backend,
+                "config": self.config, "identity": self.identity, "time_ms": self.time_ms,
+                "candidates": self.candidates, "rejected": [list(r) for r in self.rejected], "tuned": self.tuned}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "Result":
+        missing = [f for f in _RESULT_FIELDS if f not in obj]
+        if missing:
+            raise ValueError(f"missing {', '.join(missing)}")
+        for name in ("stamp", "op", "backend", "identity"):
+            if not isinstance(obj[name], str):
+                raise ValueError(f"{name} must be a string")
+        if not isinstance(obj["key"], dict):
+            raise ValueError("key must be an object")
+        time_ms = obj["time_ms"]
+        if isinstance(time_ms, bool) or not isinstance(time_ms, (int, float)) or not math.isfinite(time_ms) \
+                or time_ms < 0:
+            raise ValueError(f"time_ms must be a finite non-negative number, got {time_ms!r}")
+        candidates = obj.get("candidates", {})
+        rejected = obj.get("rejected", [])
+        if not isinstance(candidates, dict) or not isinstance(rejected, list):
+            raise ValueError("candidates must be an object and rejected a list")
+        return cls(obj["stamp"], obj["op"], obj["key"], obj["backend"], obj["config"], obj["identity"],
+                   float(time_ms), candidates, tuple(tuple(r) for r in rejected), str(obj.get("tuned", "")))
+
+
+def key_text(key: dict) -> str:
+    """Canonical text of a JSON key (field order as stored), used to index and sort."""
+    return json.dumps(key, separators=(",", ":"))
+
+
+@dataclass
+class Contents:
+    """What one file holds, plus what could not be used and why."""
+
+    stamps: dict = field(default_factory=dict)  # id -> Stamp
+    results: dict = field(default_factory=dict)  # merge_key -> Result
+    keys: dict = field(default_factory=dict)  # (op, key_text) -> key object (recorded untuned keys)
+    skipped: Counter = field(default_factory=Counter)  # reason -> lines
+    unusable_lines: list = field(default_factory=list)  # raw skipped lines, backed up by a rewrite
+    foreign: str | None = None  # why the whole file is not ours (then nothing else is read)
+
+    def add_result(self, result: Result) -> bool:
+        """Keeps the faster of two measurements of one (stamp, op, key); True if ``result`` won."""
+        old = self.results.get(result.merge_key)
+        if old is not None and old.time_ms <= result.time_ms:
+            return False
+        self.results[result.merge_key] = result
+        self.__dict__.pop("_index", None)
+        return True
+
+    def discard(self, merge_key: tuple) -> None:
+        self.results.pop(merge_key, None)
+        self.__dict__.pop("_index", None)
+
+    def for_key(self, op: str, text: str) -> list:
+        """The results stored for (op, key text), any stamp; indexed on first use."""
+        index = self.__dict__.get("_index")
+        if index is None:
+            index = {}
+            for result in self.results.values():
+                index.setdefault((result.op, result.key_text), []).append(result)
+            self.__dict__["_index"] = index
+        return index.get((op, text), [])
+
+    def merge(self, other: "Contents") -> None:
+        self.stamps.update(other.stamps)
+        for result in other.results.values():
+            self.add_result(result)
+        self.keys.update(other.keys)
+
+    def lines(self) -> Iterator[str]:
+        """The file's lines in stable order: header, stamps, results, keys."""
+        used = {r.stamp for r in self.results.values()}
+        yield _dump({"type": "header", "format": FORMAT, "version": VERSION})
+        for sid in sorted(self.stamps):
+            if sid in used:
+                yield _dump(self.stamps[sid].to_json())
+        for mk in sorted(self.results, key=lambda k: (k[1], k[2], k[0])):
+            yield _dump(self.results[mk].to_json())
+        for op, text in sorted(self.keys):
+            yield _dump({"type": "key", "op": op, "key": self.keys[(op, text)]})
+
+
+def _dump(obj: dict) -> str:
+    return json.dumps(obj, separators=(", ", ": "), allow_nan=False)
+
+
+def parse(text: str, source: str = "<text>") -> Contents:
+    """Parses file content; never raises on bad content (see ``Contents.skipped``)."""
+    contents = Contents()
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict):
+            contents.skipped["corrupt line (not a JSON object)"] += 1
+            contents.unusable_lines.append(line)
+            continue
+        kind = obj.get("type")
+        if kind == "header":
+            if obj.get("format") != FORMAT:
+                contents.foreign = f"not a turbo_dispatch tuning DB (header format {obj.get('format')!r})"
+                return contents
+            if not isinstance(obj.get("version"), int) or obj["version"] > VERSION:
+                contents.foreign = f"written by schema version {obj.get('version')!r}; this version reads {VERSION}"
+                return contents
+        elif kind == "stamp":
+            try:
+                stamp = Stamp.from_json(obj)
+            except (KeyError, TypeError, ValueError) as exc:
+                contents.skipped[f"malformed stamp: {exc}"] += 1
+                contents.unusable_lines.append(line)
+                continue
+            contents.stamps[stamp.id] = stamp
+        elif kind == "result":
+            try:
+                contents.add_result(Result.from_json(obj))
+            except (TypeError, ValueError) as exc:
+                contents.skipped[f"malformed result: {exc}"] += 1
+                contents.unusable_lines.append(line)
+        elif kind == "key":
+            if not isinstance(obj.get("op"), str) or not isinstance(obj.get("key"), dict):
+                contents.skipped["malformed key line: needs op (string) and key (object)"] += 1
+                contents.unusable_lines.append(line)
+                continue
+            contents.keys[(obj["op"], key_text(obj["key"]))] = obj["key"]
+        else:
+            contents.skipped[f"unknown line type {kind!r}"] += 1
+            contents.unusable_lines.append(line)
+    dangling = [r for r in contents.results.values() if r.stamp not in contents.stamps]
+    for result in dangling:
+        del contents.results[result.merge_key]
+        contents.skipped["result references a stamp the file does not define"] += 1
+        contents.unusable_lines.append(_dump(result.to_json()))
+    return contents
+
+
+# -- reading, with a cache and one warning per file version -------------------------------------------
+_cache: dict[str, tuple[tuple, Contents]] = {}
+_cache_lock = threading.Lock()
+
+
+def _signature(path: Path) -> tuple | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def read(path: "str | os.PathLike[str]") -> Contents:
+    """The parsed file (empty when missing or unreadable); cached until the file changes."""
+    path = Path(path)
+    signature = _signature(path)
+    if signature is None:
+        return Contents()
+    with _cache_lock:
+        cached = _cache.get(str(path))
+        if cached is not None and cached[0] == signature:
+            return cached[1]
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        log.warning("tuning DB %s: cannot read it (%s); ignoring it", path, exc)
+        return Contents()
+    contents = parse(text, str(path))
+    if contents.foreign:
+        log.warning("tuning DB %s: %s; ignoring the whole file", path, contents.foreign)
+    elif contents.skipped:
+        detail = "; ".join(f"{n} x {why}" for why, n in contents.skipped.most_common())
+        log.warning("tuning DB %s: skipped %d unusable line(s): %s", path, sum(contents.skipped.values()), detail)
+    with _cache_lock:
+        _cache[str(path)] = (signature, contents)
+    return contents
+
+
+# -- writing --------------------------------------------------------------------------------------------
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``<path>.lock`` (a sidecar: the data file itself is replaced)."""
+    import fcntl  # POSIX only, as is everything we run on
+
+    lock_path = path.with_name(path.name + ".lock")
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _atomic_write(path: Path, lines: Iterable[str]) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            for line in lines:
+                out.write(line + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:  # make the rename itself durable
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:
+        pass
+
+
+def rewrite(path: "str | os.PathLike[str]", change: Callable[[Contents], None]) -> Contents:
+    """Under the lock: re-reads the file at ``path``, applies ``change`` to its contents in place
+    and atomically writes the result, which it returns. Lines that could not be parsed are
+    appended to ``<file>.corrupt`` before the rewrite drops them. A file that is not ours
+    (foreign header) is never overwritten: that raises ValueError.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path):
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            text = ""
+        current = parse(text, str(path))
+        if current.foreign:
+            raise ValueError(f"tuning DB {path}: {current.foreign}; refusing to overwrite it")
+        if current.unusable_lines:
+            with open(path.with_name(path.name + ".corrupt"), "a", encoding="utf-8") as backup:
+                backup.write("".join(line + "\n" for line in current.unusable_lines))
+            log.warning("tuning DB %s: moved %d unusable line(s) to %s.corrupt", path,
+                        len(current.unusable_lines), path.name)
+        current.unusable_lines = []
+        change(current)
+        _atomic_write(path, current.lines())
+    return current
+
+
+def update(path: "str | os.PathLike[str]", new: Contents) -> Contents:
+    """Merges ``new`` into the file at ``path`` (faster result wins) and returns what was written."""
+    return rewrite(path, lambda current: current.merge(new))
