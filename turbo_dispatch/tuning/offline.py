@@ -21,8 +21,8 @@ from .. import autotune
 from ..op_spec import format_key, get_op_spec
 from ..registry import get_registry
 from . import store
-from .codec import decode_key
-from .database import result_for
+from .codec import decode_key, encode_key
+from .database import judge, result_for
 from .stamp import Stamp, current_stamp
 
 log = logging.getLogger("turbo_dispatch.tuning")
@@ -68,16 +68,26 @@ def _default_label(op: str, problem: Any) -> str | None:
     return get_registry().default(op, get_op_spec(op).platform_of(problem))
 
 
-def tune_one(op: str, problem: Any, force: bool = False) -> tuple[KeyReport, "store.Result | None"]:
-    """Profiles one key (unless a stored result exists and not ``force``)."""
+def stored_in(db: Path, spec, problem: Any) -> "store.Result | None":
+    """The fastest result in ``db`` that serves ``problem`` on this machine, if any."""
+    contents = store.read(db)
+    usable = [r for r in contents.for_key(spec.name, store.key_text(encode_key(problem)))
+              if judge(r, contents.stamps).reason is None]
+    return min(usable, key=lambda r: r.time_ms, default=None)
+
+
+def tune_one(op: str, problem: Any, force: bool = False, db: Path | None = None) -> tuple[KeyReport, "store.Result | None"]:
+    """Profiles one key, unless ``db`` already holds a usable result for it and not ``force``
+    (only the target DB counts: a result in another layer would be missing from the file
+    being produced)."""
     spec = get_op_spec(op)
     platform = spec.platform_of(problem)
     key = format_key(problem)
     default = _default_label(op, problem) or "-"
-    if not force:
-        stored = autotune._stored(spec, problem)
-        if stored is not None and stored.backend is not None:
-            return KeyReport(op, key, "stored", stored.backend, stored.time_ms, default, note=stored.note), None
+    if not force and db is not None:
+        stored = stored_in(db, spec, problem)
+        if stored is not None:
+            return KeyReport(op, key, "stored", stored.backend, stored.time_ms, default, note=str(db)), None
     entries = get_registry().backends(op)
     candidates = [e for e in entries if e.check(problem, platform) is None]
     if not candidates:
@@ -117,7 +127,7 @@ def run(keys: Sequence[tuple[str, Any]], db: Path, *, force: bool = False, progr
     reports: list[KeyReport] = []
     results: list[tuple[dict, dict]] = []  # (result json, stamp json): stamps travel with results
     for op, problem in _progress(mine, progress and rank == 0, f"tuning (rank {rank}/{world})" if world > 1 else "tuning"):
-        report, result = tune_one(op, problem, force)
+        report, result = tune_one(op, problem, force, db)
         reports.append(report)
         log.info("tune %s %s: %s %s (%.1f s)", op, report.key, report.status, report.winner, report.seconds)
         if result is not None:

@@ -255,6 +255,15 @@ def _locked(path: Path) -> Iterator[None]:
 def _atomic_write(path: Path, lines: Iterable[str]) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp makes the file private (0600); a DB shared by a team keeps its mode, a new one
+        # gets the usual umask-based mode.
+        try:
+            mode = path.stat().st_mode & 0o777
+        except FileNotFoundError:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(tmp, mode)
         with os.fdopen(fd, "w", encoding="utf-8") as out:
             for line in lines:
                 out.write(line + "\n")
