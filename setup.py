@@ -31,5 +31,7 @@ packages += ["turbo_dispatch.backends"] + [
 setup(
     packages=packages,
     package_dir={"turbo_dispatch": "turbo_dispatch", "turbo_dispatch.backends": "backends"},
+    # Tuned DBs for GPUs we tuned on; they load automatically when the machine matches.
+    package_data={"turbo_dispatch": ["tuned/*.jsonl"]},
     cmdclass={"build_py": BuildPyWithRegistry},
 )

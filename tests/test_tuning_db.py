@@ -20,7 +20,7 @@ import torch
 import turbo_dispatch as turbo
 from turbo_dispatch import GlobalBackendManager, autotune
 from turbo_dispatch.cli import main as cli
-from turbo_dispatch.registry import reload_registry
+from turbo_dispatch.registry import get_registry, reload_registry
 from turbo_dispatch.tuning import store
 from turbo_dispatch.tuning.codec import decode_key, encode_key
 from turbo_dispatch.tuning.database import judge
@@ -455,3 +455,22 @@ def test_distributed_tune_shards_keys_and_rank0_merges(tmp_path):
     expected = model_keys("tiny", ["gemm"], "cpu")
     assert len(contents.results) == len(expected)
     assert f"{len(expected)} keys: {len(expected)} tuned" in proc.stdout
+
+
+def test_consensus_is_skipped_for_ops_whose_keys_vary_across_ranks(monkeypatch):
+    """A collective on a per-rank key (MoE token counts) could hang the other ranks."""
+    from turbo_dispatch.op_spec import get_op_spec
+    from turbo_dispatch.tuning.keys import model_keys
+
+    monkeypatch.setattr(autotune, "consensus_enabled", lambda: True)
+    gathered = []
+    monkeypatch.setattr(autotune, "agree_across_ranks", lambda key, timings: gathered.append(key) or timings)
+    grouped = next(p for op, p in model_keys("tiny", ["grouped_gemm"], "cpu") if op == "grouped_gemm")
+    spec = get_op_spec("grouped_gemm")
+    candidates = [e for e in get_registry().backends("grouped_gemm") if e.check(grouped, "cpu") is None]
+    assert autotune.profile(spec, grouped, candidates).backend is not None
+    assert gathered == []
+    dense = _gemm_problem()
+    gemm_candidates = [e for e in get_registry().backends("gemm") if e.check(dense, "cpu") is None]
+    autotune.profile(get_op_spec("gemm"), dense, gemm_candidates)
+    assert len(gathered) == 1

@@ -1,7 +1,8 @@
 """Correctness-gated autotuning of one problem key over backends and their configs.
 
-Results live in process memory (the persistent tuning database layers on top of this). A key
-whose every candidate failed is remembered as failed and not retried. While a CUDA graph is
+Results live in process memory and, through ``tuning.database``, in the persistent tuning DB
+layers (memory first, then the user DB, read-only DBs and shipped DBs; new winners are merged
+into the user DB). A key whose every candidate failed is remembered in memory and not retried. While a CUDA graph is
 being captured or torch.compile is tracing, nothing is profiled: stored results still apply,
 and a miss yields a *provisional* outcome that is used once and not cached.
 """
@@ -217,7 +218,12 @@ def profile(spec: OpSpec, problem: Any, candidates: Sequence[Any]) -> TuneRecord
             log.info("autotune %s %s: %s %.4f ms", spec.name, key, label, ms)
             timings.append((entry.name, config, ms))
     if consensus_enabled():
-        timings = agree_across_ranks(key, timings)
+        if spec.keys_vary_across_ranks:
+            # A collective on a key other ranks may never meet would hang them (docs/tuning-db.md).
+            log.info("autotune %s %s: rank consensus skipped (keys vary across ranks); tune this op offline "
+                     "for one choice on every rank", spec.name, key)
+        else:
+            timings = agree_across_ranks(key, timings)
     labelled = [(name if config is None else f"{name}[{config}]", ms) for name, config, ms in timings]
     finite = [t for t in timings if math.isfinite(t[2])]
     best = min(((ms, name, config) for name, config, ms in finite), default=None, key=lambda t: t[0])

@@ -98,6 +98,9 @@ class OpSpec:
     run: Callable[[Any, Any, Sequence[Any], Any], Any] = run_adapter
     #: Every problem so far carries a ``platform`` field.
     platform_of: Callable[[Any], str] = problem_platform
+    #: True when ranks of one job meet different keys for this op (e.g. token counts under expert
+    #: parallelism): online rank consensus, a collective, is skipped for it (docs/tuning-db.md).
+    keys_vary_across_ranks: bool = False
     #: Builds the problem from the public call's arguments (what explain() uses).
     problem_from_call: Callable[..., Any] | None = None
 

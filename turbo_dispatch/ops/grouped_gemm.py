@@ -313,6 +313,7 @@ def _fp8_check(p: GroupedGemmFp8Problem, out, ref):
 
 GROUPED_GEMM = register_op(OpSpec(
     name="grouped_gemm",
+    keys_vary_across_ranks=True,
     problem_type=GroupedGemmProblem,
     precision_of=lambda p: precision_of_dtype(p.dtype),
     make_inputs=_make_inputs,
@@ -324,6 +325,7 @@ GROUPED_GEMM = register_op(OpSpec(
 
 GROUPED_GEMM_FP8 = register_op(OpSpec(
     name="grouped_gemm_fp8",
+    keys_vary_across_ranks=True,
     problem_type=GroupedGemmFp8Problem,
     precision_of=lambda p: PrecisionType.FP8,
     make_inputs=_make_inputs,

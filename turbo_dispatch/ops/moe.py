@@ -239,6 +239,7 @@ def _explain_problem(x, token_indices, token_probs=None, num_experts=None, group
 
 MOE_DISPATCH_COMBINE = register_op(OpSpec(
     name="moe_dispatch_combine",
+    keys_vary_across_ranks=True,
     problem_type=MoeDispatchProblem,
     precision_of=lambda p: PrecisionType.FP8 if p.dtype in _FP8 else precision_of_dtype(p.dtype),
     # The autotuner calls make_inputs and reference outside its per-candidate error handling, so
