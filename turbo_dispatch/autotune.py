@@ -183,6 +183,24 @@ def _time_ms(fn, sets: list, device: torch.device, deadline: float) -> float:
     return statistics.median(samples)
 
 
+def _plan(candidates: Sequence[Any], problem: Any) -> list[tuple[Any, Hashable]]:
+    """(backend, config) pairs in profiling order: every backend's first config before any
+    backend's second, so a budget that runs out still leaves each backend measured once."""
+    per_backend = []
+    for entry in candidates:
+        try:
+            configs = list(entry.adapter.configs(problem)) or [None]
+        except Exception as exc:  # a broken configs() still leaves the backend's default
+            log.warning("autotune: %s.configs() raised %s: %s; trying its default only", entry.name,
+                        type(exc).__name__, exc)
+            configs = [None]
+        per_backend.append((entry, configs))
+    plan = []
+    for depth in range(max((len(c) for _, c in per_backend), default=0)):
+        plan += [(entry, configs[depth]) for entry, configs in per_backend if depth < len(configs)]
+    return plan
+
+
 def profile(spec: OpSpec, problem: Any, candidates: Sequence[Any]) -> TuneRecord:
     """Times every (backend, config) that first passes the op's correctness check."""
     platform = spec.platform_of(problem)
@@ -191,32 +209,34 @@ def profile(spec: OpSpec, problem: Any, candidates: Sequence[Any]) -> TuneRecord
     STATS["keys_profiled"] += 1
     sets = _input_sets(spec, problem, device)
     reference = spec.reference(problem, sets[0])
-    deadline = time.monotonic() + _budget_s()
+    budget = _budget_s()
+    spent = 0.0  # seconds in timing loops; compiles and correctness runs are not budgeted
     timings: list[tuple[str, Hashable, float]] = []  # (backend, config, ms); inf = rejected
     rejected: list[tuple[str, str]] = []
-    for entry in candidates:
-        for config in entry.adapter.configs(problem):
-            label = entry.name if config is None else f"{entry.name}[{config}]"
-            if time.monotonic() > deadline and any(math.isfinite(t[2]) for t in timings):
-                rejected.append((label, "not profiled: the key's time budget ran out"))
-                timings.append((entry.name, config, math.inf))
-                continue
-            STATS["candidate_runs"] += 1
-            try:
-                out = spec.run(entry.adapter, problem, sets[0], config)
-                reason = spec.check(problem, out, reference)
-                if reason is None:
-                    run = lambda inputs: spec.run(entry.adapter, problem, inputs, config)
-                    ms = _time_ms(run, sets, device, deadline)
-            except Exception as exc:  # a broken candidate loses, it does not take the job down
-                reason = f"raised {type(exc).__name__}: {exc}"
-            if reason is not None:
-                rejected.append((label, f"failed the correctness gate: {reason}"))
-                log.info("autotune %s %s: %s rejected: %s", spec.name, key, label, reason)
-                timings.append((entry.name, config, math.inf))
-                continue
-            log.info("autotune %s %s: %s %.4f ms", spec.name, key, label, ms)
-            timings.append((entry.name, config, ms))
+    for entry, config in _plan(candidates, problem):
+        label = entry.name if config is None else f"{entry.name}[{config}]"
+        if spent > budget and any(math.isfinite(t[2]) for t in timings):
+            rejected.append((label, "not profiled: the key's time budget ran out"))
+            timings.append((entry.name, config, math.inf))
+            continue
+        STATS["candidate_runs"] += 1
+        try:
+            out = spec.run(entry.adapter, problem, sets[0], config)
+            reason = spec.check(problem, out, reference)
+            if reason is None:
+                run = lambda inputs: spec.run(entry.adapter, problem, inputs, config)
+                started = time.monotonic()
+                ms = _time_ms(run, sets, device, started + max(budget - spent, 0.0))
+                spent += time.monotonic() - started
+        except Exception as exc:  # a broken candidate loses, it does not take the job down
+            reason = f"raised {type(exc).__name__}: {exc}"
+        if reason is not None:
+            rejected.append((label, f"failed the correctness gate: {reason}"))
+            log.info("autotune %s %s: %s rejected: %s", spec.name, key, label, reason)
+            timings.append((entry.name, config, math.inf))
+            continue
+        log.info("autotune %s %s: %s %.4f ms", spec.name, key, label, ms)
+        timings.append((entry.name, config, ms))
     if consensus_enabled():
         if spec.keys_vary_across_ranks:
             # A collective on a key other ranks may never meet would hang them (docs/tuning-db.md).

@@ -1,0 +1,134 @@
+"""Tile configurations for the Triton GEMM kernels, and the pruning that keeps tuning short.
+
+A config is a plain tuple ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_stages, num_warps)`` so it is
+hashable and JSON-representable (the tuning database stores it as a list). ``TileConfig`` names
+the fields; ``as_tuple``/``from_tuple`` convert.
+
+The candidate lists are short on purpose: an autotuner profiles every config of every backend
+for a key, so each list holds the handful of shapes that won somewhere on H100/H200 for that size
+class (tools/probe_triton_gemm.py re-measures them), not a sweep. The grouped-GEMM kernels can
+reuse ``prune``/``smem_bytes``/``size_class`` with their own candidate lists.
+"""
+from __future__ import annotations
+
+from typing import Iterable, NamedTuple, Sequence
+
+#: Shared memory a Hopper block may use (227 KB), minus a margin for the epilogue's layout
+#: conversion and the pipeline's barriers.
+SMEM_LIMIT = 220 * 1024
+
+
+class TileConfig(NamedTuple):
+    """One kernel launch shape."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_stages: int
+    num_warps: int
+
+
+def as_tuple(cfg: TileConfig) -> tuple[int, ...]:
+    """The JSON-friendly form stored in tuning results."""
+    return tuple(int(v) for v in cfg)
+
+
+def from_tuple(cfg: Sequence[int]) -> TileConfig:
+    """Validates a stored config (a tuple or JSON list) and returns it as a TileConfig."""
+    if len(cfg) != 6 or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in cfg):
+        raise ValueError(f"triton tile config must be 6 positive ints (BM, BN, BK, GROUP_M, stages, warps); got {cfg!r}")
+    c = TileConfig(*cfg)
+    for name in ("block_m", "block_n", "block_k"):
+        v = getattr(c, name)
+        if v & (v - 1) or v < 16:
+            raise ValueError(f"triton tile config: {name}={v} must be a power of two >= 16")
+    if c.num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"triton tile config: num_warps={c.num_warps} must be 1, 2, 4, 8 or 16")
+    return c
+
+
+def smem_bytes(cfg: TileConfig, a_bytes: int, b_bytes: int) -> int:
+    """Shared memory of the operand pipeline: one A and one B tile per stage."""
+    return cfg.num_stages * cfg.block_k * (cfg.block_m * a_bytes + cfg.block_n * b_bytes)
+
+
+def size_class(m: int, n: int, k: int) -> str:
+    """'small' (few tiles: launch-bound), 'medium', or 'large' (fills the GPU many times)."""
+    tiles_128 = -(-m // 128) * -(-n // 128)
+    if tiles_128 <= 16 or k <= 64:
+        return "small"
+    if tiles_128 <= 264:  # up to two waves of 128x128 tiles on 132 SMs
+        return "medium"
+    return "large"
+
+
+def prune(candidates: Iterable[TileConfig], m: int, n: int, k: int, a_bytes: int, b_bytes: int,
+          limit: int = 8) -> list[TileConfig]:
+    """Drops configs that do not fit shared memory or whose tiles are far larger than the
+    problem (a 256-row tile for M=16 wastes 15/16 of its MMAs), keeps order, dedups, caps the list."""
+    out: list[TileConfig] = []
+    for cfg in candidates:
+        if smem_bytes(cfg, a_bytes, b_bytes) > SMEM_LIMIT:
+            continue
+        if cfg.block_m > 64 and cfg.block_m >= 2 * _pow2_at_least(m, 16):
+            continue
+        if cfg.block_n > 64 and cfg.block_n >= 2 * _pow2_at_least(n, 16):
+            continue
+        if cfg not in out:
+            out.append(cfg)
+        if len(out) >= limit:
+            break
+    return out
+
+
+def _pow2_at_least(x: int, floor: int) -> int:
+    p = floor
+    while p < x:
+        p *= 2
+    return p
+
+
+# -- bf16 / fp16 / fp32 GEMM ------------------------------------------------------------------------
+_GEMM_16BIT = {
+    "small": [TileConfig(64, 64, 64, 8, 3, 4), TileConfig(64, 128, 64, 8, 3, 4), TileConfig(128, 64, 64, 8, 3, 4),
+              TileConfig(32, 64, 128, 8, 3, 4), TileConfig(128, 128, 64, 8, 3, 8)],
+    "medium": [TileConfig(128, 128, 64, 8, 4, 8), TileConfig(128, 128, 64, 8, 3, 4), TileConfig(128, 64, 64, 8, 4, 4),
+               TileConfig(64, 128, 64, 8, 4, 4), TileConfig(128, 256, 64, 8, 3, 8)],
+    "large": [TileConfig(128, 256, 64, 8, 3, 8), TileConfig(256, 128, 64, 8, 3, 8), TileConfig(128, 128, 64, 8, 4, 8),
+              TileConfig(128, 256, 64, 8, 4, 8), TileConfig(128, 128, 64, 8, 4, 4), TileConfig(128, 64, 64, 8, 4, 4)],
+}
+# fp32 operands: half the K depth per stage for the same shared memory.
+_GEMM_32BIT = {
+    cls: [c._replace(block_k=32) for c in cfgs] for cls, cfgs in _GEMM_16BIT.items()
+}
+
+
+def gemm_candidates(m: int, n: int, k: int, elem_bytes: int) -> list[TileConfig]:
+    """Pruned configs for a bf16/fp16 (elem_bytes=2) or fp32 (4) GEMM; the first is the default."""
+    table = _GEMM_16BIT if elem_bytes <= 2 else _GEMM_32BIT
+    cls = size_class(m, n, k)
+    found = prune(table[cls], m, n, k, elem_bytes, elem_bytes)
+    return found or prune(table["small"], m, n, k, elem_bytes, elem_bytes) or [table["small"][0]]
+
+
+# -- fp8 GEMM -------------------------------------------------------------------------------------
+_FP8 = {
+    "small": [TileConfig(64, 64, 128, 8, 3, 4), TileConfig(64, 128, 128, 8, 3, 4), TileConfig(128, 64, 128, 8, 3, 4),
+              TileConfig(128, 128, 128, 8, 3, 8)],
+    "medium": [TileConfig(128, 128, 128, 8, 4, 8), TileConfig(128, 128, 128, 8, 3, 4), TileConfig(64, 128, 128, 8, 4, 4),
+               TileConfig(128, 256, 128, 8, 3, 8)],
+    "large": [TileConfig(128, 256, 128, 8, 3, 8), TileConfig(128, 128, 128, 8, 4, 8), TileConfig(256, 128, 128, 8, 3, 8),
+              TileConfig(128, 256, 64, 8, 4, 8), TileConfig(128, 128, 128, 8, 4, 4), TileConfig(64, 256, 128, 8, 4, 4)],
+}
+
+
+def fp8_candidates(m: int, n: int, k: int, block_k: int | None = None) -> list[TileConfig]:
+    """Pruned configs for an fp8 GEMM; ``block_k`` pins BLOCK_K (blockwise scaling needs
+    BLOCK_K == the quantisation block so each K step sees one scale)."""
+    cls = size_class(m, n, k)
+    cands = _FP8[cls] + _FP8["small"]
+    if block_k is not None:
+        cands = [c._replace(block_k=block_k) for c in cands]
+    found = prune(cands, m, n, k, 1, 1)
+    return found or [cands[0]]

@@ -1,0 +1,183 @@
+"""TRITON adapters for gemm and gemm_fp8: our own persistent Triton kernels.
+
+* ``TritonGemm``: gemm_kernels.gemm, every layout without copies (transposed operands are read in
+  their stored orientation through TMA or strided pointers).
+* ``TritonGemmFp8``: quantize.quantize_kmajor (fused amax/scale/cast, and transpose where the
+  operand is not K-major) on both operands, then fp8_gemm_kernels.fp8_gemm. Covers TENSORWISE,
+  ROWWISE and BLOCKWISE (1 x bs and bs x bs on either operand, so forward, dgrad and wgrad).
+
+Configs are ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_stages, num_warps)`` tuples from
+configs.py; ``config=None`` takes the first (the heuristic pick for the problem's size class).
+Importing this module never needs triton; ``available()`` says when it is missing.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from turbo_dispatch.adapter import Adapter
+from turbo_dispatch.low_precision import ScalingGranularity
+
+from . import configs as _cfg
+from .quantize import available as _available
+
+_HP = (torch.bfloat16, torch.float16, torch.float32)
+#: BLOCKWISE block sizes the fp8 kernel runs: BLOCK_K equals the block, and an fp8 dot needs K >= 32.
+FP8_BLOCK_SIZES = (32, 64, 128)
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "absent"
+    return triton.__version__
+
+
+def _interpreting() -> bool:
+    from .gemm_kernels import interpreting
+
+    return interpreting()
+
+
+def _platform_reason(p) -> str | None:
+    if p.platform in ("cuda", "rocm"):
+        return None
+    if p.platform == "cpu" and _interpreting():
+        return None  # the Triton interpreter (tests)
+    return f"Triton kernels run on cuda/rocm GPUs (platform is {p.platform}; TRITON_INTERPRET=1 runs them on cpu)"
+
+
+def _pick(config, candidates: list, what: str):
+    if config is None:
+        return candidates[0]
+    return _cfg.from_tuple(config)
+
+
+class _TritonAdapter(Adapter):
+    library = "triton"
+    revision = ""
+
+    def available(self) -> str | None:
+        return _available()
+
+    def version(self) -> str:
+        return _triton_version()
+
+    def identity(self, config=None) -> str:
+        suffix = "" if config is None else f"/{tuple(config)}"
+        return f"triton-{self.version()}:{type(self).__name__}/{self.revision}{suffix}"
+
+
+def _gemm_revision() -> str:
+    try:
+        from .gemm_kernels import KERNEL_REVISION
+    except ImportError:  # pragma: no cover
+        return "unknown"
+    return KERNEL_REVISION
+
+
+def _fp8_revision() -> str:
+    try:
+        from .fp8_gemm_kernels import KERNEL_REVISION
+        from .gemm_kernels import KERNEL_REVISION as base
+    except ImportError:  # pragma: no cover
+        return "unknown"
+    return f"{KERNEL_REVISION}+quant-r1+{base}"
+
+
+class TritonGemm(_TritonAdapter):
+    """Persistent Triton GEMM (TMA on sm_90+, pointer loads elsewhere); fp32 inputs use TF32x3."""
+
+    revision = _gemm_revision()
+
+    def supports(self, p) -> str | None:
+        reason = _platform_reason(p)
+        if reason:
+            return reason
+        if p.a_dtype not in _HP or p.b_dtype != p.a_dtype:
+            return f"Triton gemm takes bf16/fp16/fp32 operands of one dtype (got {p.a_dtype}, {p.b_dtype})"
+        if p.out_dtype not in _HP:
+            return f"Triton gemm writes bf16/fp16/fp32 (got {p.out_dtype})"
+        return None
+
+    def configs(self, p):
+        es = torch.empty((), dtype=p.a_dtype).element_size()
+        return [_cfg.as_tuple(c) for c in _cfg.gemm_candidates(p.m, p.n, p.k, es)]
+
+    def describe(self, p) -> str:
+        return f"triton persistent gemm, default tile {self.configs(p)[0]}"
+
+    def run(self, p, a, b, config=None):
+        from .gemm_kernels import gemm
+
+        es = a.element_size()
+        cfg = _pick(config, _cfg.gemm_candidates(p.m, p.n, p.k, es), "gemm")
+        return gemm(a, b, p.trans_a, p.trans_b, p.out_dtype, cfg)
+
+
+@functools.lru_cache(maxsize=None)
+def _rocm_ocp_fp8() -> bool:
+    """ROCm GPUs with OCP fp8 (e4m3fn/e5m2) matrix instructions: gfx950 (MI350) and newer."""
+    try:
+        name = torch.cuda.get_device_properties(torch.cuda.current_device()).gcnArchName
+    except Exception:  # noqa: BLE001 - no device / not ROCm
+        return False
+    return name.startswith("gfx95") or name.startswith("gfx12")
+
+
+class TritonGemmFp8(_TritonAdapter):
+    """Fused Triton quantisation + persistent fp8 GEMM (tensorwise / rowwise / blockwise)."""
+
+    revision = _fp8_revision()
+
+    def supports(self, p) -> str | None:
+        reason = _platform_reason(p)
+        if reason:
+            return reason
+        if p.platform == "rocm" and not _rocm_ocp_fp8():
+            return "Triton fp8 GEMM uses OCP e4m3fn/e5m2, which this ROCm GPU lacks (needs gfx950+)"
+        g = p.granularity
+        if g is ScalingGranularity.MX_BLOCKWISE:
+            return "MX_BLOCKWISE (power-of-two block scales) is not implemented in the Triton fp8 GEMM"
+        if g is ScalingGranularity.BLOCKWISE and p.block_size not in FP8_BLOCK_SIZES:
+            return f"Triton blockwise fp8 GEMM needs block_size in {FP8_BLOCK_SIZES} (got {p.block_size})"
+        if p.a_dtype not in _HP or p.b_dtype not in _HP or p.out_dtype not in _HP:
+            return f"Triton fp8 GEMM takes bf16/fp16/fp32 inputs and output (got {p.a_dtype}, {p.b_dtype} -> {p.out_dtype})"
+        return None
+
+    def _candidates(self, p):
+        bk = p.block_size if p.granularity is ScalingGranularity.BLOCKWISE else None
+        return _cfg.fp8_candidates(p.m, p.n, p.k, bk)
+
+    def configs(self, p):
+        return [_cfg.as_tuple(c) for c in self._candidates(p)]
+
+    def describe(self, p) -> str:
+        return f"triton quantise (fused, K-major) + persistent fp8 gemm, {p.granularity.value}, default tile {self.configs(p)[0]}"
+
+    def run(self, p, a, b, config=None):
+        from .fp8_gemm_kernels import SCALE_BLOCK, SCALE_ROW, SCALE_TENSOR, fp8_gemm
+        from .quantize import quantize_kmajor
+
+        cfg = _pick(config, self._candidates(p), "gemm_fp8")
+        g = p.granularity
+        blockwise = g is ScalingGranularity.BLOCKWISE
+        if blockwise and cfg.block_k != p.block_size:
+            raise ValueError(f"TritonGemmFp8: config BLOCK_K={cfg.block_k} must equal block_size={p.block_size}")
+        bs = p.block_size if blockwise else None
+        # Both operands K-major ([M, K] and [N, K]); a transposed view is quantised into a
+        # contiguous K-major copy by the same pass (cast + scale + transpose).
+        lhs = a.t() if p.trans_a else a
+        rhs = b if p.trans_b else b.t()
+        qa, sa = quantize_kmajor(lhs, p.a_fp8, g, bs, p.a_2d)
+        qb, sb = quantize_kmajor(rhs, p.b_fp8, g, bs, p.b_2d)
+        if g is ScalingGranularity.TENSORWISE:
+            mode = SCALE_TENSOR
+        elif g is ScalingGranularity.ROWWISE:
+            mode, sa, sb = SCALE_ROW, sa.reshape(-1), sb.reshape(-1)
+        else:
+            mode = SCALE_BLOCK
+        return fp8_gemm(qa, qb, sa, sb, mode, p.out_dtype, cfg,
+                        a_group=bs if p.a_2d else 1, b_group=bs if p.b_2d else 1)

@@ -1,0 +1,398 @@
+"""TRITON adapters for grouped_gemm and grouped_gemm_fp8 (kernels in grouped_kernels.py).
+
+Both adapters take exactly the TORCH adapters' ``run(problem, a, b, group_lens, group_offs,
+config=None)`` arguments and read the group boundaries (``group_offs``, int64 ``[G + 1]``) only
+on the device: no host sync, so every call can be captured in a CUDA graph and replayed with
+other routings. ``group_lens`` itself is not read (the offsets carry the same facts); when
+``group_offs`` is None it is computed on the device from ``group_lens``.
+
+fp8 recipes and their semantics (identical to TORCH's ``quantize`` calls, so both backends compute
+the same math):
+
+* forward/dgrad: ``a[M, K]`` per tensor, per row, or in 1 x block runs along K; the weight per
+  tensor (one scale for all groups), per (group, output column), or in block x block tiles per
+  group (``b_2d``; 1 x block runs along K otherwise). The weight is written K-major ``[G, N, K]``
+  by the quantiser whatever ``trans_b`` is.
+* wgrad (variable K): both operands per tensor, per column over all tokens, or in 1 x block runs
+  along the tokens aligned to the global token index (a run may straddle two groups; its one
+  scale serves both). They are written transposed, token-contiguous.
+
+Configs are ``(BM, BN, BK, GROUP_M, num_stages, num_warps, tma)`` tuples; ``tma=1`` loads the
+fixed-K operands through host-built TMA descriptors where the layout allows (else the same kernel
+with pointer loads). The candidate list depends only on the problem key (G, M_total, N, K, dtypes,
+layout, recipe), never on group_lens values.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional, Sequence
+
+import torch
+
+from turbo_dispatch.adapter import Adapter
+from turbo_dispatch.low_precision import ScalingGranularity
+
+Config = tuple  # (BM, BN, BK, GROUP_M, num_stages, num_warps, tma)
+
+_HALF = (torch.bfloat16, torch.float16)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_OUT = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_reason() -> str | None:
+    try:
+        import triton
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        return f"triton is not importable ({exc})"
+    return None if hasattr(triton, "jit") else "triton is installed without triton.jit"
+
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _programs(device: torch.device) -> int:
+    """Persistent programs: one per SM (4 under the CPU interpreter, enough to exercise the walk)."""
+    if device.type != "cuda":
+        return 4
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _offsets(group_lens: torch.Tensor, group_offs: Optional[torch.Tensor]) -> torch.Tensor:
+    if group_offs is not None:
+        return group_offs
+    return torch.nn.functional.pad(torch.cumsum(group_lens, 0), (1, 0))
+
+
+def _upcast(*dtypes: torch.dtype) -> int:
+    """UPCAST constexpr: fp32 under the interpreter (its bf16 dot is wrong); fp16 for mixed fp8
+    operands, whose MMA not every Triton/GPU pairing accepts (fp16 holds every fp8 value exactly)."""
+    if _interpreting():
+        return 1
+    if dtypes[0] in _FP8 and len(set(dtypes)) > 1 and not _MIXED_FP8_MMA:
+        return 2
+    return 0
+
+
+#: Whether tl.dot is given e4m3 x e5m2 operands directly (HYBRID recipes). Triton 3.6 on an H100
+#: compiled and matched it (SNR equal to the fp16 route, 1.2-1.7x faster); ROCm keeps the fp16
+#: route (unmeasured), and TURBO_TRITON_MIXED_FP8_MMA=0/1 overrides. The fp16 route is exact.
+_MIXED_FP8_MMA = os.environ.get("TURBO_TRITON_MIXED_FP8_MMA",
+                                "0" if getattr(torch.version, "hip", None) else "1") == "1"
+
+
+def _tma_ok(t: torch.Tensor, rows_stride: int) -> bool:
+    """A 2-D TMA view with this row stride (elements) is legal for ``t``'s storage."""
+    return t.data_ptr() % 16 == 0 and (rows_stride * t.element_size()) % 16 == 0
+
+
+def _tma_descriptor_cls():
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # pragma: no cover - older Triton: the pointer path serves
+        return None
+    return TensorDescriptor
+
+
+# -- launchers ------------------------------------------------------------------------------------------
+def launch_fixed_k(a: torch.Tensor, b_gnk: torch.Tensor, out: torch.Tensor, offs: torch.Tensor, cfg: Config, *,
+                   scale: int = 0, sa: Optional[torch.Tensor] = None, sa_strides=(0, 0),
+                   sb: Optional[torch.Tensor] = None, sb_strides=(0, 0, 0), qblock: int = 128, sb_ndiv: int = 1,
+                   upcast: int = 0) -> torch.Tensor:
+    """out[s_g:e_g] = a[s_g:e_g] @ b_gnk[g].T for every group (b_gnk is a [G, N, K] *view*, any strides).
+
+    ``sa_strides`` are (row, k-block) strides of a's scale, ``sb_strides`` (group, n-index, k-block)
+    of b's scale, whose n-index is ``col // sb_ndiv``.
+    """
+    from .grouped_kernels import grouped_fixed_k_kernel
+
+    m, k = a.shape
+    g, n, _ = b_gnk.shape
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    bm, bn, bk, group_m, stages, warps, tma = cfg
+    a_desc = b_desc = None
+    use_tma = (bool(tma) and not _interpreting() and a.is_cuda and torch.version.hip is None
+               and _tma_descriptor_cls() is not None)
+    b_kmajor = b_gnk.stride(2) == 1
+    if use_tma:
+        desc = _tma_descriptor_cls()
+        a_ok = a.stride(1) == 1 and _tma_ok(a, a.stride(0))
+        if b_kmajor:
+            b_ok = b_gnk.stride(0) == n * b_gnk.stride(1) and _tma_ok(b_gnk, b_gnk.stride(1))
+        else:
+            b_ok = (b_gnk.stride(1) == 1 and b_gnk.stride(0) == k * b_gnk.stride(2) and k % bk == 0
+                    and _tma_ok(b_gnk, b_gnk.stride(2)))
+        use_tma = a_ok and b_ok
+        if use_tma:
+            a_desc = desc(a, [m, k], [a.stride(0), 1], [bm, bk])
+            if b_kmajor:
+                b_desc = desc(b_gnk, [g * n, k], [b_gnk.stride(1), 1], [bn, bk])
+            else:
+                b_desc = desc(b_gnk, [g * k, n], [b_gnk.stride(2), 1], [bk, bn])
+    num_n = -(-n // bn)
+    bound = (-(-m // bm) + g) * num_n  # most tiles any routing can give
+    progs = max(1, min(_programs(a.device), bound))
+    sa = a if sa is None else sa
+    sb = a if sb is None else sb
+    grouped_fixed_k_kernel[(progs,)](
+        a, b_gnk, out, offs, sa, sb, a_desc, b_desc,
+        g, n, k, progs,
+        a.stride(0), a.stride(1), b_gnk.stride(0), b_gnk.stride(1), b_gnk.stride(2), out.stride(0), out.stride(1),
+        *sa_strides, *sb_strides,
+        SCALE=scale, QBLOCK=qblock, SB_NDIV=sb_ndiv, BM=bm, BN=bn, BK=bk, GROUP_M=group_m,
+        EVEN_K=(k % bk == 0), USE_TMA=use_tma, B_KMAJOR=b_kmajor, UPCAST=upcast,
+        num_stages=stages, num_warps=warps,
+    )
+    return out
+
+
+def launch_variable_k(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, offs: torch.Tensor, cfg: Config, *,
+                      scale: int = 0, sx: Optional[torch.Tensor] = None, sx_strides=(0, 0),
+                      sy: Optional[torch.Tensor] = None, sy_strides=(0, 0), qblock: int = 128,
+                      upcast: int = 0) -> torch.Tensor:
+    """out[g] = x_g^T @ y_g over each group's tokens; x [T, M], y [T, N] are views with any strides.
+
+    ``sx_strides``/``sy_strides`` are the (token-block, column) strides of the scales. Every
+    element of ``out`` is written (empty groups get zeros).
+    """
+    from .grouped_kernels import grouped_variable_k_kernel
+
+    g, m, n = out.shape
+    if g * m * n == 0:
+        return out
+    bm, bn, bk, group_m, stages, warps, _ = cfg
+    sx = x if sx is None else sx
+    sy = x if sy is None else sy
+    grid = (g * -(-m // bm) * -(-n // bn),)
+    grouped_variable_k_kernel[grid](
+        x, y, out, offs, sx, sy, m, n,
+        x.stride(0), x.stride(1), y.stride(0), y.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        *sx_strides, *sy_strides,
+        SCALE=scale, QBLOCK=qblock, BM=bm, BN=bn, BK=bk, GROUP_M=group_m, UPCAST=upcast,
+        num_stages=stages, num_warps=warps,
+    )
+    return out
+
+
+# -- configs ---------------------------------------------------------------------------------------------
+def _fit(cfgs: Sequence[Config], m: int, n: int) -> list[Config]:
+    """Drop configs whose tiles dwarf the problem (keeping at least one), dedupe, keep order."""
+    out: list[Config] = []
+    for c in cfgs:
+        if c not in out and (c[0] <= max(64, 2 * m) and c[1] <= max(64, 2 * n)):
+            out.append(c)
+    return out or [cfgs[-1]]
+
+
+def _half_configs(p) -> list[Config]:
+    if p.variable_k:
+        cands = [(128, 256, 64, 8, 3, 8, 0), (128, 256, 64, 8, 4, 8, 0), (128, 128, 64, 8, 4, 4, 0),
+                 (256, 128, 64, 8, 3, 8, 0), (128, 128, 64, 8, 4, 8, 0), (64, 128, 64, 8, 4, 4, 0)]
+        return _fit(cands, p.m, p.n)
+    per_group = p.m / max(p.g, 1)
+    cands = [(128, 256, 64, 8, 3, 8, 1), (128, 128, 64, 8, 4, 4, 1), (256, 128, 64, 8, 3, 8, 1),
+             (128, 256, 64, 8, 3, 8, 0), (128, 128, 64, 8, 4, 4, 0), (64, 256, 64, 8, 4, 4, 1),
+             (64, 128, 64, 8, 4, 4, 1)]
+    if per_group < 128:  # small groups: short row tiles waste less
+        cands = cands[-2:] + cands[:-2]
+    return _fit(cands, p.m, p.n)
+
+
+def _fp8_bk(p) -> int:
+    """K step: 128, or the largest power of two dividing a smaller scale block (never straddles one)."""
+    if p.granularity is not ScalingGranularity.BLOCKWISE:
+        return 128
+    bs = p.block_size
+    bk = 128
+    while bs % bk:
+        bk //= 2
+    return bk
+
+
+def _fp8_configs(p) -> list[Config]:
+    bk = _fp8_bk(p)
+    if p.variable_k:
+        if p.granularity is ScalingGranularity.BLOCKWISE:
+            cands = [(128, 128, bk, 8, 4, 8, 0), (128, 128, bk, 8, 3, 8, 0), (64, 128, bk, 8, 4, 4, 0),
+                     (128, 256, bk, 8, 3, 8, 0)]
+        else:
+            cands = [(128, 256, bk, 8, 3, 8, 0), (128, 128, bk, 8, 4, 8, 0), (128, 128, bk, 8, 4, 4, 0),
+                     (64, 128, bk, 8, 4, 4, 0)]
+        return _fit(cands, p.m, p.n)
+    per_group = p.m / max(p.g, 1)
+    if p.granularity is ScalingGranularity.BLOCKWISE:
+        # Per-K-block promotion keeps a second 128 x BN fp32 tile live: BN=256 spills (H100: 446
+        # vs 700 TFLOPS kernel-only at DeepSeek-V3 shapes for 128x128, 8 warps).
+        cands = [(128, 128, bk, 8, 4, 8, 1), (128, 128, bk, 8, 3, 8, 1), (64, 128, bk, 8, 4, 4, 1),
+                 (128, 64, bk, 8, 4, 4, 1), (256, 128, bk, 8, 3, 8, 1), (128, 128, bk, 8, 4, 8, 0),
+                 (64, 64, bk, 8, 4, 4, 1)]
+    else:
+        cands = [(128, 256, bk, 8, 3, 8, 1), (128, 128, bk, 8, 4, 8, 1), (128, 128, bk, 8, 4, 4, 1),
+                 (256, 128, bk, 8, 3, 8, 1), (128, 256, bk, 8, 3, 8, 0), (64, 256, bk, 8, 4, 4, 1),
+                 (64, 128, bk, 8, 4, 4, 1)]
+    if per_group < 128:
+        cands = cands[-2:] + cands[:-2]
+    return _fit(cands, p.m, p.n)
+
+
+def _check_config(cfg) -> Config:
+    if not (isinstance(cfg, (tuple, list)) and len(cfg) == 7 and all(isinstance(v, int) for v in cfg)):
+        raise ValueError(f"TRITON grouped GEMM config must be (BM, BN, BK, GROUP_M, num_stages, num_warps, tma) "
+                         f"ints; got {cfg!r}")
+    return tuple(cfg)
+
+
+class _TritonAdapter(Adapter):
+    library = "triton"
+
+    def version(self) -> str:
+        try:
+            import triton
+        except ImportError:
+            return "missing"
+        return triton.__version__
+
+    def available(self) -> str | None:
+        reason = _triton_reason()
+        if reason is not None:
+            return reason
+        if _interpreting():
+            return None
+        if not torch.cuda.is_available():
+            return "no GPU (torch.cuda.is_available() is False)"
+        return None
+
+    def _platform_reason(self, p) -> str | None:
+        if p.platform in ("cuda", "rocm") or (p.platform == "cpu" and _interpreting()):
+            return None
+        return f"Triton kernels run on GPUs (platform is {p.platform})"
+
+    def identity(self, config=None) -> str:
+        from .grouped_kernels import KERNEL_REVISION
+
+        suffix = "" if config is None else f"/{tuple(config)}"
+        return f"{self.library}-{self.version()}:{type(self).__name__}:{KERNEL_REVISION}{suffix}"
+
+
+class TritonGroupedGemm(_TritonAdapter):
+    """bf16/fp16 grouped GEMM: persistent M-grouped kernel (forward/dgrad) and a variable-K wgrad
+    kernel; fp32 accumulation; group offsets read on the device (capturable, no host sync)."""
+
+    def supports(self, p) -> str | None:
+        reason = self._platform_reason(p)
+        if reason is not None:
+            return reason
+        if p.dtype not in _HALF:
+            return f"TRITON grouped GEMM takes bf16/fp16 (got {p.dtype}; fp32 would run on TF32 tensor cores)"
+        return None
+
+    def configs(self, p) -> Sequence[Config]:
+        return _half_configs(p)
+
+    def describe(self, p) -> str:
+        kind = "variable-K wgrad kernel" if p.variable_k else "persistent M-grouped kernel"
+        return f"Triton {kind}, default config {_half_configs(p)[0]} (no host sync, capturable)"
+
+    def run(self, p, a, b, group_lens, group_offs, config=None):
+        cfg = _half_configs(p)[0] if config is None else _check_config(config)
+        offs = _offsets(group_lens, group_offs)
+        up = _upcast(a.dtype)
+        if p.variable_k:
+            out = torch.empty((p.g, p.m, p.n), dtype=a.dtype, device=a.device)
+            if p.k == 0:
+                return out.zero_()
+            return launch_variable_k(a, b, out, offs, cfg, upcast=up)
+        out = torch.empty((p.m, p.n), dtype=a.dtype, device=a.device)
+        b_gnk = b if p.trans_b else b.transpose(1, 2)
+        return launch_fixed_k(a, b_gnk, out, offs, cfg, upcast=up)
+
+
+# -- fp8 -------------------------------------------------------------------------------------------------
+_SCALE_MODE = {ScalingGranularity.TENSORWISE: 1, ScalingGranularity.ROWWISE: 2, ScalingGranularity.BLOCKWISE: 3}
+
+
+def _quant_rows(x3: torch.Tensor, dtype: torch.dtype, gran: ScalingGranularity, bs: Optional[int],
+                tile_2d: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise x3[G, R, C] with C the reduction dimension: per tensor, per (g, row), 1 x bs runs
+    along C, or (tile_2d) bs x bs tiles. Returns (data [G, R, C], scale [G, nR, nC] or [1])."""
+    from .grouped_quantize import quantize_cells, tensorwise_scale
+
+    _, r, c = x3.shape
+    if gran is ScalingGranularity.TENSORWISE:
+        return quantize_cells(x3, dtype, 1, 1, scale=tensorwise_scale(x3, dtype))
+    if gran is ScalingGranularity.ROWWISE:
+        return quantize_cells(x3, dtype, 1, max(c, 1))
+    return quantize_cells(x3, dtype, bs if tile_2d else 1, bs)
+
+
+class TritonGroupedGemmFp8(_TritonAdapter):
+    """fp8 grouped GEMM: fused Triton quantisation (grouped_quantize.py), then the grouped kernels
+    with tensorwise/rowwise scales in the epilogue or blockwise scales promoted per K block."""
+
+    def supports(self, p) -> str | None:
+        reason = self._platform_reason(p)
+        if reason is not None:
+            return reason
+        if p.granularity not in _SCALE_MODE:
+            return f"TRITON grouped fp8 has no {p.granularity.value} recipe (tensorwise, rowwise, blockwise)"
+        if p.a_dtype not in _OUT or p.b_dtype not in _OUT or p.out_dtype not in _OUT:
+            return f"unsupported dtypes a={p.a_dtype} b={p.b_dtype} out={p.out_dtype}"
+        if p.granularity is ScalingGranularity.BLOCKWISE:
+            if not isinstance(p.block_size, int) or p.block_size <= 0 or p.block_size % 32:
+                return f"TRITON blockwise fp8 needs block_size a multiple of 32 (got {p.block_size})"
+        return None
+
+    def configs(self, p) -> Sequence[Config]:
+        return _fp8_configs(p)
+
+    def describe(self, p) -> str:
+        return (f"Triton fused quantise + {'variable-K' if p.variable_k else 'persistent M-grouped'} fp8 kernel, "
+                f"{p.granularity.value}, default config {_fp8_configs(p)[0]} (no host sync, capturable)")
+
+    def run(self, p, x, y, group_lens, group_offs, config=None):
+        cfg = _fp8_configs(p)[0] if config is None else _check_config(config)
+        offs = _offsets(group_lens, group_offs)
+        gran, bs = p.granularity, p.block_size
+        mode = _SCALE_MODE[gran]
+        qblock = bs if gran is ScalingGranularity.BLOCKWISE else 128
+        if gran is ScalingGranularity.BLOCKWISE and qblock % cfg[2]:
+            raise ValueError(f"TRITON grouped fp8: BK={cfg[2]} must divide block_size={qblock}")
+        up = _upcast(p.a_fp8, p.b_fp8)
+        if p.variable_k:
+            out = torch.empty((p.g, p.m, p.n), dtype=p.out_dtype, device=x.device)
+            if p.k == 0:
+                return out.zero_()
+            # Token-major inputs become token-contiguous [1, cols, T] fp8 with scales along T.
+            qx, sx = _quant_rows(x.t().unsqueeze(0), p.a_fp8, gran, bs)
+            qy, sy = _quant_rows(y.t().unsqueeze(0), p.b_fp8, gran, bs)
+            qx, qy = qx[0].t(), qy[0].t()  # [T, m] / [T, n] views, token stride 1
+            if mode == 1:
+                sxs = sys_ = (0, 0)
+            else:  # scale [1, cols, nT]: (token-block, column) strides
+                sxs, sys_ = (sx.stride(2), sx.stride(1)), (sy.stride(2), sy.stride(1))
+            return launch_variable_k(qx, qy, out, offs, cfg, scale=mode, sx=sx, sx_strides=sxs, sy=sy,
+                                     sy_strides=sys_, qblock=qblock, upcast=up)
+        out = torch.empty((p.m, p.n), dtype=p.out_dtype, device=x.device)
+        if p.m == 0:
+            return out
+        qa, sa = _quant_rows(x.unsqueeze(0), p.a_fp8, gran, bs)
+        b_gnk = y if p.trans_b else y.transpose(1, 2)
+        qb, sb = _quant_rows(b_gnk, p.b_fp8, gran, bs, tile_2d=p.b_2d)
+        if mode == 1:
+            sas, sbs = (0, 0), (0, 0, 0)
+        else:
+            sas, sbs = (sa.stride(1), sa.stride(2)), (sb.stride(0), sb.stride(1), sb.stride(2))
+        ndiv = bs if (gran is ScalingGranularity.BLOCKWISE and p.b_2d) else 1
+        return launch_fixed_k(qa[0], qb, out, offs, cfg, scale=mode, sa=sa, sa_strides=sas, sb=sb, sb_strides=sbs,
+                              qblock=qblock, sb_ndiv=ndiv, upcast=up)

@@ -1,0 +1,354 @@
+"""Fused float8 quantisation in Triton: amax, scale, saturating cast (and an optional transposed
+copy) in one pass over ``x`` wherever the granularity allows.
+
+Semantics are those of ``turbo_dispatch.low_precision.quantize`` for 2-D inputs: the dequant scale
+is ``amax / FP8_MAX`` (float32, correctly rounded), clamped below to the smallest normal float32,
+and 1 for all-zero groups; values are ``x / scale`` (correctly rounded division, ``div_rn``),
+saturated to ``±FP8_MAX`` and cast round-to-nearest-even. Every step is the same IEEE operation
+the torch reference does in the same order, so the fp8 data and the scales match it bit for
+bit (tests/test_triton_gemm.py checks equality, not closeness). A NaN in a group makes that
+group's scale NaN, as in the reference.
+
+Passes over ``x``:
+
+* ROWWISE along a dim of length <= ``_ROW_SINGLE_MAX``, 1-D BLOCKWISE, 2-D tiles: one kernel,
+  one read (each program holds its whole scaling group in registers).
+* TENSORWISE, and ROWWISE along longer rows: an amax kernel (float atomic max into a zeroed
+  buffer, so the reduction can be split across programs) and then the cast kernel that reads the
+  amax from device memory: two reads, no host sync, so CUDA graphs can capture it.
+
+``x`` may have any strides: quantising a transposed view (``x.t()``) writes the fp8 data
+contiguous in the view's layout, i.e. cast + scale + transpose in one pass. That is how the GEMM
+adapter gets K-major operands from any trans flag. ``quantize_fp8_with_transpose`` writes both
+layouts from one read.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from turbo_dispatch.low_precision import FP8_MAX, QuantizedTensor, ScalingGranularity
+from turbo_dispatch.low_precision.config import _coerce_enum
+
+try:  # Triton stays optional: this module imports without it; available() says why.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is absent
+    triton = None
+    tl = None
+
+__all__ = ["available", "quantize_fp8", "quantize_fp8_with_transpose", "quantize_kmajor"]
+
+#: Rows up to this length are held whole in registers (one pass); longer ones take two kernels.
+_ROW_SINGLE_MAX = 8192
+_FP32_TINY = torch.finfo(torch.float32).tiny
+
+# Modes of the cast kernel (which group an amax covers, and where it comes from).
+_MODE_ROW = 0  # amax of the tile's rows (the tile spans the whole row)
+_MODE_BLOCK1D = 1  # amax of each tile row (the tile spans one 1-D block along the reduction dim)
+_MODE_TILE2D = 2  # amax of the whole tile
+_MODE_LOADED = 3  # amax read from a buffer, one per row (stride 0: one for the tensor)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> str | None:
+    """None when the Triton kernels can run here (a CUDA/ROCm GPU, or TRITON_INTERPRET=1 on the
+    CPU), else the reason they cannot."""
+    if triton is None:
+        return "triton is not installed"
+    if _interpreting():
+        return None
+    if not torch.cuda.is_available():
+        return "no GPU (torch.cuda.is_available() is False) and TRITON_INTERPRET is not set"
+    return None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _amax_kernel(x_ptr, amax_ptr, P, Q, sx_p, sx_q, s_amax,
+                     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, Q_PER_PROG: tl.constexpr):
+        """Per-row abs-max of x[P, Q] over q, split across programs along q and combined with a
+        float atomic max (|x| >= 0, so the max of the bit patterns orders the same way; a NaN
+        is carried explicitly because tl.max drops it). ``s_amax`` = 0 gives one global amax."""
+        pid_p = tl.program_id(0)
+        pid_q = tl.program_id(1)
+        offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+        mask_p = offs_p < P
+        run = tl.zeros((BLOCK_P,), dtype=tl.float32)
+        nan = tl.zeros((BLOCK_P,), dtype=tl.int32)
+        q0 = pid_q * Q_PER_PROG
+        for dq in range(0, Q_PER_PROG, BLOCK_Q):
+            offs_q = q0 + dq + tl.arange(0, BLOCK_Q)
+            mask = mask_p[:, None] & (offs_q[None, :] < Q)
+            x = tl.load(x_ptr + offs_p[:, None] * sx_p + offs_q[None, :] * sx_q, mask=mask, other=0.0)
+            a = tl.abs(x.to(tl.float32))
+            run = tl.maximum(run, tl.max(a, axis=1))
+            nan = tl.maximum(nan, tl.max((a != a).to(tl.int32), axis=1))
+        run = tl.where(nan > 0, float("nan"), run)
+        tl.atomic_max(amax_ptr + offs_p * s_amax, run, mask=mask_p)
+
+    @triton.jit
+    def _scale_of(amax, FP8_MAX_: tl.constexpr, TINY: tl.constexpr):
+        # Same IEEE steps as low_precision._fp_scale: divide, clamp_min (keeps NaN), 1 for zero.
+        scale = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX_, tl.float32))
+        scale = tl.where(scale < TINY, TINY, scale)
+        return tl.where(amax == 0.0, 1.0, scale)
+
+    @triton.jit
+    def _round_to_fp8_grid(y, MAN_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+        """y (float32, already saturated) rounded to the nearest fp8 value, ties to even, in
+        float32 bits. Only used under TRITON_INTERPRET: the interpreter's float32 -> fp8 cast
+        mis-rounds values whose rounding carries into the exponent (124.1 -> 64 in e4m3, seen
+        with triton 3.9); after this the cast is exact. GPUs use their cvt instruction."""
+        bits = y.to(tl.int32, bitcast=True)
+        sign = bits & (-2147483648)
+        mag = bits & 0x7FFFFFFF
+        exp = ((mag >> 23) & 0xFF) - 127
+        # Below the fp8 normal range the grid step stays 2**(MIN_EXP - MAN_BITS): drop more bits.
+        shift = (23 - MAN_BITS) + tl.maximum(MIN_EXP - exp, 0)
+        shift_c = tl.minimum(shift, 30)
+        one = tl.full(mag.shape, 1, tl.int32)
+        lsb = (mag >> shift_c) & 1
+        rounded = (mag + ((one << (shift_c - 1)) - 1) + lsb) & ~((one << shift_c) - 1)
+        rounded = tl.where(shift > 30, 0, rounded)
+        return (sign | rounded).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _quant_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr,
+                      P, Q, sx_p, sx_q, sd_p, sd_q, st_p, st_q, ss_p, ss_q, s_amax,
+                      BS, MODE: tl.constexpr, WRITE_T: tl.constexpr, FP8_MAX_: tl.constexpr,
+                      TINY: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr,
+                      EMULATE_CAST: tl.constexpr, MAN_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+        """Quantises x[P, Q] (q = reduction dim) tile by tile into data[P, Q] (and data_t[Q, P]).
+
+        A program owns a BLOCK_P x BLOCK_Q tile. For _MODE_BLOCK1D / _MODE_TILE2D the tile is
+        one scaling block along q (``BS`` columns used of BLOCK_Q = next power of two); for
+        _MODE_ROW it is the whole row; for _MODE_LOADED any tile, with the amax loaded.
+        """
+        pid_p = tl.program_id(0)
+        pid_q = tl.program_id(1)
+        offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+        if MODE == 0 or MODE == 3:
+            offs_q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+            mask_q = offs_q < Q
+        else:
+            r = tl.arange(0, BLOCK_Q)
+            offs_q = pid_q * BS + r
+            mask_q = (r < BS) & (offs_q < Q)
+        if MODE == 2:
+            r_p = tl.arange(0, BLOCK_P)
+            offs_p = pid_p * BS + r_p
+            mask_p = (r_p < BS) & (offs_p < P)
+        else:
+            mask_p = offs_p < P
+        mask = mask_p[:, None] & mask_q[None, :]
+        x = tl.load(x_ptr + offs_p[:, None] * sx_p + offs_q[None, :] * sx_q, mask=mask, other=0.0).to(tl.float32)
+
+        if MODE == 3:
+            amax = tl.load(amax_ptr + offs_p * s_amax, mask=mask_p, other=0.0)
+            scale = _scale_of(amax, FP8_MAX_, TINY)
+            if pid_q == 0:
+                # Per-row amax: each row's scale; one amax (stride 0): only lane p == 0 writes.
+                tl.store(scale_ptr + offs_p * ss_p, scale, mask=mask_p & ((offs_p == 0) | (offs_p * ss_p > 0)))
+            y = tl.math.div_rn(x, scale[:, None])
+        elif MODE == 2:
+            a = tl.abs(x)
+            amax = tl.max(tl.max(a, axis=1), axis=0)
+            has_nan = tl.max(tl.max((a != a).to(tl.int32), axis=1), axis=0)
+            amax = tl.where(has_nan > 0, float("nan"), amax)
+            scale = _scale_of(amax, FP8_MAX_, TINY)
+            tl.store(scale_ptr + pid_p * ss_p + pid_q * ss_q, scale)
+            y = tl.math.div_rn(x, tl.full(x.shape, 1.0, tl.float32) * scale)
+        else:
+            a = tl.abs(x)
+            amax = tl.max(a, axis=1)
+            has_nan = tl.max((a != a).to(tl.int32), axis=1)
+            amax = tl.where(has_nan > 0, float("nan"), amax)
+            scale = _scale_of(amax, FP8_MAX_, TINY)
+            tl.store(scale_ptr + offs_p * ss_p + pid_q * ss_q, scale, mask=mask_p)
+            y = tl.math.div_rn(x, scale[:, None])
+
+        # Saturate (NaN-preserving, like torch.clamp) and cast round-to-nearest-even.
+        y = tl.minimum(tl.maximum(y, -FP8_MAX_, propagate_nan=tl.PropagateNan.ALL), FP8_MAX_,
+                       propagate_nan=tl.PropagateNan.ALL)
+        if EMULATE_CAST:
+            y = _round_to_fp8_grid(y, MAN_BITS, MIN_EXP)
+        q = y.to(data_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(data_ptr + offs_p[:, None] * sd_p + offs_q[None, :] * sd_q, q, mask=mask)
+        if WRITE_T:
+            tl.store(data_t_ptr + offs_q[None, :] * st_q + offs_p[:, None] * st_p, q, mask=mask)
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def _check(x: torch.Tensor, dtype: torch.dtype, granularity, axis: int, block_size, block_2d: bool):
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"quantize_fp8: x must be a 2-D tensor; got {getattr(x, 'shape', type(x).__name__)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"quantize_fp8: x must be bf16, fp16 or fp32; got {x.dtype}")
+    if dtype not in FP8_MAX:
+        raise ValueError(f"quantize_fp8: dtype must be torch.float8_e4m3fn or torch.float8_e5m2; got {dtype}")
+    gran = _coerce_enum(ScalingGranularity, granularity, "granularity", "quantize_fp8")
+    if gran is ScalingGranularity.MX_BLOCKWISE:
+        raise ValueError("quantize_fp8: MX_BLOCKWISE (power-of-two scales) is not implemented in the Triton "
+                         "quantiser; use turbo_dispatch.low_precision.quantize")
+    if not -2 <= axis < 2:
+        raise ValueError(f"quantize_fp8: axis must be in [-2, 1] for a 2-D x; got {axis}")
+    if gran is ScalingGranularity.BLOCKWISE:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"quantize_fp8: BLOCKWISE needs a positive int block_size; got {block_size!r}")
+        if block_size > 256:
+            raise ValueError(f"quantize_fp8: block_size <= 256 supported (a block is held in registers); got {block_size}")
+    elif block_size is not None:
+        raise ValueError(f"quantize_fp8: granularity={gran.name} takes no block_size; got {block_size!r}")
+    if block_2d and gran is not ScalingGranularity.BLOCKWISE:
+        raise ValueError(f"quantize_fp8: block_2d=True needs BLOCKWISE; got {gran.name}")
+    if available() is not None:
+        raise RuntimeError(f"quantize_fp8: Triton kernels unavailable: {available()}")
+    if not x.is_cuda and not _interpreting():
+        raise ValueError("quantize_fp8: x must be on a GPU (or run with TRITON_INTERPRET=1 on the CPU)")
+    return gran, axis % 2
+
+
+def _scale_strides(scale: torch.Tensor, axis: int) -> tuple[int, int]:
+    """(stride along p, stride along q) of a 2-D scale tensor in kernel coordinates."""
+    return (scale.stride(0), scale.stride(1)) if axis == 1 else (scale.stride(1), scale.stride(0))
+
+
+def _empty_scale(shape: tuple[int, int], mn_major: bool, device) -> torch.Tensor:
+    """A scale buffer of ``shape``; ``mn_major`` stores it transposed (dim 0 contiguous), the
+    layout the GEMM kernels read a K-block's column of scales from in one coalesced load."""
+    if mn_major:
+        return torch.empty(shape[::-1], dtype=torch.float32, device=device).t()
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+def _run(x, dtype, gran, axis, block_size, block_2d, want_t, row_pad: int = 1, scale_mn_major: bool = False):
+    """Launches the kernels; returns (data, data_t or None, scale) in the reference's shapes.
+
+    ``row_pad`` > 1 (internal use, axis=1 only) pads data's row stride to a multiple of it, so
+    TMA (16-byte strides) can read any K; ``scale_mn_major`` stores 2-D scales transposed.
+    """
+    rows, cols = x.shape
+    if rows == 0 or cols == 0:
+        raise ValueError(f"quantize_fp8: x must be non-empty; got shape {tuple(x.shape)}")
+    ld = -(-cols // row_pad) * row_pad
+    data = torch.empty((rows, ld), dtype=dtype, device=x.device)[:, :cols]
+    data_t = torch.empty((cols, rows), dtype=dtype, device=x.device) if want_t else None
+    # Kernel coordinates: p = the other dim, q = the reduction dim (axis).
+    if axis == 1:
+        P, Q, sx_p, sx_q, sd_p, sd_q, st_p, st_q = rows, cols, x.stride(0), x.stride(1), ld, 1, 1, rows
+    else:
+        P, Q, sx_p, sx_q, sd_p, sd_q, st_p, st_q = cols, rows, x.stride(1), x.stride(0), 1, ld, rows, 1
+    fmax = FP8_MAX[dtype]
+    dt = data_t if want_t else data
+    man_bits, min_exp = (3, -6) if dtype == torch.float8_e4m3fn else (2, -14)
+    common = dict(WRITE_T=want_t, FP8_MAX_=fmax, TINY=_FP32_TINY, EMULATE_CAST=_interpreting(),
+                  MAN_BITS=man_bits, MIN_EXP=min_exp)
+    strides = (P, Q, sx_p, sx_q, sd_p, sd_q, st_p, st_q)
+
+    if gran is ScalingGranularity.BLOCKWISE and block_2d:
+        nr, nc = -(-rows // block_size), -(-cols // block_size)
+        scale = _empty_scale((nr, nc), scale_mn_major, x.device)
+        grid = (nr, nc) if axis == 1 else (nc, nr)
+        bp = _next_pow2(block_size)
+        _quant_kernel[grid](x, data, dt, scale, scale, *strides, *_scale_strides(scale, axis), 0, block_size,
+                            MODE=_MODE_TILE2D, BLOCK_P=bp, BLOCK_Q=bp, num_warps=8 if bp >= 128 else 4, **common)
+        return data, data_t, scale
+    if gran is ScalingGranularity.BLOCKWISE:
+        nb = -(-Q // block_size)
+        scale = _empty_scale((rows, nb) if axis == 1 else (nb, cols), scale_mn_major, x.device)
+        bq = _next_pow2(block_size)
+        bp = max(1, min(64, 8192 // bq))
+        _quant_kernel[(triton.cdiv(P, bp), nb)](x, data, dt, scale, scale, *strides, *_scale_strides(scale, axis), 0,
+                                                block_size, MODE=_MODE_BLOCK1D, BLOCK_P=bp, BLOCK_Q=bq,
+                                                num_warps=4, **common)
+        return data, data_t, scale
+    if gran is ScalingGranularity.ROWWISE and Q <= _ROW_SINGLE_MAX:
+        scale = torch.empty((rows, 1) if axis == 1 else (1, cols), dtype=torch.float32, device=x.device)
+        bq = _next_pow2(Q)
+        bp = max(1, min(64, 4096 // bq))
+        _quant_kernel[(triton.cdiv(P, bp), 1)](x, data, dt, scale, scale, *strides, 1, 0, 0, Q, MODE=_MODE_ROW,
+                                               BLOCK_P=bp, BLOCK_Q=bq, num_warps=8 if bq >= 4096 else 4, **common)
+        return data, data_t, scale
+
+    # Two kernels: a split amax (atomic max into a zeroed buffer), then the cast.
+    per_row = gran is ScalingGranularity.ROWWISE
+    amax = torch.zeros(P if per_row else 1, dtype=torch.float32, device=x.device)
+    s_amax = 1 if per_row else 0
+    bp_a, bq_a = 32, 128
+    # Split q so that about 256 programs run (enough to fill the GPU), at most 16384 wide each.
+    q_per_prog = max(bq_a, _next_pow2(-(-Q // max(1, 256 // triton.cdiv(P, bp_a)))))
+    q_per_prog = min(q_per_prog, 16384)
+    _amax_kernel[(triton.cdiv(P, bp_a), triton.cdiv(Q, q_per_prog))](
+        x, amax, P, Q, sx_p, sx_q, s_amax, BLOCK_P=bp_a, BLOCK_Q=bq_a, Q_PER_PROG=q_per_prog, num_warps=4)
+    if per_row:
+        scale = torch.empty((rows, 1) if axis == 1 else (1, cols), dtype=torch.float32, device=x.device)
+    else:
+        scale = torch.empty((), dtype=torch.float32, device=x.device)
+    bp, bq = 64, 64
+    _quant_kernel[(triton.cdiv(P, bp), triton.cdiv(Q, bq))](
+        x, data, dt, scale, amax, *strides, s_amax, 0, s_amax, 0,
+        MODE=_MODE_LOADED, BLOCK_P=bp, BLOCK_Q=bq, num_warps=4, **common)
+    return data, data_t, scale
+
+
+def quantize_kmajor(x: torch.Tensor, dtype: torch.dtype, granularity: ScalingGranularity,
+                    block_size: int | None, block_2d: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the GEMM kernels: quantise the logical operand ``x`` [R, K] (any strides) along K and
+    return ``(data, scale)`` with data [R, K] K-major, its row stride padded to 16 bytes (TMA),
+    and the scale as the kernels read it: 0-d (tensorwise), [R, 1] (rowwise), [R, K/bs] stored
+    R-major (1-D blocks), [R/bs, K/bs] (2-D tiles)."""
+    gran, _ = _check(x, dtype, granularity, 1, block_size, block_2d)
+    data, _, scale = _run(x, dtype, gran, 1, block_size, block_2d, want_t=False, row_pad=16,
+                          scale_mn_major=gran is ScalingGranularity.BLOCKWISE and not block_2d)
+    return data, scale
+
+
+def _transposed_scale(scale: torch.Tensor) -> torch.Tensor:
+    return scale if scale.dim() == 0 else scale.t().contiguous()
+
+
+def quantize_fp8(x: torch.Tensor, dtype: torch.dtype, granularity: ScalingGranularity, *, axis: int,
+                 block_size: int | None = None, block_2d: bool = False) -> QuantizedTensor:
+    """Triton version of ``turbo_dispatch.low_precision.quantize`` for a 2-D GPU tensor.
+
+    Same arguments, result shapes and scale convention (``x ≈ data * scale``); the data and
+    scales are bit-identical to the torch reference. ``x`` may be any strided view: the data is
+    written contiguous in ``x``'s logical shape, so ``quantize_fp8(w.t(), ...)`` is a fused
+    cast + scale + transpose. MX_BLOCKWISE is not implemented here (ValueError).
+
+    >>> q = quantize_fp8(x, torch.float8_e4m3fn, ScalingGranularity.BLOCKWISE, axis=1, block_size=128)  # doctest: +SKIP
+    """
+    gran, axis = _check(x, dtype, granularity, axis, block_size, block_2d)
+    data, _, scale = _run(x, dtype, gran, axis, block_size, block_2d, want_t=False)
+    return QuantizedTensor(data=data, scale=scale, granularity=gran, axis=axis,
+                           block_size=block_size, block_2d=block_2d)
+
+
+def quantize_fp8_with_transpose(x: torch.Tensor, dtype: torch.dtype, granularity: ScalingGranularity, *,
+                                axis: int, block_size: int | None = None,
+                                block_2d: bool = False) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """``(quantize_fp8(x, ...), quantize of x.t() with the same scales)`` from one read of ``x``.
+
+    The second tensor equals ``quantize(x.t(), dtype, granularity, axis=1 - axis, ...)``: its data
+    is ``x``'s fp8 data transposed and stored contiguous (so the other GEMM that consumes the
+    same quantised operand, e.g. a wgrad after a forward, gets its K-major copy without a second
+    pass), its scale the first one's transposed.
+    """
+    gran, axis = _check(x, dtype, granularity, axis, block_size, block_2d)
+    data, data_t, scale = _run(x, dtype, gran, axis, block_size, block_2d, want_t=True)
+    q = QuantizedTensor(data=data, scale=scale, granularity=gran, axis=axis, block_size=block_size,
+                        block_2d=block_2d)
+    q_t = QuantizedTensor(data=data_t, scale=_transposed_scale(scale), granularity=gran, axis=1 - axis,
+                          block_size=block_size, block_2d=block_2d)
+    return q, q_t

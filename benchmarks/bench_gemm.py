@@ -1,0 +1,432 @@
+"""GEMM benchmark on real model shapes: turbo_dispatch backends side by side with plain PyTorch.
+
+Shapes: the linear layers (qkv, o_proj, gate_up, down) of Llama-2-7B/70B, Llama-3.1-8B/70B/405B,
+Qwen2.5-7B/72B and Mistral-7B (turbo_dispatch.presets) at micro-batches 1, 2, 4 of 4096 tokens,
+deduplicated (a shape shared by several models is measured once and lists them all).
+
+Modes:
+
+* ``--dtype bf16``: peer ``torch.matmul`` vs ``turbo_dispatch.ops.gemm`` with each registered
+  backend pinned (TORCH, CUBLASLT, TRITON, ... whatever serves this GPU) and the dispatched op with
+  autotuning on. Forward, backward (dgrad + wgrad) and the combined step are timed.
+* ``--dtype fp8 --granularity tensorwise|rowwise``: the whole fp8 op (quantisation included) with
+  E4M3 operands everywhere. Peer: PyTorch's own recipe written in plain torch ops (amax, scale,
+  saturating cast) + ``torch._scaled_mm``, forward and backward in an autograd.Function defined
+  here; vs ``turbo_dispatch.ops.gemm_fp8`` per backend and autotuned. A bf16 ``torch.matmul`` row is
+  timed too, and every fp8 row's ``vs_bf16_step`` column is bf16 step time / its step time.
+* ``--dtype fp8 --granularity blockwise``: GEMM only, on operands quantised beforehand (1x128
+  activations, 128x128 weights): ``F.scaled_mm`` blockwise (peer) vs the TRITON blockwise kernel
+  when the Triton backend exposes one; plus the single shape M=4096, N=7168, K=16384.
+
+fp8 modes add a memory line: peak GPU memory of ``turbo_dispatch.modules.Linear`` fp8 vs bf16,
+forward + backward.
+
+Each row's Check is the gate against an fp32 reference (float64 on the CPU) of the same bf16
+inputs, for the output and both gradients: bf16 rel. error <= 2e-2, fp8 SNR >= 25 dB. FAIL voids
+the timing. See benchmarks/harness.py for timing and report conventions.
+
+Usage:
+    python benchmarks/bench_gemm.py --dtype bf16                  # full run, GPU
+    python benchmarks/bench_gemm.py --dtype fp8 --granularity rowwise --quick
+    python benchmarks/bench_gemm.py --quick --device cpu          # smoke run (tiny shapes)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import harness as H  # noqa: E402
+import turbo_dispatch as turbo  # noqa: E402
+from turbo_dispatch.device_platform import platform_of  # noqa: E402
+from turbo_dispatch.errors import BackendUnsupportedError, NoBackendError  # noqa: E402
+from turbo_dispatch.low_precision import Float8QuantConfig, ScalingGranularity, quantize  # noqa: E402
+from turbo_dispatch.presets import dense_linear_shapes, get_model  # noqa: E402
+from turbo_dispatch.registry import get_registry  # noqa: E402
+
+DEFAULT_MODELS = ["llama2-7b", "llama2-70b", "llama3.1-8b", "llama3.1-70b", "llama3.1-405b", "qwen2.5-7b",
+                  "qwen2.5-72b", "mistral-7b"]
+QUICK_MODELS = ["llama3.1-8b", "qwen2.5-7b"]
+E4M3 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+NOT_SERVED = (BackendUnsupportedError, NoBackendError)
+
+
+@dataclass
+class Shape:
+    label: str
+    models: list[str]
+    mb: int
+    m: int
+    n: int
+    k: int
+
+
+def collect_shapes(models: list[str], mbs: list[int], seq_len: int | None) -> list[Shape]:
+    """Preset linear shapes, deduplicated on (m, n, k); the first model names the row."""
+    shapes: dict[tuple[int, int, int], Shape] = {}
+    for name in models:
+        model = get_model(name)
+        for mb in mbs:
+            for s in dense_linear_shapes(model, mb, seq_len):
+                key = (s.m, s.n, s.k)
+                if key in shapes:
+                    shapes[key].models.append(model.name)
+                else:
+                    shapes[key] = Shape(f"{model.name}/{s.name}/mb{mb}", [model.name], mb, s.m, s.n, s.k)
+    return list(shapes.values())
+
+
+# -- PyTorch's own fp8 recipe (the peer) -----------------------------------------------------------
+def torch_quant(x: torch.Tensor, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 with the dequant scale amax/448, per tensor (dim None) or per slice along ``dim``."""
+    amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
+    scale = (amax.float() / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(E4M3), scale
+
+
+def _col_major(x: torch.Tensor) -> torch.Tensor:
+    return x.t().contiguous().t()
+
+
+class TorchFp8Linear(torch.autograd.Function):
+    """y = x @ w^T in fp8 with torch ops only: the recipe a PyTorch user writes by hand.
+    Rowwise: scales per row of x / w (forward), per row of the gradient and per column of the
+    other operand (backward); tensorwise: one scale per tensor. Everything E4M3."""
+
+    @staticmethod
+    def forward(ctx, x, w, rowwise: bool):
+        ctx.save_for_backward(x, w)
+        ctx.rowwise = rowwise
+        d = 1 if rowwise else None
+        xq, sx = torch_quant(x, d)
+        wq, sw = torch_quant(w, d)
+        return torch._scaled_mm(xq, wq.t(), sx, sw.t() if rowwise else sw, out_dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        rw = ctx.rowwise
+        gq, sg = torch_quant(g, 1 if rw else None)  # dgrad: reduce over N
+        wq, sw = torch_quant(w, 0 if rw else None)
+        dx = torch._scaled_mm(gq, _col_major(wq), sg, sw, out_dtype=x.dtype)
+        gtq, sgt = torch_quant(g.t(), 1 if rw else None)  # wgrad: reduce over M
+        xq, sx = torch_quant(x, 0 if rw else None)
+        dw = torch._scaled_mm(gtq.contiguous(), _col_major(xq), sgt, sx, out_dtype=w.dtype)
+        return dx, dw, None
+
+
+# -- variants and measurement ----------------------------------------------------------------------
+@dataclass
+class Variant:
+    label: str
+    fwd: Callable[[], torch.Tensor]
+    enter: Callable[[], None]
+    peer: bool = False
+    gate_snr: float | None = None  # None: bf16 relative-error gate
+    explain: Callable[[], str] | None = None
+
+
+def pin(name: str | None, auto: bool = False) -> Callable[[], None]:
+    def enter() -> None:
+        turbo.GlobalBackendManager.set_gemm_backend(None)
+        turbo.GlobalBackendManager.set_auto_tune(auto)
+        if name is not None:
+            turbo.GlobalBackendManager.set_gemm_backend(name)
+    return enter
+
+
+def plain() -> None:
+    turbo.GlobalBackendManager.set_gemm_backend(None)
+    turbo.GlobalBackendManager.set_auto_tune(False)
+
+
+def measure(v: Variant, row: H.Row, timer: H.Timer, x, w, grad, refs) -> H.Row:
+    """Gate first (output, dgrad, wgrad); only a PASS is timed (fwd, bwd, step)."""
+    v.enter()
+    try:
+        out = v.fwd()
+        dx, dw = torch.autograd.grad(out, (x, w), grad)
+    except NOT_SERVED as exc:
+        row.note = "not served: " + H.error_note(exc)
+        return row
+    except Exception as exc:  # a crashing backend is a FAIL, the run goes on
+        row.check = H.failed("raised " + H.error_note(exc))
+        return row
+    row.check = H.gate([("out", out, refs[0]), ("dgrad", dx, refs[1]), ("wgrad", dw, refs[2])],
+                       min_snr_db=v.gate_snr)
+    del out, dx, dw
+    if v.explain is not None:
+        try:
+            row.note = v.explain()
+        except Exception as exc:
+            row.note = "explain: " + H.error_note(exc)
+    if not row.check.ok:
+        return row
+    row.fwd_ms = timer.time_ms(v.fwd)
+    out = v.fwd()
+    row.bwd_ms = timer.time_ms(lambda: torch.autograd.grad(out, (x, w), grad, retain_graph=True))
+    del out
+    row.step_ms = timer.time_ms(lambda: torch.autograd.grad(v.fwd(), (x, w), grad))
+    return row
+
+
+def references(x, w, grad, device):
+    wide = torch.float64 if device.type == "cpu" else torch.float32
+    xf, wf, gf = x.detach().to(wide), w.detach().to(wide), grad.to(wide)
+    refs = (xf @ wf.t(), gf @ wf, gf.t() @ xf)
+    del xf, wf, gf
+    return refs
+
+
+def registered(op: str, device: torch.device) -> list[str]:
+    return [e.name for e in get_registry().backends(op, platform_of(device.type))]
+
+
+def _explain_fwd(op: str, x, w, **kw) -> Callable[[], str]:
+    def text() -> str:
+        d = turbo.explain(op, x, w, trans_b=True, **kw)
+        cfg = "" if d.config is None else f"[{d.config}]"
+        return f"fwd -> {d.backend}{cfg} ({d.source})"
+    return text
+
+
+def dense_variants(op: str, x, w, fp8: Float8QuantConfig | None, device) -> list[Variant]:
+    out: list[Variant] = []
+    if fp8 is None:
+        out.append(Variant("torch.matmul", lambda: torch.matmul(x, w.t()), plain, peer=True))
+        call = lambda: turbo.ops.gemm(x, w, trans_b=True)
+        snr, kw = None, {}
+    else:
+        rowwise = fp8.granularity is ScalingGranularity.ROWWISE
+        out.append(Variant(f"torch fp8 recipe ({fp8.granularity.value})",
+                           lambda: TorchFp8Linear.apply(x, w, rowwise), plain, peer=True, gate_snr=25.0))
+        call = lambda: turbo.ops.gemm_fp8(x, w, trans_b=True, config=fp8)
+        snr, kw = 25.0, {"config": fp8}
+    for name in registered(op, device):
+        out.append(Variant(f"turbo {name}", call, pin(name), gate_snr=snr, explain=_explain_fwd(op, x, w, **kw)))
+    out.append(Variant("turbo autotune", call, pin(None, auto=True), gate_snr=snr, explain=_explain_fwd(op, x, w, **kw)))
+    return out
+
+
+def run_dense(args, device, timer, shapes: list[Shape], rows: list[H.Row]) -> list[str]:
+    fp8 = None if args.dtype == "bf16" else Float8QuantConfig(granularity=args.granularity)
+    op = "gemm" if fp8 is None else "gemm_fp8"
+    label = op if fp8 is None else f"gemm_fp8_{args.granularity}"
+    dtype = torch.bfloat16
+    for i, s in enumerate(shapes):
+        t0 = time.time()
+        x = torch.randn(s.m, s.k, device=device, dtype=dtype, requires_grad=True)
+        w = torch.randn(s.n, s.k, device=device, dtype=dtype, requires_grad=True)
+        grad = torch.randn(s.m, s.n, device=device, dtype=dtype)
+        refs = references(x, w, grad, device)
+        variants = dense_variants(op, x, w, fp8, device)
+        if fp8 is not None:
+            variants.append(Variant("bf16 torch.matmul", lambda: torch.matmul(x, w.t()), plain))
+        shape_rows = []
+        for v in variants:
+            row = H.Row(op=label, shape=s.label, backend=v.label, model="+".join(s.models), mb=s.mb, m=s.m, n=s.n,
+                        k=s.k, flops=2.0 * s.m * s.n * s.k, peer=v.peer)
+            shape_rows.append(measure(v, row, timer, x, w, grad, refs))
+        if fp8 is not None:
+            bf16 = shape_rows[-1]
+            for r in shape_rows[:-1]:
+                if r.passed and bf16.passed and r.step_ms:
+                    r.extra["vs_bf16_step"] = round(bf16.step_ms / r.step_ms, 3)
+        rows += shape_rows
+        del x, w, grad, refs, variants
+        plain()
+        H.free_memory(device)
+        print(f"[{i + 1}/{len(shapes)}] {s.label} m={s.m} n={s.n} k={s.k}: "
+              + ", ".join(f"{r.backend}={r.check.status if r.check else 'SKIP'}"
+                          + (f" {r.step_ms:.3f}ms" if r.step_ms else "") for r in shape_rows)
+              + f" ({time.time() - t0:.1f}s)", flush=True)
+    return []
+
+
+# -- blockwise: GEMM only on pre-quantised operands -------------------------------------------------
+def triton_blockwise_gemm():
+    """The TRITON blockwise fp8 GEMM on pre-quantised operands, as (fn, "") or (None, why not).
+
+    ``fn(qa, qb, out_dtype, tile)`` takes qa = the 1 x 128 quantised [M, K] activations and qb =
+    the 128 x 128 quantised [N, K] weight (QuantizedTensors) and runs
+    ``backends/triton/fp8_gemm_kernels.fp8_gemm`` with that tile config; ``tiles(m, n, k)`` lists
+    the Triton adapter's candidate tiles (its default first).
+    """
+    try:
+        from turbo_dispatch.backends.triton import configs as tcfg
+        from turbo_dispatch.backends.triton import fp8_gemm_kernels as kernels
+        from turbo_dispatch.backends.triton.gemm import TritonGemmFp8
+    except Exception as exc:
+        return None, f"not available: turbo_dispatch.backends.triton fp8 kernels ({type(exc).__name__}: {exc})"
+    reason = TritonGemmFp8().available()
+    if reason:
+        return None, f"not available: {reason}"
+
+    def fn(qa, qb, out_dtype, tile):
+        return kernels.fp8_gemm(qa.data, qb.data, qa.scale, qb.scale, kernels.SCALE_BLOCK, out_dtype, tile,
+                                a_group=1, b_group=qb.block_size)
+
+    fn.tiles = lambda m, n, k: tcfg.fp8_candidates(m, n, k, 128)
+    return fn, ""
+
+
+def _best_tile(fn, qa, qb, ref, s, timer) -> tuple[H.Check, float | None, str]:
+    """Gates every candidate tile, times the passing ones; returns the fastest."""
+    best, worst_check, note = None, None, ""
+    for tile in fn.tiles(s.m, s.n, s.k):
+        try:
+            out = fn(qa, qb, torch.bfloat16, tile)
+            check = H.gate([("out", out, ref)], min_snr_db=25.0)
+            del out
+        except Exception as exc:
+            check = H.failed("raised " + H.error_note(exc))
+        if not check.ok:
+            worst_check = check
+            continue
+        ms = timer.time_ms(lambda: fn(qa, qb, torch.bfloat16, tile))
+        if best is None or ms < best[1]:
+            best = (check, ms, f"tile {tuple(tile)}")
+    if best is None:
+        return worst_check or H.failed("no candidate tile"), None, ""
+    failed = f"; {worst_check.reasons[0]} on another tile" if worst_check else ""
+    return best[0], best[1], best[2] + failed
+
+
+def run_blockwise(args, device, timer, shapes: list[Shape], rows: list[H.Row]) -> list[str]:
+    from turbo_dispatch.backends.torch.gemm import _scaled, _scaled_mm_unsupported
+    from turbo_dispatch.ops.gemm import GemmFp8Problem
+
+    extra = Shape("single M=4096 N=7168 K=16384", ["-"], 1, 4096, 7168, 16384)
+    if device.type == "cuda" and all((s.m, s.n, s.k) != (extra.m, extra.n, extra.k) for s in shapes):
+        shapes = shapes + [extra]
+    triton_fn, triton_why = triton_blockwise_gemm()
+    plat = platform_of(device.type)
+    for i, s in enumerate(shapes):
+        x = torch.randn(s.m, s.k, device=device, dtype=torch.bfloat16)
+        w = torch.randn(s.n, s.k, device=device, dtype=torch.bfloat16)
+        wide = torch.float64 if device.type == "cpu" else torch.float32
+        ref = x.to(wide) @ w.to(wide).t()
+        qa = quantize(x, E4M3, ScalingGranularity.BLOCKWISE, axis=1, block_size=128)
+        qb = quantize(w, E4M3, ScalingGranularity.BLOCKWISE, axis=1, block_size=128, block_2d=True)
+        p = GemmFp8Problem(s.m, s.n, s.k, False, True, torch.bfloat16, torch.bfloat16, torch.bfloat16, E4M3, E4M3,
+                           ScalingGranularity.BLOCKWISE, 128, False, True, plat)
+        candidates = [("F.scaled_mm blockwise", True, _scaled_mm_unsupported(p) if plat == "cuda"
+                       else f"F.scaled_mm blockwise needs an NVIDIA GPU (platform {plat})",
+                       lambda: _scaled(p, qa, qb)),
+                      ("turbo TRITON blockwise kernel (best tile)", False, None if triton_fn else triton_why,
+                       None)]
+        for label, is_peer, why_not, fn in candidates:
+            row = H.Row(op="gemm_fp8_blockwise_gemm_only", shape=s.label, backend=label, model="+".join(s.models),
+                        mb=s.mb, m=s.m, n=s.n, k=s.k, flops=2.0 * s.m * s.n * s.k, peer=is_peer)
+            if why_not:
+                row.note = f"not run: {why_not}"
+            elif fn is None:
+                row.check, row.fwd_ms, row.note = _best_tile(triton_fn, qa, qb, ref, s, timer)
+            else:
+                try:
+                    out = fn()
+                    row.check = H.gate([("out", out, ref)], min_snr_db=25.0)
+                    del out
+                    if row.check.ok:
+                        row.fwd_ms = timer.time_ms(fn)
+                except Exception as exc:
+                    row.check = H.failed("raised " + H.error_note(exc))
+            rows.append(row)
+        del x, w, ref, qa, qb
+        H.free_memory(device)
+        print(f"[{i + 1}/{len(shapes)}] {s.label}: " + ", ".join(
+            f"{r.backend}={r.check.status if r.check else 'SKIP'}" + (f" {r.fwd_ms:.3f}ms" if r.fwd_ms else "")
+            for r in rows[-2:]), flush=True)
+    return [f"TRITON blockwise kernel: {triton_why or 'found'}"]
+
+
+# -- memory line -----------------------------------------------------------------------------------
+def memory_rows(args, device) -> tuple[list[H.Row], list[str]]:
+    """Peak memory of Linear fwd+bwd, fp8 vs bf16 (Llama-3.1-8B gate_up, 4096 tokens)."""
+    if device.type != "cuda":
+        return [], ["memory line skipped: needs a CUDA device (torch.cuda.max_memory_allocated)"]
+    m, k, n = (4096, 4096, 28672) if not args.quick else (4096, 4096, 14336)
+    cfg = Float8QuantConfig(granularity=args.granularity, block_size=128 if args.granularity == "blockwise" else None)
+    rows = []
+    plain()
+    for label, fp8 in (("Linear bf16", None), (f"Linear fp8 {args.granularity}", cfg)):
+        layer = turbo.modules.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16, fp8_config=fp8)
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+        try:
+            layer(x).sum().backward()  # warm-up (workspaces, autotuned keys)
+            x.grad = None
+            layer.weight.grad = None
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            layer(x).sum().backward()
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+            note, status = "", None
+        except Exception as exc:
+            peak, note, status = None, H.error_note(exc), H.failed(H.error_note(exc))
+        row = H.Row(op="linear_peak_memory", shape=f"llama3.1-8b/gate_up m={m}", backend=label, m=m, n=n, k=k,
+                    note=note or "peak allocated during fwd+bwd above the live tensors before it",
+                    check=status)
+        row.extra["peak_mem_mib"] = round(peak, 1) if peak is not None else ""
+        rows.append(row)
+        del layer, x
+        torch.cuda.empty_cache()
+    return rows, [f"memory: {r.backend} peak {r.extra['peak_mem_mib']} MiB" for r in rows]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16")
+    parser.add_argument("--granularity", choices=["tensorwise", "rowwise", "blockwise"], default="tensorwise")
+    parser.add_argument("--models", default=None, help="comma-separated presets (default: the 8 dense models)")
+    parser.add_argument("--mb", default=None, help="micro-batches, comma-separated (default 1,2,4)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per micro-batch (default: preset's)")
+    H.add_common_args(parser)
+    args = parser.parse_args(argv)
+    device = H.pick_device(args.device)
+    H.set_tune_budget(args.tune_budget_ms, args.quick)
+    cpu = device.type == "cpu"
+    models = args.models.split(",") if args.models else (["tiny"] if cpu else QUICK_MODELS if args.quick
+                                                          else DEFAULT_MODELS)
+    mbs = [int(v) for v in args.mb.split(",")] if args.mb else ([1] if args.quick else [1, 2, 4])
+    shapes = collect_shapes(models, mbs, args.seq_len)
+    timer = H.make_timer(device, args.quick, args.target_ms)
+    torch.manual_seed(0)
+    t0 = time.time()
+    rows: list[H.Row] = []
+    notes: list[str] = []
+    with H.interruptible() as stopped:
+        if args.dtype == "fp8" and args.granularity == "blockwise":
+            notes += run_blockwise(args, device, timer, shapes, rows)
+        else:
+            notes += run_dense(args, device, timer, shapes, rows)
+        if args.dtype == "fp8":
+            mem_rows, mem_notes = memory_rows(args, device)
+            rows += mem_rows
+            notes += mem_notes
+    if stopped:
+        notes = [f"INTERRUPTED ({stopped[0]}): partial results"] + notes
+    plain()
+    name = args.name or (args.dtype if args.dtype == "bf16" else f"fp8_{args.granularity}") + "_gemm" + (
+        "_quick" if args.quick else "")
+    notes = [f"models: {', '.join(models)}; micro-batches {mbs}; {len(shapes)} unique shapes",
+             f"autotune budget per key: PRIMUS_TURBO_TUNE_BUDGET_MS={os.environ.get('PRIMUS_TURBO_TUNE_BUDGET_MS')}",
+             f"elapsed {time.time() - t0:.0f} s"] + notes
+    H.write_reports(rows, name=name, device=device, out_dir=args.out_dir, notes=notes,
+                    title=f"GEMM {args.dtype}" + ("" if args.dtype == "bf16" else f" {args.granularity}"),
+                    plot_metric="fwd" if args.granularity == "blockwise" and args.dtype == "fp8" else "step")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,491 @@
+"""Shared benchmark harness: timing, correctness gate, CSV / markdown / PNG reports.
+
+Every benchmark script builds ``Row`` objects through ``Bench`` and calls ``write_reports``:
+
+* timing (``time_ms``): CUDA events around each call, an L2 flush (a write of twice the L2 size)
+  before every timed call so no operand is served from cache, optional rotation over several
+  input sets, a few warm-ups, then the *median* of a number of repeats chosen from a time budget
+  (more repeats for short calls, at least ``min_repeats`` for long ones). On the CPU it uses
+  ``time.perf_counter`` and the reports say that CPU timings are meaningless (smoke runs only);
+* the ``check`` column: PASS/FAIL from a gate against a float64 (CPU) / float32 (GPU) reference:
+  relative error for bf16/fp16 outputs, SNR for fp8 (25 dB E4M3, 20 dB with E5M2). A FAIL *voids*
+  the timing: TFLOPS and ratios are left empty, so a wrong-but-fast kernel never scores;
+* ``ratio_vs_best_peer``: for each shape, (best time among the PASSing peer rows) / (this row's
+  time) on the headline metric (combined step when timed, else forward); > 1 means faster than
+  the best plain-PyTorch peer;
+* the score: geomean over shapes of TFLOPS and of the ratio, per backend, over the shapes where
+  both the backend and a peer passed (coverage shown);
+* results land in ``benchmarks/results/<gpu>_<date>_<name>.{csv,md,png}``; the markdown header
+  names the GPU, date, torch/triton/CUDA versions and the command line. matplotlib is optional:
+  without it the PNG is skipped with a message.
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import datetime as _dt
+import math
+import os
+import platform
+import re
+import signal
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+#: CSV columns every op writes, in order; op-specific extras (``Row.extra``) follow them.
+BASE_COLUMNS = ["op", "shape", "model", "mb", "m", "n", "k", "backend", "check", "snr_db", "rel_err", "fwd_ms",
+                "bwd_ms", "step_ms", "fwd_tflops", "step_tflops", "ratio_vs_best_peer", "peer", "note"]
+
+REL_TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 5e-3}
+
+
+# -- environment -----------------------------------------------------------------------------------
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()})"
+
+
+def gpu_slug(device: torch.device) -> str:
+    """Short file-name tag of the device: ``h100``, ``h200``, ``mi300x``; ``cpu`` on the CPU."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device)
+    words = [w for w in re.split(r"[^A-Za-z0-9]+", name) if w and w.upper() not in ("NVIDIA", "AMD", "INSTINCT")]
+    return (words[0] if words else "gpu").lower()
+
+
+def environment(device: torch.device) -> dict[str, str]:
+    """Versions and device facts for the report header."""
+    try:
+        import triton
+        triton_version = triton.__version__
+    except Exception:
+        triton_version = "not installed"
+    env = {
+        "device": device_name(device),
+        "date": _dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": str(torch.version.cuda),
+        "hip": str(getattr(torch.version, "hip", None)),
+        "python": platform.python_version(),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env["sm_count"] = str(props.multi_processor_count)
+        env["capability"] = "sm_%d%d" % torch.cuda.get_device_capability(device)
+    return env
+
+
+# -- timing ----------------------------------------------------------------------------------------
+class Timer:
+    """Median-of-repeats timing with CUDA events and an L2 flush before each timed call.
+
+    ``target_ms`` bounds how long one measurement takes: repeats = target / (estimated time of one
+    call), clamped to [min_repeats, max_repeats]. ``quick`` cuts warm-ups and repeats for smoke runs.
+    """
+
+    def __init__(self, device: torch.device, *, warmup: int = 2, min_repeats: int = 3, max_repeats: int = 25,
+                 target_ms: float = 150.0):
+        self.device = device
+        self.warmup, self.min_repeats, self.max_repeats, self.target_ms = warmup, min_repeats, max_repeats, target_ms
+        self._flush = None
+        if device.type == "cuda":
+            l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20) or (50 << 20)
+            self._flush = torch.empty(2 * l2 // 4, dtype=torch.int32, device=device)
+
+    def time_ms(self, fn: Callable[..., Any], sets: Sequence[Any] | None = None,
+                setup: Callable[[], Any] | None = None) -> float:
+        """Median milliseconds of ``fn()`` (or ``fn(sets[i % len(sets)])`` rotating input sets).
+        ``setup`` runs before each call, untimed (e.g. to drop gradients)."""
+        call = (lambda i: fn()) if not sets else (lambda i: fn(sets[i % len(sets)]))
+        gpu = self.device.type == "cuda"
+        for i in range(self.warmup):
+            if setup:
+                setup()
+            call(i)
+        if gpu:
+            torch.cuda.synchronize(self.device)
+        # one timed call to size the number of repeats
+        estimate = self._one(call, 0, setup)
+        repeats = int(min(self.max_repeats, max(self.min_repeats, self.target_ms / max(estimate, 1e-3))))
+        samples = [estimate] + [self._one(call, i + 1, setup) for i in range(repeats - 1)]
+        return statistics.median(samples)
+
+    def _one(self, call, i: int, setup) -> float:
+        if setup:
+            setup()
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            call(i)
+            return (time.perf_counter() - t0) * 1e3
+        self._flush.zero_()  # evicts the operands from L2 (written after the previous call ended)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call(i)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- correctness gate ------------------------------------------------------------------------------
+_CHUNK = 1 << 24  # elements per float64 chunk: bounds the temporaries for multi-GB outputs
+
+
+def _sums(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(sum ref^2, sum (out - ref)^2) in float64, over chunks so a huge output needs no full
+    float64 copy. Non-finite outputs give a non-finite noise term."""
+    o, r = out.detach().reshape(-1), ref.detach().reshape(-1)
+    signal = noise = 0.0
+    for s in range(0, o.numel(), _CHUNK):
+        rc = r[s:s + _CHUNK].double()
+        signal += float(rc.pow(2).sum())
+        noise += float((o[s:s + _CHUNK].double() - rc).pow(2).sum())
+    return signal, noise
+
+
+def snr_db(out: torch.Tensor, ref: torch.Tensor) -> float:
+    signal, noise = _sums(out, ref)
+    if not math.isfinite(noise):
+        return math.nan
+    return math.inf if noise == 0 else 10 * math.log10(max(signal, 1e-300) / noise)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    signal, noise = _sums(out, ref)
+    return math.sqrt(noise / max(signal, 1e-300)) if math.isfinite(noise) else math.nan
+
+
+@dataclass
+class Check:
+    """Gate result over one or more outputs (forward and each gradient): worst case wins."""
+
+    ok: bool = True
+    snr_db: float = math.inf
+    rel_err: float = 0.0
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def status(self) -> str:
+        return "PASS" if self.ok else "FAIL"
+
+
+def gate(pairs: Iterable[tuple[str, Any, torch.Tensor]], *, min_snr_db: float | None = None) -> Check:
+    """Checks ``(name, out, ref)`` pairs. ``min_snr_db`` set: an SNR gate (fp8); otherwise the
+    relative-error gate of the output dtype (bf16 2e-2, fp16/fp32 5e-3). Non-finite or misshapen
+    outputs fail. Every pair's SNR and relative error are recorded (the worst is kept)."""
+    result = Check()
+    for name, out, ref in pairs:
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(ref.shape):
+            result.ok = False
+            result.reasons.append(f"{name}: shape {tuple(getattr(out, 'shape', ()))} != {tuple(ref.shape)}")
+            continue
+        signal, noise = _sums(out, ref)
+        if not math.isfinite(noise):
+            result.ok = False
+            result.reasons.append(f"{name}: NaN/inf")
+            continue
+        s = math.inf if noise == 0 else 10 * math.log10(max(signal, 1e-300) / noise)
+        e = math.sqrt(noise / max(signal, 1e-300))
+        result.snr_db, result.rel_err = min(result.snr_db, s), max(result.rel_err, e)
+        if min_snr_db is not None:
+            if s < min_snr_db:
+                result.ok = False
+                result.reasons.append(f"{name}: SNR {s:.1f} dB < {min_snr_db}")
+        else:
+            tol = REL_TOL.get(out.dtype, 5e-3)
+            if e > tol:
+                result.ok = False
+                result.reasons.append(f"{name}: rel err {e:.2e} > {tol:.0e}")
+    return result
+
+
+def failed(reason: str) -> Check:
+    return Check(ok=False, snr_db=math.nan, rel_err=math.nan, reasons=[reason])
+
+
+# -- rows and scores -------------------------------------------------------------------------------
+@dataclass
+class Row:
+    """One (shape, backend) measurement. ``flops`` counts the forward (2*M*N*K summed over the
+    GEMMs); a step (fwd + dgrad + wgrad) counts ``step_flops`` (3x the forward unless given)."""
+
+    op: str
+    shape: str
+    backend: str
+    model: str = ""
+    mb: int | str = ""
+    m: int = 0
+    n: int = 0
+    k: int = 0
+    flops: float = 0.0
+    step_flops: float | None = None
+    check: Check | None = None
+    fwd_ms: float | None = None
+    bwd_ms: float | None = None
+    step_ms: float | None = None
+    peer: bool = False
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+    ratio: float | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.check is not None and self.check.ok
+
+    def headline_ms(self) -> float | None:
+        return self.step_ms if self.step_ms is not None else self.fwd_ms
+
+    def tflops(self, which: str) -> float | None:
+        if not self.passed:
+            return None  # a FAIL voids the timing
+        if which == "fwd":
+            ms, flops = self.fwd_ms, self.flops
+        else:
+            ms, flops = self.step_ms, (self.step_flops if self.step_flops is not None else 3 * self.flops)
+        if ms is None or ms <= 0 or not flops:
+            return None
+        return flops / (ms * 1e-3) / 1e12
+
+    def as_dict(self) -> dict[str, Any]:
+        def num(x, digits=4):
+            return "" if x is None or (isinstance(x, float) and math.isnan(x)) else (
+                round(x, digits) if isinstance(x, float) and math.isfinite(x) else x)
+        c = self.check
+        d = {
+            "op": self.op, "shape": self.shape, "model": self.model, "mb": self.mb, "m": self.m, "n": self.n,
+            "k": self.k, "backend": self.backend, "check": c.status if c else "SKIP",
+            "snr_db": num(c.snr_db, 2) if c else "", "rel_err": (f"{c.rel_err:.2e}" if c and math.isfinite(c.rel_err)
+                                                               else ""),
+            "fwd_ms": num(self.fwd_ms), "bwd_ms": num(self.bwd_ms), "step_ms": num(self.step_ms),
+            "fwd_tflops": num(self.tflops("fwd"), 1), "step_tflops": num(self.tflops("step"), 1),
+            "ratio_vs_best_peer": num(self.ratio, 3), "peer": "yes" if self.peer else "",
+            "note": "; ".join(filter(None, [self.note] + (c.reasons if c else []))),
+        }
+        d.update(self.extra)
+        return d
+
+
+def assign_ratios(rows: list[Row]) -> None:
+    """ratio = best PASSing peer's time / this row's time, per shape (same op + shape), on the
+    combined step when both the row and a peer have one, else on the forward."""
+    by_shape: dict[tuple[str, str], list[Row]] = {}
+    for r in rows:
+        by_shape.setdefault((r.op, r.shape), []).append(r)
+    for group in by_shape.values():
+        peers = [r for r in group if r.peer and r.passed]
+        best = {}
+        for metric in ("step_ms", "fwd_ms"):
+            times = [getattr(r, metric) for r in peers if getattr(r, metric)]
+            best[metric] = min(times) if times else None
+        for r in group:
+            r.ratio = None
+            if not r.passed:
+                continue
+            for metric in ("step_ms", "fwd_ms"):
+                mine = getattr(r, metric)
+                if mine and best[metric]:
+                    r.ratio = best[metric] / mine
+                    break
+
+
+def geomean(values: Iterable[float]) -> float | None:
+    vals = [v for v in values if v is not None and v > 0 and math.isfinite(v)]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
+
+
+def summary(rows: list[Row]) -> list[dict[str, Any]]:
+    """Per (op, backend): geomean fwd/step TFLOPS and ratio over shapes, PASS/FAIL counts."""
+    out = []
+    keys = list(dict.fromkeys((r.op, r.backend) for r in rows))
+    for op, backend in keys:
+        mine = [r for r in rows if r.op == op and r.backend == backend]
+        if all(r.check is None for r in mine):
+            continue  # untimed info rows (e.g. peak memory): not part of the score
+        shapes_total = len({r.shape for r in rows if r.op == op})
+        scored = [r for r in mine if r.ratio is not None]
+        out.append({
+            "op": op, "backend": backend, "peer": any(r.peer for r in mine),
+            "pass": sum(r.passed for r in mine), "fail": sum(r.check is not None and not r.check.ok for r in mine),
+            "shapes": f"{len(scored)}/{shapes_total}",
+            "geomean_fwd_tflops": geomean(r.tflops("fwd") for r in mine),
+            "geomean_step_tflops": geomean(r.tflops("step") for r in mine),
+            "geomean_ratio": geomean(r.ratio for r in scored),
+        })
+    return out
+
+
+# -- reports ---------------------------------------------------------------------------------------
+def _fmt(v: Any, digits: int = 3) -> str:
+    if v is None or v == "":
+        return ""
+    if isinstance(v, float):
+        return f"{v:.{digits}f}" if math.isfinite(v) else str(v)
+    return str(v)
+
+
+def write_reports(rows: list[Row], *, name: str, device: torch.device, out_dir: Path | str | None = None,
+                  title: str = "", notes: Sequence[str] = (), plot_metric: str = "step") -> dict[str, Path]:
+    """Writes <out_dir>/<gpu>_<date>_<name>.{csv,md,png}; returns the paths written."""
+    assign_ratios(rows)
+    out_dir = Path(out_dir) if out_dir else RESULTS_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{gpu_slug(device)}_{_dt.date.today().isoformat()}_{name}"
+    paths = {"csv": out_dir / f"{stem}.csv", "md": out_dir / f"{stem}.md"}
+
+    dicts = [r.as_dict() for r in rows]
+    columns = BASE_COLUMNS + [c for c in dict.fromkeys(k for d in dicts for k in d) if c not in BASE_COLUMNS]
+    with open(paths["csv"], "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        for d in dicts:
+            writer.writerow(d)
+
+    env = environment(device)
+    lines = [f"# {title or name}", ""]
+    lines.append(f"{env['device']}, {env['date']}: torch {env['torch']}, triton {env['triton']}, "
+                 f"CUDA {env['cuda']}" + (f", HIP {env['hip']}" if env["hip"] != "None" else "")
+                 + (f", {env['capability']} x {env['sm_count']} SMs" if "sm_count" in env else ""))
+    lines.append("")
+    lines.append("Command: `" + " ".join([Path(sys.argv[0]).name] + sys.argv[1:]) + "`")
+    lines.append("")
+    if device.type != "cuda":
+        lines += ["**CPU smoke run: the timings below are meaningless** (no GPU; the run only checks that "
+                  "the script, the gate and the reports work).", ""]
+    lines += [f"- {n}" for n in notes]
+    if notes:
+        lines.append("")
+    lines += ["## Score (geomean over shapes; ratio = best peer time / backend time, on the combined step where "
+              "both have one, else the forward; >1 = faster than the best peer; FAIL rows are excluded)", "",
+              "| op | backend | peer | PASS | FAIL | shapes scored | fwd TFLOPS | step TFLOPS | ratio vs best peer |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for s in summary(rows):
+        lines.append(f"| {s['op']} | {s['backend']} | {'yes' if s['peer'] else ''} | {s['pass']} | {s['fail']} | "
+                     f"{s['shapes']} | {_fmt(s['geomean_fwd_tflops'], 1)} | {_fmt(s['geomean_step_tflops'], 1)} | "
+                     f"{_fmt(s['geomean_ratio'])} |")
+    lines += ["", "## All rows", ""]
+    shown = [c for c in columns if c not in ("op",) and any(d.get(c) not in ("", None) for d in dicts)]
+    lines.append("| op | " + " | ".join(shown) + " |")
+    lines.append("|---|" + "|".join("---" for _ in shown) + "|")
+    for d in dicts:
+        lines.append(f"| {d['op']} | " + " | ".join(str(d.get(c, "")).replace("|", "/") for c in shown) + " |")
+    paths["md"].write_text("\n".join(lines) + "\n")
+
+    png = out_dir / f"{stem}.png"
+    message = plot(rows, png, metric=plot_metric, title=f"{title or name} ({env['device']})")
+    if message is None:
+        paths["png"] = png
+    else:
+        print(message)
+    for kind, path in paths.items():
+        print(f"wrote {kind}: {path}")
+    return paths
+
+
+def plot(rows: list[Row], path: Path, *, metric: str = "step", title: str = "") -> str | None:
+    """Grouped bars of TFLOPS per shape and backend (PASS rows only); returns why not, or None."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: skipped the PNG (pip install matplotlib to get it)"
+    values = {}
+    for r in rows:
+        t = r.tflops(metric) if r.tflops(metric) is not None else r.tflops("fwd")
+        if t is not None:
+            values.setdefault(f"{r.op}:{r.shape}", {})[r.backend] = t
+    if not values:
+        return "no PASSing timed rows: skipped the PNG"
+    shapes = list(values)
+    backends = list(dict.fromkeys(b for v in values.values() for b in v))
+    width = 0.8 / max(len(backends), 1)
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.45 * len(shapes) * max(1, len(backends)) ** 0.5), 5.5))
+    for i, b in enumerate(backends):
+        xs = [j + i * width for j in range(len(shapes))]
+        ax.bar(xs, [values[s].get(b, 0.0) for s in shapes], width=width, label=b)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
+    ax.set_xticklabels([s.split(":", 1)[1] for s in shapes], rotation=75, ha="right", fontsize=6)
+    ax.set_ylabel(f"{metric} TFLOPS (fwd where no {metric})")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+# -- shared helpers for the scripts ----------------------------------------------------------------
+def add_common_args(parser) -> None:
+    parser.add_argument("--device", default=None, help="cuda (default when a GPU is present) or cpu")
+    parser.add_argument("--quick", action="store_true", help="few shapes, few repeats (smoke run)")
+    parser.add_argument("--out-dir", default=None, help=f"where reports go (default {RESULTS_DIR})")
+    parser.add_argument("--name", default=None, help="report name suffix (default from the options)")
+    parser.add_argument("--target-ms", type=float, default=None, help="time budget of one measurement")
+    parser.add_argument("--tune-budget-ms", type=float, default=None,
+                        help="PRIMUS_TURBO_TUNE_BUDGET_MS for the autotuned rows (default 400; 50 with --quick)")
+
+
+def pick_device(arg: str | None) -> torch.device:
+    if arg is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(arg)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no GPU is visible to torch")
+    return dev
+
+
+def make_timer(device: torch.device, quick: bool, target_ms: float | None) -> Timer:
+    if quick:
+        return Timer(device, warmup=1, min_repeats=2, max_repeats=5, target_ms=target_ms or 20.0)
+    return Timer(device, target_ms=target_ms or 120.0)
+
+
+def set_tune_budget(ms: float | None, quick: bool) -> None:
+    if "PRIMUS_TURBO_TUNE_BUDGET_MS" not in os.environ or ms is not None:
+        os.environ["PRIMUS_TURBO_TUNE_BUDGET_MS"] = str(ms if ms is not None else (50 if quick else 400))
+
+
+def free_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def error_note(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    return text[:300]
+
+
+
+@contextlib.contextmanager
+def interruptible():
+    """Stops the benchmark loop on Ctrl-C or SIGTERM (``timeout`` sends it) instead of dying, so
+    the caller still writes reports of the rows measured so far. Yields a list that holds the
+    reason when the loop was stopped."""
+    stopped: list[str] = []
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield stopped
+    except KeyboardInterrupt as exc:
+        stopped.append(str(exc) or "interrupted")
+        print(f"interrupted ({stopped[0]}): writing partial reports", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,62 @@
+"""The benchmark scripts run end to end on the CPU (tiny shapes, --quick) and write their reports.
+
+CPU timings are meaningless; this checks the plumbing: the presets feed the scripts, every row
+carries a PASS/FAIL/SKIP Check, FAIL voids TFLOPS, the markdown has its header and score table,
+and the PNG exists exactly when matplotlib is importable. Each script runs in a subprocess (as
+users run it), with the env vars that would pin a backend removed.
+"""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+
+
+def _run(script: str, args: list[str], out_dir: Path) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRIMUS_TURBO_")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    cmd = [sys.executable, str(REPO / "benchmarks" / script), "--quick", "--device", "cpu", "--out-dir",
+           str(out_dir), *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    csvs = list(out_dir.glob("cpu_*.csv"))
+    mds = list(out_dir.glob("cpu_*.md"))
+    assert len(csvs) == 1 and len(mds) == 1, proc.stdout
+    text = mds[0].read_text()
+    assert "CPU smoke run: the timings below are meaningless" in text
+    assert "## Score" in text and "torch " in text
+    assert (len(list(out_dir.glob("cpu_*.png"))) == 1) == HAS_MPL
+    if not HAS_MPL:
+        assert "matplotlib is not installed" in proc.stdout
+    with open(csvs[0]) as fh:
+        rows = list(csv.DictReader(fh))
+    assert rows and {"check", "snr_db", "fwd_tflops", "step_tflops", "ratio_vs_best_peer"} <= set(rows[0])
+    for r in rows:
+        assert r["check"] in ("PASS", "FAIL", "SKIP")
+        if r["check"] != "PASS":
+            assert r["fwd_tflops"] == "" and r["step_tflops"] == "" and r["ratio_vs_best_peer"] == ""
+    return rows
+
+
+@pytest.mark.parametrize("args", [["--dtype", "bf16"], ["--dtype", "fp8", "--granularity", "rowwise"]])
+def test_bench_gemm_cpu_smoke(tmp_path, args):
+    rows = _run("bench_gemm.py", args, tmp_path)
+    peers = [r for r in rows if r["peer"] == "yes"]
+    assert peers and all(r["check"] == "PASS" and r["ratio_vs_best_peer"] for r in peers)
+    assert any(r["backend"] == "turbo TORCH" and r["check"] == "PASS" for r in rows)
+    assert {r["shape"].split("/")[1] for r in rows} >= {"qkv", "o_proj", "gate_up", "down"}
+
+
+def test_bench_grouped_gemm_cpu_smoke(tmp_path):
+    rows = _run("bench_grouped_gemm.py", ["--routings", "balanced,empty", "--models", "tiny"], tmp_path)
+    assert {r["routing"] for r in rows} == {"balanced", "empty"}
+    assert any(r["empty_groups"] not in ("", "0") for r in rows)
+    assert all(r["check"] == "PASS" for r in rows if r["backend"] in ("turbo TORCH", "torch per-group mm loop"))
