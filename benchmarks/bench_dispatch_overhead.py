@@ -41,6 +41,7 @@ import torch
 import turbo_dispatch as turbo
 from turbo_dispatch.backends.torch.gemm import TorchGemmFp8
 from turbo_dispatch.low_precision import Float8QuantConfig, ScalingGranularity
+from turbo_dispatch.tuning.stamp import cpu_model
 
 TARGET_US = 5.0
 
@@ -48,14 +49,7 @@ TARGET_US = 5.0
 def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_model()
 
 
 def time_rounds(fns: dict[str, Callable[[], object]], iters: int, rounds: int, sync: Callable[[], None],

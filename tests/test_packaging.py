@@ -56,6 +56,8 @@ def test_wheel_installs_and_runs(tmp_path):
     assert "turbo_dispatch/registry.yaml" in names
     assert "turbo_dispatch/backends/torch/gemm.py" in names
     assert "turbo_dispatch/cli.py" in names
+    shipped = sorted(p.name for p in (REPO / "turbo_dispatch" / "tuned").glob("*.jsonl"))
+    assert shipped and all(f"turbo_dispatch/tuned/{name}" in names for name in shipped), "shipped tuning DBs missing"
     assert not [n for n in names if n.split("/")[0] == "backends"], "wheel ships a top-level 'backends'"
 
     # 2. Install it into a fresh venv that does not see the dev environment's site-packages.

@@ -69,8 +69,9 @@ def judge(result: store.Result, stamps: dict, entry_for=None) -> Verdict:
         return Verdict(problem, f"stamp platform {stamp.platform} differs from the key's {platform}")
     try:
         here = current_stamp(platform)
-    except Exception as exc:  # e.g. a cuda key on a machine without a GPU
-        return Verdict(problem, f"no {platform} device here ({type(exc).__name__}: {exc})")
+    except Exception:  # e.g. a cuda key on a machine without a GPU
+        return Verdict(problem, f"tuned on another machine: platform {platform} ({stamp.gpu}); this machine has "
+                                f"no {platform} device")
     foreign = stamp.hard_mismatch(here)
     if foreign:
         return Verdict(problem, foreign)

@@ -74,7 +74,8 @@ class Stamp:
         return [name for name in SOFT_FIELDS if getattr(self, name) != getattr(here, name)]
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what the platform module knows."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -129,5 +130,5 @@ def current_stamp(platform: str, device_index: int | None = None) -> Stamp:
         arch = getattr(props, "gcnArchName", "") if torch.version.hip else f"sm_{props.major}{props.minor}"
         gpu, sm_count, driver = props.name, int(props.multi_processor_count), _driver_version()
     else:
-        gpu, arch, sm_count, driver = _cpu_model(), _py_platform.machine(), os.cpu_count() or 0, "none"
+        gpu, arch, sm_count, driver = cpu_model(), _py_platform.machine(), os.cpu_count() or 0, "none"
     return Stamp(platform, gpu, arch, sm_count, driver, runtime, torch.__version__, _triton_version())
