@@ -101,6 +101,34 @@ def _interpreter_checks() -> None:  # pragma: no cover - runs in the subprocess
                             and torch.equal(got.scale, want.scale) and got.axis == want.axis):
                         bad.append(f"view={view} {fdt} axis={axis}")
             _emit(f"quantize[{shape}-{xdt}-{g.name}-{bs}-{b2}]", not bad, "; ".join(bad[:4]))
+    # The GPU form of the scale (amax * float32(1/FP8_MAX), what torch computes on CUDA), checked
+    # here against the reference with its _fp_scale patched to that form.
+    LQ = sys.modules["turbo_dispatch.low_precision.quantize"]  # the module (the package attr is the function)
+
+    orig_fp_scale = LQ._fp_scale
+
+    def gpu_fp_scale(amax, fp8_max):
+        recip = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(fp8_max, dtype=torch.float32)
+        scale = (amax * recip).clamp_min(torch.finfo(torch.float32).tiny)
+        return torch.where(amax == 0, torch.ones_like(scale), scale)
+
+    LQ._fp_scale, Q.SCALE_BY_DIVISION = gpu_fp_scale, False
+    try:
+        bad, differs = [], 0
+        x = torch.randn(64, 96) * 7
+        for fdt, (g, bs, b2), axis in itertools.product([E4, E5], grans, [0, 1]):
+            r = quantize(x, fdt, g, axis=axis, block_size=bs, block_2d=b2)
+            q = Q.quantize_fp8(x, fdt, g, axis=axis, block_size=bs, block_2d=b2)
+            Q.SCALE_BY_DIVISION = True  # the CPU form must give other scales somewhere,
+            differs += int(not torch.equal(Q.quantize_fp8(x, fdt, g, axis=axis, block_size=bs, block_2d=b2).scale,
+                                           r.scale))
+            Q.SCALE_BY_DIVISION = False  # or this check could not tell the two forms apart
+            if not (torch.equal(q.data.view(torch.uint8), r.data.view(torch.uint8)) and torch.equal(q.scale, r.scale)):
+                bad.append(f"{fdt} {g.name} {bs} {b2} axis={axis}")
+        _emit("quantize_gpu_scale_form", not bad and differs > 0, f"{differs} cases differ from division; " + "; ".join(bad[:4]))
+    finally:
+        LQ._fp_scale, Q.SCALE_BY_DIVISION = orig_fp_scale, None
+
     x = torch.randn(8, 40)
     x[3, 5] = float("nan")
     q = Q.quantize_fp8(x, E4, G.ROWWISE, axis=1)
@@ -164,7 +192,8 @@ def _interpreter_checks() -> None:  # pragma: no cover - runs in the subprocess
 
 
 _CPU_NAMES = (
-    ["interp_facts", "interp_facts_bf16_dot_broken", "quantize_nan_row", "gemm_adapter_configs"]
+    ["interp_facts", "interp_facts_bf16_dot_broken", "quantize_nan_row", "quantize_gpu_scale_form",
+     "gemm_adapter_configs"]
     + [f"quantize[{s}-{d}-{g}-{bs}-{b2}]" for s, d in [((37, 70), torch.bfloat16), ((9, 40), torch.float32)]
        for g, bs, b2 in [("TENSORWISE", None, False), ("ROWWISE", None, False), ("BLOCKWISE", 32, False),
                          ("BLOCKWISE", 24, False), ("BLOCKWISE", 16, True)]]

@@ -70,21 +70,20 @@ def _case_half():
         for lens_l in ([5, 0, 1, 11], [0, 0, 17, 0], [17]):
             lens, offs = _lens_offs(lens_l)
             for k, trans_b in ((40, False), (32, True)):  # K 40: partial K tiles; 32: EVEN_K
-                if True:
-                    g = len(lens_l)
-                    big = torch.randn(17, k + 3, dtype=dtype)
-                    a = big[:, 1:k + 1]  # non-contiguous rows: the pointer path takes any strides
-                    b = torch.randn((g, 24, k) if trans_b else (g, k, 24), dtype=dtype)
-                    p = grouped_gemm_problem(a, b, lens, offs, trans_b)
-                    assert ad.supports(p) is None, ad.supports(p)
-                    ref = _reference(a, b, lens, trans_b, False)
-                    for cfg in (cfgs if lens_l[0] == 5 else cfgs[:1]):
-                        out = torch.full((17, 24), float("nan"), dtype=dtype)  # poisoned: every element is written
-                        b_gnk = b if trans_b else b.transpose(1, 2)
-                        launch_fixed_k(a, b_gnk, out, offs, cfg, upcast=1)
-                        assert _rel(out, ref) < tol, (dtype, lens_l, k, trans_b, cfg, _rel(out, ref))
-                    out = ad.run(p, a, b, lens, None)  # group_offs computed from group_lens
-                    assert _rel(out, ref) < tol
+                g = len(lens_l)
+                big = torch.randn(17, k + 3, dtype=dtype)
+                a = big[:, 1:k + 1]  # non-contiguous rows: the pointer path takes any strides
+                b = torch.randn((g, 24, k) if trans_b else (g, k, 24), dtype=dtype)
+                p = grouped_gemm_problem(a, b, lens, offs, trans_b)
+                assert ad.supports(p) is None, ad.supports(p)
+                ref = _reference(a, b, lens, trans_b, False)
+                for cfg in (cfgs if lens_l[0] == 5 else cfgs[:1]):
+                    out = torch.full((17, 24), float("nan"), dtype=dtype)  # poisoned: every element is written
+                    b_gnk = b if trans_b else b.transpose(1, 2)
+                    launch_fixed_k(a, b_gnk, out, offs, cfg, upcast=1)
+                    assert _rel(out, ref) < tol, (dtype, lens_l, k, trans_b, cfg, _rel(out, ref))
+                out = ad.run(p, a, b, lens, None)  # group_offs computed from group_lens
+                assert _rel(out, ref) < tol
             x, y = torch.randn(17, 20, dtype=dtype), torch.randn(17, 24, dtype=dtype)
             p = variable_k_problem(x, y, lens, offs)
             ref = _reference(x, y, lens, False, True)
@@ -141,18 +140,17 @@ def _case_fp8_fixed():
         for gran, bs, b_2d, bk in _recipes():
             # e4m3 with float32 out, and HYBRID dgrad's e5m2 x e4m3 with bf16 out, one per layout
             for trans_b, (fa, fb, out_dtype) in ((False, (e4, e4, torch.float32)), (True, (e5, e4, torch.bfloat16))):
-                if True:
-                    a = torch.randn(71, 72) * 3
-                    b = torch.randn((g, 40, 72) if trans_b else (g, 72, 40))
-                    p = _fp8_problem(a, b, lens, offs, trans_b, False, out_dtype, fa, fb, gran, bs, b_2d)
-                    assert tri.supports(p) is None, tri.supports(p)
-                    out = tri.run(p, a, b, lens, offs, config=(16, 16, bk, 2, 1, 4, 0))
-                    assert out.dtype == out_dtype and out.shape == (71, 40)
-                    same = ref_ad.run(p, a, b, lens, offs)  # the same quantisation, dequantised in float32
-                    tol = 1e-5 if out_dtype == torch.float32 else 1e-2
-                    assert _rel(out, same) < tol, (gran, bs, b_2d, trans_b, fa, _rel(out, same))
-                    snr = _snr(out, _reference(a, b, lens, trans_b, False))
-                    assert snr >= (20 if e5 in (fa, fb) else 25), (gran, bs, trans_b, fa, snr)
+                a = torch.randn(71, 72) * 3
+                b = torch.randn((g, 40, 72) if trans_b else (g, 72, 40))
+                p = _fp8_problem(a, b, lens, offs, trans_b, False, out_dtype, fa, fb, gran, bs, b_2d)
+                assert tri.supports(p) is None, tri.supports(p)
+                out = tri.run(p, a, b, lens, offs, config=(16, 16, bk, 2, 1, 4, 0))
+                assert out.dtype == out_dtype and out.shape == (71, 40)
+                same = ref_ad.run(p, a, b, lens, offs)  # the same quantisation, dequantised in float32
+                tol = 1e-5 if out_dtype == torch.float32 else 1e-2
+                assert _rel(out, same) < tol, (gran, bs, b_2d, trans_b, fa, _rel(out, same))
+                snr = _snr(out, _reference(a, b, lens, trans_b, False))
+                assert snr >= (20 if e5 in (fa, fb) else 25), (gran, bs, trans_b, fa, snr)
 
 
 def _case_fp8_variable():

@@ -5,8 +5,10 @@ hashable and JSON-representable (the tuning database stores it as a list). ``Til
 the fields; ``as_tuple``/``from_tuple`` convert.
 
 The candidate lists are short on purpose: an autotuner profiles every config of every backend
-for a key, so each list holds the handful of shapes that won somewhere on H100/H200 for that size
-class (tools/probe_triton_gemm.py re-measures them), not a sweep. The grouped-GEMM kernels can
+for a key, so each list holds a handful of shapes per size class, not a sweep. They are the usual
+Hopper choices (128x256x64 bf16 / 128x256x128 fp8 with 8 warps for large problems, smaller tiles
+for few-tile problems), checked for correctness on an H100 but NOT yet ranked by measurement:
+tools/probe_triton_gemm.py times each one against torch; reorder the lists by its output. The grouped-GEMM kernels can
 reuse ``prune``/``smem_bytes``/``size_class`` with their own candidate lists.
 """
 from __future__ import annotations

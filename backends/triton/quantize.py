@@ -2,12 +2,16 @@
 copy) in one pass over ``x`` wherever the granularity allows.
 
 Semantics are those of ``turbo_dispatch.low_precision.quantize`` for 2-D inputs: the dequant scale
-is ``amax / FP8_MAX`` (float32, correctly rounded), clamped below to the smallest normal float32,
-and 1 for all-zero groups; values are ``x / scale`` (correctly rounded division, ``div_rn``),
-saturated to ``±FP8_MAX`` and cast round-to-nearest-even. Every step is the same IEEE operation
-the torch reference does in the same order, so the fp8 data and the scales match it bit for
-bit (tests/test_triton_gemm.py checks equality, not closeness). A NaN in a group makes that
-group's scale NaN, as in the reference.
+is ``amax / FP8_MAX`` in float32, clamped below to the smallest normal float32, and 1 for all-zero
+groups; values are ``x / scale`` (correctly rounded division, ``div_rn``), saturated to
+``±FP8_MAX`` and cast round-to-nearest-even. Every step is the IEEE operation the torch reference
+does on the same device, in the same order, so data and scales match it bit for bit
+(tests/test_triton_gemm.py checks equality, not closeness). One device difference is copied on
+purpose: torch on a GPU computes ``amax / FP8_MAX`` (a Python scalar) as ``amax * fl32(1/FP8_MAX)``,
+which can differ from the division by one ulp (seen on an H100: 1-ulp scale differences and the
+fp8 values they move), so the GPU kernels multiply by that reciprocal and the interpreter (whose
+reference is torch on the CPU) divides. A NaN in a group makes that group's scale NaN, as in
+the reference.
 
 Passes over ``x``:
 
@@ -95,9 +99,14 @@ if triton is not None:
         tl.atomic_max(amax_ptr + offs_p * s_amax, run, mask=mask_p)
 
     @triton.jit
-    def _scale_of(amax, FP8_MAX_: tl.constexpr, TINY: tl.constexpr):
-        # Same IEEE steps as low_precision._fp_scale: divide, clamp_min (keeps NaN), 1 for zero.
-        scale = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX_, tl.float32))
+    def _scale_of(amax, FP8_MAX_: tl.constexpr, TINY: tl.constexpr, RECIP: tl.constexpr):
+        # Same IEEE steps as low_precision._fp_scale: amax / FP8_MAX, clamp_min (keeps NaN), 1
+        # for zero. torch on CUDA/ROCm divides by a Python scalar as a multiply by its float32
+        # reciprocal (RECIP != 0), torch on the CPU divides (RECIP == 0: the interpreter's case).
+        if RECIP != 0.0:
+            scale = amax * tl.full(amax.shape, RECIP, tl.float32)
+        else:
+            scale = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX_, tl.float32))
         scale = tl.where(scale < TINY, TINY, scale)
         return tl.where(amax == 0.0, 1.0, scale)
 
@@ -125,7 +134,8 @@ if triton is not None:
                       P, Q, sx_p, sx_q, sd_p, sd_q, st_p, st_q, ss_p, ss_q, s_amax,
                       BS, MODE: tl.constexpr, WRITE_T: tl.constexpr, FP8_MAX_: tl.constexpr,
                       TINY: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr,
-                      EMULATE_CAST: tl.constexpr, MAN_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+                      EMULATE_CAST: tl.constexpr, MAN_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
+                      RECIP: tl.constexpr):
         """Quantises x[P, Q] (q = reduction dim) tile by tile into data[P, Q] (and data_t[Q, P]).
 
         A program owns a BLOCK_P x BLOCK_Q tile. For _MODE_BLOCK1D / _MODE_TILE2D the tile is
@@ -153,7 +163,7 @@ if triton is not None:
 
         if MODE == 3:
             amax = tl.load(amax_ptr + offs_p * s_amax, mask=mask_p, other=0.0)
-            scale = _scale_of(amax, FP8_MAX_, TINY)
+            scale = _scale_of(amax, FP8_MAX_, TINY, RECIP)
             if pid_q == 0:
                 # Per-row amax: each row's scale; one amax (stride 0): only lane p == 0 writes.
                 tl.store(scale_ptr + offs_p * ss_p, scale, mask=mask_p & ((offs_p == 0) | (offs_p * ss_p > 0)))
@@ -163,7 +173,7 @@ if triton is not None:
             amax = tl.max(tl.max(a, axis=1), axis=0)
             has_nan = tl.max(tl.max((a != a).to(tl.int32), axis=1), axis=0)
             amax = tl.where(has_nan > 0, float("nan"), amax)
-            scale = _scale_of(amax, FP8_MAX_, TINY)
+            scale = _scale_of(amax, FP8_MAX_, TINY, RECIP)
             tl.store(scale_ptr + pid_p * ss_p + pid_q * ss_q, scale)
             y = tl.math.div_rn(x, tl.full(x.shape, 1.0, tl.float32) * scale)
         else:
@@ -171,7 +181,7 @@ if triton is not None:
             amax = tl.max(a, axis=1)
             has_nan = tl.max((a != a).to(tl.int32), axis=1)
             amax = tl.where(has_nan > 0, float("nan"), amax)
-            scale = _scale_of(amax, FP8_MAX_, TINY)
+            scale = _scale_of(amax, FP8_MAX_, TINY, RECIP)
             tl.store(scale_ptr + offs_p * ss_p + pid_q * ss_q, scale, mask=mask_p)
             y = tl.math.div_rn(x, scale[:, None])
 
@@ -184,6 +194,22 @@ if triton is not None:
         tl.store(data_ptr + offs_p[:, None] * sd_p + offs_q[None, :] * sd_q, q, mask=mask)
         if WRITE_T:
             tl.store(data_t_ptr + offs_q[None, :] * st_q + offs_p[:, None] * st_p, q, mask=mask)
+
+
+def _f32_recip(v: float) -> float:
+    """float32(1) / float32(v), rounded to float32: the reciprocal torch's CUDA division by a
+    Python scalar multiplies with (aten div_true_kernel_cuda, opmath float)."""
+    return torch.tensor(1.0, dtype=torch.float32).div(torch.tensor(v, dtype=torch.float32)).item()
+
+
+#: How the kernels form amax / FP8_MAX: None = as torch does on this device (divide under the
+#: interpreter, multiply by the float32 reciprocal on a GPU); True/False force it (tests).
+SCALE_BY_DIVISION: bool | None = None
+
+
+def _recip_for(fmax: float) -> float:
+    divide = _interpreting() if SCALE_BY_DIVISION is None else SCALE_BY_DIVISION
+    return 0.0 if divide else _f32_recip(fmax)
 
 
 def _next_pow2(v: int) -> int:
@@ -253,7 +279,7 @@ def _run(x, dtype, gran, axis, block_size, block_2d, want_t, row_pad: int = 1, s
     dt = data_t if want_t else data
     man_bits, min_exp = (3, -6) if dtype == torch.float8_e4m3fn else (2, -14)
     common = dict(WRITE_T=want_t, FP8_MAX_=fmax, TINY=_FP32_TINY, EMULATE_CAST=_interpreting(),
-                  MAN_BITS=man_bits, MIN_EXP=min_exp)
+                  MAN_BITS=man_bits, MIN_EXP=min_exp, RECIP=_recip_for(fmax))
     strides = (P, Q, sx_p, sx_q, sd_p, sd_q, st_p, st_q)
 
     if gran is ScalingGranularity.BLOCKWISE and block_2d:
