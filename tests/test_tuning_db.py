@@ -474,3 +474,18 @@ def test_consensus_is_skipped_for_ops_whose_keys_vary_across_ranks(monkeypatch):
     gemm_candidates = [e for e in get_registry().backends("gemm") if e.check(dense, "cpu") is None]
     autotune.profile(get_op_spec("gemm"), dense, gemm_candidates)
     assert len(gathered) == 1
+
+
+def test_budget_never_skips_a_backends_first_config(tmp_path, plugins, monkeypatch):
+    """A slow first candidate that eats the whole budget must not keep the others unmeasured."""
+    monkeypatch.setenv("PRIMUS_TURBO_TUNE_BUDGET_MS", "0")
+    GlobalBackendManager.reset()
+    from turbo_dispatch.op_spec import get_op_spec
+
+    problem = _gemm_problem(m=17)
+    candidates = [e for e in get_registry().backends("gemm") if e.check(problem, "cpu") is None]
+    record = autotune.profile(get_op_spec("gemm"), problem, candidates)
+    timings = dict(record.timings)
+    assert set(timings) == {e.name for e in candidates}
+    assert all(ms != float("inf") for name, ms in timings.items() if name != "WRONG_FAST")
+    assert not [r for r in record.rejected if "budget" in r[1]]

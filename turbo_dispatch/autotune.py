@@ -183,9 +183,11 @@ def _time_ms(fn, sets: list, device: torch.device, deadline: float) -> float:
     return statistics.median(samples)
 
 
-def _plan(candidates: Sequence[Any], problem: Any) -> list[tuple[Any, Hashable]]:
-    """(backend, config) pairs in profiling order: every backend's first config before any
-    backend's second, so a budget that runs out still leaves each backend measured once."""
+def _plan(candidates: Sequence[Any], problem: Any) -> list[tuple[Any, Hashable, bool]]:
+    """(backend, config, is_first_config) in profiling order: every backend's first config
+    before any backend's second. First configs are always profiled (at the minimum repeat
+    count once the budget is spent), so a slow candidate early in the list can never keep a
+    faster backend from being measured; the budget only cuts the extra configs."""
     per_backend = []
     for entry in candidates:
         try:
@@ -197,7 +199,7 @@ def _plan(candidates: Sequence[Any], problem: Any) -> list[tuple[Any, Hashable]]
         per_backend.append((entry, configs))
     plan = []
     for depth in range(max((len(c) for _, c in per_backend), default=0)):
-        plan += [(entry, configs[depth]) for entry, configs in per_backend if depth < len(configs)]
+        plan += [(entry, configs[depth], depth == 0) for entry, configs in per_backend if depth < len(configs)]
     return plan
 
 
@@ -213,9 +215,9 @@ def profile(spec: OpSpec, problem: Any, candidates: Sequence[Any]) -> TuneRecord
     spent = 0.0  # seconds in timing loops; compiles and correctness runs are not budgeted
     timings: list[tuple[str, Hashable, float]] = []  # (backend, config, ms); inf = rejected
     rejected: list[tuple[str, str]] = []
-    for entry, config in _plan(candidates, problem):
+    for entry, config, first in _plan(candidates, problem):
         label = entry.name if config is None else f"{entry.name}[{config}]"
-        if spent > budget and any(math.isfinite(t[2]) for t in timings):
+        if not first and spent > budget and any(math.isfinite(t[2]) for t in timings):
             rejected.append((label, "not profiled: the key's time budget ran out"))
             timings.append((entry.name, config, math.inf))
             continue
