@@ -164,19 +164,7 @@ def measure(v: Variant, row: H.Row, timer: H.Timer, x, w, grad, refs) -> H.Row:
     row.check = H.gate([("out", out, refs[0]), ("dgrad", dx, refs[1]), ("wgrad", dw, refs[2])],
                        min_snr_db=v.gate_snr)
     del out, dx, dw
-    if v.explain is not None:
-        try:
-            row.note = v.explain()
-        except Exception as exc:
-            row.note = "explain: " + H.error_note(exc)
-    if not row.check.ok:
-        return row
-    row.fwd_ms = timer.time_ms(v.fwd)
-    out = v.fwd()
-    row.bwd_ms = timer.time_ms(lambda: torch.autograd.grad(out, (x, w), grad, retain_graph=True))
-    del out
-    row.step_ms = timer.time_ms(lambda: torch.autograd.grad(v.fwd(), (x, w), grad))
-    return row
+    return H.note_and_time(row, v, timer, (x, w), grad)
 
 
 def references(x, w, grad, device):

@@ -223,20 +223,7 @@ def measure(v: Variant, row: H.Row, timer: H.Timer, a, b, grad, refs) -> H.Row:
         return row
     row.check = H.gate(pairs, min_snr_db=v.gate_snr)
     del pairs, out
-    if v.explain is not None:
-        try:
-            row.note = v.explain()
-        except Exception as exc:
-            row.note = "explain: " + H.error_note(exc)
-    if not row.check.ok:
-        return row
-    row.fwd_ms = timer.time_ms(v.fwd)
-    if v.grads:
-        out = v.fwd()
-        row.bwd_ms = timer.time_ms(lambda: torch.autograd.grad(out, (a, b), grad, retain_graph=True))
-        del out
-        row.step_ms = timer.time_ms(lambda: torch.autograd.grad(v.fwd(), (a, b), grad))
-    return row
+    return H.note_and_time(row, v, timer, (a, b), grad if v.grads else None)
 
 
 def variants_for(args, device, a, b, lens, offs_end, lens_host) -> list[Variant]:

@@ -280,6 +280,25 @@ class Row:
         return d
 
 
+def note_and_time(row: Row, v: Any, timer: Timer, inputs: tuple, grad: torch.Tensor | None) -> Row:
+    """After the gate: the variant's explain note, then its forward, backward and step times
+    (backward and step only when ``grad`` is given). A row that failed the gate is not timed."""
+    if getattr(v, "explain", None) is not None:
+        try:
+            row.note = v.explain()
+        except Exception as exc:
+            row.note = "explain: " + error_note(exc)
+    if not row.check.ok:
+        return row
+    row.fwd_ms = timer.time_ms(v.fwd)
+    if grad is not None:
+        out = v.fwd()
+        row.bwd_ms = timer.time_ms(lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True))
+        del out
+        row.step_ms = timer.time_ms(lambda: torch.autograd.grad(v.fwd(), inputs, grad))
+    return row
+
+
 def assign_ratios(rows: list[Row]) -> None:
     """ratio = best PASSing peer's time / this row's time, per shape (same op + shape), on the
     combined step when both the row and a peer have one, else on the forward."""
