@@ -408,8 +408,10 @@ def test_record_untuned_then_tune_from_recorded(tmp_path, monkeypatch, capsys):
 
 def test_tune_model_preset_cli_and_db_show(tmp_path, capsys):
     db = tmp_path / "tiny.jsonl"
-    assert cli(["tune", "--model", "tiny", "--ops", "gemm", "--db", str(db), "--no-progress"]) == 0
-    out = capsys.readouterr().out
+    assert cli(["tune", "--model", "tiny", "--ops", "gemm", "--db", str(db)]) == 0  # with the tqdm bar
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "tuning: 100%" in captured.err
     assert "keys:" in out and "failed" in out and "DEFAULT" in out
     assert cli(["db", "show", str(db)]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
