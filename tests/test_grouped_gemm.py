@@ -630,7 +630,7 @@ def test_gpu_fp8_scaled_grouped_mm_is_used():
         assert "torch._scaled_grouped_mm" in _note("grouped_gemm_fp8", a, b, lens_tensor(FP8_LENS, "cuda"),
                                                    config=cfg)
         snrs = fp8_snrs("cuda", FP8_LENS, FP8_K, FP8_N, True, cfg)
-        assert not backend._SCALED_BROKEN, backend._SCALED_BROKEN
+        assert not backend._SCALED_REFUSED, backend._SCALED_REFUSED
         assert min(snrs.values()) >= 25.0, snrs
 
 
@@ -653,3 +653,36 @@ def test_doctests():
     for name in ("turbo_dispatch.ops.grouped_gemm", "turbo_dispatch.modules.grouped_linear"):
         result = doctest.testmod(importlib.import_module(name))
         assert result.attempted > 0 and result.failed == 0, (name, result)
+
+
+def test_scaled_grouped_refusal_is_per_key_and_device_failures_raise(monkeypatch):
+    """A run-time rejection by torch._scaled_grouped_mm emulates that key only; an OOM or CUDA
+    error is raised, never turned into a silent slow path."""
+    from turbo_dispatch.backends.torch import grouped_gemm as backend
+    from turbo_dispatch.low_precision import quantize
+
+    monkeypatch.setattr(backend, "_SCALED_REFUSED", {})
+    from turbo_dispatch.ops.grouped_gemm import GroupedGemmFp8Problem
+
+    e4m3 = torch.float8_e4m3fn
+    p1 = GroupedGemmFp8Problem(2, 6, 8, 32, True, False, BF16, BF16, BF16, e4m3, e4m3, G.ROWWISE, None, False, "cuda")
+    p2 = p1._replace(m=7)
+    qa = quantize(torch.randn(6, 32), torch.float8_e4m3fn, "rowwise", axis=1)
+    qb = quantize(torch.randn(2, 8, 32), torch.float8_e4m3fn, "rowwise", axis=2)
+    offs = torch.tensor([0, 3, 6])
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Expected mat_b to be column-major")
+
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", refuse, raising=False)
+    assert backend._scaled_grouped(p1, qa, qb, offs) is None
+    assert list(backend._SCALED_REFUSED) == [p1] and "column-major" in backend._SCALED_REFUSED[p1]
+    assert p2 not in backend._SCALED_REFUSED  # another key is not affected
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", crash, raising=False)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        backend._scaled_grouped(p2, qa, qb, offs)
+    assert p2 not in backend._SCALED_REFUSED

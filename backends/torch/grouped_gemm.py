@@ -180,15 +180,28 @@ class TorchGroupedGemm(_TorchAdapter):
         return fixed_k(a, b, group_lens, group_offs, p.trans_b, fast)
 
 
-_SCALED_BROKEN: list[str] = []  # set once if torch._scaled_grouped_mm rejects our call at run time
+#: Problem keys whose call torch._scaled_grouped_mm rejected at run time (argument checks this
+#: torch applies that our static rules missed), with the reason; those keys are emulated.
+_SCALED_REFUSED: dict = {}
+_DEVICE_FAILURE = ("out of memory", "cuda error", "illegal memory", "device-side assert", "cublas_status",
+                   "cudnn_status", "hip error")
+
+
+def _is_refusal(exc: BaseException) -> bool:
+    """An argument check that rejected the call (safe to emulate), not a device failure (OOM, a
+    CUDA error), which must reach the user instead of silently turning into a slower path."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return False
+    text = str(exc).lower()
+    return not any(marker in text for marker in _DEVICE_FAILURE)
 
 
 def _scaled_grouped_unsupported(p) -> str | None:
     """Why torch._scaled_grouped_mm cannot run this fp8 GEMM (None: it can)."""
     if not hasattr(torch, "_scaled_grouped_mm"):
         return f"this torch ({torch.__version__}) has no torch._scaled_grouped_mm"
-    if _SCALED_BROKEN:
-        return _SCALED_BROKEN[0]
+    if p in _SCALED_REFUSED:
+        return _SCALED_REFUSED[p]
     reason = _gpu_arch_reason(p.platform, "torch._scaled_grouped_mm")
     if reason is not None:
         return reason
@@ -256,7 +269,8 @@ class TorchGroupedGemmFp8(_TorchAdapter):
 
 def _scaled_grouped(p, qa: QuantizedTensor, qb: QuantizedTensor, group_offs: torch.Tensor) -> torch.Tensor | None:
     """torch._scaled_grouped_mm with rowwise scales: A row-major [M, K] with scale [M], B column-major
-    [G, K, N] with scale [G, N]. Returns None (after logging once) if this torch rejects the call."""
+    [G, K, N] with scale [G, N]. Returns None (after logging once) if this torch rejects the call
+    for this key; device failures (OOM, CUDA errors) are raised."""
     m = qa.data.shape[0]
     if m == 0:
         return qa.data.new_empty((0, p.n), dtype=p.out_dtype)
@@ -271,8 +285,8 @@ def _scaled_grouped(p, qa: QuantizedTensor, qb: QuantizedTensor, group_offs: tor
         return torch._scaled_grouped_mm(qa.data, mat_b, scale_a, scale_b, offs=_offsets_end_i32(group_offs),
                                         out_dtype=p.out_dtype)
     except (TypeError, RuntimeError) as exc:
-        if qa.data.is_cuda and torch.cuda.is_current_stream_capturing():
+        if not _is_refusal(exc) or (qa.data.is_cuda and torch.cuda.is_current_stream_capturing()):
             raise
-        _SCALED_BROKEN.append(f"torch._scaled_grouped_mm rejected the call ({type(exc).__name__}: {exc})")
-        log.warning("grouped_gemm_fp8: %s; emulating from now on", _SCALED_BROKEN[0])
+        _SCALED_REFUSED[p] = f"torch._scaled_grouped_mm rejected this key ({type(exc).__name__}: {exc})"
+        log.warning("grouped_gemm_fp8 %s: %s; emulating this key from now on", p, _SCALED_REFUSED[p])
         return None
