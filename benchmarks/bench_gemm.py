@@ -220,7 +220,7 @@ def run_dense(args, device, timer, shapes: list[Shape], rows: list[H.Row]) -> li
         if fp8 is not None:
             variants.append(Variant("bf16 torch.matmul", lambda: torch.matmul(x, w.t()), plain))
         shape_rows = []
-        for v in variants:
+        for v in H.rotated(variants, i):
             row = H.Row(op=label, shape=s.label, backend=v.label, model="+".join(s.models), mb=s.mb, m=s.m, n=s.n,
                         k=s.k, flops=2.0 * s.m * s.n * s.k, peer=v.peer)
             shape_rows.append(measure(v, row, timer, x, w, grad, refs))

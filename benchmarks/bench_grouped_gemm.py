@@ -283,7 +283,7 @@ def run(args, device, timer, cases: list[Case], rows: list[H.Row]) -> None:
         offs_end = torch.cumsum(lens, 0).to(torch.int32)
         refs = references(a, b, lens_host, grad, device)
         shape_rows = []
-        for v in variants_for(args, device, a, b, lens, offs_end, lens_host):
+        for v in H.rotated(variants_for(args, device, a, b, lens, offs_end, lens_host), i):
             row = H.Row(op=op_label, shape=c.label, backend=v.label, model=c.model, m=c.m, n=c.n, k=c.k,
                         flops=2.0 * c.m * c.n * c.k, peer=v.peer,
                         extra={"groups": c.g, "ep": c.ep, "tokens_per_expert": c.tpe, "routing": c.routing,

@@ -280,6 +280,17 @@ class Row:
         return d
 
 
+def rotated(items: Sequence[Any], shift: int) -> list[Any]:
+    """``items`` starting at position ``shift``: benches rotate the variant order per shape so no
+    variant is always timed first (a GPU that heats up through a shape's runs would otherwise
+    favour the first variant, usually the peer, in every shape)."""
+    items = list(items)
+    if not items:
+        return items
+    shift %= len(items)
+    return items[shift:] + items[:shift]
+
+
 def note_and_time(row: Row, v: Any, timer: Timer, inputs: tuple, grad: torch.Tensor | None) -> Row:
     """After the gate: the variant's explain note, then its forward, backward and step times
     (backward and step only when ``grad`` is given). A row that failed the gate is not timed."""

@@ -589,9 +589,10 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, group_lens: torch.Tensor,
 
     Checks and host syncs: everything about shapes, dtypes and devices is checked from host-side
     facts. That group_lens is non-negative and sums to M_total (and that a given group_offs
-    matches it) needs a device read: eager calls do it (free on the CPU, one device->host sync on
-    a GPU); it is skipped while torch.compile traces and while a CUDA graph is captured, where
-    wrong lengths are the caller's responsibility. The problem key never reads group_lens values,
+    matches it) needs a device read: eager CPU calls do it for free; on a GPU it would cost a
+    device->host sync, so it runs only with PRIMUS_TURBO_VALIDATE_GROUP_LENS=1. It is skipped
+    while torch.compile traces and while a CUDA graph is captured; without the check, wrong
+    lengths are the caller's responsibility. The problem key never reads group_lens values,
     so routings with the same G and M_total share one decision. Whether the chosen backend
     itself reads group_lens on the host is shown by ``turbo_dispatch.explain`` (TORCH: no with
     torch._grouped_mm on sm_90/sm_100 bf16, yes with its per-group loop).
