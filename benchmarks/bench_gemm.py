@@ -219,11 +219,12 @@ def run_dense(args, device, timer, shapes: list[Shape], rows: list[H.Row]) -> li
         variants = dense_variants(op, x, w, fp8, device)
         if fp8 is not None:
             variants.append(Variant("bf16 torch.matmul", lambda: torch.matmul(x, w.t()), plain))
-        shape_rows = []
-        for v in H.rotated(variants, i):
+        shape_rows: list = [None] * len(variants)  # in variant order (the bf16 row stays last)
+        for j in H.rotated(range(len(variants)), i):
+            v = variants[j]
             row = H.Row(op=label, shape=s.label, backend=v.label, model="+".join(s.models), mb=s.mb, m=s.m, n=s.n,
                         k=s.k, flops=2.0 * s.m * s.n * s.k, peer=v.peer)
-            shape_rows.append(measure(v, row, timer, x, w, grad, refs))
+            shape_rows[j] = measure(v, row, timer, x, w, grad, refs)
         if fp8 is not None:
             bf16 = shape_rows[-1]
             for r in shape_rows[:-1]:

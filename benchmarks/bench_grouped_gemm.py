@@ -282,20 +282,22 @@ def run(args, device, timer, cases: list[Case], rows: list[H.Row]) -> None:
         lens_host = lens.tolist()
         offs_end = torch.cumsum(lens, 0).to(torch.int32)
         refs = references(a, b, lens_host, grad, device)
-        shape_rows = []
-        for v in H.rotated(variants_for(args, device, a, b, lens, offs_end, lens_host), i):
+        variants = variants_for(args, device, a, b, lens, offs_end, lens_host)
+        shape_rows: list = [None] * len(variants)  # in variant order (the bf16 row stays last)
+        for j in H.rotated(range(len(variants)), i):
+            v = variants[j]
             row = H.Row(op=op_label, shape=c.label, backend=v.label, model=c.model, m=c.m, n=c.n, k=c.k,
                         flops=2.0 * c.m * c.n * c.k, peer=v.peer,
                         extra={"groups": c.g, "ep": c.ep, "tokens_per_expert": c.tpe, "routing": c.routing,
                                "max_group": max(lens_host), "empty_groups": sum(1 for n in lens_host if n == 0)})
-            shape_rows.append(measure(v, row, timer, a, b, grad, refs))
+            shape_rows[j] = measure(v, row, timer, a, b, grad, refs)
         if args.dtype == "fp8":
             bf16 = shape_rows[-1]
             for r in shape_rows[:-1]:
                 if r.passed and bf16.passed and r.step_ms:
                     r.extra["vs_bf16_step"] = round(bf16.step_ms / r.step_ms, 3)
         rows += shape_rows
-        del a, b, grad, refs, lens, offs_end
+        del a, b, grad, refs, lens, offs_end, variants
         plain()
         H.free_memory(device)
         print(f"[{i + 1}/{len(cases)}] {c.label} G={c.g} M={c.m} N={c.n} K={c.k}: " + ", ".join(
