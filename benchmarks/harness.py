@@ -87,8 +87,13 @@ def environment(device: torch.device) -> dict[str, str]:
 
 
 # -- timing ----------------------------------------------------------------------------------------
+#: GPU clock cycles of the spin before each timed call: ~0.5 ms at Hopper clocks (1.6-2 GHz).
+_HOST_COVER_CYCLES = 1_000_000
+
+
 class Timer:
-    """Median-of-repeats timing with CUDA events and an L2 flush before each timed call.
+    """Median-of-repeats timing with CUDA events and an L2 flush before each timed call; a short
+    GPU spin before the start event hides the host's launch time, so rows compare GPU time.
 
     ``target_ms`` bounds how long one measurement takes: repeats = target / (estimated time of one
     call), clamped to [min_repeats, max_repeats]. ``quick`` cuts warm-ups and repeats for smoke runs.
@@ -129,6 +134,12 @@ class Timer:
             call(i)
             return (time.perf_counter() - t0) * 1e3
         self._flush.zero_()  # evicts the operands from L2 (written after the previous call ended)
+        if hasattr(torch.cuda, "_sleep"):
+            # Keep the GPU busy while the host issues the call, so the events time the GPU work
+            # alone: otherwise a wrapper's host time (Python, dispatch, autograd; tens to hundreds
+            # of us) would count as GPU time on small shapes. Host overhead has its own benchmark
+            # (bench_dispatch_overhead.py).
+            torch.cuda._sleep(_HOST_COVER_CYCLES)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         call(i)
