@@ -52,8 +52,8 @@ def test_capture_in_a_fresh_process_state_uses_the_tuning_db(tmp_path):
     entry = next(e for e in __import__("turbo_dispatch.registry", fromlist=["x"]).get_registry().backends("gemm")
                  if e.name == "TORCH")
     db = tmp_path / "gpu.jsonl"
-    store.update(db, contents_of([result_for(GEMM, problem, "TORCH", None, entry.adapter.identity(None), 0.01,
-                                             [("TORCH", 0.01)], [])]))
+    record = autotune.TuneRecord("TORCH", None, 0.01, timings=(("TORCH", 0.01),))
+    store.update(db, contents_of([result_for(GEMM, problem, record, [entry])]))
     turbo.GlobalBackendManager.reset()  # forget every in-memory result and decision
     turbo.GlobalBackendManager.set_tune_db(db)
     turbo.GlobalBackendManager.set_auto_tune(True)

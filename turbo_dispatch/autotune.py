@@ -125,7 +125,7 @@ def tune(spec: OpSpec, problem: Any, candidates: Sequence[Any], profile_allowed:
                 record = profile(spec, problem, candidates)
                 _memory[(spec.name, problem)] = record
                 if record.backend is not None:
-                    _save(spec, problem, record, candidates)
+                    _tunedb.save([_tunedb.result_for(spec, problem, record, candidates)])
     if record.backend is None:
         reasons = "; ".join(f"{name}: {why}" for name, why in record.rejected) or "no candidate"
         return TuneOutcome(notes=[f"autotune failed for this key earlier (remembered, not retried): {reasons}"])
@@ -134,13 +134,6 @@ def tune(spec: OpSpec, problem: Any, candidates: Sequence[Any], profile_allowed:
         return TuneOutcome(notes=[f"{record.source} winner {record.backend} cannot serve this call any more"])
     note = record.note or f"tuned: {record.time_ms:.4f} ms"
     return TuneOutcome(entry, record.config, source=record.source, notes=[note])
-
-
-def _save(spec: OpSpec, problem: Any, record: TuneRecord, candidates: Sequence[Any]) -> None:
-    entry = next(c for c in candidates if c.name == record.backend)
-    result = _tunedb.result_for(spec, problem, record.backend, record.config, entry.adapter.identity(record.config),
-                                record.time_ms, record.timings, record.rejected)
-    _tunedb.save([result])
 
 
 def _budget_s() -> float:

@@ -110,41 +110,46 @@ def lookup(spec: OpSpec, problem: Any) -> Hit | None:
     return None
 
 
-def result_for(spec: OpSpec, problem: Any, backend: str, config: Hashable, identity: str, time_ms: float,
-               timings: Sequence[tuple[str, float]], rejected: Sequence[tuple[str, str]]) -> store.Result:
-    """The stored form of one tuning outcome on this machine."""
+def result_for(spec: OpSpec, problem: Any, record: Any, candidates: Sequence[Any]) -> tuple[store.Result, Stamp]:
+    """The stored form of one tuning outcome on this machine, and the stamp it references.
+
+    ``record`` is an ``autotune.TuneRecord`` with a winner; ``candidates`` the registry entries
+    it was tuned over (the winner's adapter gives the identity).
+    """
+    entry = next(c for c in candidates if c.name == record.backend)
     stamp = current_stamp(spec.platform_of(problem))
-    return store.Result(
-        stamp=stamp.id, op=spec.name, key=encode_key(problem), backend=backend, config=encode_config(config),
-        identity=identity, time_ms=round(float(time_ms), 6),
-        candidates={label: (round(ms, 6) if math.isfinite(ms) else None) for label, ms in timings},
-        rejected=tuple((label, why) for label, why in rejected),
+    result = store.Result(
+        stamp=stamp.id, op=spec.name, key=encode_key(problem), backend=record.backend,
+        config=encode_config(record.config), identity=entry.adapter.identity(record.config),
+        time_ms=round(float(record.time_ms), 6),
+        candidates={label: (round(ms, 6) if math.isfinite(ms) else None) for label, ms in record.timings},
+        rejected=tuple((label, why) for label, why in record.rejected),
         tuned=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     )
+    return result, stamp
 
 
-def contents_of(results: Sequence[store.Result]) -> store.Contents:
-    """A Contents holding ``results`` and the stamps they reference (this machine's)."""
+def contents_of(pairs: Sequence[tuple[store.Result, Stamp]]) -> store.Contents:
+    """A Contents holding the results of ``(result, stamp)`` pairs and the stamps they reference."""
     contents = store.Contents()
-    for result in results:
-        contents.add_result(result)
-        spec = get_op_spec(result.op)
-        stamp = current_stamp(spec.platform_of(decode_key(spec.problem_type, result.key)))
+    for result, stamp in pairs:
         contents.stamps[stamp.id] = stamp
+        contents.add_result(result)
     return contents
 
 
 _write_failed: set = set()
 
 
-def save(results: Sequence[store.Result]) -> None:
-    """Merges ``results`` into the writable user DB, if one is set; a failure is logged once and
-    never raised (a training job must not die because its cache folder is read-only)."""
+def save(pairs: Sequence[tuple[store.Result, Stamp]]) -> None:
+    """Merges ``(result, stamp)`` pairs into the writable user DB, if one is set; a failure is
+    logged once and never raised (a training job must not die because its cache folder is
+    read-only)."""
     path = _manager.current_settings().db.user_db
-    if path is None or not results:
+    if path is None or not pairs:
         return
     try:
-        store.update(path, contents_of(results))
+        store.update(path, contents_of(pairs))
     except Exception as exc:
         if str(path) not in _write_failed:
             _write_failed.add(str(path))

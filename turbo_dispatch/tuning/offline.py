@@ -22,8 +22,8 @@ from ..op_spec import format_key, get_op_spec
 from ..registry import get_registry
 from . import store
 from .codec import decode_key, encode_key
-from .database import judge, result_for
-from .stamp import Stamp, current_stamp
+from .database import contents_of, judge, result_for
+from .stamp import Stamp
 
 log = logging.getLogger("turbo_dispatch.tuning")
 
@@ -76,7 +76,8 @@ def stored_in(db: Path, spec, problem: Any) -> "store.Result | None":
     return min(usable, key=lambda r: r.time_ms, default=None)
 
 
-def tune_one(op: str, problem: Any, force: bool = False, db: Path | None = None) -> tuple[KeyReport, "store.Result | None"]:
+def tune_one(op: str, problem: Any, force: bool = False,
+             db: Path | None = None) -> tuple[KeyReport, "tuple[store.Result, Stamp] | None"]:
     """Profiles one key, unless ``db`` already holds a usable result for it and not ``force``
     (only the target DB counts: a result in another layer would be missing from the file
     being produced)."""
@@ -100,12 +101,10 @@ def tune_one(op: str, problem: Any, force: bool = False, db: Path | None = None)
     if record.backend is None:
         note = "; ".join(f"{label}: {why}" for label, why in record.rejected)
         return KeyReport(op, key, "failed", default=default, default_ms=default_ms, seconds=seconds, note=note), None
-    entry = next(c for c in candidates if c.name == record.backend)
-    result = result_for(spec, problem, record.backend, record.config, entry.adapter.identity(record.config),
-                        record.time_ms, record.timings, record.rejected)
     autotune._memory[(spec.name, problem)] = record
     winner = record.backend if record.config is None else f"{record.backend}[{record.config}]"
-    return KeyReport(op, key, "tuned", winner, record.time_ms, default, default_ms, seconds), result
+    report = KeyReport(op, key, "tuned", winner, record.time_ms, default, default_ms, seconds)
+    return report, result_for(spec, problem, record, candidates)
 
 
 def _progress(items: Sequence, enabled: bool, desc: str):
@@ -127,11 +126,11 @@ def run(keys: Sequence[tuple[str, Any]], db: Path, *, force: bool = False, progr
     reports: list[KeyReport] = []
     results: list[tuple[dict, dict]] = []  # (result json, stamp json): stamps travel with results
     for op, problem in _progress(mine, progress and rank == 0, f"tuning (rank {rank}/{world})" if world > 1 else "tuning"):
-        report, result = tune_one(op, problem, force, db)
+        report, stored = tune_one(op, problem, force, db)
         reports.append(report)
         log.info("tune %s %s: %s %s (%.1f s)", op, report.key, report.status, report.winner, report.seconds)
-        if result is not None:
-            stamp = current_stamp(get_op_spec(op).platform_of(problem))
+        if stored is not None:
+            result, stamp = stored
             results.append((result.to_json(), stamp.to_json()))
             if world == 1:  # save as we go, so an interrupted run keeps what it measured
                 _write(db, results[-1:])
@@ -150,9 +149,4 @@ def run(keys: Sequence[tuple[str, Any]], db: Path, *, force: bool = False, progr
 def _write(db: Path, results: Sequence[tuple[dict, dict]]) -> None:
     if not results:
         return
-    contents = store.Contents()
-    for result_json, stamp_json in results:
-        stamp = Stamp.from_json(stamp_json)
-        contents.stamps[stamp.id] = stamp
-        contents.add_result(store.Result.from_json(result_json))
-    store.update(db, contents)
+    store.update(db, contents_of([(store.Result.from_json(r), Stamp.from_json(s)) for r, s in results]))
