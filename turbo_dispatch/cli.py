@@ -150,8 +150,9 @@ def _cmd_backends(args: argparse.Namespace) -> int:
 
 
 # -- explain -----------------------------------------------------------------------------------------
-def _explain_device(requested: str | None) -> str:
-    """The device type a problem is explained for: the GPU when torch sees one, else the CPU."""
+def _device_arg(requested: str | None) -> str:
+    """The device type of a ``--device`` option (explain, tune): the GPU when torch sees one, else
+    the CPU; asking for cuda without a GPU is a usage error."""
     if requested is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
@@ -181,7 +182,7 @@ def _gemm_problem(args: argparse.Namespace):
     from .device_platform import platform_of
     from .op_spec import get_op_spec
 
-    device = _explain_device(args.device)
+    device = _device_arg(args.device)
     dtype, out_dtype = _DTYPES[args.dtype], _DTYPES.get(args.out_dtype)
     a = torch.empty((args.k, args.m) if args.trans_a else (args.m, args.k), dtype=dtype, device="meta")
     b = torch.empty((args.n, args.k) if args.trans_b else (args.k, args.n), dtype=dtype, device="meta")

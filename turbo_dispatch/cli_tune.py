@@ -77,16 +77,6 @@ def add_parsers(sub) -> None:
 
 
 # -- tune ------------------------------------------------------------------------------------------
-def _tune_device(requested: str | None) -> str:
-    from .cli import UsageError
-
-    if requested is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: torch sees no GPU on this machine")
-    return requested
-
-
 def _init_distributed() -> None:
     from .cli import UsageError
 
@@ -99,7 +89,7 @@ def _init_distributed() -> None:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from .cli import UsageError, _table
+    from .cli import UsageError, _device_arg, _table
     from .device_platform import platform_of
     from .manager import GlobalBackendManager
     from .presets import MODELS
@@ -112,7 +102,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         return 0
     if args.distributed:
         _init_distributed()
-    device = _tune_device(args.device)
+    device = _device_arg(args.device)
     platform = platform_of(device)
     db = args.db or GlobalBackendManager.get_tune_db()
     if db is None:
