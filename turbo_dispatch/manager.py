@@ -9,6 +9,7 @@ change or ``reset()``: a process that edits ``os.environ`` after its first op ca
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import threading
@@ -36,14 +37,10 @@ class Settings:
     code_db: dict = field(default_factory=dict)  # tuning-DB settings set in code (tuning.config names)
     env_db: dict = field(default_factory=dict)  # tuning-DB settings read from the environment
 
-    @property
+    @functools.cached_property
     def db(self) -> "_db_config.DbSettings":
         """The effective tuning-database settings (computed once per snapshot)."""
-        cached = self.__dict__.get("_db")
-        if cached is None:
-            cached = _db_config.effective(self.code_db, self.env_db)
-            object.__setattr__(self, "_db", cached)
-        return cached
+        return _db_config.effective(self.code_db, self.env_db)
 
     def backend_choice(self, family: str, precision: str) -> tuple["BackendType | str | None", str]:
         """The backend (or AUTOTUNE) set for this family/precision and where it came from."""

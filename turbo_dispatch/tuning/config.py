@@ -5,6 +5,7 @@ Layers, first match wins: in-memory results -> the writable user DB -> the read-
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,13 +38,19 @@ class DbSettings:
 
     def layers(self) -> list[tuple[str, Path]]:
         """(layer name, file) in lookup order; the user DB first, shipped DBs last."""
+        return list(self._layers)
+
+    @functools.cached_property
+    def _layers(self) -> tuple[tuple[str, Path], ...]:
+        # Once per settings snapshot: every resolver miss looks the layers up, and listing the
+        # shipped folder each time would put a directory scan on that path.
         out: list[tuple[str, Path]] = []
         if self.user_db is not None:
             out.append(("user", self.user_db))
         out += [("read-only", p) for p in self.read_only]
         if self.shipped and SHIPPED_DIR.is_dir():
             out += [("shipped", p) for p in sorted(SHIPPED_DIR.glob("*.jsonl"))]
-        return out
+        return tuple(out)
 
 
 def _path_or_off(raw: str | None) -> Path | None:
