@@ -270,7 +270,7 @@ def triton_blockwise_gemm():
 
 def _best_tile(fn, qa, qb, ref, s, timer) -> tuple[H.Check, float | None, str]:
     """Gates every candidate tile, times the passing ones; returns the fastest."""
-    best, worst_check, note = None, None, ""
+    best, worst_check = None, None
     for tile in fn.tiles(s.m, s.n, s.k):
         try:
             out = fn(qa, qb, torch.bfloat16, tile)
