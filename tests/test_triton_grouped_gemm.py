@@ -179,6 +179,90 @@ def _case_fp8_variable():
                         assert _snr(out[i], ref[i]) >= (20 if e5 in (fa, fb) else 25), (gran, lens_l, i)
 
 
+def _token_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """[T, cols] view of a copy stored [cols, T] with the row stride padded to 16 elements (the fp8
+    quantiser's wgrad layout; TMA needs 16-byte strides)."""
+    tokens, cols = t.shape
+    store = torch.full((cols, -(-tokens // 16) * 16), float("nan"), dtype=t.dtype, device=t.device)  # never read
+    store[:, :tokens] = t.t()
+    return store[:, :tokens].t()
+
+
+# start/end off the BK grid, a 1-token group inside one BK cell, groups shorter than BK, empty
+# groups first/middle/last, a group with interior steps, odd T (61)
+_EDGE_ROUTINGS = ([5, 0, 1, 11, 40, 4], [0, 61, 0], [16, 3, 13, 29, 0])
+
+
+def _case_variable_k_edges():
+    """Interior/edge split of the wgrad kernel, on the pointer path and (under the interpreter,
+    forced) the TMA-descriptor path, with every operand layout; fp16/bf16 in float32 inside
+    (UPCAST=1, the interpreter's bf16 dot is wrong), fp8 in every granularity."""
+    from turbo_dispatch.backends.torch.grouped_gemm import TorchGroupedGemmFp8
+    from turbo_dispatch.backends.triton.grouped_gemm import _quant_rows, _vk_descriptor, launch_variable_k
+    from turbo_dispatch.low_precision import ScalingGranularity as SG
+
+    cfgs = [(16, 16, 16, 2, 1, 4), (32, 16, 32, 1, 2, 4)]  # BM 32 > M % 32: rows past M zero-filled
+    for lens_l in _EDGE_ROUTINGS:
+        lens, offs = _lens_offs(lens_l)
+        t = sum(lens_l)
+        for dtype in (torch.float16, torch.bfloat16):
+            tol = 2e-3 if dtype == torch.float16 else 1e-2
+            x0, y0 = torch.randn(t, 24, dtype=dtype), torch.randn(t, 40, dtype=dtype)
+            ref = _reference(x0, y0, lens, False, True)
+            for x_tc, y_tc in ((False, False), (True, True), (True, False)):
+                x = _token_contiguous(x0) if x_tc else x0
+                y = _token_contiguous(y0) if y_tc else y0
+                for cfg in cfgs:
+                    assert _vk_descriptor(x, cfg[0], cfg[2])[1] == x_tc  # the descriptor path is taken
+                    assert _vk_descriptor(y, cfg[1], cfg[2])[1] == y_tc
+                    for tma in (0, 1):
+                        out = torch.full((len(lens_l), 24, 40), float("nan"), dtype=dtype)
+                        launch_variable_k(x, y, out, offs, cfg + (tma,), upcast=1, tma_in_interpreter=True)
+                        for i, n in enumerate(lens_l):
+                            if n == 0:
+                                assert torch.equal(out[i], torch.zeros_like(out[i])), "empty group: exact zeros"
+                            else:
+                                assert _rel(out[i], ref[i]) < tol, (lens_l, dtype, x_tc, y_tc, cfg, tma, i)
+        # a non-finite token poisons its own group only: edge steps zero both operands' foreign tokens
+        if lens_l[0] and lens_l[2]:
+            x, y = torch.randn(t, 24, dtype=torch.float16), torch.randn(t, 40, dtype=torch.float16)
+            x[lens_l[0] - 1, 3] = float("inf")  # last token of group 0
+            y[lens_l[0] + lens_l[1], 5] = float("nan")  # first token of group 2
+            ref = _reference(x.nan_to_num(0, 0, 0), y.nan_to_num(0, 0, 0), lens, False, True)
+            for tma in (0, 1):
+                out = torch.empty((len(lens_l), 24, 40), dtype=torch.float16)
+                launch_variable_k(x, y, out, offs, cfgs[0] + (tma,), upcast=1, tma_in_interpreter=True)
+                clean = [i for i in range(len(lens_l)) if i not in (0, 2) and lens_l[i]]
+                assert clean and all(_rel(out[i], ref[i]) < 2e-3 for i in clean), (lens_l, tma)
+                assert not torch.isfinite(out[0]).all() and not torch.isfinite(out[2]).all()
+    # fp8: quantised as the adapter does (token-contiguous, scales along the global token index)
+    e4 = torch.float8_e4m3fn
+    ref_ad = TorchGroupedGemmFp8()
+    for lens_l in _EDGE_ROUTINGS:
+        lens, offs = _lens_offs(lens_l)
+        t = sum(lens_l)
+        x, y = torch.randn(t, 20), torch.randn(t, 24) * 5
+        for gran, bs, _, bk in _recipes():
+            p = _fp8_problem(x, y, lens, offs, False, True, torch.float32, e4, e4, gran, bs, False)
+            same = ref_ad.run(p, x, y, lens, offs)  # the same quantisation, dequantised in float32
+            qx, sx = _quant_rows(x.t().unsqueeze(0), e4, gran, bs, scale_rows_inner=True)
+            qy, sy = _quant_rows(y.t().unsqueeze(0), e4, gran, bs, scale_rows_inner=True)
+            qx, qy = qx[0].t(), qy[0].t()
+            assert _vk_descriptor(qx, 16, bk)[0] is not None and _vk_descriptor(qy, 16, bk)[0] is not None
+            mode = {SG.TENSORWISE: 1, SG.ROWWISE: 2, SG.BLOCKWISE: 3}[gran]
+            sxs = (0, 0) if mode == 1 else (sx.stride(2), sx.stride(1))
+            sys_ = (0, 0) if mode == 1 else (sy.stride(2), sy.stride(1))
+            for tma in (0, 1):
+                out = torch.full((len(lens_l), 20, 24), float("nan"))
+                launch_variable_k(qx, qy, out, offs, (16, 16, bk, 2, 1, 4, tma), scale=mode, sx=sx, sx_strides=sxs,
+                                  sy=sy, sy_strides=sys_, qblock=bs or 128, upcast=1, tma_in_interpreter=True)
+                for i, n in enumerate(lens_l):
+                    if n == 0:
+                        assert torch.equal(out[i], torch.zeros_like(out[i])), "empty group: exact zeros"
+                    else:
+                        assert _rel(out[i], same[i]) < 1e-5, (gran, bs, lens_l, tma, i, _rel(out[i], same[i]))
+
+
 def _case_quantize():
     from turbo_dispatch.backends.triton.grouped_quantize import quantize_cells, tensorwise_scale
     from turbo_dispatch.low_precision import quantize
@@ -201,6 +285,9 @@ def _case_quantize():
             assert torch.equal(scale.reshape(q.scale.shape), q.scale), (dt, cr, cc)
             assert torch.equal(data.float(), q.data.float()), (dt, cr, cc)
             assert data.stride(1) % 16 == 0  # rows padded to 16 bytes for TMA
+            data2, scale2 = quantize_cells(view, dt, cr, cc, scale_rows_inner=True)  # the wgrad scale layout
+            assert torch.equal(scale2, scale) and torch.equal(data2.float(), data.float())
+            assert scale2.shape[1] == 1 or scale2.stride(1) == 1
         s = tensorwise_scale(x, dt)
         data, _ = quantize_cells(x, dt, 1, 1, scale=s)
         q = quantize(x, dt, "tensorwise")
@@ -215,7 +302,7 @@ def _case_quantize():
 
 
 _CASES = {"half": _case_half, "fp8_fixed": _case_fp8_fixed, "fp8_variable": _case_fp8_variable,
-          "quantize": _case_quantize}
+          "quantize": _case_quantize, "variable_k_edges": _case_variable_k_edges}
 
 
 @pytest.fixture(scope="module")
@@ -352,6 +439,43 @@ def test_gpu_fp8_every_recipe(routing, fmt):
                     assert torch.equal(out[i], torch.zeros_like(out[i]))
                 elif cnt > 16:
                     assert _snr(out[i], ref[i]) >= (20 if fmt == "hybrid" else 25), (gran, cfg, i)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["token_major", "token_contiguous"])
+def test_gpu_wgrad_edges_tma_and_pointer(layout):
+    """The wgrad kernel's interior/edge split on the GPU: group bounds off the BK grid, groups
+    shorter than BK, empty groups, odd T; TMA and pointer configs; a non-finite token stays in its
+    own group (edge steps zero both operands' foreign tokens)."""
+    from turbo_dispatch.backends.triton.grouped_gemm import TritonGroupedGemm, _vk_descriptor, launch_variable_k
+    from turbo_dispatch.ops.grouped_gemm import variable_k_problem
+
+    lens_l = [5, 0, 1, 70, 200, 3, 0, 64, 378]  # T = 721 (token-contiguous rows padded to 736)
+    lens, offs = _lens_offs(lens_l, "cuda")
+    t, m, n = sum(lens_l), 136, 264
+    x = torch.randn(t, m, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    x[4, 7] = float("inf")  # last token of group 0
+    y[6, 9] = float("nan")  # first token of group 3
+    if layout == "token_contiguous":
+        x, y = _token_contiguous(x), _token_contiguous(y)
+    ref = _reference(x.nan_to_num(0, 0, 0), y.nan_to_num(0, 0, 0), lens.cpu(), False, True)
+    p = variable_k_problem(x, y, lens, offs)
+    cfgs = list(TritonGroupedGemm().configs(p))
+    assert any(c[6] for c in cfgs) and any(not c[6] for c in cfgs)
+    for cfg in cfgs:
+        if cfg[6]:
+            assert _vk_descriptor(x, cfg[0], cfg[2])[0] is not None, "TMA path expected for this layout"
+        out = torch.full((len(lens_l), m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        launch_variable_k(x, y, out, offs, cfg)
+        out = out.cpu()
+        for i, cnt in enumerate(lens_l):
+            if i in (0, 3):
+                assert not torch.isfinite(out[i]).all()
+            elif cnt == 0:
+                assert torch.equal(out[i], torch.zeros_like(out[i])), (cfg, i)
+            else:
+                assert torch.isfinite(out[i]).all() and _rel(out[i], ref[i]) <= 1e-2, (cfg, i, _rel(out[i], ref[i]))
 
 
 @pytest.mark.gpu

@@ -18,9 +18,9 @@ the same math):
   scale serves both). They are written transposed, token-contiguous.
 
 Configs are ``(BM, BN, BK, GROUP_M, num_stages, num_warps, tma)`` tuples; ``tma=1`` loads the
-fixed-K operands through host-built TMA descriptors where the layout allows (else the same kernel
-with pointer loads). The candidate list depends only on the problem key (G, M_total, N, K, dtypes,
-layout, recipe), never on group_lens values.
+operands (fixed-K and variable-K alike) through host-built TMA descriptors where the layout allows
+(else the same kernel with pointer loads). The candidate list depends only on the problem key (G,
+M_total, N, K, dtypes, layout, recipe), never on group_lens values.
 """
 from __future__ import annotations
 
@@ -157,29 +157,63 @@ def launch_fixed_k(a: torch.Tensor, b_gnk: torch.Tensor, out: torch.Tensor, offs
     return out
 
 
+def _vk_descriptor(t: torch.Tensor, bc: int, bk: int):
+    """TMA descriptor over a ``[T, cols]`` wgrad operand and whether it is token-contiguous, or
+    (None, False) when its layout is not TMA-legal (then the pointer path serves).
+
+    Token-contiguous operands (token stride 1: the fp8 quantiser's output) are described as
+    ``[cols, T]`` with ``[bc, bk]`` boxes, token-major ones (column stride 1) as ``[T, cols]`` with
+    ``[bk, bc]`` boxes. The other stride must be 16-byte aligned, and so must the base.
+    """
+    desc = _tma_descriptor_cls()
+    tokens, cols = t.shape
+    if desc is None:
+        return None, False
+    if t.stride(0) == 1 and _tma_ok(t, t.stride(1)):
+        return desc(t, [cols, tokens], [t.stride(1), 1], [bc, bk]), True
+    if t.stride(1) == 1 and _tma_ok(t, t.stride(0)):
+        return desc(t, [tokens, cols], [t.stride(0), 1], [bk, bc]), False
+    return None, False
+
+
 def launch_variable_k(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, offs: torch.Tensor, cfg: Config, *,
                       scale: int = 0, sx: Optional[torch.Tensor] = None, sx_strides=(0, 0),
                       sy: Optional[torch.Tensor] = None, sy_strides=(0, 0), qblock: int = 128,
-                      upcast: int = 0) -> torch.Tensor:
+                      upcast: int = 0, tma_in_interpreter: bool = False) -> torch.Tensor:
     """out[g] = x_g^T @ y_g over each group's tokens; x [T, M], y [T, N] are views with any strides.
 
     ``sx_strides``/``sy_strides`` are the (token-block, column) strides of the scales. Every
-    element of ``out`` is written (empty groups get zeros).
+    element of ``out`` is written (empty groups get zeros). With ``tma`` set in the config and
+    both operands TMA-legal (token-contiguous or token-major, 16-byte aligned strides and base)
+    both are loaded through TMA descriptors; otherwise both take the pointer path, which accepts
+    any strides. ``tma_in_interpreter`` lets tests run the descriptor path under the CPU
+    interpreter (which otherwise always takes pointers).
     """
     from .grouped_kernels import grouped_variable_k_kernel
 
     g, m, n = out.shape
     if g * m * n == 0:
         return out
-    bm, bn, bk, group_m, stages, warps, _ = cfg
+    if x.shape[0] == 0:
+        return out.zero_()
+    bm, bn, bk, group_m, stages, warps, tma = cfg
+    x_desc = y_desc = None
+    x_tc = y_tc = False
+    if tma and (tma_in_interpreter if _interpreting() else (x.is_cuda and torch.version.hip is None)):
+        x_desc, x_tc = _vk_descriptor(x, bm, bk)
+        y_desc, y_tc = _vk_descriptor(y, bn, bk)
+        if x_desc is None or y_desc is None:
+            x_desc = y_desc = None
+            x_tc = y_tc = False
     sx = x if sx is None else sx
     sy = x if sy is None else sy
     grid = (g * -(-m // bm) * -(-n // bn),)
     grouped_variable_k_kernel[grid](
-        x, y, out, offs, sx, sy, m, n,
+        x, y, out, offs, sx, sy, x_desc, y_desc, m, n,
         x.stride(0), x.stride(1), y.stride(0), y.stride(1), out.stride(0), out.stride(1), out.stride(2),
         *sx_strides, *sy_strides,
         SCALE=scale, QBLOCK=qblock, BM=bm, BN=bn, BK=bk, GROUP_M=group_m, UPCAST=upcast,
+        USE_TMA=x_desc is not None, X_TCONTIG=x_tc, Y_TCONTIG=y_tc,
         num_stages=stages, num_warps=warps,
     )
     return out
@@ -197,8 +231,13 @@ def _fit(cfgs: Sequence[Config], m: int, n: int) -> list[Config]:
 
 def _half_configs(p) -> list[Config]:
     if p.variable_k:
-        cands = [(128, 256, 64, 8, 3, 8, 0), (128, 256, 64, 8, 4, 8, 0), (128, 128, 64, 8, 4, 4, 0),
-                 (256, 128, 64, 8, 3, 8, 0), (128, 128, 64, 8, 4, 8, 0), (64, 128, 64, 8, 4, 4, 0)]
+        # K is the tokens per expert (hundreds to tens of thousands), M x N the weight: big output
+        # tiles, TMA (interior steps unmasked); the last entry is the pointer path. H100, DeepSeek-V3
+        # wgrads (8 x 4096 tokens): 128x256 4-stage 605/587 TFLOPS, 3-stage 592/582, 256x128
+        # 595/572, pointer path 509/476, 128x128 <= 500; the smaller tiles serve small M, N.
+        cands = [(128, 256, 64, 8, 4, 8, 1), (128, 256, 64, 8, 3, 8, 1), (256, 128, 64, 8, 3, 8, 1),
+                 (128, 128, 64, 8, 4, 8, 1), (128, 128, 64, 8, 4, 4, 1), (64, 128, 64, 8, 4, 4, 1),
+                 (128, 256, 64, 8, 3, 8, 0)]
         return _fit(cands, p.m, p.n)
     per_group = p.m / max(p.g, 1)
     cands = [(128, 256, 64, 8, 3, 8, 1), (128, 128, 64, 8, 4, 4, 1), (256, 128, 64, 8, 3, 8, 1),
@@ -223,12 +262,23 @@ def _fp8_bk(p) -> int:
 def _fp8_configs(p) -> list[Config]:
     bk = _fp8_bk(p)
     if p.variable_k:
+        # Operands are token-contiguous fp8 with 16-byte row strides: TMA on both (tma=1); the
+        # last entry is the pointer path. Orders from H100 runs at the DeepSeek-V3 wgrads
+        # ([4096 x 7168] / [7168 x 2048], 8 x 4096 tokens), kernel alone.
         if p.granularity is ScalingGranularity.BLOCKWISE:
-            cands = [(128, 128, bk, 8, 4, 8, 0), (128, 128, bk, 8, 3, 8, 0), (64, 128, bk, 8, 4, 4, 0),
-                     (128, 256, bk, 8, 3, 8, 0)]
+            # The per-step scale is an outer product of two per-column vectors (both operands in
+            # 1 x block token runs): 128 x 256 and 4-warp 128 x 128 spill (ptxas, sm_90a). Measured
+            # 678/677 TFLOPS (64x128), 618/679 (128x128 3-stage), 616/680 (64x256 3-stage).
+            cands = [(64, 128, bk, 8, 4, 4, 1), (128, 128, bk, 8, 3, 8, 1), (64, 256, bk, 8, 3, 8, 1),
+                     (128, 128, bk, 8, 4, 8, 1), (64, 256, bk, 8, 4, 8, 1), (128, 128, bk, 8, 4, 8, 0)]
         else:
-            cands = [(128, 256, bk, 8, 3, 8, 0), (128, 128, bk, 8, 4, 8, 0), (128, 128, bk, 8, 4, 4, 0),
-                     (64, 128, bk, 8, 4, 4, 0)]
+            # rowwise 128x256 4-stage 1301/1238 TFLOPS, 3-stage 1240/1199; tensorwise 3-stage
+            # 1379/1321, 4-stage 1346/1216.
+            big = [(128, 256, bk, 8, 4, 8, 1), (128, 256, bk, 8, 3, 8, 1)]
+            if p.granularity is ScalingGranularity.TENSORWISE:
+                big.reverse()
+            cands = big + [(256, 128, bk, 8, 3, 8, 1), (128, 128, bk, 8, 4, 4, 1), (128, 128, bk, 8, 4, 8, 1),
+                           (64, 128, bk, 8, 4, 4, 1), (128, 256, bk, 8, 3, 8, 0)]
         return _fit(cands, p.m, p.n)
     per_group = p.m / max(p.g, 1)
     if p.granularity is ScalingGranularity.BLOCKWISE:
@@ -323,9 +373,10 @@ _SCALE_MODE = {ScalingGranularity.TENSORWISE: 1, ScalingGranularity.ROWWISE: 2, 
 
 
 def _quant_rows(x3: torch.Tensor, dtype: torch.dtype, gran: ScalingGranularity, bs: Optional[int],
-                tile_2d: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                tile_2d: bool = False, scale_rows_inner: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise x3[G, R, C] with C the reduction dimension: per tensor, per (g, row), 1 x bs runs
-    along C, or (tile_2d) bs x bs tiles. Returns (data [G, R, C], scale [G, nR, nC] or [1])."""
+    along C, or (tile_2d) bs x bs tiles. Returns (data [G, R, C] with rows padded to 16 bytes,
+    scale [G, nR, nC] or [1]; ``scale_rows_inner``: see quantize_cells)."""
     from .grouped_quantize import quantize_cells, tensorwise_scale
 
     _, r, c = x3.shape
@@ -333,7 +384,7 @@ def _quant_rows(x3: torch.Tensor, dtype: torch.dtype, gran: ScalingGranularity, 
         return quantize_cells(x3, dtype, 1, 1, scale=tensorwise_scale(x3, dtype))
     if gran is ScalingGranularity.ROWWISE:
         return quantize_cells(x3, dtype, 1, max(c, 1))
-    return quantize_cells(x3, dtype, bs if tile_2d else 1, bs)
+    return quantize_cells(x3, dtype, bs if tile_2d else 1, bs, scale_rows_inner=scale_rows_inner)
 
 
 class TritonGroupedGemmFp8(_TritonAdapter):
@@ -373,9 +424,11 @@ class TritonGroupedGemmFp8(_TritonAdapter):
             out = torch.empty((p.g, p.m, p.n), dtype=p.out_dtype, device=x.device)
             if p.k == 0:
                 return out.zero_()
-            # Token-major inputs become token-contiguous [1, cols, T] fp8 with scales along T.
-            qx, sx = _quant_rows(x.t().unsqueeze(0), p.a_fp8, gran, bs)
-            qy, sy = _quant_rows(y.t().unsqueeze(0), p.b_fp8, gran, bs)
+            # Token-major inputs become token-contiguous [1, cols, T] fp8 (K-major for the fp8 MMA;
+            # the row stride padded to 16 bytes, so TMA takes it) with scales along T, stored
+            # column-block-major so that one step's scales of BM rows are one contiguous load.
+            qx, sx = _quant_rows(x.t().unsqueeze(0), p.a_fp8, gran, bs, scale_rows_inner=True)
+            qy, sy = _quant_rows(y.t().unsqueeze(0), p.b_fp8, gran, bs, scale_rows_inner=True)
             qx, qy = qx[0].t(), qy[0].t()  # [T, m] / [T, n] views, token stride 1
             if mode == 1:
                 sxs = sys_ = (0, 0)

@@ -25,15 +25,23 @@ weight's 2-D tiles (one scale per 128 x 128 tile), ``1`` for 1-D runs (one per c
 In the wgrad kernel, blockwise token runs are aligned to the *global* token index (run ``j`` holds
 tokens ``[j*QBLOCK, (j+1)*QBLOCK)``), exactly as TORCH's ``quantize(x, axis=0)`` defines them; a run
 may straddle two groups and its one scale serves both. Each group's loop therefore walks the
-global ``BK`` grid from the step holding its first token and masks the tokens outside
-``[s_g, e_g)``, so every ``BK`` step lies in one run and no group sums another group's tokens.
+global ``BK`` grid from the step holding its first token, so every ``BK`` step lies in one run.
+The steps entirely inside ``[s_g, e_g)`` (the interior) load without any token mask; only the
+partial first and last steps ("edges", at most two per group, one for a group inside a single
+``BK`` cell) zero the tokens outside the group, so no group sums another group's tokens. A token
+mask on the contiguous dimension of a token-contiguous operand would keep every interior load
+from vectorising (fp8: byte-wise loads), which is why the edges are peeled off the loop.
 
 ``UPCAST`` converts the operands before ``tl.dot``: 1 to float32, because the CPU interpreter
 computes bf16 dots wrongly (interpreter runs always set it); 2 to float16, exact for every e4m3 and
 e5m2 value, for GPUs/Triton versions whose fp8 MMA refuses mixed e4m3 x e5m2 operands (HYBRID).
 
-``USE_TMA`` (fixed-K kernel only) loads ``a`` and ``b`` through host-built tensor descriptors (TMA on
-Hopper). Rows of a tile past its group's end are read from the next group (or zero-filled past
+``USE_TMA`` loads the operands through host-built tensor descriptors (TMA on Hopper). In the
+variable-K kernel each operand's descriptor spans the whole operand, ``[cols, T]`` when it is
+token-contiguous (the fp8 quantiser's layout: K-major, what the fp8 MMA needs) or ``[T, cols]``
+when token-major (bf16/fp16 as the op passes them; the MMA reads the transposed tile); edge steps
+load the full box and zero the out-of-group tokens in registers. In the fixed-K kernel it loads
+``a`` and ``b``. Rows of a tile past its group's end are read from the next group (or zero-filled past
 M_total) and never stored, so the descriptor of ``a`` spans all of a; ``b`` is viewed 2-D as
 ``[G*N, K]`` (K-major) or ``[G*K, N]`` (only when ``BK`` divides K, so a K step never reads the
 next group's weights).
@@ -47,7 +55,7 @@ import triton.language as tl
 SCALE_NONE, SCALE_TENSOR, SCALE_ROW, SCALE_BLOCK = 0, 1, 2, 3
 
 #: Bumped whenever a kernel's code changes; part of the adapters' identity().
-KERNEL_REVISION = "gg-r2"
+KERNEL_REVISION = "gg-r3"
 
 
 @triton.jit
@@ -139,15 +147,98 @@ def grouped_fixed_k_kernel(
 
 
 @triton.jit
+def _zero_where_not(v, keep):
+    """``v`` where ``keep``, else +0.0, selected on the integer bits: no float type promotion is
+    involved, so it is the same on every Triton version for fp8 as for 16/32-bit floats."""
+    if v.dtype.primitive_bitwidth == 8:
+        bits = v.to(tl.int8, bitcast=True)
+    elif v.dtype.primitive_bitwidth == 16:
+        bits = v.to(tl.int16, bitcast=True)
+    else:
+        bits = v.to(tl.int32, bitcast=True)
+    bits = tl.where(keep, bits, tl.zeros_like(bits))
+    return bits.to(v.dtype, bitcast=True)
+
+
+@triton.jit
+def _vk_operand(ptr, desc, k0, pid_c, rc64, c_ok, tok64, t_ok, stride_t, stride_c,
+                BC: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr, T_CONTIG: tl.constexpr,
+                MASK_T: tl.constexpr):
+    """One operand's ``[BC, BK]`` tile (columns x tokens) of the step at token ``k0``.
+
+    Through TMA the box is ``[BC, BK]`` for a token-contiguous operand (descriptor ``[cols, T]``)
+    or ``[BK, BC]`` for a token-major one (descriptor ``[T, cols]``), then ``tl.trans``: a
+    transposed view of the shared-memory tile, which the bf16/fp16 MMA reads as it is. Rows and
+    tokens past the tensor's end are zero-filled by the copy engine. ``MASK_T`` (edge steps only)
+    zeroes the tokens outside the group: with TMA after the load (in registers), with pointers in the
+    load mask. Interior steps carry no token mask, so pointer loads along a token-contiguous
+    operand vectorise too.
+    """
+    if USE_TMA:
+        if T_CONTIG:
+            v = desc.load([pid_c * BC, k0])
+        else:
+            v = tl.trans(desc.load([k0, pid_c * BC]))
+        if MASK_T:
+            v = _zero_where_not(v, t_ok[None, :])
+    else:
+        p = ptr + tok64[None, :] * stride_t + rc64[:, None] * stride_c
+        if MASK_T:
+            v = tl.load(p, mask=t_ok[None, :] & c_ok[:, None], other=0.0)
+        else:
+            v = tl.load(p, mask=c_ok[:, None], other=0.0)
+    return v
+
+
+@triton.jit
+def _vk_step(acc, kb, start, end, pid_m, pid_n, rm64, rn64, m_ok, n_ok,
+             x_ptr, y_ptr, x_desc, y_desc, sx_ptr, sy_ptr,
+             stride_xt, stride_xm, stride_yt, stride_yn, stride_sxk, stride_sxm, stride_syk, stride_syn,
+             SCALE: tl.constexpr, QBLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+             UPCAST: tl.constexpr, USE_TMA: tl.constexpr, X_TCONTIG: tl.constexpr, Y_TCONTIG: tl.constexpr,
+             MASK_T: tl.constexpr):
+    """acc += x[tokens of step kb, rows]^T @ y[tokens of step kb, cols] (scaled per step when blockwise).
+
+    Both operands are zeroed outside the group on edge steps, not just one: the product would
+    already be right with one, but a non-finite value in a neighbouring group's tokens would then
+    leak in as 0 * inf = NaN.
+    """
+    k0 = kb * BK
+    tok = k0 + tl.arange(0, BK)
+    t_ok = (tok >= start) & (tok < end)
+    tok64 = tok.to(tl.int64)
+    x = _vk_operand(x_ptr, x_desc, k0, pid_m, rm64, m_ok, tok64, t_ok, stride_xt, stride_xm,
+                    BM, BK, USE_TMA, X_TCONTIG, MASK_T)  # [BM, BK]
+    y = tl.trans(_vk_operand(y_ptr, y_desc, k0, pid_n, rn64, n_ok, tok64, t_ok, stride_yt, stride_yn,
+                             BN, BK, USE_TMA, Y_TCONTIG, MASK_T))  # [BK, BN]
+    if UPCAST == 1:
+        x = x.to(tl.float32)
+        y = y.to(tl.float32)
+    if UPCAST == 2:
+        x = x.to(tl.float16)
+        y = y.to(tl.float16)
+    if SCALE == 3:
+        kq = k0 // QBLOCK  # BK divides QBLOCK: the whole step lies in one token run
+        sx = tl.load(sx_ptr + kq * stride_sxk + rm64 * stride_sxm, mask=m_ok, other=0.0)
+        sy = tl.load(sy_ptr + kq * stride_syk + rn64 * stride_syn, mask=n_ok, other=0.0)
+        acc += tl.dot(x, y) * (sx[:, None] * sy[None, :])
+    else:
+        acc = tl.dot(x, y, acc)
+    return acc
+
+
+@triton.jit
 def grouped_variable_k_kernel(
-    x_ptr, y_ptr, c_ptr, offs_ptr, sx_ptr, sy_ptr,
+    x_ptr, y_ptr, c_ptr, offs_ptr, sx_ptr, sy_ptr, x_desc, y_desc,
     M, N,
     stride_xt, stride_xm, stride_yt, stride_yn, stride_cg, stride_cm, stride_cn,
     stride_sxk, stride_sxm, stride_syk, stride_syn,
     SCALE: tl.constexpr, QBLOCK: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+    USE_TMA: tl.constexpr, X_TCONTIG: tl.constexpr, Y_TCONTIG: tl.constexpr,
 ):
-    """c[g, i, j] = sum over tokens t of group g of x[t, i] * y[t, j] (x, y addressed by strides)."""
+    """c[g, i, j] = sum over tokens t of group g of x[t, i] * y[t, j] (x, y addressed by strides,
+    or by TMA descriptors over ``[cols, T]`` (``*_TCONTIG``) or ``[T, cols]``)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -163,31 +254,26 @@ def grouped_variable_k_kernel(
     rm64 = rm.to(tl.int64)
     rn64 = rn.to(tl.int64)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    # Token steps on the global BK grid: k0 = kb * BK is provably a multiple of BK, so loads along a
-    # token-contiguous operand vectorise (a group-relative start would defeat the alignment
-    # analysis: byte-wise fp8 loads). BK divides QBLOCK, so each step also lies in one scale run.
-    for kb in range(start // BK, tl.cdiv(end, BK)):
-        k0 = kb * BK
-        tok = k0 + tl.arange(0, BK)
-        t_ok = (tok >= start) & (tok < end)
-        tok64 = tok.to(tl.int64)
-        x = tl.load(x_ptr + tok64[None, :] * stride_xt + rm64[:, None] * stride_xm,
-                    mask=t_ok[None, :] & m_ok[:, None], other=0.0)
-        y = tl.load(y_ptr + tok64[:, None] * stride_yt + rn64[None, :] * stride_yn,
-                    mask=t_ok[:, None] & n_ok[None, :], other=0.0)
-        if UPCAST == 1:
-            x = x.to(tl.float32)
-            y = y.to(tl.float32)
-        if UPCAST == 2:
-            x = x.to(tl.float16)
-            y = y.to(tl.float16)
-        if SCALE == 3:
-            kb = k0 // QBLOCK
-            sx = tl.load(sx_ptr + kb * stride_sxk + rm64 * stride_sxm, mask=m_ok, other=0.0)
-            sy = tl.load(sy_ptr + kb * stride_syk + rn64 * stride_syn, mask=n_ok, other=0.0)
-            acc += tl.dot(x, y) * (sx[:, None] * sy[None, :])
-        else:
-            acc = tl.dot(x, y, acc)
+    # Token steps lie on the global BK grid (k0 = kb * BK, provably a multiple of BK: aligned,
+    # vectorisable loads; BK divides QBLOCK, so a step never straddles two scale runs). The steps
+    # entirely inside [start, end) carry no token mask; only the partial first and last steps do.
+    first_full = tl.cdiv(start, BK)
+    last_full = end // BK  # the interior steps are [first_full, last_full)
+    if (start % BK != 0) & (start < end):  # head: also the only step of a group inside one BK cell
+        acc = _vk_step(acc, start // BK, start, end, pid_m, pid_n, rm64, rn64, m_ok, n_ok,
+                       x_ptr, y_ptr, x_desc, y_desc, sx_ptr, sy_ptr,
+                       stride_xt, stride_xm, stride_yt, stride_yn, stride_sxk, stride_sxm, stride_syk, stride_syn,
+                       SCALE, QBLOCK, BM, BN, BK, UPCAST, USE_TMA, X_TCONTIG, Y_TCONTIG, True)
+    for kb in range(first_full, last_full):
+        acc = _vk_step(acc, kb, start, end, pid_m, pid_n, rm64, rn64, m_ok, n_ok,
+                       x_ptr, y_ptr, x_desc, y_desc, sx_ptr, sy_ptr,
+                       stride_xt, stride_xm, stride_yt, stride_yn, stride_sxk, stride_sxm, stride_syk, stride_syn,
+                       SCALE, QBLOCK, BM, BN, BK, UPCAST, USE_TMA, X_TCONTIG, Y_TCONTIG, False)
+    if (end % BK != 0) & (last_full >= first_full):  # tail (not already the head's step)
+        acc = _vk_step(acc, last_full, start, end, pid_m, pid_n, rm64, rn64, m_ok, n_ok,
+                       x_ptr, y_ptr, x_desc, y_desc, sx_ptr, sy_ptr,
+                       stride_xt, stride_xm, stride_yt, stride_yn, stride_sxk, stride_sxm, stride_syk, stride_syn,
+                       SCALE, QBLOCK, BM, BN, BK, UPCAST, USE_TMA, X_TCONTIG, Y_TCONTIG, True)
     if SCALE == 1:
         acc = acc * (tl.load(sx_ptr) * tl.load(sy_ptr))
     if SCALE == 2:

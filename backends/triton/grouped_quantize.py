@@ -142,14 +142,17 @@ def _pow2_at_most(n: int, cap: int) -> int:
 
 
 def quantize_cells(x: torch.Tensor, dtype: torch.dtype, cell_r: int, cell_c: int, *,
-                   scale: torch.Tensor | None = None, pad_c: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+                   scale: torch.Tensor | None = None, pad_c: int = 16,
+                   scale_rows_inner: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise ``x[G, R, C]`` (any strides) to ``dtype`` in ``cell_r x cell_c`` cells.
 
     Returns ``(data, scale)``: ``data`` is ``[G, R, C]`` fp8 whose rows are padded in memory to a
     multiple of ``pad_c`` elements (16 bytes: the row stride TMA descriptors need; the padding is
     never read), ``scale`` is float32 ``[G, nR, nC]`` with ``nR = ceil(R / cell_r)`` and
-    ``nC = ceil(C / cell_c)``, contiguous. Pass ``cell_r=R`` / ``cell_c=C`` to reduce a whole
-    dimension. With ``scale`` (a 1-element float32 tensor, e.g. a tensorwise scale computed
+    ``nC = ceil(C / cell_c)``, contiguous (``scale_rows_inner``: stored ``[G, nC, nR]`` and returned
+    as its ``[G, nR, nC]`` transposed view, so the scales of neighbouring rows sit side by side: the
+    wgrad kernel loads one cell column for BM rows per step). Pass ``cell_r=R`` / ``cell_c=C`` to
+    reduce a whole dimension. With ``scale`` (a 1-element float32 tensor, e.g. a tensorwise scale computed
     elsewhere) every element uses that one scale and the returned scale is that tensor.
     """
     if x.dim() != 3:
@@ -165,7 +168,12 @@ def quantize_cells(x: torch.Tensor, dtype: torch.dtype, cell_r: int, cell_c: int
     data = storage[:, :, :c]
     n_r, n_c = -(-r // cell_r), -(-c // cell_c)
     prescaled = scale is not None
-    out_scale = scale if prescaled else torch.empty((g, n_r, n_c), dtype=torch.float32, device=x.device)
+    if prescaled:
+        out_scale = scale
+    elif scale_rows_inner:
+        out_scale = torch.empty((g, n_c, n_r), dtype=torch.float32, device=x.device).transpose(1, 2)
+    else:
+        out_scale = torch.empty((g, n_r, n_c), dtype=torch.float32, device=x.device)
     if g * r * c == 0:
         return data, out_scale
     red_r, red_c = cell_r > 1, cell_c > 1
