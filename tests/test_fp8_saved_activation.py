@@ -225,15 +225,16 @@ def test_autotune_profiles_a_prequantised_key():
 # -- GPU: peak memory of Linear fwd+bwd -------------------------------------------------------------
 def _linear_peak_mib(fp8_config, m: int, k: int, n: int) -> float:
     """Peak allocated over fwd+bwd, above what is live before, with the Linear's input an
-    intermediate activation (as in a network): only what autograd saves keeps it alive."""
+    intermediate activation (as in a network): only what autograd saves keeps it alive, so a bf16
+    copy saved for the backward costs its full size, the fp8 one half of it."""
     layer = turbo.modules.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16, fp8_config=fp8_config)
     x0 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
 
     def step():
-        h = x0 * 1.0  # an activation: freed after the forward unless autograd saves it
-        layer(h).float().sum().backward()
+        layer(x0 * 1.0).backward(dy)  # x0 * 1.0: the activation, referenced by nothing else
 
-    step()  # warm-up: workspaces, decisions
+    step()  # warm-up: workspaces, decisions, Triton compiles
     x0.grad = None
     layer.weight.grad = None
     torch.cuda.synchronize()
@@ -245,14 +246,17 @@ def _linear_peak_mib(fp8_config, m: int, k: int, n: int) -> float:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["TORCH", "TRITON", "CUBLASLT"])
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise128"])
-def test_gpu_fp8_linear_peak_memory_not_above_bf16(recipe):
+def test_gpu_fp8_linear_peak_memory_not_above_bf16(recipe, backend):
+    """The issue's bar: the fp8 Linear's fwd+bwd peak is no higher than the bf16 Linear's."""
     m, k, n = 8192, 4096, 4096
     bf16 = _linear_peak_mib(None, m, k, n)
     torch.cuda.empty_cache()
+    turbo.GlobalBackendManager.set_gemm_backend(backend, precision="fp8")
     fp8 = _linear_peak_mib(RECIPES[recipe], m, k, n)
-    print(f"Linear {m}x{k}x{n} fwd+bwd peak: bf16 {bf16:.1f} MiB, fp8 {recipe} {fp8:.1f} MiB")
-    assert fp8 <= bf16, f"fp8 {recipe} peak {fp8:.1f} MiB > bf16 {bf16:.1f} MiB"
+    print(f"Linear {m}x{k}x{n} fwd+bwd peak: bf16 {bf16:.1f} MiB, fp8 {recipe} on {backend} {fp8:.1f} MiB")
+    assert fp8 <= bf16, f"fp8 {recipe} on {backend}: peak {fp8:.1f} MiB > bf16 {bf16:.1f} MiB"
 
 
 @pytest.mark.gpu
