@@ -288,3 +288,26 @@ def test_gpu_prequantised_wgrad_matches_float64(backend, recipe, trans_a, trans_
     ref = (dqa @ dequantize(qg, torch.float64)) if not trans_b else (dequantize(qg, torch.float64).t() @ dqa.t())
     err = float((out.double() - ref).norm() / ref.norm())
     assert err < 1e-3, (backend, p, err)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise128"])
+def test_opcheck_prequantised_custom_ops(recipe):
+    """The compile path's two ops: fp8_quantize_rows (fake shapes = real) and gemm_fp8_raw with a
+    pre-quantised operand passed as (data, scale)."""
+    from torch.library import opcheck
+
+    # test_schema is left out: its mutation check multiplies tensors, which fp8 on the CPU lacks.
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    cfg = RECIPES[recipe]
+    a = torch.randn(M, K)
+    opcheck(torch.ops.turbo_dispatch.fp8_quantize_rows.default, (a.t(), E4, cfg.granularity.value, cfg.block_size),
+            test_utils=utils)
+    qa = G_OPS._wgrad_operand(a, False, cfg)
+    grad = torch.randn(M, N)
+    args = (grad, qa.data, True, True, torch.float32, E4, E4, cfg.granularity.value, cfg.block_size, False, False,
+            None, qa.scale)
+    opcheck(torch.ops.turbo_dispatch.gemm_fp8_raw.default, args, test_utils=utils)
+    out = torch.ops.turbo_dispatch.gemm_fp8_raw(*args)
+    ref = G_OPS._fp8_grads(_ref_mm8(cfg), a, None, grad, False, True, E4, E4, cfg.granularity, False, True,
+                           b_dtype=torch.float32)[1]
+    assert float((out.double() - ref).norm() / ref.norm()) < 1e-6
