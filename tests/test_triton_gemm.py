@@ -191,6 +191,40 @@ def _interpreter_checks() -> None:  # pragma: no cover - runs in the subprocess
               "; ".join(msgs))
 
 
+    # 5. the wgrad with the activation the op saved pre-quantised ([K, M] along M, see
+    # ops.gemm._wgrad_operand): TRITON takes it as is (odd M: the 16-byte row padding copy) and
+    # agrees with TORCH's emulation on the same quantised values.
+    from turbo_dispatch.low_precision import Float8QuantConfig, dequantize
+    from turbo_dispatch.ops.gemm import _wgrad_operand
+
+    m, n, k = 37, 40, 96
+    for (g, bs), (ta, tb) in itertools.product([(G.TENSORWISE, None), (G.ROWWISE, None), (G.BLOCKWISE, 32)],
+                                               itertools.product([False, True], [False, True])):
+        cfg8 = Float8QuantConfig(granularity=g, block_size=bs)
+        a = torch.randn((k, m) if ta else (m, k))
+        b = torch.randn((n, k) if tb else (k, n))
+        grad = torch.randn(m, n)
+        qa = _wgrad_operand(a, ta, cfg8)
+        msgs, ok = [], True
+
+        def mm8_q(x, y, xta, ytb, od, xf, yf, x2d, y2d):
+            nonlocal ok
+            p = gemm_fp8_problem(x, y, xta, ytb, od, xf, yf, g, bs, x2d, y2d)
+            out = fad.run(p, x, y)
+            emu = tad.run(p, x, y).double()
+            agree = float((out.double() - emu).norm() / emu.norm())
+            ok &= fad.supports(p) is None and agree < 1e-5 and out.shape == (p.m, p.n) == tuple(emu.shape)
+            msgs.append(f"{p.m}x{p.n}x{p.k} dtypes={p.a_dtype},{p.b_dtype} vs_emul={agree:.1e}")
+            return out
+
+        _, gb = _fp8_grads(mm8_q, qa, None, grad, ta, tb, E4, E4, g, False, True, a_dtype=torch.float32,
+                           b_dtype=torch.float32)
+        ref = dequantize(qa, torch.float64) @ dequantize(quantize(grad, E4, g, axis=0, block_size=bs), torch.float64)
+        snr = _snr(gb.t() if tb else gb, ref)
+        _emit(f"fp8_prequantized_wgrad[{g.name}-{'T' if ta else 'N'}{'T' if tb else 'N'}]",
+              ok and len(msgs) == 1 and snr > 100, f"snr_vs_f64={snr:.1f}; " + "; ".join(msgs))
+
+
 _CPU_NAMES = (
     ["interp_facts", "interp_facts_bf16_dot_broken", "quantize_nan_row", "quantize_gpu_scale_form",
      "gemm_adapter_configs"]
@@ -200,6 +234,7 @@ _CPU_NAMES = (
     + [f"gemm_kernel[{dt}]" for dt in (torch.float16, torch.bfloat16, torch.float32)]
     + [f"fp8_adapter[{g}-{lay}-{fmt}]" for g in G_NAMES for lay in ("NN", "NT", "TN", "TT") for fmt in ("e4m3", "hybrid")
        if fmt == "e4m3" or lay == "NN"]
+    + [f"fp8_prequantized_wgrad[{g}-{lay}]" for g in G_NAMES for lay in ("NN", "NT", "TN", "TT")]
 )
 
 

@@ -317,10 +317,12 @@ class BlasLtGemmFp8(_BlasLtAdapter):
         # Quantise the operands as the views cuBLASLt reads, A [M, K] and B^T [N, K], both along K:
         # both quantizers write the fp8 data contiguous in the view's shape, so a trans flag costs
         # no extra copy (the Triton one fuses the transpose into its single pass).
+        # A pre-quantised operand (QuantizedTensor) is taken as is; .t() is then a view of its data
+        # and scale, which _row_major / _scaled copy only where the stored layout is not the one read.
         lhs = a.t() if p.trans_a else a
         rhs = b if p.trans_b else b.t()
-        qa = quantize_operand(lhs, p.a_fp8, g, 1, p.block_size, p.a_2d)
-        qb = quantize_operand(rhs, p.b_fp8, g, 1, p.block_size, p.b_2d)
+        qa = lhs if isinstance(lhs, QuantizedTensor) else quantize_operand(lhs, p.a_fp8, g, 1, p.block_size, p.a_2d)
+        qb = rhs if isinstance(rhs, QuantizedTensor) else quantize_operand(rhs, p.b_fp8, g, 1, p.block_size, p.b_2d)
         if g not in _PER_TENSOR_OR_ROW:
             # blockwise: the TORCH adapter's stride-exact F.scaled_mm call, told the layouts we made
             return _scaled(p._replace(trans_a=False, trans_b=True), qa, qb)

@@ -92,7 +92,8 @@ def _col_major(x: torch.Tensor) -> torch.Tensor:
 
 class TorchGemmFp8(_TorchAdapter):
     """Quantise with turbo_dispatch.low_precision, then torch._scaled_mm (torch's cuBLASLt path)
-    where this GPU supports the recipe, else an exact dequantise-then-matmul emulation."""
+    where this GPU supports the recipe, else an exact dequantise-then-matmul emulation. Either
+    operand may arrive pre-quantised (a QuantizedTensor along K; its key dtype is fp8)."""
 
     def supports(self, p) -> str | None:
         if p.granularity is ScalingGranularity.MX_BLOCKWISE and p.platform in ("cuda", "rocm"):
@@ -113,10 +114,11 @@ class TorchGemmFp8(_TorchAdapter):
             swapped = p._replace(m=p.n, n=p.m, trans_a=not p.trans_b, trans_b=not p.trans_a, a_dtype=p.b_dtype,
                                  b_dtype=p.a_dtype, a_fp8=p.b_fp8, b_fp8=p.a_fp8, a_2d=False, b_2d=True)
             return self.run(swapped, b, a).t().contiguous()
-        qa = quantize(a, p.a_fp8, p.granularity, axis=0 if p.trans_a else 1, block_size=p.block_size,
-                      block_2d=p.a_2d)
-        qb = quantize(b, p.b_fp8, p.granularity, axis=1 if p.trans_b else 0, block_size=p.block_size,
-                      block_2d=p.b_2d)
+        # A pre-quantised operand (a QuantizedTensor, fp8 dtype in the key) is used as it came.
+        qa = a if isinstance(a, QuantizedTensor) else quantize(
+            a, p.a_fp8, p.granularity, axis=0 if p.trans_a else 1, block_size=p.block_size, block_2d=p.a_2d)
+        qb = b if isinstance(b, QuantizedTensor) else quantize(
+            b, p.b_fp8, p.granularity, axis=1 if p.trans_b else 0, block_size=p.block_size, block_2d=p.b_2d)
         if _scaled_mm_unsupported(p) is None:
             return _scaled(p, qa, qb)
         lhs, rhs = dequantize(qa), dequantize(qb)

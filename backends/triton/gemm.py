@@ -4,7 +4,8 @@
   their stored orientation through TMA or strided pointers).
 * ``TritonGemmFp8``: quantize.quantize_kmajor (fused amax/scale/cast, and transpose where the
   operand is not K-major) on both operands, then fp8_gemm_kernels.fp8_gemm. Covers TENSORWISE,
-  ROWWISE and BLOCKWISE (1 x bs and bs x bs on either operand, so forward, dgrad and wgrad).
+  ROWWISE and BLOCKWISE (1 x bs and bs x bs on either operand, so forward, dgrad and wgrad). An
+  operand that arrives pre-quantised (the wgrad's saved activation) skips the quantiser.
 
 Configs are ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_stages, num_warps)`` tuples from
 configs.py; ``config=None`` takes the first (the heuristic pick for the problem's size class).
@@ -17,7 +18,7 @@ import functools
 import torch
 
 from turbo_dispatch.adapter import Adapter
-from turbo_dispatch.low_precision import ScalingGranularity
+from turbo_dispatch.low_precision import QuantizedTensor, ScalingGranularity
 
 from . import configs as _cfg
 from .quantize import available as _available
@@ -127,6 +128,22 @@ def _rocm_ocp_fp8() -> bool:
     return name.startswith("gfx95") or name.startswith("gfx12")
 
 
+def _kmajor_prequantized(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-quantised logical operand [R, K] as ``quantize_kmajor`` would have returned it: data
+    K-major with 16-byte rows (TMA), 1-D block scales stored R-major (one coalesced load per K
+    block). Copies only what is not already laid out so; the op's saved activation already is,
+    except for the row padding when M is not a multiple of 16 (then the kernel's pointer-load
+    path would also do; the copy buys the TMA path for an fp8-sized tensor)."""
+    data, scale = q.data, q.scale
+    if not (data.stride(1) == 1 and data.stride(0) % 16 == 0 and data.data_ptr() % 16 == 0):
+        rows, cols = data.shape
+        ld = -(-cols // 16) * 16
+        data = torch.empty((rows, ld), dtype=data.dtype, device=data.device)[:, :cols].copy_(data)
+    if q.granularity is ScalingGranularity.BLOCKWISE and not q.block_2d and scale.stride(0) != 1:
+        scale = scale.t().contiguous().t()
+    return data, scale
+
+
 class TritonGemmFp8(_TritonAdapter):
     """Fused Triton quantisation + persistent fp8 GEMM (tensorwise / rowwise / blockwise)."""
 
@@ -143,8 +160,10 @@ class TritonGemmFp8(_TritonAdapter):
             return "MX_BLOCKWISE (power-of-two block scales) is not implemented in the Triton fp8 GEMM"
         if g is ScalingGranularity.BLOCKWISE and p.block_size not in FP8_BLOCK_SIZES:
             return f"Triton blockwise fp8 GEMM needs block_size in {FP8_BLOCK_SIZES} (got {p.block_size})"
-        if p.a_dtype not in _HP or p.b_dtype not in _HP or p.out_dtype not in _HP:
-            return f"Triton fp8 GEMM takes bf16/fp16/fp32 inputs and output (got {p.a_dtype}, {p.b_dtype} -> {p.out_dtype})"
+        # An fp8 operand dtype means the operand arrives pre-quantised (as its fp8 dtype).
+        if p.a_dtype not in _HP + (p.a_fp8,) or p.b_dtype not in _HP + (p.b_fp8,) or p.out_dtype not in _HP:
+            return (f"Triton fp8 GEMM takes bf16/fp16/fp32 or pre-quantised inputs and bf16/fp16/fp32 output "
+                    f"(got {p.a_dtype}, {p.b_dtype} -> {p.out_dtype})")
         return None
 
     def _candidates(self, p):
@@ -171,8 +190,10 @@ class TritonGemmFp8(_TritonAdapter):
         # contiguous K-major copy by the same pass (cast + scale + transpose).
         lhs = a.t() if p.trans_a else a
         rhs = b if p.trans_b else b.t()
-        qa, sa = quantize_kmajor(lhs, p.a_fp8, g, bs, p.a_2d)
-        qb, sb = quantize_kmajor(rhs, p.b_fp8, g, bs, p.b_2d)
+        qa, sa = _kmajor_prequantized(lhs) if isinstance(lhs, QuantizedTensor) else quantize_kmajor(
+            lhs, p.a_fp8, g, bs, p.a_2d)
+        qb, sb = _kmajor_prequantized(rhs) if isinstance(rhs, QuantizedTensor) else quantize_kmajor(
+            rhs, p.b_fp8, g, bs, p.b_2d)
         if g is ScalingGranularity.TENSORWISE:
             mode = SCALE_TENSOR
         elif g is ScalingGranularity.ROWWISE:

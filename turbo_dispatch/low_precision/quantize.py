@@ -54,6 +54,21 @@ class QuantizedTensor:
     block_size: int | None
     block_2d: bool
 
+    def t(self) -> "QuantizedTensor":
+        """The transposed view of a 2-D quantized tensor (no copy): data and scale transposed,
+        the reduction axis flipped. Like ``Tensor.t()``, so GEMM code can write
+        ``x.t() if trans else x`` for a high-precision or a quantized operand alike.
+
+        >>> q = quantize(torch.randn(4, 64), torch.float8_e4m3fn, "blockwise", axis=1, block_size=32)
+        >>> tuple(q.t().data.shape), tuple(q.t().scale.shape), q.t().axis
+        ((64, 4), (2, 4), 0)
+        """
+        if self.data.dim() != 2:
+            raise ValueError(f"QuantizedTensor.t: needs 2-D data; got shape {tuple(self.data.shape)}")
+        scale = self.scale.t() if self.scale.dim() == 2 else self.scale
+        return QuantizedTensor(data=self.data.t(), scale=scale, granularity=self.granularity, axis=1 - self.axis,
+                               block_size=self.block_size, block_2d=self.block_2d)
+
     def scale_e8m0(self) -> torch.Tensor:
         """MX scales as ``torch.float8_e8m0fnu`` (exact: MX scales are powers of two)."""
         if self.granularity is not ScalingGranularity.MX_BLOCKWISE:

@@ -7,12 +7,12 @@ fullgraph tracing never breaks. Both paths share the problem builders and the gr
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
 from ..backend_type import PrecisionType
-from ..low_precision import Float8QuantConfig, ScalingGranularity
+from ..low_precision import Float8QuantConfig, QuantizedTensor, ScalingGranularity, dequantize, quantize
 from ..op_spec import OpSpec, precision_of_dtype, register_op
 from ..device_platform import platform_of
 from ..resolver import resolve
@@ -39,6 +39,11 @@ class GemmFp8Problem(NamedTuple):
     ``a_fp8``/``b_fp8`` are the float8 dtypes of each operand (HYBRID backward mixes them);
     ``a_2d``/``b_2d`` mark an operand quantised in block_size x block_size tiles (the weight
     role of the blockwise recipe) rather than 1 x block_size runs along K.
+
+    ``a_dtype``/``b_dtype`` are the dtypes the operands arrive in. An fp8 dtype there (equal to
+    ``a_fp8``/``b_fp8``) means the operand arrives already quantised, as a ``QuantizedTensor``
+    along this GEMM's K: the wgrad of the op's backward gets the activation the forward saved
+    that way. Encoding it in the existing field keeps the key schema (and stored keys) unchanged.
     """
 
     m: int
@@ -61,9 +66,17 @@ class GemmFp8Problem(NamedTuple):
 _A_HINT = "[M, K] (or [K, M] with trans_a=True)"
 _B_HINT = "[K, N] (or [N, K] with trans_b=True)"
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: An fp8 GEMM operand: high precision (quantised by the backend) or already quantised.
+Fp8Operand = Union[torch.Tensor, QuantizedTensor]
 
 
-def _mnk(op: str, a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool) -> tuple[int, int, int]:
+def _data(x: object) -> object:
+    """The tensor whose shape and device an operand has (a QuantizedTensor's fp8 data)."""
+    return x.data if isinstance(x, QuantizedTensor) else x
+
+
+def _mnk(op: str, a, b, trans_a: bool, trans_b: bool) -> tuple[int, int, int]:
+    a, b = _data(a), _data(b)
     require_tensor(op, "a", a, 2, _A_HINT)
     require_tensor(op, "b", b, 2, _B_HINT)
     require_bool(op, "trans_a", trans_a)
@@ -130,19 +143,47 @@ def gemm_problem(a: torch.Tensor, b: torch.Tensor, trans_a: bool = False, trans_
     return _validated_gemm_problem(a, b, trans_a, trans_b, out_dtype)
 
 
-def gemm_fp8_problem(a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool, out_dtype: Optional[torch.dtype],
+def _check_prequantized(name: str, q: QuantizedTensor, fp8: torch.dtype, granularity: ScalingGranularity,
+                        block_size: Optional[int], is_2d: bool, k_axis: int) -> None:
+    """A pre-quantised operand must be exactly what the backend would have made of it: same
+    recipe, scales along this GEMM's K. Anything else is a caller bug, named here."""
+    want = (fp8, granularity, block_size, is_2d)
+    got = (q.data.dtype, q.granularity, q.block_size, q.block_2d)
+    if got != want:
+        raise ValueError(f"gemm_fp8: pre-quantised {name} is (dtype, granularity, block_size, block_2d)={got}, "
+                         f"but this GEMM quantises {name} as {want}")
+    if not is_2d and granularity is not ScalingGranularity.TENSORWISE and q.axis != k_axis:
+        raise ValueError(f"gemm_fp8: pre-quantised {name} has its scales along dim {q.axis}, but this GEMM's "
+                         f"reduction dim of {name} is dim {k_axis}")
+
+
+def _operand_dtype(name: str, x, fp8: torch.dtype, granularity: ScalingGranularity, block_size: Optional[int],
+                   is_2d: bool, k_axis: int) -> torch.dtype:
+    """The dtype an operand arrives in: high precision, or fp8 (== ``fp8``) when pre-quantised."""
+    if isinstance(x, QuantizedTensor):
+        _check_prequantized(name, x, fp8, granularity, block_size, is_2d, k_axis)
+        return x.data.dtype
+    require_dtype("gemm_fp8", f"{name}.dtype (high-precision input, or a QuantizedTensor)", x.dtype)
+    return x.dtype
+
+
+def gemm_fp8_problem(a: Fp8Operand, b: Fp8Operand, trans_a: bool, trans_b: bool, out_dtype: Optional[torch.dtype],
                      a_fp8: torch.dtype, b_fp8: torch.dtype, granularity: ScalingGranularity,
                      block_size: Optional[int], a_2d: bool, b_2d: bool) -> GemmFp8Problem:
-    """Validates one fp8 GEMM's arguments and returns its problem key."""
+    """Validates one fp8 GEMM's arguments and returns its problem key. Either operand may be a
+    ``QuantizedTensor`` quantised along this GEMM's K (its key then carries the fp8 dtype)."""
     m, n, k = _mnk("gemm_fp8", a, b, trans_a, trans_b)
-    require_dtype("gemm_fp8", "a.dtype (high-precision input; it is quantised inside)", a.dtype)
-    require_dtype("gemm_fp8", "b.dtype (high-precision input; it is quantised inside)", b.dtype)
-    out_dtype = a.dtype if out_dtype is None else out_dtype
-    require_dtype("gemm_fp8", "out_dtype", out_dtype)
     require_dtype("gemm_fp8", "a_fp8", a_fp8, _FP8)
     require_dtype("gemm_fp8", "b_fp8", b_fp8, _FP8)
-    return GemmFp8Problem(m, n, k, trans_a, trans_b, a.dtype, b.dtype, out_dtype, a_fp8, b_fp8,
-                          granularity, block_size, a_2d, b_2d, platform_of(a.device.type))
+    a_dtype = _operand_dtype("a", a, a_fp8, granularity, block_size, a_2d, 0 if trans_a else 1)
+    b_dtype = _operand_dtype("b", b, b_fp8, granularity, block_size, b_2d, 1 if trans_b else 0)
+    if out_dtype is None:
+        if a_dtype in _FP8:
+            raise TypeError("gemm_fp8: out_dtype is required when a arrives pre-quantised")
+        out_dtype = a_dtype
+    require_dtype("gemm_fp8", "out_dtype", out_dtype)
+    return GemmFp8Problem(m, n, k, trans_a, trans_b, a_dtype, b_dtype, out_dtype, a_fp8, b_fp8,
+                          granularity, block_size, a_2d, b_2d, platform_of(_data(a).device.type))
 
 
 # -- op specs (what the resolver and autotuner know) ---------------------------------------------
@@ -155,6 +196,24 @@ def _operands(p, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 def _reference(p, inputs) -> torch.Tensor:
     a, b = (x.double() if x.device.type == "cpu" else x.float() for x in inputs)
     return (a.t() if p.trans_a else a) @ (b.t() if p.trans_b else b)
+
+
+def _fp8_operands(p: GemmFp8Problem, device: torch.device) -> tuple[Fp8Operand, Fp8Operand]:
+    """Inputs for a gemm_fp8 key; an operand whose key dtype is fp8 is made pre-quantised along
+    this GEMM's K, as the backward's wgrad receives it."""
+    hp = p._replace(a_dtype=torch.float32 if p.a_dtype in _FP8 else p.a_dtype,
+                    b_dtype=torch.float32 if p.b_dtype in _FP8 else p.b_dtype)
+    a, b = _operands(hp, device)
+    if p.a_dtype in _FP8:
+        a = quantize(a, p.a_fp8, p.granularity, axis=0 if p.trans_a else 1, block_size=p.block_size, block_2d=p.a_2d)
+    if p.b_dtype in _FP8:
+        b = quantize(b, p.b_fp8, p.granularity, axis=1 if p.trans_b else 0, block_size=p.block_size, block_2d=p.b_2d)
+    return a, b
+
+
+def _fp8_reference(p: GemmFp8Problem, inputs) -> torch.Tensor:
+    # A pre-quantised operand's exact value is its dequantisation (its rounding already happened).
+    return _reference(p, [dequantize(x) if isinstance(x, QuantizedTensor) else x for x in inputs])
 
 
 def _fp8_check(p: GemmFp8Problem, out, ref):
@@ -177,8 +236,8 @@ GEMM_FP8 = register_op(OpSpec(
     name="gemm_fp8",
     problem_type=GemmFp8Problem,
     precision_of=lambda p: PrecisionType.FP8,
-    make_inputs=_operands,
-    reference=_reference,
+    make_inputs=_fp8_operands,
+    reference=_fp8_reference,
     check=_fp8_check,
     flops=lambda p: 2.0 * p.m * p.n * p.k,
     problem_from_call=lambda *args, **kwargs: _explain_gemm_fp8(*args, **kwargs),
@@ -190,7 +249,7 @@ def _run_gemm(p: GemmProblem, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return decision.entry.adapter.run(p, a, b, config=decision.config)
 
 
-def _run_gemm_fp8(p: GemmFp8Problem, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _run_gemm_fp8(p: GemmFp8Problem, a: Fp8Operand, b: Fp8Operand) -> torch.Tensor:
     decision = resolve(GEMM_FP8, p)
     return decision.entry.adapter.run(p, a, b, config=decision.config)
 
@@ -208,23 +267,79 @@ def _gemm_grads(mm: Callable, a, b, grad, trans_a: bool, trans_b: bool, need_a: 
 
 
 def _fp8_grads(mm8: Callable, a, b, grad, trans_a: bool, trans_b: bool, fwd: torch.dtype, bwd: torch.dtype,
-               granularity: ScalingGranularity, need_a: bool, need_b: bool):
+               granularity: ScalingGranularity, need_a: bool, need_b: bool,
+               a_dtype: Optional[torch.dtype] = None, b_dtype: Optional[torch.dtype] = None):
     """Like _gemm_grads, with the recipe's roles: the gradient is quantised as ``bwd`` (E5M2 under
     HYBRID); under BLOCKWISE the weight keeps its 2-D tiles and the wgrad operands use 1-D runs
-    along the token dimension, which is that GEMM's reduction dimension."""
+    along the token dimension, which is that GEMM's reduction dimension.
+
+    ``a`` is either the forward's high-precision ``a`` or what ``_wgrad_operand`` saved from it:
+    op(a)^T [K, M] quantised along M. The latter enters the wgrad as is, with the layout flags
+    that read it as stored. ``a_dtype``/``b_dtype`` (the gradients' dtypes) default to the
+    operands' own, and must be given for a quantised ``a`` (and for ``b=None`` when not need_a).
+    """
+    a_dtype = a.dtype if a_dtype is None else a_dtype
+    b_dtype = b.dtype if b_dtype is None else b_dtype
     w2d = granularity is ScalingGranularity.BLOCKWISE
     grad_a = grad_b = None
     if need_a:
         if trans_a:
-            grad_a = mm8(b, grad, trans_b, True, a.dtype, fwd, bwd, w2d, False)
+            grad_a = mm8(b, grad, trans_b, True, a_dtype, fwd, bwd, w2d, False)
         else:
-            grad_a = mm8(grad, b, False, not trans_b, a.dtype, bwd, fwd, False, w2d)
+            grad_a = mm8(grad, b, False, not trans_b, a_dtype, bwd, fwd, False, w2d)
     if need_b:
-        if trans_b:
-            grad_b = mm8(grad, a, True, trans_a, b.dtype, bwd, fwd, False, False)
+        if isinstance(a, QuantizedTensor):  # a^T stored [K, M]: dB = a^T @ grad, or dB^T = grad^T @ a
+            if trans_b:
+                grad_b = mm8(grad, a, True, True, b_dtype, bwd, fwd, False, False)
+            else:
+                grad_b = mm8(a, grad, False, False, b_dtype, fwd, bwd, False, False)
+        elif trans_b:
+            grad_b = mm8(grad, a, True, trans_a, b_dtype, bwd, fwd, False, False)
         else:
-            grad_b = mm8(a, grad, not trans_a, False, b.dtype, fwd, bwd, False, False)
+            grad_b = mm8(a, grad, not trans_a, False, b_dtype, fwd, bwd, False, False)
     return grad_a, grad_b
+
+
+# -- what the forward saves for the backward --------------------------------------------------------
+def _quantize_fast(x: torch.Tensor, dtype: torch.dtype, granularity: ScalingGranularity,
+                   block_size: Optional[int]) -> QuantizedTensor:
+    """``quantize(x, axis=1)``, through the fused Triton quantiser on a GPU (one read of x, no
+    float32 temporaries: those would raise the peak memory this saving exists to lower), else
+    the reference. Both give bit-identical data and scales (tests/test_triton_gemm.py)."""
+    if x.is_cuda and granularity is not ScalingGranularity.MX_BLOCKWISE:
+        try:
+            from turbo_dispatch.backends.triton import quantize as triton_quantize
+        except ImportError:
+            triton_quantize = None
+        if triton_quantize is not None and triton_quantize.available() is None:
+            try:
+                return triton_quantize.quantize_fp8(x, dtype, granularity, axis=1, block_size=block_size)
+            except (ValueError, TypeError, NotImplementedError):
+                pass  # a recipe the Triton quantiser refuses (e.g. block > 256): the reference serves
+    return quantize(x, dtype, granularity, axis=1, block_size=block_size)
+
+
+def _wgrad_operand(a: torch.Tensor, trans_a: bool, cfg: Float8QuantConfig) -> QuantizedTensor:
+    """The activation as the wgrad GEMM consumes it: op(a)^T [K, M] quantised along M (its
+    reduction dim; 1-D runs under BLOCKWISE), data stored [K, M] contiguous, so both the Triton
+    kernel (K-major operands) and cuBLASLt read it without a copy. The wgrad's backend would
+    quantise the high-precision ``a`` exactly so, hence saving this instead of ``a`` changes no
+    bit of the gradient, and halves (bf16) or quarters (fp32) what is kept alive until backward."""
+    return _quantize_fast(a if trans_a else a.t(), cfg.format.fwd_dtype(), cfg.granularity, cfg.block_size)
+
+
+def _wgrad_operand_like(a: torch.Tensor, trans_a: bool, cfg: Float8QuantConfig) -> QuantizedTensor:
+    """``_wgrad_operand``'s result, shapes and dtypes only (uninitialised; works on ``meta``):
+    for building the wgrad's key without quantising anything (tuning.keys)."""
+    at = a if trans_a else a.t()
+    data, scale = _fp8_quantize_rows_fake(at, cfg.format.fwd_dtype(), cfg.granularity.value, cfg.block_size)
+    return _saved_as_quantized(data, scale, cfg)
+
+
+def _saved_as_quantized(data: torch.Tensor, scale: torch.Tensor, cfg: Float8QuantConfig) -> QuantizedTensor:
+    """Rebuilds ``_wgrad_operand``'s result from its two saved tensors."""
+    return QuantizedTensor(data=data, scale=scale, granularity=cfg.granularity, axis=1, block_size=cfg.block_size,
+                           block_2d=False)
 
 
 # -- eager path ------------------------------------------------------------------------------------
@@ -250,21 +365,28 @@ class _GemmFunction(torch.autograd.Function):
 class _Fp8GemmFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, problem, config):
-        ctx.save_for_backward(a, b)
+        need_a, need_b = ctx.needs_input_grad[:2]
+        out = _run_gemm_fp8(problem, a, b)
+        # dgrad reads b and the gradient; only wgrad reads a, and only in quantised form.
+        qa = _wgrad_operand(a, problem.trans_a, config) if need_b else None
+        ctx.save_for_backward(None if qa is None else qa.data, None if qa is None else qa.scale,
+                              b if need_a else None)
         ctx.problem, ctx.config = problem, config
-        return _run_gemm_fp8(problem, a, b)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        a, b = ctx.saved_tensors
+        a_data, a_scale, b = ctx.saved_tensors
         p, cfg = ctx.problem, ctx.config
+        qa = None if a_data is None else _saved_as_quantized(a_data, a_scale, cfg)
 
         def mm8(x, y, ta, tb, od, xf, yf, x2d, y2d):
             q = gemm_fp8_problem(x, y, ta, tb, od, xf, yf, cfg.granularity, cfg.block_size, x2d, y2d)
             return _run_gemm_fp8(q, x, y)
 
-        grad_a, grad_b = _fp8_grads(mm8, a, b, grad, p.trans_a, p.trans_b, cfg.format.fwd_dtype(),
-                                    cfg.format.bwd_dtype(), cfg.granularity, *ctx.needs_input_grad[:2])
+        grad_a, grad_b = _fp8_grads(mm8, qa, b, grad, p.trans_a, p.trans_b, cfg.format.fwd_dtype(),
+                                    cfg.format.bwd_dtype(), cfg.granularity, *ctx.needs_input_grad[:2],
+                                    a_dtype=p.a_dtype, b_dtype=p.b_dtype)
         return grad_a, grad_b, None, None
 
 
@@ -296,19 +418,65 @@ def _gemm_backward(ctx, grad):
 _gemm_op.register_autograd(_gemm_backward, setup_context=_gemm_setup)
 
 
+def _maybe_quantized(x: torch.Tensor, scale: Optional[torch.Tensor], granularity: ScalingGranularity,
+                     block_size: Optional[int], is_2d: bool, k_axis: int) -> Fp8Operand:
+    """A custom op cannot take a QuantizedTensor: it gets (fp8 data, scale) and rebuilds it."""
+    if scale is None:
+        return x
+    return QuantizedTensor(data=x, scale=scale, granularity=granularity, axis=k_axis, block_size=block_size,
+                           block_2d=is_2d)
+
+
 @torch.library.custom_op("turbo_dispatch::gemm_fp8_raw", mutates_args=())
 def _gemm_fp8_raw_op(a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool, out_dtype: torch.dtype,
                      a_fp8: torch.dtype, b_fp8: torch.dtype, granularity: str, block_size: Optional[int],
-                     a_2d: bool, b_2d: bool) -> torch.Tensor:
-    p = gemm_fp8_problem(a, b, trans_a, trans_b, out_dtype, a_fp8, b_fp8, ScalingGranularity(granularity),
-                         block_size, a_2d, b_2d)
+                     a_2d: bool, b_2d: bool, a_scale: Optional[torch.Tensor] = None,
+                     b_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One fp8 GEMM of the backward. With ``a_scale`` (``b_scale``), ``a`` (``b``) is fp8 data
+    already quantised along this GEMM's K, with that scale."""
+    g = ScalingGranularity(granularity)
+    a = _maybe_quantized(a, a_scale, g, block_size, a_2d, 0 if trans_a else 1)
+    b = _maybe_quantized(b, b_scale, g, block_size, b_2d, 1 if trans_b else 0)
+    p = gemm_fp8_problem(a, b, trans_a, trans_b, out_dtype, a_fp8, b_fp8, g, block_size, a_2d, b_2d)
     return _run_gemm_fp8(p, a, b)
 
 
 @_gemm_fp8_raw_op.register_fake
-def _gemm_fp8_raw_fake(a, b, trans_a, trans_b, out_dtype, a_fp8, b_fp8, granularity, block_size, a_2d, b_2d):
+def _gemm_fp8_raw_fake(a, b, trans_a, trans_b, out_dtype, a_fp8, b_fp8, granularity, block_size, a_2d, b_2d,
+                       a_scale=None, b_scale=None):
     m, n, _ = _mnk("gemm_fp8", a, b, trans_a, trans_b)
     return a.new_empty((m, n), dtype=out_dtype)
+
+
+def _raw_mm8(cfg: Float8QuantConfig) -> Callable:
+    """The backward's fp8 GEMM through the custom op, unpacking a QuantizedTensor operand."""
+    def mm8(x, y, ta, tb, od, xf, yf, x2d, y2d):
+        xs = x.scale if isinstance(x, QuantizedTensor) else None
+        ys = y.scale if isinstance(y, QuantizedTensor) else None
+        return torch.ops.turbo_dispatch.gemm_fp8_raw(_data(x), _data(y), ta, tb, od, xf, yf, cfg.granularity.value,
+                                                     cfg.block_size, x2d, y2d, xs, ys)
+    return mm8
+
+
+@torch.library.custom_op("turbo_dispatch::fp8_quantize_rows", mutates_args=())
+def _fp8_quantize_rows_op(x: torch.Tensor, dtype: torch.dtype, granularity: str,
+                          block_size: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize(x, axis=1)`` as (data, scale): how the compiled forward saves its activation."""
+    q = _quantize_fast(x, dtype, ScalingGranularity(granularity), block_size)
+    return q.data, q.scale
+
+
+@_fp8_quantize_rows_op.register_fake
+def _fp8_quantize_rows_fake(x, dtype, granularity, block_size):
+    rows, cols = x.shape
+    g = ScalingGranularity(granularity)
+    if g is ScalingGranularity.TENSORWISE:
+        scale_shape: tuple[int, ...] = ()
+    elif g is ScalingGranularity.ROWWISE:
+        scale_shape = (rows, 1)
+    else:
+        scale_shape = (rows, -(-cols // block_size))
+    return x.new_empty((rows, cols), dtype=dtype), x.new_empty(scale_shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("turbo_dispatch::gemm_fp8", mutates_args=())
@@ -326,21 +494,27 @@ def _gemm_fp8_fake(a, b, trans_a, trans_b, out_dtype, format, granularity, block
 
 def _gemm_fp8_setup(ctx, inputs, output):
     a, b, trans_a, trans_b, _, fmt, gran, block_size, scale_dtype = inputs
-    ctx.save_for_backward(a, b)
+    cfg = Float8QuantConfig(fmt, gran, scale_dtype, block_size)
+    need_a, need_b = ctx.needs_input_grad[:2]
+    # As the eager path: a only in the quantised form the wgrad reads (see _wgrad_operand), b only
+    # for dgrad. A custom op so that torch.compile traces it as one opaque node.
+    a_data = a_scale = None
+    if need_b:
+        a_data, a_scale = torch.ops.turbo_dispatch.fp8_quantize_rows(
+            a if trans_a else a.t(), cfg.format.fwd_dtype(), cfg.granularity.value, cfg.block_size)
+    ctx.save_for_backward(a_data, a_scale, b if need_a else None)
     ctx.flags = (trans_a, trans_b)
-    ctx.config = Float8QuantConfig(fmt, gran, scale_dtype, block_size)
+    ctx.dtypes = (a.dtype, b.dtype)
+    ctx.config = cfg
 
 
 def _gemm_fp8_backward(ctx, grad):
-    a, b = ctx.saved_tensors
+    a_data, a_scale, b = ctx.saved_tensors
     cfg = ctx.config
-
-    def mm8(x, y, ta, tb, od, xf, yf, x2d, y2d):
-        return torch.ops.turbo_dispatch.gemm_fp8_raw(x, y, ta, tb, od, xf, yf, cfg.granularity.value,
-                                                    cfg.block_size, x2d, y2d)
-
-    grad_a, grad_b = _fp8_grads(mm8, a, b, grad, *ctx.flags, cfg.format.fwd_dtype(), cfg.format.bwd_dtype(),
-                                cfg.granularity, *ctx.needs_input_grad[:2])
+    qa = None if a_data is None else _saved_as_quantized(a_data, a_scale, cfg)
+    grad_a, grad_b = _fp8_grads(_raw_mm8(cfg), qa, b, grad, *ctx.flags, cfg.format.fwd_dtype(),
+                                cfg.format.bwd_dtype(), cfg.granularity, *ctx.needs_input_grad[:2],
+                                a_dtype=ctx.dtypes[0], b_dtype=ctx.dtypes[1])
     return grad_a, grad_b, None, None, None, None, None, None, None
 
 

@@ -53,8 +53,9 @@ def _linear_fp8_keys(shape: presets.LinearShape, dtype: torch.dtype, granularity
                                                         a2d, b2d)))
         return None
 
-    _gemm._fp8_grads(record, x, w, dy, False, True, cfg.format.fwd_dtype(), cfg.format.bwd_dtype(),
-                     cfg.granularity, True, True)
+    # The wgrad reads the activation as the forward saved it (pre-quantised, fp8 dtype in its key).
+    _gemm._fp8_grads(record, _gemm._wgrad_operand_like(x, False, cfg), w, dy, False, True, cfg.format.fwd_dtype(),
+                     cfg.format.bwd_dtype(), cfg.granularity, True, True, a_dtype=x.dtype)
     return keys
 
 
