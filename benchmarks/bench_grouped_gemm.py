@@ -25,6 +25,10 @@ Modes:
   (fwd + bwd); torch has no blockwise fp8 grouped GEMM, so the bf16 ``torch._grouped_mm`` step is
   the peer (the ratio is the speed-up over bf16 grouped).
 
+Group offsets are computed once per case, outside the timed region, and given to both sides
+(turbo as ``group_offs``, torch as its int32 end offsets), as an MoE layer computes them once from
+its routing for all its GEMMs.
+
 Check column: SNR / relative error against a per-group fp32 (GPU) / float64 (CPU) reference of
 the output and, where a step is timed, both gradients. See benchmarks/harness.py.
 
@@ -226,7 +230,10 @@ def measure(v: Variant, row: H.Row, timer: H.Timer, a, b, grad, refs) -> H.Row:
     return H.note_and_time(row, v, timer, (a, b), grad if v.grads else None)
 
 
-def variants_for(args, device, a, b, lens, offs_end, lens_host) -> list[Variant]:
+def variants_for(args, device, a, b, lens, offs, lens_host) -> list[Variant]:
+    """``offs``: int32 group offsets [G + 1]; turbo takes them as ``group_offs``, the torch peers
+    their end offsets ``offs[1:]`` (the form torch._grouped_mm reads)."""
+    offs_end = offs[1:]
     op = "grouped_gemm" if args.dtype == "bf16" else "grouped_gemm_fp8"
     names = [e.name for e in get_registry().backends(op, platform_of(device.type))]
     why_not_gmm = grouped_mm_usable(device)
@@ -238,12 +245,12 @@ def variants_for(args, device, a, b, lens, offs_end, lens_host) -> list[Variant]
     if args.dtype == "bf16":
         bf16_peer.peer = True
         out.append(bf16_peer)
-        call = lambda: turbo.ops.grouped_gemm(a, b, lens, trans_b=True)
+        call = lambda: turbo.ops.grouped_gemm(a, b, lens, group_offs=offs, trans_b=True)
         snr, kw = None, {}
     else:
         cfg = Float8QuantConfig(granularity=args.granularity,
                                 block_size=128 if args.granularity == "blockwise" else None)
-        call = lambda: turbo.ops.grouped_gemm_fp8(a, b, lens, trans_b=True, config=cfg)
+        call = lambda: turbo.ops.grouped_gemm_fp8(a, b, lens, group_offs=offs, trans_b=True, config=cfg)
         snr, kw = 25.0, {"config": cfg}
         if args.granularity == "rowwise":
             if why_not_gmm is None and hasattr(torch, "_scaled_grouped_mm"):
@@ -280,9 +287,12 @@ def run(args, device, timer, cases: list[Case], rows: list[H.Row]) -> None:
         grad = torch.randn(c.m, c.n, device=device, dtype=torch.bfloat16)
         lens = group_lens(c.routing, c.g, c.m, device)
         lens_host = lens.tolist()
-        offs_end = torch.cumsum(lens, 0).to(torch.int32)
+        # The offsets are computed once per step, outside what is timed, for the peer and for
+        # turbo alike: an MoE layer derives them once from its routing for all its GEMMs.
+        offs_end = torch.cumsum(lens, 0, dtype=torch.int32)
+        offs = torch.nn.functional.pad(offs_end, (1, 0))
         refs = references(a, b, lens_host, grad, device)
-        variants = variants_for(args, device, a, b, lens, offs_end, lens_host)
+        variants = variants_for(args, device, a, b, lens, offs, lens_host)
         shape_rows: list = [None] * len(variants)  # in variant order (the bf16 row stays last)
         for j in H.rotated(range(len(variants)), i):
             v = variants[j]

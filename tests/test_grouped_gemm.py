@@ -466,7 +466,10 @@ BAD_INPUTS = {
     "mixed-dtypes": (lambda: gg(_t(7, 8), _t(2, 8, 4, dtype=BF16), L(3, 4)), TypeError, "same dtype"),
     "trans_b-int": (lambda: gg(_t(7, 8), _t(2, 8, 4), L(3, 4), trans_b=0), TypeError, "trans_b"),
     "offs-wrong-length": (lambda: gg(_t(7, 8), _t(2, 8, 4), L(3, 4), L(0, 7)), ValueError, "G . 1 = 3 entries"),
-    "offs-int32": (lambda: gg(_t(7, 8), _t(2, 8, 4), L(3, 4), L(0, 3, 7, dtype=I32)), TypeError, "group_offs"),
+    "offs-float": (lambda: gg(_t(7, 8), _t(2, 8, 4), L(3, 4), L(0, 3, 7, dtype=FP32)), TypeError,
+                   "group_offs must be an int32 or int64"),
+    "offs-int32-inconsistent": (lambda: gg(_t(7, 8), _t(2, 8, 4), L(3, 4), L(0, 4, 7, dtype=I32)), ValueError,
+                                "prefix sums"),
     "offs-inconsistent": (lambda: gg(_t(7, 8), _t(2, 8, 4), L(3, 4), L(0, 4, 7)), ValueError, "prefix sums"),
     # fp8
     "fp8-lens-sum": (lambda: gg8(_t(7, 32), _t(2, 16, 32), L(3, 3)), ValueError, "sum to M_total"),
@@ -686,3 +689,32 @@ def test_scaled_grouped_refusal_is_per_key_and_device_failures_raise(monkeypatch
     with pytest.raises(RuntimeError, match="illegal memory access"):
         backend._scaled_grouped(p2, qa, qb, offs)
     assert p2 not in backend._SCALED_REFUSED
+
+
+@pytest.mark.parametrize("offs_dtype", [torch.int32, torch.int64])
+def test_group_offs_int32_and_int64_give_the_same_result_and_grads(offs_dtype):
+    """group_offs may be int32 (what the op computes itself and torch._grouped_mm reads) or int64;
+    forward and both gradients are the same either way, and equal the computed-offsets call."""
+    torch.manual_seed(3)
+    lens = torch.tensor([5, 0, 9, 3])
+    a = torch.randn(17, 12, dtype=torch.float64).float().requires_grad_()
+    b = torch.randn(4, 7, 12).requires_grad_()
+    offs = torch.nn.functional.pad(torch.cumsum(lens, 0), (1, 0)).to(offs_dtype)
+    grad = torch.randn(17, 7)
+    out = turbo.ops.grouped_gemm(a, b, lens, group_offs=offs, trans_b=True)
+    da, db = torch.autograd.grad(out, (a, b), grad)
+    out_ref = turbo.ops.grouped_gemm(a, b, lens, trans_b=True)
+    da_ref, db_ref = torch.autograd.grad(out_ref, (a, b), grad)
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
+    torch.testing.assert_close(da, da_ref, rtol=0, atol=0)
+    torch.testing.assert_close(db, db_ref, rtol=0, atol=0)
+    assert db[1].abs().max() == 0  # the empty group's weight gets an exact zero gradient
+
+
+def test_computed_offsets_are_int32_when_the_tokens_fit():
+    from turbo_dispatch.ops.grouped_gemm import _offsets
+
+    lens = torch.tensor([4, 0, 6])
+    offs = _offsets(lens, 10)
+    assert offs.dtype == torch.int32 and offs.tolist() == [0, 4, 4, 10]
+    assert _offsets(lens, 2**31).dtype == torch.int64

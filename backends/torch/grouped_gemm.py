@@ -80,8 +80,10 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
 
 
 def _offsets_end_i32(group_offs: torch.Tensor) -> torch.Tensor:
-    """torch._grouped_mm's ``offs``: int32 cumulative end offsets, length G (computed on device)."""
-    return group_offs[1:].to(torch.int32)
+    """torch._grouped_mm's ``offs``: int32 cumulative end offsets, length G. A view of int32
+    group_offs (what the op computes); int64 offsets a caller passed are converted on the device."""
+    ends = group_offs[1:]
+    return ends if ends.dtype == torch.int32 else ends.to(torch.int32)
 
 
 def _host_lens(group_lens: torch.Tensor, total: int) -> list[int]:

@@ -1,7 +1,7 @@
 """TRITON adapters for grouped_gemm and grouped_gemm_fp8 (kernels in grouped_kernels.py).
 
 Both adapters take exactly the TORCH adapters' ``run(problem, a, b, group_lens, group_offs,
-config=None)`` arguments and read the group boundaries (``group_offs``, int64 ``[G + 1]``) only
+config=None)`` arguments and read the group boundaries (``group_offs``, int32 or int64 ``[G + 1]``) only
 on the device: no host sync, so every call can be captured in a CUDA graph and replayed with
 other routings. ``group_lens`` itself is not read (the offsets carry the same facts); when
 ``group_offs`` is None it is computed on the device from ``group_lens``.
@@ -69,7 +69,7 @@ def _programs(device: torch.device) -> int:
 def _offsets(group_lens: torch.Tensor, group_offs: Optional[torch.Tensor]) -> torch.Tensor:
     if group_offs is not None:
         return group_offs
-    return torch.nn.functional.pad(torch.cumsum(group_lens, 0), (1, 0))
+    return torch.nn.functional.pad(torch.cumsum(group_lens, 0, dtype=torch.int64), (1, 0))
 
 
 def _upcast(*dtypes: torch.dtype) -> int:

@@ -179,37 +179,47 @@ def quantize(
             raise ValueError(f"quantize: block_2d=True needs x with at least 2 dims; got {x.dim()}-D")
 
     fp8_max = FP8_MAX[dtype]
-    xf = x.float()
+    # Memory: no float32 copy of x is kept. amax is exact in x's own dtype, and dividing x by a
+    # float32 scale of at least one dimension computes in float32 (type promotion), so each step
+    # holds one float32 temporary at most; this quantizer runs inside training steps (the TORCH
+    # backends), where a few full-size float32 copies would lift the step's peak memory.
 
-    def cast(v: torch.Tensor) -> torch.Tensor:
-        return v.clamp(-fp8_max, fp8_max).to(dtype)
+    if x.dtype == torch.float64:
+        x = x.float()  # the quotient below computes in float32, as documented, not in float64
+
+    def amax(v: torch.Tensor, dim=None) -> torch.Tensor:
+        a = v.abs()
+        return (a.amax() if dim is None else a.amax(dim=dim, keepdim=True)).float()
+
+    def cast(q: torch.Tensor) -> torch.Tensor:
+        return q.clamp_(-fp8_max, fp8_max).to(dtype)  # q is a fresh quotient: clamping in place is safe
 
     if gran is ScalingGranularity.TENSORWISE:
-        scale = _fp_scale(xf.abs().amax(), fp8_max)
-        data = cast(xf / scale)
+        scale = _fp_scale(amax(x), fp8_max)
+        data = cast(x / scale.reshape([1] * x.dim()))  # a 0-d scale would not promote bf16 to float32
     elif gran is ScalingGranularity.ROWWISE:
-        scale = _fp_scale(xf.abs().amax(dim=axis, keepdim=True), fp8_max)
-        data = cast(xf / scale)
+        scale = _fp_scale(amax(x, axis), fp8_max)
+        data = cast(x / scale)
     elif block_2d:
         assert block_size is not None
-        *lead, rows, cols = xf.shape
+        *lead, rows, cols = x.shape
         nr, nc = math.ceil(rows / block_size), math.ceil(cols / block_size)
-        padded = F.pad(xf, (0, nc * block_size - cols, 0, nr * block_size - rows))
+        padded = F.pad(x, (0, nc * block_size - cols, 0, nr * block_size - rows))
         tiles = padded.reshape(*lead, nr, block_size, nc, block_size)
-        scale = _fp_scale(tiles.abs().amax(dim=(-3, -1), keepdim=True), fp8_max)
+        scale = _fp_scale(amax(tiles, (-3, -1)), fp8_max)
         data = cast(tiles / scale).reshape(*lead, nr * block_size, nc * block_size)[..., :rows, :cols]
         scale = scale.reshape(*lead, nr, nc)
     else:
         assert block_size is not None
-        moved = xf.movedim(axis, -1)
+        moved = x.movedim(axis, -1)
         k = moved.shape[-1]
         nb = math.ceil(k / block_size)
         blocks = F.pad(moved, (0, nb * block_size - k)).reshape(*moved.shape[:-1], nb, block_size)
-        amax = blocks.abs().amax(dim=-1, keepdim=True)
+        block_amax = amax(blocks, -1)
         if gran is ScalingGranularity.MX_BLOCKWISE:
-            scale = _mx_scale(amax, dtype)
+            scale = _mx_scale(block_amax, dtype)
         else:
-            scale = _fp_scale(amax, fp8_max)
+            scale = _fp_scale(block_amax, fp8_max)
         data = cast(blocks / scale).reshape(*moved.shape[:-1], nb * block_size)[..., :k].movedim(-1, axis)
         scale = scale.squeeze(-1).movedim(-1, axis)
 

@@ -109,10 +109,10 @@ def _check_group_tensors(op: str, group_lens, group_offs, ref: torch.Tensor, ref
         raise ValueError(f"{op}: group_lens must be on {ref_name}'s device ({ref.device}); got {group_lens.device}")
     g = group_lens.shape[0]
     if group_offs is not None:
-        hint = f"[G + 1] = [{g + 1}] of int64 (exclusive prefix sums of group_lens)"
+        hint = f"[G + 1] = [{g + 1}] of int32 or int64 (exclusive prefix sums of group_lens)"
         require_tensor(op, "group_offs", group_offs, 1, hint)
-        if group_offs.dtype != _I64:
-            raise TypeError(f"{op}: group_offs must be an int64 tensor {hint}; got {group_offs.dtype}")
+        if group_offs.dtype not in _OFFS_DTYPES:
+            raise TypeError(f"{op}: group_offs must be an int32 or int64 tensor {hint}; got {group_offs.dtype}")
         if group_offs.shape[0] != g + 1:
             raise ValueError(f"{op}: group_offs must have G + 1 = {g + 1} entries; got shape {tuple(group_offs.shape)}")
         if group_offs.device != ref.device:
@@ -173,7 +173,7 @@ def grouped_gemm_problem(a: torch.Tensor, b: torch.Tensor, group_lens: torch.Ten
         if (b.dtype is dtype and dtype in _HP and group_lens.dtype is _I64 and trans_b.__class__ is bool
                 and group_lens.shape[0] == g and _same_device(a, b) and _same_device(a, group_lens)
                 and (group_offs is None or (isinstance(group_offs, torch.Tensor) and group_offs.dim() == 1
-                                            and group_offs.dtype is _I64 and group_offs.shape[0] == g + 1
+                                            and group_offs.dtype in _OFFS_DTYPES and group_offs.shape[0] == g + 1
                                             and _same_device(a, group_offs)))):
             m, k = a.shape
             _, b1, b2 = b.shape
@@ -261,9 +261,18 @@ def check_group_lens_values(op: str, group_lens: torch.Tensor, group_offs: Optio
         raise ValueError(f"{op}: group_offs must be the exclusive prefix sums of group_lens, [0, cumsum(group_lens)]")
 
 
-def _offsets(group_lens: torch.Tensor) -> torch.Tensor:
-    """group_offs from group_lens on the device: [0, cumsum(group_lens)] (int64, G + 1 entries)."""
-    return torch.nn.functional.pad(torch.cumsum(group_lens, 0), (1, 0))
+_OFFS_DTYPES = (torch.int32, torch.int64)
+_INT32_MAX = 2**31 - 1
+
+
+def _offsets(group_lens: torch.Tensor, total: int) -> torch.Tensor:
+    """group_offs from group_lens on the device: [0, cumsum(group_lens)], G + 1 entries.
+
+    int32 whenever the ``total`` tokens fit: that is the dtype torch._grouped_mm takes, so the
+    TORCH backend uses the offsets as they are instead of launching a conversion per GEMM (three
+    per training step), which costs several percent at small expert batches."""
+    dtype = torch.int32 if total <= _INT32_MAX else _I64
+    return torch.nn.functional.pad(torch.cumsum(group_lens, 0, dtype=dtype), (1, 0))
 
 
 # -- op specs (what the resolver and autotuner know) -------------------------------------------------
@@ -286,7 +295,7 @@ def _make_inputs(p, device) -> tuple[torch.Tensor, ...]:
         x = torch.randn((p.m, p.k), device=device, dtype=a_dtype)
         y = torch.randn((p.g, p.n, p.k) if p.trans_b else (p.g, p.k, p.n), device=device, dtype=b_dtype)
         lens = _random_lens(p.m, p.g).to(device)
-    return x, y, lens, _offsets(lens)
+    return x, y, lens, _offsets(lens, x.shape[0])
 
 
 def grouped_reference(p, inputs) -> torch.Tensor:
@@ -440,7 +449,7 @@ class _GroupedFp8Function(torch.autograd.Function):
 @torch.library.custom_op("turbo_dispatch::grouped_gemm", mutates_args=())
 def _grouped_gemm_op(a: torch.Tensor, b: torch.Tensor, group_lens: torch.Tensor, group_offs: Optional[torch.Tensor],
                      trans_b: bool) -> torch.Tensor:
-    offs = _offsets(group_lens) if group_offs is None else group_offs
+    offs = _offsets(group_lens, a.shape[0]) if group_offs is None else group_offs
     return _run(grouped_gemm_problem(a, b, group_lens, offs, trans_b), a, b, group_lens, offs)
 
 
@@ -453,7 +462,7 @@ def _grouped_gemm_fake(a, b, group_lens, group_offs, trans_b):
 @torch.library.custom_op("turbo_dispatch::grouped_gemm_variable_k", mutates_args=())
 def _grouped_gemm_variable_k_op(x: torch.Tensor, y: torch.Tensor, group_lens: torch.Tensor,
                                 group_offs: Optional[torch.Tensor]) -> torch.Tensor:
-    offs = _offsets(group_lens) if group_offs is None else group_offs
+    offs = _offsets(group_lens, x.shape[0]) if group_offs is None else group_offs
     return _run(variable_k_problem(x, y, group_lens, offs), x, y, group_lens, offs)
 
 
@@ -485,7 +494,7 @@ def _grouped_gemm_fp8_raw_op(x: torch.Tensor, y: torch.Tensor, group_lens: torch
                              group_offs: Optional[torch.Tensor], trans_b: bool, variable_k: bool,
                              out_dtype: torch.dtype, a_fp8: torch.dtype, b_fp8: torch.dtype, granularity: str,
                              block_size: Optional[int], b_2d: bool) -> torch.Tensor:
-    offs = _offsets(group_lens) if group_offs is None else group_offs
+    offs = _offsets(group_lens, x.shape[0]) if group_offs is None else group_offs
     p = grouped_gemm_fp8_problem(x, y, group_lens, offs, trans_b, variable_k, out_dtype, a_fp8, b_fp8,
                                  ScalingGranularity(granularity), block_size, b_2d)
     return _run_fp8(p, x, y, group_lens, offs)
@@ -506,7 +515,7 @@ def _grouped_gemm_fp8_op(a: torch.Tensor, b: torch.Tensor, group_lens: torch.Ten
                          group_offs: Optional[torch.Tensor], trans_b: bool, out_dtype: Optional[torch.dtype],
                          format: str, granularity: str, block_size: Optional[int], scale_dtype: str) -> torch.Tensor:
     cfg = Float8QuantConfig(format, granularity, scale_dtype, block_size)
-    offs = _offsets(group_lens) if group_offs is None else group_offs
+    offs = _offsets(group_lens, a.shape[0]) if group_offs is None else group_offs
     p = _forward_fp8_problem(a, b, group_lens, offs, trans_b, out_dtype, cfg)
     return _run_fp8(p, a, b, group_lens, offs)
 
@@ -583,7 +592,8 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, group_lens: torch.Tensor,
     ``a`` is [M_total, K]; ``b`` is [G, K, N] ([G, N, K] with ``trans_b=True``), same dtype as ``a``
     (bf16/fp16/fp32); ``group_lens`` is int64 [G] on a's device, the tokens of each group in
     order (zeros allowed), summing to M_total; ``group_offs`` (optional) is its exclusive prefix
-    sum [G + 1], computed on the device when None. Returns [M_total, N] in a's dtype. The backward
+    sum [G + 1] (int32 or int64; int32 saves the TORCH backend a conversion per GEMM), computed on
+    the device when None: pass it when several GEMMs share one routing. Returns [M_total, N] in a's dtype. The backward
     gives ``a`` a grouped GEMM with b transposed and ``b`` a variable-K grouped GEMM (zero for
     empty groups), each resolved to a backend of its own.
 
@@ -604,11 +614,11 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, group_lens: torch.Tensor,
         torch.Size([7, 5])
     """
     if torch.compiler.is_compiling():
-        offs = _offsets(group_lens) if group_offs is None else group_offs
+        offs = _offsets(group_lens, a.shape[0]) if group_offs is None else group_offs
         return torch.ops.turbo_dispatch.grouped_gemm(a, b, group_lens, offs, trans_b)
     problem = grouped_gemm_problem(a, b, group_lens, group_offs, trans_b)
     check_group_lens_values("grouped_gemm", group_lens, group_offs, problem.m)
-    offs = _offsets(group_lens) if group_offs is None else group_offs
+    offs = _offsets(group_lens, a.shape[0]) if group_offs is None else group_offs
     if _needs_grad(a, b):
         return _GroupedGemmFunction.apply(a, b, group_lens, offs, problem)
     return _run(problem, a, b, group_lens, offs)
@@ -644,12 +654,12 @@ def grouped_gemm_fp8(a: torch.Tensor, b: torch.Tensor, group_lens: torch.Tensor,
     if cfg.granularity is ScalingGranularity.MX_BLOCKWISE:
         raise ValueError(_MX_REFUSED)
     if torch.compiler.is_compiling():
-        offs = _offsets(group_lens) if group_offs is None else group_offs
+        offs = _offsets(group_lens, a.shape[0]) if group_offs is None else group_offs
         return torch.ops.turbo_dispatch.grouped_gemm_fp8(a, b, group_lens, offs, trans_b, out_dtype, cfg.format.value,
                                                          cfg.granularity.value, cfg.block_size, cfg.scale_dtype.value)
     problem = _forward_fp8_problem(a, b, group_lens, group_offs, trans_b, out_dtype, cfg)
     check_group_lens_values("grouped_gemm_fp8", group_lens, group_offs, problem.m)
-    offs = _offsets(group_lens) if group_offs is None else group_offs
+    offs = _offsets(group_lens, a.shape[0]) if group_offs is None else group_offs
     if _needs_grad(a, b):
         return _GroupedFp8Function.apply(a, b, group_lens, offs, problem, cfg)
     return _run_fp8(problem, a, b, group_lens, offs)
