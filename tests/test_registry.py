@@ -16,10 +16,15 @@ def write(tmp_path, text, name="extra.yaml"):
 def test_builtin_registry_loads_and_defaults_resolve():
     reg = load_registry(extra_files=[])
     assert builtin_registry_path().is_file()
-    for op in ("gemm", "gemm_fp8"):
+    # fp8 on NVIDIA defaults to the fused-quantisation backends (faster, and the reference
+    # quantizer's float32 temporaries would lift the fp8 Linear's peak memory above bf16's).
+    expected = {("gemm_fp8", "cuda"): "CUBLASLT", ("grouped_gemm_fp8", "cuda"): "TRITON"}
+    for op in ("gemm", "gemm_fp8", "grouped_gemm", "grouped_gemm_fp8"):
         assert reg.get(op, "TORCH") is not None
         for platform in ("cuda", "rocm", "cpu"):
-            assert reg.default(op, platform) == "TORCH"
+            name = reg.default(op, platform)
+            assert name == expected.get((op, platform), "TORCH"), (op, platform)
+            assert platform in reg.get(op, name).platforms
 
 
 def test_extra_registry_adds_plugin_backend(tmp_path):
