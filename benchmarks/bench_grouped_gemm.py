@@ -236,6 +236,8 @@ def variants_for(args, device, a, b, lens, offs, lens_host) -> list[Variant]:
     offs_end = offs[1:]
     op = "grouped_gemm" if args.dtype == "bf16" else "grouped_gemm_fp8"
     names = [e.name for e in get_registry().backends(op, platform_of(device.type))]
+    if args.backends:
+        names = [n for n in names if n in args.backends]
     why_not_gmm = grouped_mm_usable(device)
     if why_not_gmm is None:
         bf16_peer = Variant("torch._grouped_mm", lambda: TorchGroupedMM.apply(a, b, offs_end), plain)
@@ -324,6 +326,10 @@ def main(argv=None) -> int:
     parser.add_argument("--ep", default=None, help="expert-parallel sizes, comma-separated (default 8,32)")
     parser.add_argument("--tokens-per-expert", default=None, help="comma-separated (default 512,4096)")
     parser.add_argument("--routings", default=None, help=f"comma-separated subset of {','.join(ROUTINGS)}")
+    parser.add_argument("--backends", default=None,
+                        help="comma-separated turbo backends to pin and time (default: all registered; the "
+                             "autotuned row and the peers always run), e.g. TRITON to skip the TORCH blockwise "
+                             "emulation, which takes minutes at large shapes")
     H.add_common_args(parser)
     args = parser.parse_args(argv)
     device = H.pick_device(args.device)
@@ -335,6 +341,11 @@ def main(argv=None) -> int:
     tpes = ([int(v) for v in args.tokens_per_expert.split(",")] if args.tokens_per_expert
             else ([16] if cpu else [2048] if args.quick else [512, 4096]))
     routings = args.routings.split(",") if args.routings else list(ROUTINGS)
+    known = [e.name for e in get_registry().backends("grouped_gemm_fp8" if args.dtype == "fp8" else "grouped_gemm")]
+    args.backends = [b.strip().upper() for b in args.backends.split(",")] if args.backends else None
+    for b in args.backends or []:
+        if b not in known:
+            raise SystemExit(f"--backends: unknown {b!r}; registered: {', '.join(known)}")
     for r in routings:
         if r not in ROUTINGS:
             raise SystemExit(f"--routings: unknown {r!r}; valid: {', '.join(ROUTINGS)}")
