@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import turbo_dispatch as turbo
+from turbo_dispatch.backends import quantizer
 from turbo_dispatch.backends.blaslt import gemm as blaslt
 from turbo_dispatch.backends.torch import gemm as torch_gemm
 from turbo_dispatch.low_precision import Float8QuantConfig, Format, ScalingGranularity
@@ -176,23 +177,23 @@ def test_quantizer_falls_back_per_recipe_and_describe_says_so(monkeypatch):
         return turbo.low_precision.quantize(x, dtype, granularity, axis=axis, block_size=block_size,
                                             block_2d=block_2d)
 
-    monkeypatch.setattr(blaslt, "_triton_quantizer", lambda: (fake_triton, ""))
-    monkeypatch.setattr(blaslt, "_TRITON_REFUSED", {})
+    monkeypatch.setattr(quantizer, "_triton_quantizer", lambda: (fake_triton, ""))
+    monkeypatch.setattr(quantizer, "_TRITON_REFUSED", {})
     x = torch.randn(8, 256)
-    q = blaslt.quantize_operand(x, E4M3, TW, 1, None, False)
+    q = quantizer.quantize_operand(x, E4M3, TW, 1, None, False)
     assert calls == [TW] and q.data.dtype == E4M3
-    assert blaslt.quantizer_name(TW, False) == "Triton quantize_fp8"
-    q = blaslt.quantize_operand(x, E4M3, BW, 1, 128, True)  # refused -> reference, remembered
+    assert quantizer.quantizer_name(TW, False) == "Triton quantize_fp8"
+    q = quantizer.quantize_operand(x, E4M3, BW, 1, 128, True)  # refused -> reference, remembered
     assert tuple(q.scale.shape) == (1, 2)
-    assert "refused" in blaslt.quantizer_name(BW, True) and "no 2-D tiles" in blaslt.quantizer_name(BW, True)
+    assert "refused" in quantizer.quantizer_name(BW, True) and "no 2-D tiles" in quantizer.quantizer_name(BW, True)
 
-    monkeypatch.setattr(blaslt, "_triton_quantizer", lambda: (None, "triton missing"))
-    assert "reference" in blaslt.quantizer_name(TW, False) and "triton missing" in blaslt.quantizer_name(TW, False)
+    monkeypatch.setattr(quantizer, "_triton_quantizer", lambda: (None, "triton missing"))
+    assert "reference" in quantizer.quantizer_name(TW, False) and "triton missing" in quantizer.quantizer_name(TW, False)
 
 
 def test_real_triton_quantizer_probe_gives_function_or_reason():
-    blaslt._triton_quantizer.cache_clear()
-    fn, why = blaslt._triton_quantizer()
+    quantizer._triton_quantizer.cache_clear()
+    fn, why = quantizer._triton_quantizer()
     assert (fn is None) == bool(why)
 
 

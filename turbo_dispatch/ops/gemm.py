@@ -306,16 +306,10 @@ def _quantize_fast(x: torch.Tensor, dtype: torch.dtype, granularity: ScalingGran
     """``quantize(x, axis=1)``, through the fused Triton quantiser on a GPU (one read of x, no
     float32 temporaries: those would raise the peak memory this saving exists to lower), else
     the reference. Both give bit-identical data and scales (tests/test_triton_gemm.py)."""
-    if x.is_cuda and granularity is not ScalingGranularity.MX_BLOCKWISE:
-        try:
-            from turbo_dispatch.backends.triton import quantize as triton_quantize
-        except ImportError:
-            triton_quantize = None
-        if triton_quantize is not None and triton_quantize.available() is None:
-            try:
-                return triton_quantize.quantize_fp8(x, dtype, granularity, axis=1, block_size=block_size)
-            except (ValueError, TypeError, NotImplementedError):
-                pass  # a recipe the Triton quantiser refuses (e.g. block > 256): the reference serves
+    if x.is_cuda:
+        from turbo_dispatch.backends.quantizer import quantize_operand
+
+        return quantize_operand(x, dtype, granularity, 1, block_size, False)
     return quantize(x, dtype, granularity, axis=1, block_size=block_size)
 
 
