@@ -49,6 +49,7 @@ def _interpreter_checks() -> None:  # pragma: no cover - runs in the subprocess
     import triton.language as tl
 
     from turbo_dispatch.backends.triton import quantize as Q
+    from turbo_dispatch.backends.triton import fp8_gemm_kernels as FK
     from turbo_dispatch.backends.triton import gemm_kernels as GK
     from turbo_dispatch.backends.triton.configs import TileConfig
     from turbo_dispatch.backends.triton.gemm import TritonGemm, TritonGemmFp8
@@ -151,6 +152,17 @@ def _interpreter_checks() -> None:  # pragma: no cover - runs in the subprocess
                 if not (err <= tol and out.shape == (m, n) and out.dtype == od):
                     bad.append(f"{m}x{n}x{k} ta={ta} tb={tb} tma={tma} out={od} err={err:.2e}")
         _emit(f"gemm_kernel[{dt}]", not bad, "; ".join(bad[:4]))
+    # occupancy (programs per SM) changes only how the persistent programs split the 16 tiles
+    a, b = torch.randn(100, 72, dtype=torch.float16), torch.randn(72, 110, dtype=torch.float16)
+    one = GK.gemm(a, b, False, False, torch.float32, cfg)
+    three = GK.gemm(a, b, False, False, torch.float32, cfg._replace(occupancy=3))
+    qa = Q.quantize_kmajor(torch.randn(100, 128), E4, G.BLOCKWISE, 32, False)
+    qb = Q.quantize_kmajor(torch.randn(110, 128), E4, G.BLOCKWISE, 32, True)
+    f8cfg = TileConfig(32, 32, 32, 2, 2, 4)
+    f8 = [FK.fp8_gemm(qa[0], qb[0], qa[1], qb[1], FK.SCALE_BLOCK, torch.float32, f8cfg._replace(occupancy=o),
+                      a_group=1, b_group=32) for o in (1, 3)]
+    _emit("occupancy_same_bits", torch.equal(one, three) and torch.equal(f8[0], f8[1]),
+          f"gemm {float((one - three).abs().max())}, fp8 blockwise {float((f8[0] - f8[1]).abs().max())}")
     # the adapter with its default config and with every config it offers
     ad = TritonGemm()
     a, b = torch.randn(40, 24, dtype=torch.float16), torch.randn(24, 20, dtype=torch.float16)
@@ -283,8 +295,20 @@ def test_adapter_metadata_without_a_device():
     assert "block_size" in TritonGemmFp8().supports(f8._replace(block_size=256))
     small = TritonGemm().configs(p._replace(m=16, n=16, k=32))
     assert all(c[0] <= 64 and c[1] <= 64 for c in small[:1])
-    with pytest.raises(ValueError, match="6 positive ints"):
+    with pytest.raises(ValueError, match="6 or 7 positive ints"):
         C.from_tuple((128, 128, 64))
+    with pytest.raises(ValueError, match="occupancy=9"):
+        C.from_tuple((64, 128, 128, 8, 3, 4, 9))
+    # The occupancy field round-trips, and a config stored before it existed keeps its 6-int form.
+    assert C.from_tuple((64, 128, 128, 8, 3, 4, 3)).occupancy == 3
+    assert C.as_tuple(C.from_tuple((64, 128, 128, 8, 3, 4, 3))) == (64, 128, 128, 8, 3, 4, 3)
+    assert C.as_tuple(C.from_tuple((64, 128, 128, 8, 3, 4))) == (64, 128, 128, 8, 3, 4)
+    assert C.as_tuple(C.from_tuple((64, 128, 128, 8, 3, 4, 1))) == (64, 128, 128, 8, 3, 4)
+    # Blockwise never defaults to a tile whose promotion spills (128 x 256), and offers
+    # multi-program configs; tensorwise/rowwise keep their tables.
+    big = TritonGemmFp8().configs(f8._replace(m=4096, n=7168, k=16384))
+    assert big[0][:2] == (128, 128) and any(len(c) == 7 for c in big)
+    assert all(c[1] <= 128 for c in big)
 
 
 # -- GPU -----------------------------------------------------------------------------------------
@@ -366,6 +390,28 @@ def test_gpu_fp8_fwd_dgrad_wgrad(recipe, shape, ta, tb, fmt):
 
     mm8(a, b, ta, tb, torch.bfloat16, fwd, fwd, False, g is G.BLOCKWISE)
     _fp8_grads(mm8, a, b, grad, ta, tb, fwd, bwd, g, True, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1000, 1536, 2048), (4096, 2048, 1024)])
+def test_gpu_fp8_blockwise_every_config(shape):
+    """Every blockwise candidate, the multi-program (occupancy) ones included, on odd M."""
+    from turbo_dispatch.backends.triton.gemm import TritonGemmFp8
+    from turbo_dispatch.low_precision import ScalingGranularity as G
+    from turbo_dispatch.ops.gemm import gemm_fp8_problem
+
+    m, n, k = shape
+    a = torch.randn(m - 3, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    E4 = torch.float8_e4m3fn
+    p = gemm_fp8_problem(a, b, False, True, torch.bfloat16, E4, E4, G.BLOCKWISE, 128, False, True)
+    ad = TritonGemmFp8()
+    cfgs = ad.configs(p)
+    assert any(len(c) == 7 for c in cfgs), cfgs
+    ref = a.double() @ b.double().t()
+    for cfg in cfgs:
+        s = _snr(ad.run(p, a, b, config=cfg), ref)
+        assert s >= 25.0, (cfg, s)
 
 
 @pytest.mark.gpu

@@ -3,6 +3,9 @@ torch._scaled_grouped_mm on DeepSeek-V3 and Mixtral expert shapes with balanced,
 empty-expert routings. Usage (repo installed): ``python3 tools/probe_triton_grouped.py [--quick]``.
 Prints one line per measurement; ``--out FILE`` also writes them as JSON lines.
 
+``--occupancy`` times every blockwise fixed-K config (the occupancy > 1 ones included: two
+persistent programs of a 4-warp tile per SM) end to end and kernel only, then the whole op.
+
 ``--wgrad`` probes the variable-K (wgrad) kernel alone: correctness against a float32 reference
 (odd shapes and routings, every layout path, each fp8 granularity), then TFLOPS of the previous
 kernel (gg-r2, kept below as ``_old_variable_k_kernel`` for the comparison), the current one and
@@ -162,7 +165,7 @@ def probe_fp8_kernel_only(p, a, w, lens, offs, gran, shape, kind, flops):
     out = torch.empty(a.shape[0], w.shape[1], device="cuda", dtype=torch.bfloat16)
     mode = tgg._SCALE_MODE[gran]
     sas, sbs = ((0, 0), (0, 0, 0)) if mode == 1 else ((sa.stride(1), sa.stride(2)), sb.stride())
-    for cfg in tgg._fp8_configs(p)[:3]:
+    for cfg in tgg._fp8_configs(p):
         try:
             fn = lambda: tgg.launch_fixed_k(qa[0], qb, out, offs, cfg, scale=mode, sa=sa, sa_strides=sas, sb=sb,  # noqa: E731
                                            sb_strides=sbs, qblock=bs or 128, sb_ndiv=bs if p.b_2d else 1)
@@ -544,6 +547,9 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--focus", action="store_true")
     ap.add_argument("--wgrad", action="store_true", help="the variable-K (wgrad) probe only")
+    ap.add_argument("--occupancy", action="store_true",
+                    help="blockwise fp8 fixed-K (fwd, dgrad) over every config, occupancy > 1 included, "
+                         "end to end and kernel only, then the whole op")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="with --wgrad: tiny shapes under TRITON_INTERPRET=1, to catch script errors before a GPU run")
     ap.add_argument("--budget", type=float, default=300.0, help="seconds; later sections are skipped past it")
@@ -588,6 +594,14 @@ def main():
         ]
     if args.wgrad:
         steps = wgrad_steps()
+    if args.occupancy:
+        steps = [
+            lambda: probe_fp8("dsv3_up", "balanced", SG.BLOCKWISE, sweep=True, gemms=("fwd",)),
+            lambda: probe_fp8("dsv3_down", "balanced", SG.BLOCKWISE, sweep=True, gemms=("fwd", "dgrad_hybrid")),
+            lambda: probe_fp8("dsv3_up", "skewed", SG.BLOCKWISE, sweep=True, gemms=("fwd",)),
+            lambda: whole_op("dsv3_up"),
+            lambda: whole_op("dsv3_down"),
+        ]
     for step in steps:
         if time.time() - t0 > args.budget:
             emit(skipped="budget")

@@ -1,8 +1,18 @@
 """Tile configurations for the Triton GEMM kernels, and the pruning that keeps tuning short.
 
 A config is a plain tuple ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_stages, num_warps)`` so it is
-hashable and JSON-representable (the tuning database stores it as a list). ``TileConfig`` names
-the fields; ``as_tuple``/``from_tuple`` convert.
+hashable and JSON-representable (the tuning database stores it as a list), with an optional
+seventh field ``occupancy``: programs per SM in the persistent grid (default 1, and then omitted
+from the tuple, so configs stored before the field existed keep their meaning and identity).
+``TileConfig`` names the fields; ``as_tuple``/``from_tuple`` convert.
+
+Why occupancy: the blockwise fp8 kernel must wait for each K block's wgmma before promoting the
+partial product on the CUDA cores (its PTX has one ``wgmma.wait_group 0`` per K step), so with one
+program per SM the tensor cores idle during every promotion. Two or three co-resident programs
+of a small tile (64 x 128, 4 warps) run out of phase: one promotes while another's wgmma runs,
+the arrangement DeepGEMM gets from two math warpgroups. Whether a config's programs really fit
+together is a property of the compiled kernel (registers, shared memory);
+``tools/compile_sm90.py`` compiles every such config for sm_90 without a GPU and checks it.
 
 The candidate lists are short on purpose: an autotuner profiles every config of every backend
 for a key, so each list holds a handful of shapes per size class, not a sweep. They are the usual
@@ -29,18 +39,28 @@ class TileConfig(NamedTuple):
     group_m: int
     num_stages: int
     num_warps: int
+    occupancy: int = 1
+
+
+#: Most programs per SM a config may ask for (Hopper holds at most 64 warps per SM; more than a
+#: few co-resident GEMM programs only thrash shared memory).
+MAX_OCCUPANCY = 4
 
 
 def as_tuple(cfg: TileConfig) -> tuple[int, ...]:
-    """The JSON-friendly form stored in tuning results."""
-    return tuple(int(v) for v in cfg)
+    """The JSON-friendly form stored in tuning results (six ints when occupancy is 1)."""
+    vals = tuple(int(v) for v in cfg)
+    return vals[:6] if vals[6:] == (1,) else vals
 
 
 def from_tuple(cfg: Sequence[int]) -> TileConfig:
     """Validates a stored config (a tuple or JSON list) and returns it as a TileConfig."""
-    if len(cfg) != 6 or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in cfg):
-        raise ValueError(f"triton tile config must be 6 positive ints (BM, BN, BK, GROUP_M, stages, warps); got {cfg!r}")
+    if len(cfg) not in (6, 7) or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in cfg):
+        raise ValueError(f"triton tile config must be 6 or 7 positive ints (BM, BN, BK, GROUP_M, stages, warps"
+                         f"[, occupancy]); got {cfg!r}")
     c = TileConfig(*cfg)
+    if c.occupancy > MAX_OCCUPANCY:
+        raise ValueError(f"triton tile config: occupancy={c.occupancy} must be at most {MAX_OCCUPANCY} programs per SM")
     for name in ("block_m", "block_n", "block_k"):
         v = getattr(c, name)
         if v & (v - 1) or v < 16:
@@ -125,12 +145,29 @@ _FP8 = {
 }
 
 
+# Blockwise: the promotion keeps a second fp32 tile live, so 128 x 256 spills (sm_90, triton 3.6:
+# 255 registers + 160 bytes of stack; H100 563 vs 852 TFLOPS for 128 x 128 at 4096x7168x16384).
+# The occupancy > 1 entries overlap one program's promotion with another's wgmma; their fit
+# (64x128x128/4 warps: 3 programs at 3 stages, 2 at 4; 128x64: 2 at 4) is checked by
+# tools/compile_sm90.py. They are not yet timed, so the measured 128 x 128 stays the default.
+_FP8_BLOCKWISE = {
+    "small": [TileConfig(64, 64, 128, 8, 3, 4), TileConfig(64, 128, 128, 8, 3, 4), TileConfig(128, 64, 128, 8, 3, 4),
+              TileConfig(128, 128, 128, 8, 3, 8)],
+    "medium": [TileConfig(128, 128, 128, 8, 4, 8), TileConfig(64, 128, 128, 8, 4, 4, 2),
+               TileConfig(64, 128, 128, 8, 3, 4, 3), TileConfig(128, 64, 128, 8, 4, 4, 2)],
+    "large": [TileConfig(128, 128, 128, 8, 4, 8), TileConfig(64, 128, 128, 8, 3, 4, 3),
+              TileConfig(64, 128, 128, 8, 4, 4, 2), TileConfig(128, 64, 128, 8, 4, 4, 2),
+              TileConfig(128, 128, 128, 8, 3, 8)],
+}
+
+
 def fp8_candidates(m: int, n: int, k: int, block_k: int | None = None) -> list[TileConfig]:
-    """Pruned configs for an fp8 GEMM; ``block_k`` pins BLOCK_K (blockwise scaling needs
-    BLOCK_K == the quantisation block so each K step sees one scale)."""
+    """Pruned configs for an fp8 GEMM; ``block_k`` marks a blockwise GEMM and pins BLOCK_K
+    (BLOCK_K == the quantisation block so each K step sees one scale)."""
     cls = size_class(m, n, k)
-    cands = _FP8[cls] + _FP8["small"]
-    if block_k is not None:
-        cands = [c._replace(block_k=block_k) for c in cands]
+    if block_k is None:
+        cands = _FP8[cls] + _FP8["small"]
+    else:
+        cands = [c._replace(block_k=block_k) for c in _FP8_BLOCKWISE[cls] + _FP8_BLOCKWISE["small"]]
     found = prune(cands, m, n, k, 1, 1)
     return found or [cands[0]]

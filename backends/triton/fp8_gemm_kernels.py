@@ -120,7 +120,8 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
     if M == 0 or N == 0:
         return c
     dev = a.device.index if a.is_cuda else 0
-    bm, bn, bk, group_m, stages, warps = cfg
+    bm, bn, bk, group_m, stages, warps = cfg[:6]
+    occupancy = cfg[6] if len(cfg) > 6 else 1
     can_tma = tma_supported(dev) and tma_ok(a) and tma_ok(b)
     if use_tma is None:
         use_tma = can_tma
@@ -136,7 +137,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
     else:
         ssa = ssb = (0, 0)
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    progs = min(tiles, num_programs(dev))
+    progs = min(tiles, num_programs(dev) * occupancy)
     _fp8_gemm_kernel[(progs,)](a_arg, b_arg, c, sa, sb, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                                c.stride(0), c.stride(1), *ssa, *ssb, progs, SCALE_MODE=scale_mode,
                                A_GROUP=a_group, B_GROUP=b_group, USE_TMA=use_tma, BLOCK_M=bm, BLOCK_N=bn,

@@ -151,7 +151,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool, out_dty
     if K == 0:
         return c.zero_()
     dev = a.device.index if a.is_cuda else 0
-    bm, bn, bk, group_m, stages, warps = cfg
+    bm, bn, bk, group_m, stages, warps = cfg[:6]
+    occupancy = cfg[6] if len(cfg) > 6 else 1
     # Stored orientation with a unit last stride, if either works.
     a_st, a_km = (A, False) if A.stride(1) == 1 else (A.t(), True)
     b_st, b_nk = (B.t(), True) if B.stride(0) == 1 else (B, False)
@@ -166,7 +167,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool, out_dty
     else:
         a_arg, b_arg = a, b
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    progs = min(tiles, num_programs(dev))
+    progs = min(tiles, num_programs(dev) * occupancy)
     upcast = interpreting() and a.dtype == torch.bfloat16
     _gemm_kernel[(progs,)](a_arg, b_arg, c, M, N, K, A.stride(0), A.stride(1), B.stride(0), B.stride(1),
                            c.stride(0), c.stride(1), USE_TMA=use_tma, A_STORED_KM=a_km, B_STORED_NK=b_nk,

@@ -17,9 +17,12 @@ the same math):
   along the tokens aligned to the global token index (a run may straddle two groups; its one
   scale serves both). They are written transposed, token-contiguous.
 
-Configs are ``(BM, BN, BK, GROUP_M, num_stages, num_warps, tma)`` tuples; ``tma=1`` loads the
-operands (fixed-K and variable-K alike) through host-built TMA descriptors where the layout allows
-(else the same kernel with pointer loads). The candidate list depends only on the problem key (G,
+Configs are ``(BM, BN, BK, GROUP_M, num_stages, num_warps, tma[, occupancy])`` tuples; ``tma=1``
+loads the operands (fixed-K and variable-K alike) through host-built TMA descriptors where the
+layout allows (else the same kernel with pointer loads). ``occupancy`` (default 1) is the number of
+persistent fixed-K programs per SM: co-resident programs of a small blockwise tile overlap one's
+per-K-block promotion with another's wgmma (see configs.py). The variable-K kernel launches one
+program per tile, so the hardware already co-schedules as many as fit and it ignores the field. The candidate list depends only on the problem key (G,
 M_total, N, K, dtypes, layout, recipe), never on group_lens values.
 """
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 from turbo_dispatch.adapter import Adapter
 from turbo_dispatch.low_precision import ScalingGranularity
 
-Config = tuple  # (BM, BN, BK, GROUP_M, num_stages, num_warps, tma)
+Config = tuple  # (BM, BN, BK, GROUP_M, num_stages, num_warps, tma[, occupancy])
 
 _HALF = (torch.bfloat16, torch.float16)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -120,7 +123,8 @@ def launch_fixed_k(a: torch.Tensor, b_gnk: torch.Tensor, out: torch.Tensor, offs
         return out
     if k == 0:
         return out.zero_()
-    bm, bn, bk, group_m, stages, warps, tma = cfg
+    bm, bn, bk, group_m, stages, warps, tma = cfg[:7]
+    occupancy = cfg[7] if len(cfg) > 7 else 1
     a_desc = b_desc = None
     use_tma = (bool(tma) and not _interpreting() and a.is_cuda and torch.version.hip is None
                and _tma_descriptor_cls() is not None)
@@ -142,7 +146,7 @@ def launch_fixed_k(a: torch.Tensor, b_gnk: torch.Tensor, out: torch.Tensor, offs
                 b_desc = desc(b_gnk, [g * k, n], [b_gnk.stride(2), 1], [bk, bn])
     num_n = -(-n // bn)
     bound = (-(-m // bm) + g) * num_n  # most tiles any routing can give
-    progs = max(1, min(_programs(a.device), bound))
+    progs = max(1, min(_programs(a.device) * occupancy, bound))
     sa = a if sa is None else sa
     sb = a if sb is None else sb
     grouped_fixed_k_kernel[(progs,)](
@@ -196,7 +200,7 @@ def launch_variable_k(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, offs:
         return out
     if x.shape[0] == 0:
         return out.zero_()
-    bm, bn, bk, group_m, stages, warps, tma = cfg
+    bm, bn, bk, group_m, stages, warps, tma = cfg[:7]
     x_desc = y_desc = None
     x_tc = y_tc = False
     if tma and (tma_in_interpreter if _interpreting() else (x.is_cuda and torch.version.hip is None)):
@@ -283,10 +287,14 @@ def _fp8_configs(p) -> list[Config]:
     per_group = p.m / max(p.g, 1)
     if p.granularity is ScalingGranularity.BLOCKWISE:
         # Per-K-block promotion keeps a second 128 x BN fp32 tile live: BN=256 spills (H100: 446
-        # vs 700 TFLOPS kernel-only at DeepSeek-V3 shapes for 128x128, 8 warps).
-        cands = [(128, 128, bk, 8, 4, 8, 1), (128, 128, bk, 8, 3, 8, 1), (64, 128, bk, 8, 4, 4, 1),
-                 (128, 64, bk, 8, 4, 4, 1), (256, 128, bk, 8, 3, 8, 1), (128, 128, bk, 8, 4, 8, 0),
-                 (64, 64, bk, 8, 4, 4, 1)]
+        # vs 700 TFLOPS kernel-only at DeepSeek-V3 shapes for 128x128, 8 warps), and so does
+        # 256 x 128 (216 bytes of stack, sm_90, triton 3.6: tools/compile_sm90.py).
+        # The occupancy-2 entries (4-warp 64 x 128 / 128 x 64, two persistent programs per SM) overlap
+        # one program's promotion with the other's wgmma; tools/compile_sm90.py checks that two
+        # fit (sm_90, bk=128). Not yet timed, so the measured 128 x 128 stays first.
+        cands = [(128, 128, bk, 8, 4, 8, 1), (128, 128, bk, 8, 3, 8, 1), (64, 128, bk, 8, 4, 4, 1, 2),
+                 (128, 64, bk, 8, 4, 4, 1, 2), (64, 128, bk, 8, 4, 4, 1), (128, 64, bk, 8, 4, 4, 1),
+                 (128, 128, bk, 8, 4, 8, 0), (64, 64, bk, 8, 4, 4, 1)]
     else:
         cands = [(128, 256, bk, 8, 3, 8, 1), (128, 128, bk, 8, 4, 8, 1), (128, 128, bk, 8, 4, 4, 1),
                  (256, 128, bk, 8, 3, 8, 1), (128, 256, bk, 8, 3, 8, 0), (64, 256, bk, 8, 4, 4, 1),
@@ -297,9 +305,12 @@ def _fp8_configs(p) -> list[Config]:
 
 
 def _check_config(cfg) -> Config:
-    if not (isinstance(cfg, (tuple, list)) and len(cfg) == 7 and all(isinstance(v, int) for v in cfg)):
-        raise ValueError(f"TRITON grouped GEMM config must be (BM, BN, BK, GROUP_M, num_stages, num_warps, tma) "
-                         f"ints; got {cfg!r}")
+    if not (isinstance(cfg, (tuple, list)) and len(cfg) in (7, 8)
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in cfg)):
+        raise ValueError(f"TRITON grouped GEMM config must be (BM, BN, BK, GROUP_M, num_stages, num_warps, tma"
+                         f"[, occupancy]) ints; got {cfg!r}")
+    if len(cfg) == 8 and not 1 <= cfg[7] <= 4:
+        raise ValueError(f"TRITON grouped GEMM config: occupancy={cfg[7]} must be 1 to 4 programs per SM")
     return tuple(cfg)
 
 

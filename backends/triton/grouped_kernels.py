@@ -55,7 +55,7 @@ import triton.language as tl
 SCALE_NONE, SCALE_TENSOR, SCALE_ROW, SCALE_BLOCK = 0, 1, 2, 3
 
 #: Bumped whenever a kernel's code changes; part of the adapters' identity().
-KERNEL_REVISION = "gg-r3"
+KERNEL_REVISION = "gg-r4"
 
 
 @triton.jit
@@ -129,9 +129,16 @@ def grouped_fixed_k_kernel(
                 if SCALE == 3:
                     kb = k0 // QBLOCK
                     sa = tl.load(sa_ptr + a_rows * stride_sam + kb * stride_sak, mask=row_ok, other=0.0)
-                    sb = tl.load(sb_ptr + g64 * stride_sbg + (rn // SB_NDIV) * stride_sbn + kb * stride_sbk,
-                                 mask=col_ok, other=0.0)
-                    acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+                    if SB_NDIV % BN == 0:
+                        # The tile's columns share one 2-D scale block: a scalar, not a gathered
+                        # vector and an outer product (fewer registers: more programs per SM).
+                        sb = tl.load(sb_ptr + g64 * stride_sbg + ((pid_n * BN) // SB_NDIV) * stride_sbn
+                                     + kb * stride_sbk)
+                        acc += tl.dot(a, b) * (sa * sb)[:, None]
+                    else:
+                        sb = tl.load(sb_ptr + g64 * stride_sbg + (rn // SB_NDIV) * stride_sbn + kb * stride_sbk,
+                                     mask=col_ok, other=0.0)
+                        acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
                 else:
                     acc = tl.dot(a, b, acc)
             if SCALE == 1:

@@ -1,0 +1,72 @@
+"""The Triton GEMM kernels compile for Hopper (sm_90) on a CPU-only machine, and every config that
+asks for more than one persistent program per SM gets that many in the compiled kernel.
+
+Runs ``tools/compile_sm90.py --occupancy-only`` in a subprocess (the tool unsets TRITON_INTERPRET,
+which this test session sets, before importing triton). The fit is read from the cubin that
+Triton's own ptxas produced for sm_90, so a kernel change that adds registers or shared memory
+fails here, not silently on the GPU as a slower grid.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _nvidia_toolchain() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return "triton is not installed"
+    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    missing = [t for t in ("ptxas", "cuobjdump") if not (bindir / t).exists()]
+    return f"triton ships no {missing} (needed to compile for sm_90)" if missing else None
+
+
+@pytest.mark.skipif(_nvidia_toolchain() is not None, reason=str(_nvidia_toolchain()))
+def test_occupancy_configs_fit_on_sm90(tmp_path):
+    out = tmp_path / "sm90.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # a cold compile, not a stale cache hit
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "compile_sm90.py"), "--occupancy-only",
+                           "--json", str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    families = {r["family"] for r in rows}
+    # Each family's default compiled; the blockwise families offer multi-program configs.
+    assert {"dense_fp8_blockwise", "dense_bf16", "grouped_fp8_blockwise", "grouped_wgrad_bf16"} <= families
+    multi = [r for r in rows if r["occupancy"] > 1]
+    assert {r["family"] for r in multi} >= {"dense_fp8_blockwise", "grouped_fp8_blockwise"}
+    for r in rows:
+        assert r["status"] == "PASS", r
+        assert r["fit"] >= r["occupancy"] and r["stack"] == 0, r
+    # The reason occupancy exists: the blockwise K loop waits for all of its MMAs every step.
+    assert all(r["wgmma_waits"] == [0] for r in rows if "blockwise" in r["family"])
+
+
+@pytest.mark.skipif(_nvidia_toolchain() is not None, reason=str(_nvidia_toolchain()))
+def test_programs_per_sm_model():
+    """The fit model against hand-computed Hopper limits (in a subprocess: importing the tool
+    unsets TRITON_INTERPRET, which this session needs)."""
+    checks = [
+        # 4 warps at 166 regs -> 168 x 32 = 5376 per warp, 3 warps per 16384-register
+        # sub-partition: 3 programs by registers; 73752 + 1024 bytes of shared memory: 3 of 228 KiB.
+        (166, 73752, 4, 3),
+        (190, 98336, 4, 2),  # 192 x 32 = 6144 per warp: 2 per sub-partition
+        (177, 131104, 8, 1),
+        (87, 49176, 4, 4),  # shared memory: 4 x 50200 <= 233472
+        (64, 240000, 4, 0),  # more shared memory than an SM has
+    ]
+    code = ("import sys; sys.path.insert(0, 'tools'); from compile_sm90 import programs_per_sm as f; "
+            f"print([f(r, s, w) for r, s, w, _ in {checks!r}])")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == str([c[3] for c in checks])

@@ -1,0 +1,278 @@
+"""Compile the Triton GEMM kernels for a Hopper GPU on a machine without one, and check their fit.
+
+Triton compiles to PTX and a cubin with its bundled ptxas; only loading needs a driver. A stand-in
+driver that names the target (sm_90 by default) lets ``JITFunction.warmup`` specialise and compile
+the production kernels with CPU tensors. From the result this tool reads what decides speed
+before any timing:
+
+* registers per thread, spill stack, shared memory;
+* how many programs of that kernel fit on one SM (registers per SM sub-partition, shared memory,
+  warps), the ceiling for a config's ``occupancy`` field;
+* the wgmma waits of the K loop (``wgmma.wait_group N`` in the PTX): ``0`` alone means each K
+  step waits for its own MMAs (the blockwise promotion), a ``1`` means MMAs overlap across steps.
+
+Every config of the candidate tables is compiled at a representative large problem; a config
+that asks for more programs per SM than fit, or spills, or fails to compile is a FAIL (exit 1).
+
+Usage: ``python tools/compile_sm90.py [--only dense_fp8_blockwise,...] [--json FILE] [--cc 90]``.
+``--occupancy-only`` compiles just the configs with occupancy > 1 plus each family's default (the
+CPU test runs that). TRITON_INTERPRET is ignored (unset before triton is imported).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from types import SimpleNamespace
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver as _driver  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from turbo_dispatch.backends.triton import configs as C  # noqa: E402
+from turbo_dispatch.backends.triton import fp8_gemm_kernels as FK  # noqa: E402
+from turbo_dispatch.backends.triton import gemm_kernels as GK  # noqa: E402
+from turbo_dispatch.backends.triton import grouped_gemm as GG  # noqa: E402
+from turbo_dispatch.backends.triton import grouped_kernels as GKK  # noqa: E402
+from turbo_dispatch.low_precision import ScalingGranularity  # noqa: E402
+
+#: Hopper per-SM limits: 4 sub-partitions of 16384 registers, 228 KiB shared memory (1 KiB of it
+#: reserved per program), 64 resident warps.
+SM_SUBPARTITIONS, REGS_PER_SUBPARTITION = 4, 16384
+SMEM_PER_SM, SMEM_RESERVED = 228 * 1024, 1024
+MAX_WARPS = 64
+E4 = torch.float8_e4m3fn
+
+
+class _OfflineDriver:
+    """Just enough of a Triton driver for ``warmup``: a target, a device index and a stream."""
+
+    def __init__(self, cc: int):
+        self.target = GPUTarget("cuda", cc, 32)
+
+    def is_active(self) -> bool:
+        return True
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def programs_per_sm(regs: int, shared: int, warps: int) -> int:
+    """Co-resident programs on one SM: registers are allocated per warp in 256-register units
+    (8 per thread) from the sub-partition the warp runs on."""
+    regs_per_warp = -(-max(regs, 1) // 8) * 8 * 32
+    warps_per_sub = REGS_PER_SUBPARTITION // regs_per_warp
+    by_regs = (warps_per_sub * SM_SUBPARTITIONS) // warps
+    by_smem = SMEM_PER_SM // (shared + SMEM_RESERVED)
+    return max(0, min(by_regs, by_smem, MAX_WARPS // warps))
+
+
+def _resources(compiled, warps: int) -> dict:
+    ptx = compiled.asm["ptx"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+        path = f.name
+    try:
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        usage = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True,
+                               check=True).stdout
+    finally:
+        os.unlink(path)
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    shared = int(compiled.metadata.shared)
+    return {"regs": regs, "stack": stack, "shared": shared,
+            "fit": programs_per_sm(regs, shared, warps),
+            "wgmma_waits": sorted(set(int(w) for w in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)))}
+
+
+# -- one compile per (family, config), arguments laid out as the production launchers lay them ------
+M_DENSE, N_DENSE, K_DENSE = 4096, 7168, 16384  # the issue's blockwise target shape
+G_MOE, M_MOE, N_MOE, K_MOE = 8, 8 * 4096, 4096, 7168  # DeepSeek-V3 up_gate, 8 experts x 4096 tokens
+
+
+def _dense_fp8(cfg: C.TileConfig, mode: int):
+    M, N, K = M_DENSE, N_DENSE, K_DENSE
+    a, b = torch.empty((M, K), dtype=E4), torch.empty((N, K), dtype=E4)
+    c = torch.empty((M, N), dtype=torch.bfloat16)
+    if mode == FK.SCALE_BLOCK:
+        sa, sb = torch.empty((K // cfg.block_k, M)).t(), torch.empty((N // cfg.block_k, K // cfg.block_k))
+        ss = (sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1))
+    else:
+        sa, sb = torch.empty(M if mode else ()), torch.empty(N if mode else ())
+        ss = (0, 0, 0, 0)
+    ad = TensorDescriptor(a, [M, K], list(a.stride()), [cfg.block_m, cfg.block_k])
+    bd = TensorDescriptor(b, [N, K], list(b.stride()), [cfg.block_n, cfg.block_k])
+    return FK._fp8_gemm_kernel.warmup(
+        ad, bd, c, sa, sb, M, N, K, K, 1, K, 1, N, 1, *ss, 132, SCALE_MODE=mode, A_GROUP=1,
+        B_GROUP=cfg.block_k if mode == FK.SCALE_BLOCK else 1, USE_TMA=True, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, grid=(1,))
+
+
+def _dense_bf16(cfg: C.TileConfig):
+    M, N, K = M_DENSE, N_DENSE, 4096
+    a, b = torch.empty((M, K), dtype=torch.bfloat16), torch.empty((K, N), dtype=torch.bfloat16)
+    c = torch.empty((M, N), dtype=torch.bfloat16)
+    ad = TensorDescriptor(a, [M, K], list(a.stride()), [cfg.block_m, cfg.block_k])
+    bd = TensorDescriptor(b, [K, N], list(b.stride()), [cfg.block_k, cfg.block_n])
+    return GK._gemm_kernel.warmup(
+        ad, bd, c, M, N, K, K, 1, N, 1, N, 1, USE_TMA=True, A_STORED_KM=False, B_STORED_NK=False, UPCAST=False,
+        FP32_IN=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_PROGS=132,
+        GROUP_M=cfg.group_m, num_stages=cfg.num_stages, num_warps=cfg.num_warps, grid=(1,))
+
+
+def _grouped_fixed_k(cfg: tuple, scale: int, dtype):
+    bm, bn, bk, gm, stages, warps = cfg[:6]
+    G, M, N, K = G_MOE, M_MOE, N_MOE, K_MOE
+    a, b = torch.empty((M, K), dtype=dtype), torch.empty((G, N, K), dtype=dtype)
+    c, offs = torch.empty((M, N), dtype=torch.bfloat16), torch.empty(G + 1, dtype=torch.int32)
+    if scale == 3:
+        sa, sb = torch.empty((1, M, K // 128)), torch.empty((G, N // 128, K // 128))
+        ss = (sa.stride(1), sa.stride(2), sb.stride(0), sb.stride(1), sb.stride(2))
+    else:
+        sa, sb = torch.empty(M), torch.empty((G, N))
+        ss = (1, 0, sb.stride(0), sb.stride(1), 0)
+    ad = TensorDescriptor(a, [M, K], [K, 1], [bm, bk])
+    bd = TensorDescriptor(b, [G * N, K], [K, 1], [bn, bk])
+    return GKK.grouped_fixed_k_kernel.warmup(
+        a, b, c, offs, sa, sb, ad, bd, G, N, K, 132, K, 1, N * K, K, 1, N, 1, *ss, SCALE=scale, QBLOCK=128,
+        SB_NDIV=128 if scale == 3 else 1, BM=bm, BN=bn, BK=bk, GROUP_M=gm, EVEN_K=True, USE_TMA=True,
+        B_KMAJOR=True, UPCAST=0, num_stages=stages, num_warps=warps, grid=(1,))
+
+
+def _grouped_variable_k(cfg: tuple, scale: int, dtype):
+    bm, bn, bk, gm, stages, warps = cfg[:6]
+    G, T, M, N = G_MOE, M_MOE, N_MOE, K_MOE  # wgrad [G, N_MOE, K_MOE] over the tokens
+    x, y = torch.empty((M, T), dtype=dtype).t(), torch.empty((N, T), dtype=dtype).t()  # token-contiguous
+    c, offs = torch.empty((G, M, N), dtype=torch.bfloat16), torch.empty(G + 1, dtype=torch.int32)
+    if scale == 3:
+        sx, sy = torch.empty((T // 128, M)), torch.empty((T // 128, N))
+        ss = (sx.stride(0), sx.stride(1), sy.stride(0), sy.stride(1))
+    else:
+        sx, sy = torch.empty(M), torch.empty(N)
+        ss = (0, 1, 0, 1)
+    xd = TensorDescriptor(x.t(), [M, T], [T, 1], [bm, bk])
+    yd = TensorDescriptor(y.t(), [N, T], [T, 1], [bn, bk])
+    return GKK.grouped_variable_k_kernel.warmup(
+        x, y, c, offs, sx, sy, xd, yd, M, N, 1, T, 1, T, M * N, N, 1, *ss, SCALE=scale, QBLOCK=128, BM=bm, BN=bn,
+        BK=bk, GROUP_M=gm, UPCAST=0, USE_TMA=True, X_TCONTIG=True, Y_TCONTIG=True, num_stages=stages,
+        num_warps=warps, grid=(1,))
+
+
+def _grouped_problem(gran, variable_k: bool, m: int, n: int):
+    return SimpleNamespace(granularity=gran, block_size=128, variable_k=variable_k, m=m, n=n, g=G_MOE, b_2d=True)
+
+
+def families() -> dict:
+    """family -> (list of configs, compile(cfg), warps(cfg), occupancy(cfg)); configs in the
+    order the adapters offer them (first = default)."""
+    dense_occ = lambda c: c.occupancy  # noqa: E731
+    grouped_occ = lambda c: c[7] if len(c) > 7 else 1  # noqa: E731
+    blockwise = C.fp8_candidates(M_DENSE, N_DENSE, K_DENSE, 128)
+    blockwise += [c for cls in C._FP8_BLOCKWISE.values() for c in cls if c not in blockwise]
+    per_tensor = C.fp8_candidates(M_DENSE, N_DENSE, K_DENSE)
+    bf16 = C.gemm_candidates(M_DENSE, N_DENSE, 4096, 2)
+    B, R, T = ScalingGranularity.BLOCKWISE, ScalingGranularity.ROWWISE, ScalingGranularity.TENSORWISE
+    fixed_half = SimpleNamespace(variable_k=False, m=M_MOE, n=N_MOE, g=G_MOE)
+    vk_half = SimpleNamespace(variable_k=True, m=N_MOE, n=K_MOE, g=G_MOE)
+    return {
+        "dense_fp8_blockwise": (blockwise, lambda c: _dense_fp8(c, FK.SCALE_BLOCK), lambda c: c.num_warps, dense_occ),
+        "dense_fp8_rowwise": (per_tensor, lambda c: _dense_fp8(c, FK.SCALE_ROW), lambda c: c.num_warps, dense_occ),
+        "dense_bf16": (bf16, _dense_bf16, lambda c: c.num_warps, dense_occ),
+        "grouped_fp8_blockwise": (GG._fp8_configs(_grouped_problem(B, False, M_MOE, N_MOE)),
+                                  lambda c: _grouped_fixed_k(c, 3, E4), lambda c: c[5], grouped_occ),
+        "grouped_fp8_rowwise": (GG._fp8_configs(_grouped_problem(R, False, M_MOE, N_MOE)),
+                                lambda c: _grouped_fixed_k(c, 2, E4), lambda c: c[5], grouped_occ),
+        "grouped_bf16": (GG._half_configs(fixed_half), lambda c: _grouped_fixed_k(c, 0, torch.bfloat16),
+                         lambda c: c[5], grouped_occ),
+        "grouped_wgrad_fp8_blockwise": (GG._fp8_configs(_grouped_problem(B, True, N_MOE, K_MOE)),
+                                        lambda c: _grouped_variable_k(c, 3, E4), lambda c: c[5], grouped_occ),
+        "grouped_wgrad_fp8_tensorwise": (GG._fp8_configs(_grouped_problem(T, True, N_MOE, K_MOE)),
+                                         lambda c: _grouped_variable_k(c, 1, E4), lambda c: c[5], grouped_occ),
+        "grouped_wgrad_bf16": (GG._half_configs(vk_half), lambda c: _grouped_variable_k(c, 0, torch.bfloat16),
+                               lambda c: c[5], grouped_occ),
+    }
+
+
+def run(only: list[str] | None, occupancy_only: bool, cc: int) -> list[dict]:
+    """Compiles every selected (family, config); one result dict per compile."""
+    # Restored as found: reset_active() would try to create a real driver, which fails here.
+    previous = getattr(_driver, "_active", None)
+    _driver.set_active(_OfflineDriver(cc))
+    rows = []
+    try:
+        for name, (cfgs, build, warps_of, occ_of) in families().items():
+            if only and name not in only:
+                continue
+            for i, cfg in enumerate(cfgs):
+                occ = occ_of(cfg)
+                if occupancy_only and occ == 1 and i > 0:
+                    continue
+                row = {"family": name, "config": list(cfg), "default": i == 0, "occupancy": occ}
+                try:
+                    row.update(_resources(build(cfg), warps_of(cfg)))
+                except Exception as exc:  # noqa: BLE001 - a compile failure is a result
+                    row.update(status="FAIL", reason=f"compile: {type(exc).__name__}: {str(exc)[:300]}")
+                    rows.append(row)
+                    continue
+                problems = []
+                if row["fit"] < occ:
+                    problems.append(f"asks for {occ} programs per SM, {row['fit']} fit")
+                if row["stack"]:
+                    problems.append(f"spills ({row['stack']} bytes of stack)")
+                row.update(status="FAIL" if problems else "PASS", reason="; ".join(problems))
+                rows.append(row)
+    finally:
+        _driver._active = previous
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="comma-separated families (default: all)")
+    ap.add_argument("--occupancy-only", action="store_true",
+                    help="compile only configs with occupancy > 1 and each family's default")
+    ap.add_argument("--cc", type=int, default=90, help="compute capability to compile for (default 90)")
+    ap.add_argument("--json", default="", help="also write the rows to this file")
+    args = ap.parse_args(argv)
+    only = [f for f in args.only.split(",") if f]
+    unknown = set(only) - set(families())
+    if unknown:
+        ap.error(f"--only: unknown families {sorted(unknown)}; known: {sorted(families())}")
+    rows = run(only, args.occupancy_only, args.cc)
+    print(f"triton {triton.__version__}, sm_{args.cc}")
+    for r in rows:
+        if "regs" in r:
+            print(f"{r['status']} {r['family']:30s} {str(tuple(r['config'])):38s} occ={r['occupancy']} "
+                  f"fit={r['fit']} regs={r['regs']} stack={r['stack']} smem={r['shared']} "
+                  f"waits={r['wgmma_waits']} {r['reason']}")
+        else:
+            print(f"{r['status']} {r['family']:30s} {str(tuple(r['config'])):38s} {r['reason']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"triton": triton.__version__, "cc": args.cc, "rows": rows}, f, indent=1)
+    return 1 if any(r["status"] != "PASS" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call (next session's first): does occupancy > 1 (two or three persistent programs of a
+# 4-warp blockwise tile per SM, so one's promotion overlaps another's wgmma) pay on the GPU?
+# 1. GPU tests of the changed kernels and configs (dense fp8 blockwise candidates, grouped scalar
+#    weight scale, occupancy configs) - correctness first;
+# 2. dense blockwise: every production candidate vs F.scaled_mm (cuBLASLt), GEMM only;
+# 3. grouped blockwise, DeepSeek-V3 8 x 4096: every fixed-K config end to end and kernel only,
+#    dgrad, skewed routing, and the whole op vs bf16.
+# Then reorder the candidate lists by what this measured (configs.py, grouped_gemm.py).
+set -o pipefail
+export PYTHONUNBUFFERED=1
+python3 -m pip install -e . --no-build-isolation --no-deps -q 2>&1 | tail -2
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,temperature.gpu --format=csv,noheader
+pt() { local t=$1; shift; timeout -s TERM $t python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" "$@"; }
+pt 150 -x tests/test_triton_gemm.py -k "fp8 or blockwise" 2>&1 | tee $OUT/pytest_triton_gemm.log | tail -3
+pt 150 -x tests/test_triton_grouped_gemm.py -k "fp8" 2>&1 | tee $OUT/pytest_triton_grouped_fp8.log | tail -3
+timeout -s TERM 120 python3 tools/probe_fp8_blockwise.py --shapes 4096x7168x16384,4096x4096x7168,8192x14336x4096 \
+    --out $OUT/probe_dense_blockwise.jsonl 2>&1 | tail -30
+timeout -s TERM 150 python3 tools/probe_triton_grouped.py --occupancy --budget 130 --out $OUT/probe_grouped_occupancy.jsonl \
+    2>&1 | grep -v "^\[" | tail -5
+python3 - <<'PY'
+import json, os
+for f in ("probe_grouped_occupancy.jsonl",):
+    p = os.path.join(os.environ["OUT"], f)
+    if os.path.exists(p):
+        for line in open(p):
+            r = json.loads(line)
+            if "tflops" in r or "speedup" in r or "probe" in r:
+                print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k not in ("path",)})
+PY
