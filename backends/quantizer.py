@@ -39,16 +39,18 @@ def _triton_quantizer() -> tuple[Callable | None, str]:
     return fn, ""
 
 
-#: (granularity, block_2d) -> why the Triton quantizer refused it (then the reference one serves).
-_TRITON_REFUSED: dict[tuple[ScalingGranularity, bool], str] = {}
+#: (granularity, block_2d, block_size) -> why the Triton quantizer refused that recipe (then the
+#: reference one serves it). Keyed by block size too: one unsupported block size must not send
+#: the recipe's other block sizes to the slower quantizer.
+_TRITON_REFUSED: dict[tuple[ScalingGranularity, bool, int | None], str] = {}
 
 
-def quantizer_name(granularity: ScalingGranularity, block_2d: bool) -> str:
+def quantizer_name(granularity: ScalingGranularity, block_2d: bool, block_size: int | None = None) -> str:
     """Which quantizer ``quantize_operand`` uses for this recipe, and if not Triton, why."""
     fn, why = _triton_quantizer()
     if fn is None:
         return f"reference turbo_dispatch.low_precision.quantize ({why})"
-    refused = _TRITON_REFUSED.get((granularity, block_2d))
+    refused = _TRITON_REFUSED.get((granularity, block_2d, block_size))
     if refused is not None:
         return f"reference turbo_dispatch.low_precision.quantize (the Triton quantizer refused this recipe: {refused})"
     return "Triton quantize_fp8"
@@ -60,12 +62,12 @@ def quantize_operand(x: torch.Tensor, dtype: torch.dtype, granularity: ScalingGr
     TypeError, NotImplementedError) is logged once and served by the reference quantizer from then
     on (``describe`` shows it), so both give the same QuantizedTensor layout."""
     fn, _ = _triton_quantizer()
-    key = (granularity, block_2d)
+    key = (granularity, block_2d, block_size)
     if fn is not None and key not in _TRITON_REFUSED:
         try:
             return fn(x, dtype, granularity, axis=axis, block_size=block_size, block_2d=block_2d)
         except (ValueError, TypeError, NotImplementedError) as exc:
             _TRITON_REFUSED[key] = f"{type(exc).__name__}: {exc}"
-            log.warning("gemm_fp8: Triton quantizer refused %s (block_2d=%s): %s; using the reference quantizer "
-                        "for this recipe from now on", granularity.value, block_2d, exc)
+            log.warning("gemm_fp8: Triton quantizer refused %s (block_2d=%s, block_size=%s): %s; using the "
+                        "reference quantizer for this recipe from now on", granularity.value, block_2d, block_size, exc)
     return _reference_quantize(x, dtype, granularity, axis=axis, block_size=block_size, block_2d=block_2d)

@@ -171,7 +171,7 @@ def test_quantizer_falls_back_per_recipe_and_describe_says_so(monkeypatch):
     calls = []
 
     def fake_triton(x, dtype, granularity, *, axis, block_size, block_2d):
-        if granularity is ScalingGranularity.BLOCKWISE:
+        if granularity is ScalingGranularity.BLOCKWISE and block_size == 128:
             raise NotImplementedError("no 2-D tiles yet")
         calls.append(granularity)
         return turbo.low_precision.quantize(x, dtype, granularity, axis=axis, block_size=block_size,
@@ -185,7 +185,11 @@ def test_quantizer_falls_back_per_recipe_and_describe_says_so(monkeypatch):
     assert quantizer.quantizer_name(TW, False) == "Triton quantize_fp8"
     q = quantizer.quantize_operand(x, E4M3, BW, 1, 128, True)  # refused -> reference, remembered
     assert tuple(q.scale.shape) == (1, 2)
-    assert "refused" in quantizer.quantizer_name(BW, True) and "no 2-D tiles" in quantizer.quantizer_name(BW, True)
+    assert "refused" in quantizer.quantizer_name(BW, True, 128) and "no 2-D tiles" in quantizer.quantizer_name(BW, True, 128)
+    # The refusal is remembered for that block size only: 64 still goes to the Triton quantizer.
+    assert quantizer.quantizer_name(BW, True, 64) == "Triton quantize_fp8"
+    q = quantizer.quantize_operand(x, E4M3, BW, 1, 64, True)
+    assert calls == [TW, BW] and tuple(q.scale.shape) == (1, 4)
 
     monkeypatch.setattr(quantizer, "_triton_quantizer", lambda: (None, "triton missing"))
     assert "reference" in quantizer.quantizer_name(TW, False) and "triton missing" in quantizer.quantizer_name(TW, False)

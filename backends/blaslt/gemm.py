@@ -246,7 +246,7 @@ class BlasLtGemmFp8(_BlasLtAdapter):
         else:
             kernel = f"torch.nn.functional.scaled_mm {g.value} ({self.library})"
         swap = "; operands swapped (first operand tiled)" if p.a_2d and not p.b_2d else ""
-        quant = {quantizer_name(g, p.a_2d), quantizer_name(g, p.b_2d)}
+        quant = {quantizer_name(g, p.a_2d, p.block_size), quantizer_name(g, p.b_2d, p.block_size)}
         return f"{kernel}{swap}; quantizer: {' / '.join(sorted(quant))}"
 
     def _fast_accum(self, p, config) -> bool:

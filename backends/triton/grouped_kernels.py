@@ -71,6 +71,17 @@ def _tile_coords(local, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _dot_operands(a, b, UPCAST: tl.constexpr):
+    """The tiles as ``tl.dot`` should see them (UPCAST, see the module docstring)."""
+    if UPCAST == 1:
+        return a.to(tl.float32), b.to(tl.float32)
+    elif UPCAST == 2:
+        return a.to(tl.float16), b.to(tl.float16)
+    else:
+        return a, b
+
+
+@triton.jit
 def grouped_fixed_k_kernel(
     a_ptr, b_ptr, c_ptr, offs_ptr, sa_ptr, sb_ptr, a_desc, b_desc,
     G, N, K, NUM_PROGS,
@@ -120,12 +131,7 @@ def grouped_fixed_k_kernel(
                         k_ok = rk < K
                         a = tl.load(a_p, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                         b = tl.load(b_p, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                if UPCAST == 1:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                if UPCAST == 2:
-                    a = a.to(tl.float16)
-                    b = b.to(tl.float16)
+                a, b = _dot_operands(a, b, UPCAST)
                 if SCALE == 3:
                     kb = k0 // QBLOCK
                     sa = tl.load(sa_ptr + a_rows * stride_sam + kb * stride_sak, mask=row_ok, other=0.0)
@@ -218,12 +224,7 @@ def _vk_step(acc, kb, start, end, pid_m, pid_n, rm64, rn64, m_ok, n_ok,
                     BM, BK, USE_TMA, X_TCONTIG, MASK_T)  # [BM, BK]
     y = tl.trans(_vk_operand(y_ptr, y_desc, k0, pid_n, rn64, n_ok, tok64, t_ok, stride_yt, stride_yn,
                              BN, BK, USE_TMA, Y_TCONTIG, MASK_T))  # [BK, BN]
-    if UPCAST == 1:
-        x = x.to(tl.float32)
-        y = y.to(tl.float32)
-    if UPCAST == 2:
-        x = x.to(tl.float16)
-        y = y.to(tl.float16)
+    x, y = _dot_operands(x, y, UPCAST)
     if SCALE == 3:
         kq = k0 // QBLOCK  # BK divides QBLOCK: the whole step lies in one token run
         sx = tl.load(sx_ptr + kq * stride_sxk + rm64 * stride_sxm, mask=m_ok, other=0.0)
