@@ -184,34 +184,31 @@ def _grouped_problem(gran, variable_k: bool, m: int, n: int):
 
 
 def families() -> dict:
-    """family -> (list of configs, compile(cfg), warps(cfg), occupancy(cfg)); configs in the
-    order the adapters offer them (first = default)."""
-    dense_occ = lambda c: c.occupancy  # noqa: E731
-    grouped_occ = lambda c: c[7] if len(c) > 7 else 1  # noqa: E731
+    """family -> (configs in the order the adapters offer them (first = default), compile(cfg),
+    index of the occupancy field). Warps are field 5 of dense and grouped configs alike."""
     blockwise = C.fp8_candidates(M_DENSE, N_DENSE, K_DENSE, 128)
     blockwise += [c for cls in C._FP8_BLOCKWISE.values() for c in cls if c not in blockwise]
-    per_tensor = C.fp8_candidates(M_DENSE, N_DENSE, K_DENSE)
-    bf16 = C.gemm_candidates(M_DENSE, N_DENSE, 4096, 2)
     B, R, T = ScalingGranularity.BLOCKWISE, ScalingGranularity.ROWWISE, ScalingGranularity.TENSORWISE
     fixed_half = SimpleNamespace(variable_k=False, m=M_MOE, n=N_MOE, g=G_MOE)
     vk_half = SimpleNamespace(variable_k=True, m=N_MOE, n=K_MOE, g=G_MOE)
-    return {
-        "dense_fp8_blockwise": (blockwise, lambda c: _dense_fp8(c, FK.SCALE_BLOCK), lambda c: c.num_warps, dense_occ),
-        "dense_fp8_rowwise": (per_tensor, lambda c: _dense_fp8(c, FK.SCALE_ROW), lambda c: c.num_warps, dense_occ),
-        "dense_bf16": (bf16, _dense_bf16, lambda c: c.num_warps, dense_occ),
-        "grouped_fp8_blockwise": (GG._fp8_configs(_grouped_problem(B, False, M_MOE, N_MOE)),
-                                  lambda c: _grouped_fixed_k(c, 3, E4), lambda c: c[5], grouped_occ),
-        "grouped_fp8_rowwise": (GG._fp8_configs(_grouped_problem(R, False, M_MOE, N_MOE)),
-                                lambda c: _grouped_fixed_k(c, 2, E4), lambda c: c[5], grouped_occ),
-        "grouped_bf16": (GG._half_configs(fixed_half), lambda c: _grouped_fixed_k(c, 0, torch.bfloat16),
-                         lambda c: c[5], grouped_occ),
-        "grouped_wgrad_fp8_blockwise": (GG._fp8_configs(_grouped_problem(B, True, N_MOE, K_MOE)),
-                                        lambda c: _grouped_variable_k(c, 3, E4), lambda c: c[5], grouped_occ),
-        "grouped_wgrad_fp8_tensorwise": (GG._fp8_configs(_grouped_problem(T, True, N_MOE, K_MOE)),
-                                         lambda c: _grouped_variable_k(c, 1, E4), lambda c: c[5], grouped_occ),
-        "grouped_wgrad_bf16": (GG._half_configs(vk_half), lambda c: _grouped_variable_k(c, 0, torch.bfloat16),
-                               lambda c: c[5], grouped_occ),
-    }
+    dense, grouped = 6, 7
+    table = [
+        ("dense_fp8_blockwise", blockwise, lambda c: _dense_fp8(c, FK.SCALE_BLOCK), dense),
+        ("dense_fp8_rowwise", C.fp8_candidates(M_DENSE, N_DENSE, K_DENSE), lambda c: _dense_fp8(c, FK.SCALE_ROW), dense),
+        ("dense_bf16", C.gemm_candidates(M_DENSE, N_DENSE, 4096, 2), _dense_bf16, dense),
+        ("grouped_fp8_blockwise", GG._fp8_configs(_grouped_problem(B, False, M_MOE, N_MOE)),
+         lambda c: _grouped_fixed_k(c, 3, E4), grouped),
+        ("grouped_fp8_rowwise", GG._fp8_configs(_grouped_problem(R, False, M_MOE, N_MOE)),
+         lambda c: _grouped_fixed_k(c, 2, E4), grouped),
+        ("grouped_bf16", GG._half_configs(fixed_half), lambda c: _grouped_fixed_k(c, 0, torch.bfloat16), grouped),
+        ("grouped_wgrad_fp8_blockwise", GG._fp8_configs(_grouped_problem(B, True, N_MOE, K_MOE)),
+         lambda c: _grouped_variable_k(c, 3, E4), grouped),
+        ("grouped_wgrad_fp8_tensorwise", GG._fp8_configs(_grouped_problem(T, True, N_MOE, K_MOE)),
+         lambda c: _grouped_variable_k(c, 1, E4), grouped),
+        ("grouped_wgrad_bf16", GG._half_configs(vk_half), lambda c: _grouped_variable_k(c, 0, torch.bfloat16),
+         grouped),
+    ]
+    return {name: (cfgs, build, occ_at) for name, cfgs, build, occ_at in table}
 
 
 def run(only: list[str] | None, occupancy_only: bool, cc: int) -> list[dict]:
@@ -221,16 +218,16 @@ def run(only: list[str] | None, occupancy_only: bool, cc: int) -> list[dict]:
     _driver.set_active(_OfflineDriver(cc))
     rows = []
     try:
-        for name, (cfgs, build, warps_of, occ_of) in families().items():
+        for name, (cfgs, build, occ_at) in families().items():
             if only and name not in only:
                 continue
             for i, cfg in enumerate(cfgs):
-                occ = occ_of(cfg)
+                occ = cfg[occ_at] if len(cfg) > occ_at else 1
                 if occupancy_only and occ == 1 and i > 0:
                     continue
                 row = {"family": name, "config": list(cfg), "default": i == 0, "occupancy": occ}
                 try:
-                    row.update(_resources(build(cfg), warps_of(cfg)))
+                    row.update(_resources(build(cfg), cfg[5]))
                 except Exception as exc:  # noqa: BLE001 - a compile failure is a result
                     row.update(status="FAIL", reason=f"compile: {type(exc).__name__}: {str(exc)[:300]}")
                     rows.append(row)
