@@ -211,14 +211,15 @@ def families() -> dict:
     return {name: (cfgs, build, occ_at) for name, cfgs, build, occ_at in table}
 
 
-def run(only: list[str] | None, occupancy_only: bool, cc: int) -> list[dict]:
-    """Compiles every selected (family, config); one result dict per compile."""
+def run(table: dict, only: list[str] | None, occupancy_only: bool, cc: int) -> list[dict]:
+    """Compiles every selected (family, config) of ``table`` (``families()``); one result dict per
+    compile."""
     # Restored as found: reset_active() would try to create a real driver, which fails here.
     previous = getattr(_driver, "_active", None)
     _driver.set_active(_OfflineDriver(cc))
     rows = []
     try:
-        for name, (cfgs, build, occ_at) in families().items():
+        for name, (cfgs, build, occ_at) in table.items():
             if only and name not in only:
                 continue
             for i, cfg in enumerate(cfgs):
@@ -253,10 +254,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default="", help="also write the rows to this file")
     args = ap.parse_args(argv)
     only = [f for f in args.only.split(",") if f]
-    unknown = set(only) - set(families())
+    table = families()
+    unknown = set(only) - set(table)
     if unknown:
-        ap.error(f"--only: unknown families {sorted(unknown)}; known: {sorted(families())}")
-    rows = run(only, args.occupancy_only, args.cc)
+        ap.error(f"--only: unknown families {sorted(unknown)}; known: {sorted(table)}")
+    rows = run(table, only, args.occupancy_only, args.cc)
     print(f"triton {triton.__version__}, sm_{args.cc}")
     for r in rows:
         if "regs" in r:

@@ -22,8 +22,9 @@ loads the operands (fixed-K and variable-K alike) through host-built TMA descrip
 layout allows (else the same kernel with pointer loads). ``occupancy`` (default 1) is the number of
 persistent fixed-K programs per SM: co-resident programs of a small blockwise tile overlap one's
 per-K-block promotion with another's wgmma (see configs.py). The variable-K kernel launches one
-program per tile, so the hardware already co-schedules as many as fit and it ignores the field. The candidate list depends only on the problem key (G,
-M_total, N, K, dtypes, layout, recipe), never on group_lens values.
+program per tile, so the hardware already co-schedules as many as fit and it ignores the field.
+The candidate list depends only on the problem key (G, M_total, N, K, dtypes, layout, recipe),
+never on group_lens values.
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ import torch
 
 from turbo_dispatch.adapter import Adapter
 from turbo_dispatch.low_precision import ScalingGranularity
+
+from .configs import MAX_OCCUPANCY
 
 Config = tuple  # (BM, BN, BK, GROUP_M, num_stages, num_warps, tma[, occupancy])
 
@@ -309,8 +312,8 @@ def _check_config(cfg) -> Config:
             and all(isinstance(v, int) and not isinstance(v, bool) for v in cfg)):
         raise ValueError(f"TRITON grouped GEMM config must be (BM, BN, BK, GROUP_M, num_stages, num_warps, tma"
                          f"[, occupancy]) ints; got {cfg!r}")
-    if len(cfg) == 8 and not 1 <= cfg[7] <= 4:
-        raise ValueError(f"TRITON grouped GEMM config: occupancy={cfg[7]} must be 1 to 4 programs per SM")
+    if len(cfg) == 8 and not 1 <= cfg[7] <= MAX_OCCUPANCY:
+        raise ValueError(f"TRITON grouped GEMM config: occupancy={cfg[7]} must be 1 to {MAX_OCCUPANCY} programs per SM")
     return tuple(cfg)
 
 
