@@ -40,14 +40,19 @@ def test_occupancy_configs_fit_on_sm90(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     families = {r["family"] for r in rows}
     # Each family's default compiled; the blockwise families offer multi-program configs.
-    assert {"dense_fp8_blockwise", "dense_bf16", "grouped_fp8_blockwise", "grouped_wgrad_bf16"} <= families
+    assert {"dense_fp8_blockwise", "dense_fp8_blockwise_gluon", "dense_bf16", "grouped_fp8_blockwise",
+            "grouped_wgrad_bf16"} <= families
     multi = [r for r in rows if r["occupancy"] > 1]
     assert {r["family"] for r in multi} >= {"dense_fp8_blockwise", "grouped_fp8_blockwise"}
     for r in rows:
         assert r["status"] == "PASS", r
-        assert r["fit"] >= r["occupancy"] and r["stack"] == 0, r
-    # The reason occupancy exists: the blockwise K loop waits for all of its MMAs every step.
-    assert all(r["wgmma_waits"] == [0] for r in rows if "blockwise" in r["family"])
+        assert r["fit"] >= r["occupancy"] and r["stack"] == 0 and not r["serialised"], r
+    # The reason occupancy exists: the Triton blockwise K loop waits for all of its MMAs every step.
+    assert all(r["wgmma_waits"] == [0] for r in rows if "blockwise" in r["family"] and "gluon" not in r["family"])
+    # The reason the Gluon kernel exists: it waits for all but the newest wgmma, and ptxas keeps
+    # them asynchronous (no serialisation note).
+    gluon = [r for r in rows if r["family"] == "dense_fp8_blockwise_gluon"]
+    assert gluon and all(1 in r["wgmma_waits"] for r in gluon), gluon
 
 
 @pytest.mark.skipif(_nvidia_toolchain() is not None, reason=str(_nvidia_toolchain()))
@@ -70,3 +75,55 @@ def test_programs_per_sm_model():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == str([c[3] for c in checks])
+
+
+_CARRIED_WGMMA = '''
+import sys
+sys.path.insert(0, "tools")
+import compile_sm90 as CS
+import torch
+from triton.runtime import driver
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
+
+
+@gluon.jit
+def carried(c, steps, num_warps: gl.constexpr):
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, 64, 16])
+    smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.float16)
+    a = gl.allocate_shared_memory(gl.float16, [64, 64], smem)
+    b = gl.allocate_shared_memory(gl.float16, [64, 64], smem)
+    zero = gl.zeros((64, 64), dtype=gl.float32, layout=layout)
+    acc = zero
+    prev = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
+    for _ in range(1, steps):
+        cur = warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
+        acc = acc + warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
+        prev = cur  # the in-flight partial crosses the back edge: a register copy
+    acc = acc + warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
+    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
+    gl.store(c + rows[:, None] * 64 + cols[None, :], acc)
+
+
+driver.set_active(CS._OfflineDriver(90))
+print(len(CS._resources(carried.warmup(torch.empty((64, 64)), 8, num_warps=4, grid=(1,)), 4)["serialised"]))
+'''
+
+
+@pytest.mark.skipif(_nvidia_toolchain() is not None, reason=str(_nvidia_toolchain()))
+def test_serialisation_check_catches_a_carried_wgmma(tmp_path):
+    """The check the Gluon kernel's design rests on can fail: a wgmma partial carried in flight
+    across a loop's back edge (the obvious way to write the overlap) is serialised by ptxas, and
+    the tool sees it."""
+    pytest.importorskip("triton.experimental.gluon")
+    script = tmp_path / "carried.py"
+    script.write_text(_CARRIED_WGMMA)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout.strip().splitlines()[-1]) >= 1, proc.stdout

@@ -295,7 +295,7 @@ def test_adapter_metadata_without_a_device():
     assert "block_size" in TritonGemmFp8().supports(f8._replace(block_size=256))
     small = TritonGemm().configs(p._replace(m=16, n=16, k=32))
     assert all(c[0] <= 64 and c[1] <= 64 for c in small[:1])
-    with pytest.raises(ValueError, match="6 or 7 positive ints"):
+    with pytest.raises(ValueError, match="6 to 8 ints"):
         C.from_tuple((128, 128, 64))
     with pytest.raises(ValueError, match="occupancy=9"):
         C.from_tuple((64, 128, 128, 8, 3, 4, 9))
@@ -309,6 +309,49 @@ def test_adapter_metadata_without_a_device():
     big = TritonGemmFp8().configs(f8._replace(m=4096, n=7168, k=16384))
     assert big[0][:2] == (128, 128) and any(len(c) == 7 for c in big)
     assert all(c[1] <= 128 for c in big)
+
+
+def test_gluon_blockwise_configs_and_refusals():
+    """The Gluon blockwise configs: after every Triton config, an eighth field that round-trips,
+    within the kernel's constraints; where the kernel cannot run they are not offered, and a
+    pinned one raises with the reason instead of running something else."""
+    from turbo_dispatch.backends.triton import configs as C
+    from turbo_dispatch.backends.triton import fp8_blockwise_gluon as GLK
+    from turbo_dispatch.backends.triton.gemm import TritonGemmFp8
+    from turbo_dispatch.low_precision import ScalingGranularity as G
+    from turbo_dispatch.ops.gemm import GemmFp8Problem
+
+    cands = C.fp8_candidates(4096, 7168, 16384, 128)
+    kinds = [c.kernel for c in cands]
+    assert C.KERNEL_GLUON in kinds and kinds == sorted(kinds), kinds  # Triton first: the measured default
+    gluon = [c for c in cands if c.kernel == C.KERNEL_GLUON]
+    for c in gluon:
+        assert GLK.config_error(c, 128) is None, c
+        assert "one per tile" in GLK.config_error(c, 1)  # the wgrad's per-column scales
+        assert len(C.as_tuple(c)) == 8 and C.from_tuple(C.as_tuple(c)) == c
+    assert C.fp8_candidates(4096, 7168, 16384) == [c for c in C.fp8_candidates(4096, 7168, 16384)
+                                                    if c.kernel == C.KERNEL_TRITON], "tensorwise/rowwise: Triton only"
+    assert C.as_tuple(C.from_tuple((128, 128, 128, 8, 5, 8, 1, 0))) == (128, 128, 128, 8, 5, 8)
+    assert C.as_tuple(C.from_tuple((128, 128, 128, 8, 5, 8, 2, 0))) == (128, 128, 128, 8, 5, 8, 2)
+    with pytest.raises(ValueError, match="kernel=2"):
+        C.from_tuple((128, 128, 128, 8, 5, 8, 1, 2))
+    assert "BLOCK_M must be 16 * num_warps" in GLK.config_error((64, 128, 128, 8, 4, 8), 128)
+    assert "BLOCK_N" in GLK.config_error((128, 256, 128, 8, 4, 8), 256)
+    assert GLK.chunk_for(128, 128, 8) == 2 and GLK.chunk_for(128, 64, 8) == 4
+
+    f8 = GemmFp8Problem(256, 256, 256, False, True, torch.bfloat16, torch.bfloat16, torch.bfloat16,
+                        torch.float8_e4m3fn, torch.float8_e4m3fn, G.BLOCKWISE, 128, False, True, "cuda")
+    ad = TritonGemmFp8()
+    assert all(len(c) < 8 for c in ad.configs(f8)), "no sm_90 GPU here: Gluon configs are not offered"
+    a = torch.randn(256, 256, dtype=torch.bfloat16)
+    pinned = (128, 128, 128, 8, 5, 8, 1, C.KERNEL_GLUON)
+    with pytest.raises(ValueError, match="selects the Gluon kernel, but .*(NVIDIA|sm_90|Gluon)"):
+        ad.run(f8, a, a, config=pinned)
+    with pytest.raises(ValueError, match="BLOCKWISE only"):
+        ad.run(f8._replace(granularity=G.ROWWISE, block_size=None), a, a, config=pinned)
+    assert "gluon-bw-r" in ad.identity(pinned)
+    # The Triton configs' identities (and so their stored tuning results) do not depend on it.
+    assert "gluon" not in ad.identity((128, 128, 128, 8, 4, 8)) and "gluon" not in ad.identity()
 
 
 # -- GPU -----------------------------------------------------------------------------------------
@@ -408,10 +451,124 @@ def test_gpu_fp8_blockwise_every_config(shape):
     ad = TritonGemmFp8()
     cfgs = ad.configs(p)
     assert any(len(c) == 7 for c in cfgs), cfgs
+    if _sm90_gluon_reason() is None:
+        assert any(len(c) == 8 for c in cfgs), f"sm_90 offers the Gluon configs: {cfgs}"
     ref = a.double() @ b.double().t()
     for cfg in cfgs:
         s = _snr(ad.run(p, a, b, config=cfg), ref)
         assert s >= 25.0, (cfg, s)
+
+
+def _gluon_configs() -> list:
+    from turbo_dispatch.backends.triton import configs as C
+
+    out = []
+    for cls in C._FP8_BLOCKWISE_GLUON.values():
+        out += [c for c in cls if c not in out]
+    return out
+
+
+def _sm90_gluon_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "no GPU"
+    from turbo_dispatch.backends.triton.fp8_blockwise_gluon import available
+
+    return available()
+
+
+def _dequant(q: torch.Tensor, s: torch.Tensor, group: int, bs: int) -> torch.Tensor:
+    """float64 value of a K-major fp8 operand [R, K] with one scale per (row group, K block)."""
+    r, k = q.shape
+    full = s.double().repeat_interleave(group, 0)[:r].repeat_interleave(bs, 1)[:, :k]
+    return q.double() * full
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", _gluon_configs(), ids=str)
+@pytest.mark.parametrize("bs", [128, 64])
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_gpu_gluon_blockwise_kernel(cfg, bs, fmt):
+    """The Gluon kernel against float64 on the dequantised operands, over odd M/N, K tails (a
+    partial K block, an odd number of K blocks for the chunk remainder), several tiles per
+    persistent program, and every scale grouping (1 x bs / bs x bs on either operand); and
+    against the Triton kernel on the same operands."""
+    why = _sm90_gluon_reason()
+    if why:
+        pytest.skip(why)
+    from turbo_dispatch.backends.triton import fp8_blockwise_gluon as GLK
+    from turbo_dispatch.backends.triton import fp8_gemm_kernels as FK
+    from turbo_dispatch.backends.triton.quantize import quantize_kmajor
+    from turbo_dispatch.low_precision import ScalingGranularity as G
+
+    cfg = cfg._replace(block_k=bs)
+    fa = torch.float8_e4m3fn
+    fb = torch.float8_e5m2 if fmt == "hybrid" else fa
+    torch.manual_seed(0)
+    if GLK.config_error(cfg, bs):
+        pytest.skip(GLK.config_error(cfg, bs))
+    for m, n, k in [(1, 128, 256), (257, 384, 1000), (1000, 1000, 9 * bs + 5), (2048, 1536, 4096)]:
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        # b in 2-D tiles: the kernel's contract (config_error refuses per-column b scales).
+        for a2d, b2d in [(False, True), (True, True)]:
+            qa, sa = quantize_kmajor(a, fa, G.BLOCKWISE, bs, a2d)
+            qb, sb = quantize_kmajor(b, fb, G.BLOCKWISE, bs, b2d)
+            ga, gb = (bs if a2d else 1), (bs if b2d else 1)
+            out = GLK.fp8_blockwise_gemm(qa, qb, sa, sb, torch.float32, cfg, a_group=ga, b_group=gb)
+            ref = _dequant(qa, sa, ga, bs) @ _dequant(qb, sb, gb, bs).t()
+            tag = f"{tuple(cfg)} {(m, n, k)} a2d={a2d} b2d={b2d}"
+            assert out.isfinite().all(), tag
+            rel = float((out.double() - ref).norm() / ref.norm())
+            assert rel < 1e-3, (tag, rel)
+            tri = FK.fp8_gemm(qa, qb, sa, sb, FK.SCALE_BLOCK, torch.float32, (128, 128, bs, 8, 3, 8),
+                              a_group=ga, b_group=gb)
+            assert float((out - tri).abs().max()) <= 1e-3 * float(ref.abs().max()), tag
+            bf = GLK.fp8_blockwise_gemm(qa, qb, sa, sb, torch.bfloat16, cfg, a_group=ga, b_group=gb)
+            assert float((bf.double() - ref).norm() / ref.norm()) < 1e-2, tag
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", _gluon_configs(), ids=str)
+@pytest.mark.parametrize("ta,tb", list(itertools.product([False, True], [False, True])))
+def test_gpu_gluon_blockwise_fwd_dgrad_wgrad(cfg, ta, tb):
+    """A pinned Gluon config through the adapter for the forward and both backward GEMMs of every
+    layout (the quantiser transposes what is not K-major), against float64; where b's scales are
+    per column (the wgrad) the config is refused with its reason."""
+    why = _sm90_gluon_reason()
+    if why:
+        pytest.skip(why)
+    from turbo_dispatch.backends.triton import configs as C
+    from turbo_dispatch.backends.triton.gemm import TritonGemmFp8
+    from turbo_dispatch.low_precision import ScalingGranularity as G
+    from turbo_dispatch.ops.gemm import _fp8_grads, gemm_fp8_problem
+
+    E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+    m, n, k = 257, 384, 1000
+    a = torch.randn((k, m) if ta else (m, k), device="cuda", dtype=torch.bfloat16)
+    b = torch.randn((n, k) if tb else (k, n), device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    ad = TritonGemmFp8()
+    pinned = C.as_tuple(cfg)
+
+    def mm8(x, y, xta, ytb, od, xf, yf, x2d, y2d):
+        p = gemm_fp8_problem(x, y, xta, ytb, od, xf, yf, G.BLOCKWISE, 128, x2d, y2d)
+        assert ad.supports(p) is None
+        if y2d:
+            out = ad.run(p, x, y, config=pinned)
+        else:
+            # The wgrad (and a transposed-A dgrad): b's scales are per column, which the Gluon
+            # kernel refuses; it is not offered, a pinned config raises, the default serves.
+            assert pinned not in ad.configs(p)
+            with pytest.raises(ValueError, match="one per tile"):
+                ad.run(p, x, y, config=pinned)
+            out = ad.run(p, x, y)
+        ref = (x.t() if xta else x).double() @ (y.t() if ytb else y).double()
+        s = _snr(out, ref)
+        assert out.isfinite().all() and s >= (20.0 if E5 in (xf, yf) else 25.0), (p, s)
+        return out
+
+    mm8(a, b, ta, tb, torch.bfloat16, E4, E4, False, True)
+    _fp8_grads(mm8, a, b, grad, ta, tb, E4, E5, G.BLOCKWISE, True, True)
 
 
 @pytest.mark.gpu

@@ -9,7 +9,10 @@ before any timing:
 * how many programs of that kernel fit on one SM (registers per SM sub-partition, shared memory,
   warps), the ceiling for a config's ``occupancy`` field;
 * the wgmma waits of the K loop (``wgmma.wait_group N`` in the PTX): ``0`` alone means each K
-  step waits for its own MMAs (the blockwise promotion), a ``1`` means MMAs overlap across steps.
+  step waits for its own MMAs (the blockwise promotion), a ``1`` means MMAs overlap across steps;
+* whether ptxas serialised the kernel's wgmmas (its "Potential Performance Loss ... serialized"
+  notes, read by running the bundled ptxas again with ``-v`` on the PTX): it does so when code
+  reads or writes the registers of an in-flight wgmma, which undoes any overlap silently.
 
 Every config of the candidate tables is compiled at a representative large problem; a config
 that asks for more programs per SM than fit, or spills, or fails to compile is a FAIL (exit 1).
@@ -34,12 +37,14 @@ os.environ.pop("TRITON_INTERPRET", None)
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.runtime import driver as _driver  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from turbo_dispatch.backends.triton import configs as C  # noqa: E402
+from turbo_dispatch.backends.triton import fp8_blockwise_gluon as GL  # noqa: E402
 from turbo_dispatch.backends.triton import fp8_gemm_kernels as FK  # noqa: E402
 from turbo_dispatch.backends.triton import gemm_kernels as GK  # noqa: E402
 from turbo_dispatch.backends.triton import grouped_gemm as GG  # noqa: E402
@@ -86,23 +91,39 @@ def programs_per_sm(regs: int, shared: int, warps: int) -> int:
     return max(0, min(by_regs, by_smem, MAX_WARPS // warps))
 
 
+def _nvidia_tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def serialisation_notes(ptx: str, arch: str) -> list[str]:
+    """ptxas's notes that it serialised the wgmmas of this PTX (empty when it did not)."""
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        log = subprocess.run([get_ptxas(int(re.sub(r"\D", "", arch))).path, f"-arch={arch}", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True, check=True)
+    return [line.split("info    : ", 1)[-1] for line in (log.stdout + log.stderr).splitlines() if "serialized" in line]
+
+
 def _resources(compiled, warps: int) -> dict:
     ptx = compiled.asm["ptx"]
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
         path = f.name
     try:
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        usage = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True,
-                               check=True).stdout
+        usage = subprocess.run([_nvidia_tool("cuobjdump"), "--dump-resource-usage", path], capture_output=True,
+                               text=True, check=True).stdout
     finally:
         os.unlink(path)
+    arch = re.search(r"^\.target\s+(\w+)", ptx, re.M).group(1)
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     shared = int(compiled.metadata.shared)
     return {"regs": regs, "stack": stack, "shared": shared,
             "fit": programs_per_sm(regs, shared, warps),
-            "wgmma_waits": sorted(set(int(w) for w in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)))}
+            "wgmma_waits": sorted(set(int(w) for w in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx))),
+            "serialised": serialisation_notes(ptx, arch) if "wgmma.mma_async" in ptx else []}
 
 
 # -- one compile per (family, config), arguments laid out as the production launchers lay them ------
@@ -127,6 +148,18 @@ def _dense_fp8(cfg: C.TileConfig, mode: int):
         B_GROUP=cfg.block_k if mode == FK.SCALE_BLOCK else 1, USE_TMA=True, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_stages=cfg.num_stages,
         num_warps=cfg.num_warps, grid=(1,))
+
+
+def _dense_fp8_gluon(cfg: C.TileConfig):
+    M, N, K = M_DENSE, N_DENSE, K_DENSE
+    a, b = torch.empty((M, K), dtype=E4), torch.empty((N, K), dtype=E4)
+    c = torch.empty((M, N), dtype=torch.bfloat16)
+    sa, sb = torch.empty((K // cfg.block_k, M)).t(), torch.empty((N // cfg.block_k, K // cfg.block_k))
+    return GL._fp8_blockwise_kernel.warmup(
+        GL.make_descriptor(a, [cfg.block_m, cfg.block_k]), GL.make_descriptor(b, [cfg.block_n, cfg.block_k]), c,
+        sa, sb, M, N, K, N, 1, *sa.stride(), *sb.stride(), 132, A_GROUP=1, B_GROUP=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
+        CHUNK=GL.chunk_for(cfg.block_m, cfg.block_n, cfg.num_warps), num_warps=cfg.num_warps, grid=(1,))
 
 
 def _dense_bf16(cfg: C.TileConfig):
@@ -186,14 +219,18 @@ def _grouped_problem(gran, variable_k: bool, m: int, n: int):
 def families() -> dict:
     """family -> (configs in the order the adapters offer them (first = default), compile(cfg),
     index of the occupancy field). Warps are field 5 of dense and grouped configs alike."""
-    blockwise = C.fp8_candidates(M_DENSE, N_DENSE, K_DENSE, 128)
+    offered = C.fp8_candidates(M_DENSE, N_DENSE, K_DENSE, 128)
+    blockwise = [c for c in offered if c.kernel == C.KERNEL_TRITON]
     blockwise += [c for cls in C._FP8_BLOCKWISE.values() for c in cls if c not in blockwise]
+    gluon = [c for c in offered if c.kernel == C.KERNEL_GLUON]
+    gluon += [c for cls in C._FP8_BLOCKWISE_GLUON.values() for c in cls if c not in gluon]
     B, R, T = ScalingGranularity.BLOCKWISE, ScalingGranularity.ROWWISE, ScalingGranularity.TENSORWISE
     fixed_half = SimpleNamespace(variable_k=False, m=M_MOE, n=N_MOE, g=G_MOE)
     vk_half = SimpleNamespace(variable_k=True, m=N_MOE, n=K_MOE, g=G_MOE)
     dense, grouped = 6, 7
     table = [
         ("dense_fp8_blockwise", blockwise, lambda c: _dense_fp8(c, FK.SCALE_BLOCK), dense),
+        ("dense_fp8_blockwise_gluon", gluon, _dense_fp8_gluon, dense),
         ("dense_fp8_rowwise", C.fp8_candidates(M_DENSE, N_DENSE, K_DENSE), lambda c: _dense_fp8(c, FK.SCALE_ROW), dense),
         ("dense_bf16", C.gemm_candidates(M_DENSE, N_DENSE, 4096, 2), _dense_bf16, dense),
         ("grouped_fp8_blockwise", GG._fp8_configs(_grouped_problem(B, False, M_MOE, N_MOE)),
@@ -238,6 +275,8 @@ def run(table: dict, only: list[str] | None, occupancy_only: bool, cc: int) -> l
                     problems.append(f"asks for {occ} programs per SM, {row['fit']} fit")
                 if row["stack"]:
                     problems.append(f"spills ({row['stack']} bytes of stack)")
+                if row["serialised"]:
+                    problems.append("ptxas serialised its wgmmas: " + " | ".join(row["serialised"]))
                 row.update(status="FAIL" if problems else "PASS", reason="; ".join(problems))
                 rows.append(row)
     finally:

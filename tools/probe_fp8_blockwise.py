@@ -19,7 +19,9 @@ error) before its time counts. Prints one line per measurement, best per shape l
 Round 1 (11-23) measured those variants: none beat the production 128 x 128 tile. The default
 run now times every production candidate of ``configs.fp8_candidates`` (including the
 ``occupancy`` > 1 configs: two or three persistent programs of a 64 x 128 tile per SM, so one's
-promotion overlaps another's wgmma); ``--variants`` adds the round-1 sweep.
+promotion overlaps another's wgmma, and the Gluon kernel's configs, which overlap promotion and
+wgmma inside one program); ``--variants`` adds the round-1 sweep. PRIMUS_TURBO_GLUON_KERNELS=0
+leaves the Gluon configs out.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ import triton.testing
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from turbo_dispatch.backends.torch.gemm import _scaled
+from turbo_dispatch.backends.triton import fp8_blockwise_gluon as GLK
 from turbo_dispatch.backends.triton import fp8_gemm_kernels as FK
 from turbo_dispatch.backends.triton import configs as C
 from turbo_dispatch.backends.triton.gemm_kernels import tile_coords
@@ -145,7 +148,14 @@ def main() -> int:
         qb, sb = quantize_kmajor(w, E4, G.BLOCKWISE, 128, True)
         for tc in C.fp8_candidates(m, n, k, 128):
             cfg = C.as_tuple(tc)
-            fn = lambda: FK.fp8_gemm(qa, qb, sa, sb, FK.SCALE_BLOCK, torch.bfloat16, tc, a_group=1, b_group=128)  # noqa: E731
+            if tc.kernel == C.KERNEL_GLUON:
+                why = GLK.available() or GLK.config_error(tc, 128)
+                if why:
+                    emit(out, shape=shape, variant=f"gluon{cfg}", status="SKIP", reason=why)
+                    continue
+                fn = lambda: GLK.fp8_blockwise_gemm(qa, qb, sa, sb, torch.bfloat16, tc, a_group=1, b_group=128)  # noqa: E731
+            else:
+                fn = lambda: FK.fp8_gemm(qa, qb, sa, sb, FK.SCALE_BLOCK, torch.bfloat16, tc, a_group=1, b_group=128)  # noqa: E731
             err = ((fn().float() - ref.float()).norm() / ref.float().norm()).item()
             ms = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
             emit(out, shape=shape, variant=f"production{cfg}", rel=err, ms=ms, tflops=flops / ms / 1e9)

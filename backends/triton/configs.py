@@ -2,9 +2,12 @@
 
 A config is a plain tuple ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_stages, num_warps)`` so it is
 hashable and JSON-representable (the tuning database stores it as a list), with an optional
-seventh field ``occupancy``: programs per SM in the persistent grid (default 1, and then omitted
-from the tuple, so configs stored before the field existed keep their meaning and identity).
-``TileConfig`` names the fields; ``as_tuple``/``from_tuple`` convert.
+seventh field ``occupancy``: programs per SM in the persistent grid, and an optional eighth field
+``kernel``: which implementation runs the config (``KERNEL_TRITON`` = 0, the plain Triton kernel;
+``KERNEL_GLUON`` = 1, the blockwise fp8 Gluon kernel of fp8_blockwise_gluon.py). Trailing fields
+at their defaults (occupancy 1, kernel 0) are omitted from the tuple, so configs stored before a
+field existed keep their meaning and identity. ``TileConfig`` names the fields;
+``as_tuple``/``from_tuple`` convert.
 
 Why occupancy: the blockwise fp8 kernel must wait for each K block's wgmma before promoting the
 partial product on the CUDA cores (its PTX has one ``wgmma.wait_group 0`` per K step), so with one
@@ -40,7 +43,11 @@ class TileConfig(NamedTuple):
     num_stages: int
     num_warps: int
     occupancy: int = 1
+    kernel: int = 0
 
+
+#: ``TileConfig.kernel`` values: the plain Triton kernel, or the Gluon blockwise fp8 kernel.
+KERNEL_TRITON, KERNEL_GLUON = 0, 1
 
 #: Most programs per SM a config may ask for (Hopper holds at most 64 warps per SM; more than a
 #: few co-resident GEMM programs only thrash shared memory).
@@ -48,17 +55,24 @@ MAX_OCCUPANCY = 4
 
 
 def as_tuple(cfg: TileConfig) -> tuple[int, ...]:
-    """The JSON-friendly form stored in tuning results (six ints when occupancy is 1)."""
+    """The JSON-friendly form stored in tuning results: trailing fields at their defaults
+    (kernel 0, then occupancy 1) are dropped, so most configs are six ints."""
     vals = tuple(int(v) for v in cfg)
+    if vals[7:] == (KERNEL_TRITON,):
+        vals = vals[:7]
     return vals[:6] if vals[6:] == (1,) else vals
 
 
 def from_tuple(cfg: Sequence[int]) -> TileConfig:
     """Validates a stored config (a tuple or JSON list) and returns it as a TileConfig."""
-    if len(cfg) not in (6, 7) or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in cfg):
-        raise ValueError(f"triton tile config must be 6 or 7 positive ints (BM, BN, BK, GROUP_M, stages, warps"
-                         f"[, occupancy]); got {cfg!r}")
+    if (len(cfg) not in (6, 7, 8) or not all(isinstance(v, int) and not isinstance(v, bool) for v in cfg)
+            or not all(v > 0 for v in cfg[:7])):
+        raise ValueError(f"triton tile config must be 6 to 8 ints (BM, BN, BK, GROUP_M, stages, warps"
+                         f"[, occupancy[, kernel]]), all positive but kernel; got {cfg!r}")
     c = TileConfig(*cfg)
+    if c.kernel not in (KERNEL_TRITON, KERNEL_GLUON):
+        raise ValueError(f"triton tile config: kernel={c.kernel} must be {KERNEL_TRITON} (Triton) or "
+                         f"{KERNEL_GLUON} (Gluon blockwise fp8)")
     if c.occupancy > MAX_OCCUPANCY:
         raise ValueError(f"triton tile config: occupancy={c.occupancy} must be at most {MAX_OCCUPANCY} programs per SM")
     for name in ("block_m", "block_n", "block_k"):
@@ -160,6 +174,18 @@ _FP8_BLOCKWISE = {
               TileConfig(128, 128, 128, 8, 3, 8)],
 }
 
+# The Gluon blockwise kernel overlaps each K block's promotion with the next block's wgmma inside
+# one program (fp8_blockwise_gluon.py). Its tile is BLOCK_M = 16 x warps rows, at most 128 columns;
+# registers per thread (sm_90, triton 3.6, no spills): 225 at 128 x 128 / 8 warps and 64 x 128 /
+# 4 warps, 190 at 128 x 64 / 8 warps. Offered after the measured Triton tiles wherever the kernel
+# can run (an sm_90 GPU; the adapter drops them elsewhere) until timed on a GPU.
+_FP8_BLOCKWISE_GLUON = {
+    "small": [],
+    "medium": [TileConfig(128, 128, 128, 8, 5, 8, 1, KERNEL_GLUON), TileConfig(64, 128, 128, 8, 4, 4, 2, KERNEL_GLUON)],
+    "large": [TileConfig(128, 128, 128, 8, 5, 8, 1, KERNEL_GLUON), TileConfig(128, 64, 128, 8, 6, 8, 1, KERNEL_GLUON),
+              TileConfig(64, 128, 128, 8, 4, 4, 2, KERNEL_GLUON)],
+}
+
 
 def fp8_candidates(m: int, n: int, k: int, block_k: int | None = None) -> list[TileConfig]:
     """Pruned configs for an fp8 GEMM; ``block_k`` marks a blockwise GEMM and pins BLOCK_K
@@ -169,5 +195,7 @@ def fp8_candidates(m: int, n: int, k: int, block_k: int | None = None) -> list[T
         cands = _FP8[cls] + _FP8["small"]
     else:
         cands = [c._replace(block_k=block_k) for c in _FP8_BLOCKWISE[cls] + _FP8_BLOCKWISE["small"]]
-    found = prune(cands, m, n, k, 1, 1)
-    return found or [cands[0]]
+    found = prune(cands, m, n, k, 1, 1) or [cands[0]]
+    if block_k is not None:
+        found += prune([c._replace(block_k=block_k) for c in _FP8_BLOCKWISE_GLUON[cls]], m, n, k, 1, 1)
+    return found

@@ -7,8 +7,9 @@
   ROWWISE and BLOCKWISE (1 x bs and bs x bs on either operand, so forward, dgrad and wgrad). An
   operand that arrives pre-quantised (the wgrad's saved activation) skips the quantiser.
 
-Configs are ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_stages, num_warps)`` tuples from
-configs.py; ``config=None`` takes the first (the heuristic pick for the problem's size class).
+Configs are ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_stages, num_warps[, occupancy[, kernel]])``
+tuples from configs.py (``kernel`` 1: the blockwise fp8 Gluon kernel, fp8_blockwise_gluon.py);
+``config=None`` takes the first (the heuristic pick for the problem's size class).
 Importing this module never needs triton; ``available()`` says when it is missing.
 """
 from __future__ import annotations
@@ -86,6 +87,15 @@ def _fp8_revision() -> str:
     except ImportError:  # pragma: no cover
         return "unknown"
     return f"{KERNEL_REVISION}+quant-r1+{base}"
+
+
+def _gluon_reason(p) -> str | None:
+    """Why the Gluon blockwise kernel cannot serve ``p`` here, or None."""
+    from .fp8_blockwise_gluon import available
+
+    if p.platform != "cuda":
+        return f"the Gluon blockwise kernel runs on NVIDIA sm_90 (platform is {p.platform})"
+    return available()
 
 
 class TritonGemm(_TritonAdapter):
@@ -168,10 +178,29 @@ class TritonGemmFp8(_TritonAdapter):
 
     def _candidates(self, p):
         bk = p.block_size if p.granularity is ScalingGranularity.BLOCKWISE else None
-        return _cfg.fp8_candidates(p.m, p.n, p.k, bk)
+        cands = _cfg.fp8_candidates(p.m, p.n, p.k, bk)
+        if any(c.kernel == _cfg.KERNEL_GLUON for c in cands):
+            from .fp8_blockwise_gluon import config_error
+
+            gluon_ok = _gluon_reason(p) is None
+            b_group = bk if p.b_2d else 1
+            cands = [c for c in cands if c.kernel == _cfg.KERNEL_TRITON
+                     or (gluon_ok and config_error(c, b_group) is None)]
+        return cands
 
     def configs(self, p):
         return [_cfg.as_tuple(c) for c in self._candidates(p)]
+
+    def identity(self, config=None) -> str:
+        # Only Gluon configs carry the Gluon kernel's revision, so changing that kernel does not
+        # invalidate tuned results of the Triton kernel's configs (and vice versa is handled by
+        # the shared revision).
+        ident = super().identity(config)
+        if config is not None and _cfg.from_tuple(config).kernel == _cfg.KERNEL_GLUON:
+            from .fp8_blockwise_gluon import KERNEL_REVISION
+
+            ident = ident.replace(f"/{self.revision}/", f"/{self.revision}+{KERNEL_REVISION}/", 1)
+        return ident
 
     def describe(self, p) -> str:
         return f"triton quantise (fused, K-major) + persistent fp8 gemm, {p.granularity.value}, default tile {self.configs(p)[0]}"
@@ -185,6 +214,14 @@ class TritonGemmFp8(_TritonAdapter):
         blockwise = g is ScalingGranularity.BLOCKWISE
         if blockwise and cfg.block_k != p.block_size:
             raise ValueError(f"TritonGemmFp8: config BLOCK_K={cfg.block_k} must equal block_size={p.block_size}")
+        gluon = cfg.kernel == _cfg.KERNEL_GLUON
+        if gluon:
+            from .fp8_blockwise_gluon import config_error, fp8_blockwise_gemm
+
+            why = (None if blockwise else f"it serves BLOCKWISE only (got {g.value})") or _gluon_reason(p) \
+                or config_error(cfg, p.block_size if p.b_2d else 1)
+            if why:
+                raise ValueError(f"TritonGemmFp8: config {_cfg.as_tuple(cfg)} selects the Gluon kernel, but {why}")
         bs = p.block_size if blockwise else None
         # Both operands K-major ([M, K] and [N, K]); a transposed view is quantised into a
         # contiguous K-major copy by the same pass (cast + scale + transpose).
@@ -200,5 +237,8 @@ class TritonGemmFp8(_TritonAdapter):
             mode, sa, sb = SCALE_ROW, sa.reshape(-1), sb.reshape(-1)
         else:
             mode = SCALE_BLOCK
+        if gluon:
+            return fp8_blockwise_gemm(qa, qb, sa, sb, p.out_dtype, cfg, a_group=bs if p.a_2d else 1,
+                                      b_group=bs if p.b_2d else 1)
         return fp8_gemm(qa, qb, sa, sb, mode, p.out_dtype, cfg,
                         a_group=bs if p.a_2d else 1, b_group=bs if p.b_2d else 1)
