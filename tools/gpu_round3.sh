@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call (next session's first): do occupancy > 1 (two or three persistent programs of a
+# Two device calls (next session's first): `bash tools/gpu_round3.sh dense`, then
+# `bash tools/gpu_round3.sh grouped` (each fits the 600 s limit). Do occupancy > 1 (two or three persistent programs of a
 # 4-warp blockwise tile per SM, so one's promotion overlaps another's wgmma) and the Gluon blockwise
 # kernel (promotion overlapped with the next wgmma inside one program) pay on the GPU?
 # 0. The Gluon kernel's own GPU tests first, under a short timeout: it has never run on a GPU, and a
@@ -16,15 +17,19 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -e . --no-build-isolation --no-deps -q 2>&1 | tail -2
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,temperature.gpu --format=csv,noheader
 pt() { local t=$1; shift; timeout -s TERM $t python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" "$@"; }
-if pt 150 -x tests/test_triton_gemm.py -k "gluon" 2>&1 | tee $OUT/pytest_gluon.log | tail -3; then
+part=${1:-dense}
+if [ "$part" = dense ]; then
+if pt 200 -x tests/test_triton_gemm.py -k "gluon" 2>&1 | tee $OUT/pytest_gluon.log | tail -3; then
     echo "gluon: PASS"
 else
     echo "gluon: FAILED or timed out; switched off for the rest"; export PRIMUS_TURBO_GLUON_KERNELS=0
 fi
 pt 150 -x tests/test_triton_gemm.py -k "(fp8 or blockwise) and not gluon" 2>&1 | tee $OUT/pytest_triton_gemm.log | tail -3
+timeout -s TERM 150 python3 tools/probe_fp8_blockwise.py --shapes 4096x7168x16384,4096x4096x7168,8192x14336x4096 \
+    --out $OUT/probe_dense_blockwise.jsonl 2>&1 | tail -40
+exit 0
+fi
 pt 150 -x tests/test_triton_grouped_gemm.py -k "fp8" 2>&1 | tee $OUT/pytest_triton_grouped_fp8.log | tail -3
-timeout -s TERM 120 python3 tools/probe_fp8_blockwise.py --shapes 4096x7168x16384,4096x4096x7168,8192x14336x4096 \
-    --out $OUT/probe_dense_blockwise.jsonl 2>&1 | tail -30
 timeout -s TERM 150 python3 tools/probe_triton_grouped.py --occupancy --budget 130 --out $OUT/probe_grouped_occupancy.jsonl \
     2>&1 | grep -v "^\[" | tail -5
 python3 - <<'PY'
