@@ -110,17 +110,27 @@ if gluon is not None:
         return part, sa, sb
 
     @gluon.jit
-    def _retire(acc, part, sa, sb, a_desc, b_desc, a_bufs, b_bufs, ready, step, total, k_tiles, pid, num_pid_m,
-                num_pid_n, NUM_PROGS, A_SCALAR: gl.constexpr, B_SCALAR: gl.constexpr, STAGES: gl.constexpr,
-                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr):
-        """Promote the previous step's partial ``part`` as soon as it is done, while step ``step``'s
-        wgmma stays in flight, then refill the previous step's slot with step ``step + STAGES - 1``."""
-        done = warpgroup_mma_wait(num_outstanding=1, deps=(part,))
-        acc = _promote(acc, done, sa, sb, A_SCALAR, B_SCALAR)
+    def _refill(a_desc, b_desc, a_bufs, b_bufs, ready, step, total, k_tiles, pid, num_pid_m, num_pid_n, NUM_PROGS,
+                STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                GROUP_M: gl.constexpr):
+        """Once step ``step - 1``'s wgmma is done in this warpgroup, load step ``step + STAGES - 1``
+        into its slot."""
         # The wgmma wait is per warpgroup: every warpgroup must be past it before the slot is reused.
         _cta_barrier()
         _issue_load(a_desc, b_desc, a_bufs, b_bufs, ready, step + STAGES - 1, total, k_tiles, pid, num_pid_m,
                     num_pid_n, NUM_PROGS, STAGES, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+
+    @gluon.jit
+    def _retire(acc, part, sa, sb, a_desc, b_desc, a_bufs, b_bufs, ready, step, total, k_tiles, pid, num_pid_m,
+                num_pid_n, NUM_PROGS, OUTSTANDING: gl.constexpr, A_SCALAR: gl.constexpr, B_SCALAR: gl.constexpr,
+                STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                GROUP_M: gl.constexpr):
+        """Promote the partial ``part`` as soon as it is done, leaving ``OUTSTANDING`` newer wgmmas
+        (step ``step``'s, or none) in flight, then refill the slot of step ``step - 1``."""
+        done = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(part,))
+        acc = _promote(acc, done, sa, sb, A_SCALAR, B_SCALAR)
+        _refill(a_desc, b_desc, a_bufs, b_bufs, ready, step, total, k_tiles, pid, num_pid_m, num_pid_n, NUM_PROGS,
+                STAGES, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
         return acc
 
     @gluon.jit
@@ -173,16 +183,15 @@ if gluon is not None:
                                           offs_n, off_n, M, N, ssa_r, ssa_k, ssb_r, ssb_k, A_GROUP, B_GROUP,
                                           STAGES, BLOCK_M, BLOCK_N)
                 # The slot this look-ahead load reuses held the previous block, waited to zero.
-                _cta_barrier()
-                _issue_load(a_desc, b_desc, a_bufs, b_bufs, ready, step + STAGES - 1, total, k_tiles, pid,
-                            num_pid_m, num_pid_n, NUM_PROGS, STAGES, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+                _refill(a_desc, b_desc, a_bufs, b_bufs, ready, step, total, k_tiles, pid, num_pid_m, num_pid_n,
+                        NUM_PROGS, STAGES, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
                 step += 1
                 for u in gl.static_range(1, CHUNK):
                     nxt, sa_nxt, sb_nxt = _issue_mma(a_bufs, b_bufs, ready, step, kc + u, zero, sa_ptr, sb_ptr,
                                                      offs_m, off_m, offs_n, off_n, M, N, ssa_r, ssa_k, ssb_r,
                                                      ssb_k, A_GROUP, B_GROUP, STAGES, BLOCK_M, BLOCK_N)
                     acc = _retire(acc, part, sa, sb, a_desc, b_desc, a_bufs, b_bufs, ready, step, total, k_tiles,
-                                  pid, num_pid_m, num_pid_n, NUM_PROGS, A_SCALAR, B_SCALAR, STAGES, BLOCK_M,
+                                  pid, num_pid_m, num_pid_n, NUM_PROGS, 1, A_SCALAR, B_SCALAR, STAGES, BLOCK_M,
                                   BLOCK_N, BLOCK_K, GROUP_M)
                     step += 1
                     part = nxt
@@ -195,11 +204,9 @@ if gluon is not None:
                 part, sa, sb = _issue_mma(a_bufs, b_bufs, ready, step, kt, zero, sa_ptr, sb_ptr, offs_m, off_m,
                                           offs_n, off_n, M, N, ssa_r, ssa_k, ssb_r, ssb_k, A_GROUP, B_GROUP,
                                           STAGES, BLOCK_M, BLOCK_N)
-                done = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                acc = _promote(acc, done, sa, sb, A_SCALAR, B_SCALAR)
-                _cta_barrier()
-                _issue_load(a_desc, b_desc, a_bufs, b_bufs, ready, step + STAGES - 1, total, k_tiles, pid,
-                            num_pid_m, num_pid_n, NUM_PROGS, STAGES, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+                acc = _retire(acc, part, sa, sb, a_desc, b_desc, a_bufs, b_bufs, ready, step, total, k_tiles, pid,
+                              num_pid_m, num_pid_n, NUM_PROGS, 0, A_SCALAR, B_SCALAR, STAGES, BLOCK_M, BLOCK_N,
+                              BLOCK_K, GROUP_M)
                 step += 1
             mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
             gl.store(c + offs_m[:, None] * sc_m + offs_n[None, :] * sc_n, acc.to(c.dtype.element_ty), mask=mask)
