@@ -15,7 +15,8 @@ before any timing:
   reads or writes the registers of an in-flight wgmma, which undoes any overlap silently.
 
 Every config of the candidate tables is compiled at a representative large problem; a config
-that asks for more programs per SM than fit, or spills, or fails to compile is a FAIL (exit 1).
+that asks for more programs per SM than fit, spills, has serialised wgmmas, or fails to compile
+is a FAIL (exit 1).
 
 Usage: ``python tools/compile_sm90.py [--only dense_fp8_blockwise,...] [--json FILE] [--cc 90]``.
 ``--occupancy-only`` compiles just the configs with occupancy > 1 plus each family's default (the
@@ -101,7 +102,8 @@ def serialisation_notes(ptx: str, arch: str) -> list[str]:
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        log = subprocess.run([get_ptxas(int(re.sub(r"\D", "", arch))).path, f"-arch={arch}", "-v", src, "-o", os.path.join(d, "k.cubin")],
+        ptxas = get_ptxas(int(re.sub(r"\D", "", arch))).path  # the ptxas triton itself uses for this arch
+        log = subprocess.run([ptxas, f"-arch={arch}", "-v", src, "-o", os.path.join(d, "k.cubin")],
                              capture_output=True, text=True, check=True)
     return [line.split("info    : ", 1)[-1] for line in (log.stdout + log.stderr).splitlines() if "serialized" in line]
 

@@ -89,13 +89,21 @@ def _fp8_revision() -> str:
     return f"{KERNEL_REVISION}+quant-r1+{base}"
 
 
-def _gluon_reason(p) -> str | None:
-    """Why the Gluon blockwise kernel cannot serve ``p`` here, or None."""
-    from .fp8_blockwise_gluon import available
+def _scale_groups(p) -> tuple[int, int]:
+    """Rows sharing one scale in a and b: the block size for 2-D blockwise tiles, else 1."""
+    bs = p.block_size if p.granularity is ScalingGranularity.BLOCKWISE else 1
+    return (bs if p.a_2d else 1), (bs if p.b_2d else 1)
 
+
+def _gluon_refusal(p, cfg: _cfg.TileConfig) -> str | None:
+    """Why the Gluon blockwise kernel cannot run ``cfg`` for ``p`` here, or None."""
+    from .fp8_blockwise_gluon import available, config_error
+
+    if p.granularity is not ScalingGranularity.BLOCKWISE:
+        return f"it serves BLOCKWISE only (got {p.granularity.value})"
     if p.platform != "cuda":
-        return f"the Gluon blockwise kernel runs on NVIDIA sm_90 (platform is {p.platform})"
-    return available()
+        return f"it runs on NVIDIA sm_90 (platform is {p.platform})"
+    return available() or config_error(cfg, _scale_groups(p)[1])
 
 
 class TritonGemm(_TritonAdapter):
@@ -178,15 +186,8 @@ class TritonGemmFp8(_TritonAdapter):
 
     def _candidates(self, p):
         bk = p.block_size if p.granularity is ScalingGranularity.BLOCKWISE else None
-        cands = _cfg.fp8_candidates(p.m, p.n, p.k, bk)
-        if any(c.kernel == _cfg.KERNEL_GLUON for c in cands):
-            from .fp8_blockwise_gluon import config_error
-
-            gluon_ok = _gluon_reason(p) is None
-            b_group = bk if p.b_2d else 1
-            cands = [c for c in cands if c.kernel == _cfg.KERNEL_TRITON
-                     or (gluon_ok and config_error(c, b_group) is None)]
-        return cands
+        return [c for c in _cfg.fp8_candidates(p.m, p.n, p.k, bk)
+                if c.kernel == _cfg.KERNEL_TRITON or _gluon_refusal(p, c) is None]
 
     def configs(self, p):
         return [_cfg.as_tuple(c) for c in self._candidates(p)]
@@ -215,14 +216,11 @@ class TritonGemmFp8(_TritonAdapter):
         if blockwise and cfg.block_k != p.block_size:
             raise ValueError(f"TritonGemmFp8: config BLOCK_K={cfg.block_k} must equal block_size={p.block_size}")
         gluon = cfg.kernel == _cfg.KERNEL_GLUON
-        if gluon:
-            from .fp8_blockwise_gluon import config_error, fp8_blockwise_gemm
-
-            why = (None if blockwise else f"it serves BLOCKWISE only (got {g.value})") or _gluon_reason(p) \
-                or config_error(cfg, p.block_size if p.b_2d else 1)
-            if why:
-                raise ValueError(f"TritonGemmFp8: config {_cfg.as_tuple(cfg)} selects the Gluon kernel, but {why}")
+        why = _gluon_refusal(p, cfg) if gluon else None
+        if why:
+            raise ValueError(f"TritonGemmFp8: config {_cfg.as_tuple(cfg)} selects the Gluon kernel, but {why}")
         bs = p.block_size if blockwise else None
+        a_group, b_group = _scale_groups(p)
         # Both operands K-major ([M, K] and [N, K]); a transposed view is quantised into a
         # contiguous K-major copy by the same pass (cast + scale + transpose).
         lhs = a.t() if p.trans_a else a
@@ -238,7 +236,7 @@ class TritonGemmFp8(_TritonAdapter):
         else:
             mode = SCALE_BLOCK
         if gluon:
-            return fp8_blockwise_gemm(qa, qb, sa, sb, p.out_dtype, cfg, a_group=bs if p.a_2d else 1,
-                                      b_group=bs if p.b_2d else 1)
-        return fp8_gemm(qa, qb, sa, sb, mode, p.out_dtype, cfg,
-                        a_group=bs if p.a_2d else 1, b_group=bs if p.b_2d else 1)
+            from .fp8_blockwise_gluon import fp8_blockwise_gemm
+
+            return fp8_blockwise_gemm(qa, qb, sa, sb, p.out_dtype, cfg, a_group=a_group, b_group=b_group)
+        return fp8_gemm(qa, qb, sa, sb, mode, p.out_dtype, cfg, a_group=a_group, b_group=b_group)
