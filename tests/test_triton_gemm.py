@@ -317,27 +317,37 @@ def test_gluon_blockwise_configs_and_refusals():
     pinned one raises with the reason instead of running something else."""
     from turbo_dispatch.backends.triton import configs as C
     from turbo_dispatch.backends.triton import fp8_blockwise_gluon as GLK
-    from turbo_dispatch.backends.triton.gemm import TritonGemmFp8
+    from turbo_dispatch.backends.triton import fp8_blockwise_gluon_ws as GWS
+    from turbo_dispatch.backends.triton.gemm import TritonGemmFp8, gluon_kernel
     from turbo_dispatch.low_precision import ScalingGranularity as G
     from turbo_dispatch.ops.gemm import GemmFp8Problem
 
     cands = C.fp8_candidates(4096, 7168, 16384, 128)
     kinds = [c.kernel for c in cands]
-    assert C.KERNEL_GLUON in kinds and kinds == sorted(kinds), kinds  # Triton first: the measured default
-    gluon = [c for c in cands if c.kernel == C.KERNEL_GLUON]
+    # Triton first: the measured default.
+    assert set(C.GLUON_KERNELS) <= set(kinds), kinds
+    assert kinds[:kinds.count(C.KERNEL_TRITON)] == [C.KERNEL_TRITON] * kinds.count(C.KERNEL_TRITON), kinds
+    gluon = [c for c in cands if c.kernel in C.GLUON_KERNELS]
     for c in gluon:
-        assert GLK.config_error(c, 128) is None, c
-        assert "one per tile" in GLK.config_error(c, 1)  # the wgrad's per-column scales
+        kernel = gluon_kernel(c.kernel)
+        assert kernel.config_error(c, 128) is None, c
+        assert "one per tile" in kernel.config_error(c, 1)  # the wgrad's per-column scales
         assert len(C.as_tuple(c)) == 8 and C.from_tuple(C.as_tuple(c)) == c
     assert C.fp8_candidates(4096, 7168, 16384) == [c for c in C.fp8_candidates(4096, 7168, 16384)
                                                     if c.kernel == C.KERNEL_TRITON], "tensorwise/rowwise: Triton only"
     assert C.as_tuple(C.from_tuple((128, 128, 128, 8, 5, 8, 1, 0))) == (128, 128, 128, 8, 5, 8)
     assert C.as_tuple(C.from_tuple((128, 128, 128, 8, 5, 8, 2, 0))) == (128, 128, 128, 8, 5, 8, 2)
-    with pytest.raises(ValueError, match="kernel=2"):
-        C.from_tuple((128, 128, 128, 8, 5, 8, 1, 2))
+    with pytest.raises(ValueError, match="kernel=3"):
+        C.from_tuple((128, 128, 128, 8, 5, 8, 1, 3))
+    with pytest.raises(ValueError, match="not a Gluon kernel"):
+        gluon_kernel(C.KERNEL_TRITON)
     assert "BLOCK_M must be 16 * num_warps" in GLK.config_error((64, 128, 128, 8, 4, 8), 128)
     assert "BLOCK_N" in GLK.config_error((128, 256, 128, 8, 4, 8), 256)
     assert GLK.chunk_for(128, 128, 8) == 2 and GLK.chunk_for(128, 64, 8) == 4
+    # The warp-specialised kernel: two 64-row math warpgroups, one program per SM.
+    assert "two math warpgroups" in GWS.config_error((64, 128, 128, 8, 4, 4), 128)
+    assert "occupancy must be 1" in GWS.config_error((128, 128, 128, 8, 4, 8, 2), 128)
+    assert "BLOCK_N" in GWS.config_error((128, 256, 128, 8, 4, 8), 256)
 
     f8 = GemmFp8Problem(256, 256, 256, False, True, torch.bfloat16, torch.bfloat16, torch.bfloat16,
                         torch.float8_e4m3fn, torch.float8_e4m3fn, G.BLOCKWISE, 128, False, True, "cuda")
@@ -350,6 +360,10 @@ def test_gluon_blockwise_configs_and_refusals():
     with pytest.raises(ValueError, match="BLOCKWISE only"):
         ad.run(f8._replace(granularity=G.ROWWISE, block_size=None), a, a, config=pinned)
     assert "gluon-bw-r" in ad.identity(pinned)
+    pinned_ws = (128, 128, 128, 8, 6, 8, 1, C.KERNEL_GLUON_WS)
+    with pytest.raises(ValueError, match="selects the Gluon kernel, but .*(NVIDIA|sm_90|Gluon)"):
+        ad.run(f8, a, a, config=pinned_ws)
+    assert "gluon-ws-r" in ad.identity(pinned_ws) and "gluon-bw-r" not in ad.identity(pinned_ws)
     # The Triton configs' identities (and so their stored tuning results) do not depend on it.
     assert "gluon" not in ad.identity((128, 128, 128, 8, 4, 8)) and "gluon" not in ad.identity()
 
@@ -468,6 +482,14 @@ def _gluon_configs() -> list:
     return out
 
 
+def _gluon_id(cfg) -> str:
+    """``gluon_128x128x128_s5_w8`` / ``gluonws_...``: selectable with ``-k gluonws``."""
+    from turbo_dispatch.backends.triton import configs as C
+
+    kind = "gluonws" if cfg.kernel == C.KERNEL_GLUON_WS else "gluon"
+    return f"{kind}_{cfg.block_m}x{cfg.block_n}x{cfg.block_k}_s{cfg.num_stages}_w{cfg.num_warps}_o{cfg.occupancy}"
+
+
 def _sm90_gluon_reason() -> str | None:
     if not torch.cuda.is_available():
         return "no GPU"
@@ -484,7 +506,7 @@ def _dequant(q: torch.Tensor, s: torch.Tensor, group: int, bs: int) -> torch.Ten
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", _gluon_configs(), ids=str)
+@pytest.mark.parametrize("cfg", _gluon_configs(), ids=_gluon_id)
 @pytest.mark.parametrize("bs", [128, 64])
 @pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
 def test_gpu_gluon_blockwise_kernel(cfg, bs, fmt):
@@ -495,11 +517,12 @@ def test_gpu_gluon_blockwise_kernel(cfg, bs, fmt):
     why = _sm90_gluon_reason()
     if why:
         pytest.skip(why)
-    from turbo_dispatch.backends.triton import fp8_blockwise_gluon as GLK
     from turbo_dispatch.backends.triton import fp8_gemm_kernels as FK
+    from turbo_dispatch.backends.triton.gemm import gluon_kernel
     from turbo_dispatch.backends.triton.quantize import quantize_kmajor
     from turbo_dispatch.low_precision import ScalingGranularity as G
 
+    GLK = gluon_kernel(cfg.kernel)
     cfg = cfg._replace(block_k=bs)
     fa = torch.float8_e4m3fn
     fb = torch.float8_e5m2 if fmt == "hybrid" else fa
@@ -528,7 +551,7 @@ def test_gpu_gluon_blockwise_kernel(cfg, bs, fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", _gluon_configs(), ids=str)
+@pytest.mark.parametrize("cfg", _gluon_configs(), ids=_gluon_id)
 @pytest.mark.parametrize("ta,tb", list(itertools.product([False, True], [False, True])))
 def test_gpu_gluon_blockwise_fwd_dgrad_wgrad(cfg, ta, tb):
     """A pinned Gluon config through the adapter for the forward and both backward GEMMs of every

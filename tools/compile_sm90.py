@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from turbo_dispatch.backends.triton import configs as C  # noqa: E402
 from turbo_dispatch.backends.triton import fp8_blockwise_gluon as GL  # noqa: E402
+from turbo_dispatch.backends.triton import fp8_blockwise_gluon_ws as GWS  # noqa: E402
 from turbo_dispatch.backends.triton import fp8_gemm_kernels as FK  # noqa: E402
 from turbo_dispatch.backends.triton import gemm_kernels as GK  # noqa: E402
 from turbo_dispatch.backends.triton import grouped_gemm as GG  # noqa: E402
@@ -164,6 +165,18 @@ def _dense_fp8_gluon(cfg: C.TileConfig):
         CHUNK=GL.chunk_for(cfg.block_m, cfg.block_n, cfg.num_warps), num_warps=cfg.num_warps, grid=(1,))
 
 
+def _dense_fp8_gluon_ws(cfg: C.TileConfig):
+    M, N, K = M_DENSE, N_DENSE, K_DENSE
+    a, b = torch.empty((M, K), dtype=E4), torch.empty((N, K), dtype=E4)
+    c = torch.empty((M, N), dtype=torch.bfloat16)
+    sa, sb = torch.empty((K // cfg.block_k, M)).t(), torch.empty((N // cfg.block_k, K // cfg.block_k))
+    return GWS._fp8_blockwise_ws_kernel.warmup(
+        GL.make_descriptor(a, [cfg.block_m, cfg.block_k]), GL.make_descriptor(b, [cfg.block_n, cfg.block_k]), c,
+        sa, sb, M, N, K, N, 1, *sa.stride(), *sb.stride(), 132, A_GROUP=1, B_GROUP=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
+        MATH_REGS=GWS.MATH_REGS, LOAD_REGS=GWS.LOAD_REGS, num_warps=4, maxnreg=GWS.MAXNREG, grid=(1,))
+
+
 def _dense_bf16(cfg: C.TileConfig):
     M, N, K = M_DENSE, N_DENSE, 4096
     a, b = torch.empty((M, K), dtype=torch.bfloat16), torch.empty((K, N), dtype=torch.bfloat16)
@@ -224,8 +237,12 @@ def families() -> dict:
     offered = C.fp8_candidates(M_DENSE, N_DENSE, K_DENSE, 128)
     blockwise = [c for c in offered if c.kernel == C.KERNEL_TRITON]
     blockwise += [c for cls in C._FP8_BLOCKWISE.values() for c in cls if c not in blockwise]
-    gluon = [c for c in offered if c.kernel == C.KERNEL_GLUON]
-    gluon += [c for cls in C._FP8_BLOCKWISE_GLUON.values() for c in cls if c not in gluon]
+    gluon_all = [c for c in offered if c.kernel in C.GLUON_KERNELS]
+    for c in (c for cls in C._FP8_BLOCKWISE_GLUON.values() for c in cls):
+        if c not in gluon_all:
+            gluon_all.append(c)
+    gluon = [c for c in gluon_all if c.kernel == C.KERNEL_GLUON]
+    gluon_ws = [c for c in gluon_all if c.kernel == C.KERNEL_GLUON_WS]
     B, R, T = ScalingGranularity.BLOCKWISE, ScalingGranularity.ROWWISE, ScalingGranularity.TENSORWISE
     fixed_half = SimpleNamespace(variable_k=False, m=M_MOE, n=N_MOE, g=G_MOE)
     vk_half = SimpleNamespace(variable_k=True, m=N_MOE, n=K_MOE, g=G_MOE)
@@ -233,6 +250,7 @@ def families() -> dict:
     table = [
         ("dense_fp8_blockwise", blockwise, lambda c: _dense_fp8(c, FK.SCALE_BLOCK), dense),
         ("dense_fp8_blockwise_gluon", gluon, _dense_fp8_gluon, dense),
+        ("dense_fp8_blockwise_gluon_ws", gluon_ws, _dense_fp8_gluon_ws, dense),
         ("dense_fp8_rowwise", C.fp8_candidates(M_DENSE, N_DENSE, K_DENSE), lambda c: _dense_fp8(c, FK.SCALE_ROW), dense),
         ("dense_bf16", C.gemm_candidates(M_DENSE, N_DENSE, 4096, 2), _dense_bf16, dense),
         ("grouped_fp8_blockwise", GG._fp8_configs(_grouped_problem(B, False, M_MOE, N_MOE)),

@@ -37,9 +37,9 @@ import triton.testing
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from turbo_dispatch.backends.torch.gemm import _scaled
-from turbo_dispatch.backends.triton import fp8_blockwise_gluon as GLK
 from turbo_dispatch.backends.triton import fp8_gemm_kernels as FK
 from turbo_dispatch.backends.triton import configs as C
+from turbo_dispatch.backends.triton.gemm import gluon_kernel
 from turbo_dispatch.backends.triton.gemm_kernels import tile_coords
 from turbo_dispatch.backends.triton.quantize import quantize_fp8, quantize_kmajor
 from turbo_dispatch.low_precision import ScalingGranularity as G
@@ -148,12 +148,14 @@ def main() -> int:
         qb, sb = quantize_kmajor(w, E4, G.BLOCKWISE, 128, True)
         for tc in C.fp8_candidates(m, n, k, 128):
             cfg = C.as_tuple(tc)
-            if tc.kernel == C.KERNEL_GLUON:
+            if tc.kernel in C.GLUON_KERNELS:
+                GLK = gluon_kernel(tc.kernel)
                 why = GLK.available() or GLK.config_error(tc, 128)
                 if why:
                     emit(out, shape=shape, variant=f"gluon{cfg}", status="SKIP", reason=why)
                     continue
-                fn = lambda: GLK.fp8_blockwise_gemm(qa, qb, sa, sb, torch.bfloat16, tc, a_group=1, b_group=128)  # noqa: E731
+                fn = lambda: GLK.fp8_blockwise_gemm(qa, qb, sa, sb, torch.bfloat16, tc, a_group=1,  # noqa: E731
+                                                    b_group=128)
             else:
                 fn = lambda: FK.fp8_gemm(qa, qb, sa, sb, FK.SCALE_BLOCK, torch.bfloat16, tc, a_group=1, b_group=128)  # noqa: E731
             err = ((fn().float() - ref.float()).norm() / ref.float().norm()).item()

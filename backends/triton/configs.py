@@ -4,7 +4,8 @@ A config is a plain tuple ``(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_stages, num
 hashable and JSON-representable (the tuning database stores it as a list), with an optional
 seventh field ``occupancy``: programs per SM in the persistent grid, and an optional eighth field
 ``kernel``: which implementation runs the config (``KERNEL_TRITON`` = 0, the plain Triton kernel;
-``KERNEL_GLUON`` = 1, the blockwise fp8 Gluon kernel of fp8_blockwise_gluon.py). Trailing fields
+``KERNEL_GLUON`` = 1, the blockwise fp8 Gluon kernel of fp8_blockwise_gluon.py; ``KERNEL_GLUON_WS``
+= 2, the warp-specialised one of fp8_blockwise_gluon_ws.py). Trailing fields
 at their defaults (occupancy 1, kernel 0) are omitted from the tuple, so configs stored before a
 field existed keep their meaning and identity. ``TileConfig`` names the fields;
 ``as_tuple``/``from_tuple`` convert.
@@ -46,8 +47,11 @@ class TileConfig(NamedTuple):
     kernel: int = 0
 
 
-#: ``TileConfig.kernel`` values: the plain Triton kernel, or the Gluon blockwise fp8 kernel.
-KERNEL_TRITON, KERNEL_GLUON = 0, 1
+#: ``TileConfig.kernel`` values: the plain Triton kernel, the Gluon blockwise fp8 kernel, or its
+#: warp-specialised sibling.
+KERNEL_TRITON, KERNEL_GLUON, KERNEL_GLUON_WS = 0, 1, 2
+#: The Gluon kernel kinds (blockwise fp8 on sm_90 only).
+GLUON_KERNELS = (KERNEL_GLUON, KERNEL_GLUON_WS)
 
 #: Most programs per SM a config may ask for (Hopper holds at most 64 warps per SM; more than a
 #: few co-resident GEMM programs only thrash shared memory).
@@ -70,9 +74,9 @@ def from_tuple(cfg: Sequence[int]) -> TileConfig:
         raise ValueError(f"triton tile config must be 6 to 8 ints (BM, BN, BK, GROUP_M, stages, warps"
                          f"[, occupancy[, kernel]]), all positive but kernel; got {cfg!r}")
     c = TileConfig(*cfg)
-    if c.kernel not in (KERNEL_TRITON, KERNEL_GLUON):
-        raise ValueError(f"triton tile config: kernel={c.kernel} must be {KERNEL_TRITON} (Triton) or "
-                         f"{KERNEL_GLUON} (Gluon blockwise fp8)")
+    if c.kernel not in (KERNEL_TRITON, *GLUON_KERNELS):
+        raise ValueError(f"triton tile config: kernel={c.kernel} must be {KERNEL_TRITON} (Triton), "
+                         f"{KERNEL_GLUON} (Gluon blockwise fp8) or {KERNEL_GLUON_WS} (its warp-specialised form)")
     if c.occupancy > MAX_OCCUPANCY:
         raise ValueError(f"triton tile config: occupancy={c.occupancy} must be at most {MAX_OCCUPANCY} programs per SM")
     for name in ("block_m", "block_n", "block_k"):
@@ -174,15 +178,19 @@ _FP8_BLOCKWISE = {
               TileConfig(128, 128, 128, 8, 3, 8)],
 }
 
-# The Gluon blockwise kernel overlaps each K block's promotion with the next block's wgmma inside
-# one program (fp8_blockwise_gluon.py). Its tile is BLOCK_M = 16 x warps rows, at most 128 columns;
-# registers per thread (sm_90, triton 3.6, no spills): 225 at 128 x 128 / 8 warps and 64 x 128 /
-# 4 warps, 190 at 128 x 64 / 8 warps. Offered after the measured Triton tiles wherever the kernel
-# can run (an sm_90 GPU; the adapter drops them elsewhere) until timed on a GPU.
+# The Gluon blockwise kernels, offered after the measured Triton tiles wherever they can run (an
+# sm_90 GPU; the adapter drops them elsewhere). KERNEL_GLUON overlaps each K block's promotion
+# with the next block's wgmma inside one program (fp8_blockwise_gluon.py): BLOCK_M = 16 x warps
+# rows, at most 128 columns; 225 registers per thread at 128 x 128 / 8 warps, 190 at 128 x 64
+# (sm_90, triton 3.6, no spills). Measured on an H100 it runs 0.93-0.96x of the Triton kernel.
+# KERNEL_GLUON_WS splits a 128-row tile between two math warpgroups and a TMA warp
+# (fp8_blockwise_gluon_ws.py): 168 registers cap, 232 per math thread, no spills; not yet timed.
 _FP8_BLOCKWISE_GLUON = {
     "small": [],
-    "medium": [TileConfig(128, 128, 128, 8, 5, 8, 1, KERNEL_GLUON), TileConfig(64, 128, 128, 8, 4, 4, 2, KERNEL_GLUON)],
-    "large": [TileConfig(128, 128, 128, 8, 5, 8, 1, KERNEL_GLUON), TileConfig(128, 64, 128, 8, 6, 8, 1, KERNEL_GLUON),
+    "medium": [TileConfig(128, 128, 128, 8, 6, 8, 1, KERNEL_GLUON_WS), TileConfig(128, 128, 128, 8, 5, 8, 1, KERNEL_GLUON),
+               TileConfig(64, 128, 128, 8, 4, 4, 2, KERNEL_GLUON)],
+    "large": [TileConfig(128, 128, 128, 8, 6, 8, 1, KERNEL_GLUON_WS), TileConfig(128, 64, 128, 8, 8, 8, 1, KERNEL_GLUON_WS),
+              TileConfig(128, 128, 128, 8, 5, 8, 1, KERNEL_GLUON), TileConfig(128, 64, 128, 8, 6, 8, 1, KERNEL_GLUON),
               TileConfig(64, 128, 128, 8, 4, 4, 2, KERNEL_GLUON)],
 }
 

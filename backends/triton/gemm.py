@@ -95,15 +95,26 @@ def _scale_groups(p) -> tuple[int, int]:
     return (bs if p.a_2d else 1), (bs if p.b_2d else 1)
 
 
-def _gluon_refusal(p, cfg: _cfg.TileConfig) -> str | None:
-    """Why the Gluon blockwise kernel cannot run ``cfg`` for ``p`` here, or None."""
-    from .fp8_blockwise_gluon import available, config_error
+def gluon_kernel(kind: int):
+    """The module of Gluon kernel ``kind`` (``configs.GLUON_KERNELS``). Each has ``available()``,
+    ``config_error(cfg, b_group)``, ``fp8_blockwise_gemm(...)`` and ``KERNEL_REVISION``."""
+    if kind == _cfg.KERNEL_GLUON:
+        from . import fp8_blockwise_gluon as module
+    elif kind == _cfg.KERNEL_GLUON_WS:
+        from . import fp8_blockwise_gluon_ws as module
+    else:
+        raise ValueError(f"kernel={kind} is not a Gluon kernel (one of {_cfg.GLUON_KERNELS})")
+    return module
 
+
+def _gluon_refusal(p, cfg: _cfg.TileConfig) -> str | None:
+    """Why the Gluon blockwise kernel ``cfg.kernel`` cannot run ``cfg`` for ``p`` here, or None."""
     if p.granularity is not ScalingGranularity.BLOCKWISE:
         return f"it serves BLOCKWISE only (got {p.granularity.value})"
     if p.platform != "cuda":
         return f"it runs on NVIDIA sm_90 (platform is {p.platform})"
-    return available() or config_error(cfg, _scale_groups(p)[1])
+    kernel = gluon_kernel(cfg.kernel)
+    return kernel.available() or kernel.config_error(cfg, _scale_groups(p)[1])
 
 
 class TritonGemm(_TritonAdapter):
@@ -197,10 +208,10 @@ class TritonGemmFp8(_TritonAdapter):
         # invalidate tuned results of the Triton kernel's configs (and vice versa is handled by
         # the shared revision).
         ident = super().identity(config)
-        if config is not None and _cfg.from_tuple(config).kernel == _cfg.KERNEL_GLUON:
-            from .fp8_blockwise_gluon import KERNEL_REVISION
-
-            ident = ident.replace(f"/{self.revision}/", f"/{self.revision}+{KERNEL_REVISION}/", 1)
+        kind = _cfg.from_tuple(config).kernel if config is not None else _cfg.KERNEL_TRITON
+        if kind in _cfg.GLUON_KERNELS:
+            revision = gluon_kernel(kind).KERNEL_REVISION
+            ident = ident.replace(f"/{self.revision}/", f"/{self.revision}+{revision}/", 1)
         return ident
 
     def describe(self, p) -> str:
@@ -215,7 +226,7 @@ class TritonGemmFp8(_TritonAdapter):
         blockwise = g is ScalingGranularity.BLOCKWISE
         if blockwise and cfg.block_k != p.block_size:
             raise ValueError(f"TritonGemmFp8: config BLOCK_K={cfg.block_k} must equal block_size={p.block_size}")
-        gluon = cfg.kernel == _cfg.KERNEL_GLUON
+        gluon = cfg.kernel in _cfg.GLUON_KERNELS
         why = _gluon_refusal(p, cfg) if gluon else None
         if why:
             raise ValueError(f"TritonGemmFp8: config {_cfg.as_tuple(cfg)} selects the Gluon kernel, but {why}")
@@ -236,7 +247,6 @@ class TritonGemmFp8(_TritonAdapter):
         else:
             mode = SCALE_BLOCK
         if gluon:
-            from .fp8_blockwise_gluon import fp8_blockwise_gemm
-
-            return fp8_blockwise_gemm(qa, qb, sa, sb, p.out_dtype, cfg, a_group=a_group, b_group=b_group)
+            return gluon_kernel(cfg.kernel).fp8_blockwise_gemm(qa, qb, sa, sb, p.out_dtype, cfg, a_group=a_group,
+                                                               b_group=b_group)
         return fp8_gemm(qa, qb, sa, sb, mode, p.out_dtype, cfg, a_group=a_group, b_group=b_group)

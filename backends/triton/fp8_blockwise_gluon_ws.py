@@ -1,0 +1,220 @@
+"""Warp-specialised blockwise fp8 GEMM for Hopper in Gluon: one TMA warp, two math warpgroups.
+
+Same contract as ``fp8_blockwise_gluon.fp8_blockwise_gemm`` (K-major fp8 ``a`` [M, K] and ``b``
+[N, K], one fp32 scale per (row group, K block) of each operand, BLOCK_K equal to the quantisation
+block, ``acc += (a_blk @ b_blk^T) * sa * sb`` in fp32 after every K block).
+
+Why a third kernel: the promotion of a K block's partial product must wait for that block's
+wgmma. The Triton kernel waits with every warp of the program, so the tensor cores idle during
+each promotion. The single-program Gluon kernel overlaps a promotion with the next wgmma of the
+same warps, but pays for it in registers and waits. Here the 128-row tile is split between two
+math warpgroups that run as separate partitions (``gl.warp_specialize``), each owning 64 rows
+and its own accumulator. The partitions synchronise only through mbarriers, never with each
+other, so one warpgroup's promotion runs on the CUDA cores while the other's wgmma runs on the
+tensor cores; the warp scheduler does the interleaving. A third partition of one warp only
+issues TMA loads into a ring of ``STAGES`` shared-memory slots. Each slot has a ``ready``
+barrier (TMA bytes) and an ``empty`` barrier that both math warpgroups arrive on once their
+wgmma has read the slot. All partitions walk the same persistent tile sequence, so the loader
+runs ahead across tile boundaries while the math warpgroups store a finished tile.
+
+Registers: the math warpgroups ask for 232 per thread (64 x BLOCK_N accumulator plus the
+in-flight partial), the loader for 40; the kernel launches with ``maxnreg`` so that the three
+warpgroups fit in one SM's register file.
+
+Needs triton >= 3.6 with Gluon and an sm_90 GPU; ``fp8_blockwise_gluon.available`` says why not.
+"""
+from __future__ import annotations
+
+import torch
+
+from .fp8_blockwise_gluon import available, gluon, make_descriptor, operands_error
+from .gemm_kernels import num_programs
+
+if gluon is not None:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+    from .fp8_blockwise_gluon import _promote, _scales, _tile_coords, _tma_load
+
+#: Bumped whenever the kernel's code changes, so stored tuning results are invalidated.
+KERNEL_REVISION = "gluon-ws-r1"
+#: Rows of the tile each math warpgroup owns (one 64-row wgmma).
+ROWS_PER_WARPGROUP = 64
+#: Registers per thread requested for the math warpgroups and the loader, and the kernel-wide
+#: cap: three warpgroups (default math, worker math, loader padded to a warpgroup) share 64K
+#: registers, and the default partition gets what the cap leaves after the workers' requests
+#: (3 * 168 - 232 - 40 = 232).
+MATH_REGS, LOAD_REGS, MAXNREG = 232, 40, 168
+
+if gluon is not None:
+
+    @gluon.jit
+    def _ws_load(a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n,
+                 ssa_r, ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP: gl.constexpr, B_GROUP: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                 STAGES: gl.constexpr):
+        """The loader: fills slot ``step % STAGES`` once both math warpgroups released it."""
+        pid = gl.program_id(0)
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        my_tiles = gl.cdiv(num_pid_m * num_pid_n - pid, NUM_PROGS)
+        step = 0
+        for t in range(my_tiles):
+            pid_m, pid_n = _tile_coords(pid + t * NUM_PROGS, num_pid_m, num_pid_n, GROUP_M)
+            for kt in range(k_tiles):
+                slot = step % STAGES
+                # A fresh mbarrier counts as having completed the phase before phase 0, so the
+                # first pass over the ring does not wait.
+                mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+                bar = ready.index(slot)
+                mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                _tma_load(a_desc, [pid_m * BLOCK_M, kt * BLOCK_K], bar, a_bufs.index(slot))
+                _tma_load(b_desc, [pid_n * BLOCK_N, kt * BLOCK_K], bar, b_bufs.index(slot))
+                step += 1
+
+    @gluon.jit
+    def _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n,
+                 ssa_r, ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP: gl.constexpr, B_GROUP: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                 STAGES: gl.constexpr, WG: gl.constexpr):
+        """Math warpgroup ``WG``: rows ``WG * 64`` to ``WG * 64 + 63`` of every tile."""
+        ROWS: gl.constexpr = BLOCK_M // 2
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BLOCK_N, 32])
+        rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        cols_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+        A_SCALAR: gl.constexpr = A_GROUP >= ROWS and A_GROUP % ROWS == 0
+        B_SCALAR: gl.constexpr = B_GROUP >= BLOCK_N and B_GROUP % BLOCK_N == 0
+
+        pid = gl.program_id(0)
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        my_tiles = gl.cdiv(num_pid_m * num_pid_n - pid, NUM_PROGS)
+        zero = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+        step = 0
+        for t in range(my_tiles):
+            pid_m, pid_n = _tile_coords(pid + t * NUM_PROGS, num_pid_m, num_pid_n, GROUP_M)
+            off_m = pid_m * BLOCK_M + WG * ROWS
+            off_n = pid_n * BLOCK_N
+            offs_m = off_m + gl.arange(0, ROWS, layout=rows_layout)
+            offs_n = off_n + gl.arange(0, BLOCK_N, layout=cols_layout)
+            acc = zero
+            for kt in range(k_tiles):
+                slot = step % STAGES
+                mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+                a_rows = a_bufs.index(slot).slice(WG * ROWS, ROWS)
+                part = warpgroup_mma(a_rows, b_bufs.index(slot).permute((1, 0)), zero, use_acc=False,
+                                     is_async=True)
+                # The scale loads go out while the wgmma runs.
+                sa = _scales(sa_ptr, offs_m, off_m, kt, ssa_r, ssa_k, M, A_GROUP, ROWS)
+                sb = _scales(sb_ptr, offs_n, off_n, kt, ssb_r, ssb_k, N, B_GROUP, BLOCK_N)
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                # The slot is read: hand it back before promoting, so the next load starts now.
+                mbarrier.arrive(empty.index(slot), count=1)
+                acc = _promote(acc, part, sa, sb, A_SCALAR, B_SCALAR)
+                step += 1
+            mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+            gl.store(c + offs_m[:, None] * sc_m + offs_n[None, :] * sc_n, acc.to(c.dtype.element_ty), mask=mask)
+
+    @gluon.jit
+    def _ws_math0(a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n,
+                  ssa_r, ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP: gl.constexpr, B_GROUP: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                  STAGES: gl.constexpr):
+        _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n, ssa_r,
+                 ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, 0)
+
+    @gluon.jit
+    def _ws_math1(a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n,
+                  ssa_r, ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP: gl.constexpr, B_GROUP: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                  STAGES: gl.constexpr):
+        _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n, ssa_r,
+                 ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, 1)
+
+    @gluon.jit
+    def _fp8_blockwise_ws_kernel(a_desc, b_desc, c, sa_ptr, sb_ptr, M, N, K, sc_m, sc_n,
+                                 ssa_r, ssa_k, ssb_r, ssb_k, NUM_PROGS,
+                                 A_GROUP: gl.constexpr, B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+                                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                                 STAGES: gl.constexpr, MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            # One arrival per math warpgroup.
+            mbarrier.init(empty.index(s), count=2)
+        # The argument tuple is spelled out at each use: assigned to a variable, its constexpr
+        # entries would become tensors (triton 3.6).
+        gl.warp_specialize([
+            (_ws_math0, (a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n, ssa_r,
+                         ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+            (_ws_math1, (a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n, ssa_r,
+                         ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+            (_ws_load, (a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n, ssa_r,
+                        ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+        ], [4, 1], [MATH_REGS, LOAD_REGS])
+
+
+def config_error(cfg, b_group: int) -> str | None:
+    """Why ``cfg`` (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, stages, warps[, ...]) cannot run this
+    kernel with ``b``'s scales shared by ``b_group`` rows, or None.
+
+    The tile is two 64-row math warpgroups (BLOCK_M 128, 8 math warps). ``b``'s scale must be
+    one value per tile, as in the single-program Gluon kernel: a per-column scale vector per
+    thread does not fit next to the accumulator and the in-flight partial."""
+    bm, bn, bk, _, stages, warps = cfg[:6]
+    occupancy = cfg[6] if len(cfg) > 6 else 1
+    if bm != 2 * ROWS_PER_WARPGROUP or warps != 8:
+        return f"the tile must be 128 rows in two math warpgroups (BLOCK_M 128, 8 warps), got {bm} rows, {warps} warps"
+    if bn % 8 or not 8 <= bn <= 128:
+        return f"BLOCK_N must be a multiple of 8 in [8, 128] (two fp32 tiles per math thread), got {bn}"
+    if bk % 32:
+        return f"BLOCK_K must be a multiple of 32 (the fp8 wgmma K), got {bk}"
+    if stages < 2:
+        return f"num_stages must be >= 2, got {stages}"
+    if occupancy != 1:
+        return f"occupancy must be 1 (the three warpgroups use the whole register file), got {occupancy}"
+    if b_group < bn or b_group % bn:
+        return (f"b's scales must be one per tile: b_group={b_group} is not a multiple of BLOCK_N={bn} "
+                f"(per-column scales do not fit in registers)")
+    return None
+
+
+def fp8_blockwise_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+                          out_dtype: torch.dtype, cfg, a_group: int = 1, b_group: int = 1) -> torch.Tensor:
+    """``C = dequant(a) @ dequant(b)^T`` with blockwise scales, on the warp-specialised kernel.
+
+    Arguments as ``fp8_blockwise_gluon.fp8_blockwise_gemm``. Raises ValueError naming the reason
+    when the kernel cannot run here or ``cfg`` does not suit it.
+
+    >>> y = fp8_blockwise_gemm(qa, qw, sa, sw, torch.bfloat16, (128, 128, 128, 8, 6, 8), b_group=128)  # doctest: +SKIP
+    """
+    M, K = a.shape
+    N = b.shape[0]
+    if b.shape[1] != K:
+        raise ValueError(f"fp8_blockwise_gemm (warp-specialised): a is {tuple(a.shape)}, b is {tuple(b.shape)}; both must be [*, K]")
+    why = available(a.device.index) or config_error(cfg, b_group) or operands_error(a, b)
+    if why:
+        raise ValueError(f"fp8_blockwise_gemm (warp-specialised): {why}")
+    c = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return c
+    bm, bn, bk, group_m, stages = cfg[:5]
+    a_desc = make_descriptor(a, [bm, bk])
+    b_desc = make_descriptor(b, [bn, bk])
+    tiles = -(-M // bm) * -(-N // bn)
+    progs = min(tiles, num_programs(a.device.index))
+    _fp8_blockwise_ws_kernel[(progs,)](a_desc, b_desc, c, sa, sb, M, N, K, c.stride(0), c.stride(1),
+                                       sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1), progs,
+                                       A_GROUP=a_group, B_GROUP=b_group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                       GROUP_M=group_m, STAGES=stages, MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS,
+                                       num_warps=4, maxnreg=MAXNREG)
+    return c
+
+
+__all__ = ["KERNEL_REVISION", "available", "config_error", "fp8_blockwise_gemm"]
