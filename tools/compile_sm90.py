@@ -174,7 +174,8 @@ def _dense_fp8_gluon_ws(cfg: C.TileConfig):
         GL.make_descriptor(a, [cfg.block_m, cfg.block_k]), GL.make_descriptor(b, [cfg.block_n, cfg.block_k]), c,
         sa, sb, M, N, K, N, 1, *sa.stride(), *sb.stride(), 132, A_GROUP=1, B_GROUP=cfg.block_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-        MATH_REGS=GWS.MATH_REGS, LOAD_REGS=GWS.LOAD_REGS, num_warps=4, maxnreg=GWS.MAXNREG, grid=(1,))
+        SCALE_AHEAD=True, MATH_REGS=GWS.MATH_REGS, LOAD_REGS=GWS.LOAD_REGS, num_warps=4, maxnreg=GWS.MAXNREG,
+        grid=(1,))
 
 
 def _dense_bf16(cfg: C.TileConfig):

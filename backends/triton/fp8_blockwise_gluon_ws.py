@@ -37,7 +37,7 @@ if gluon is not None:
     from .fp8_blockwise_gluon import _promote, _scales, _tile_coords, _tma_load
 
 #: Bumped whenever the kernel's code changes, so stored tuning results are invalidated.
-KERNEL_REVISION = "gluon-ws-r1"
+KERNEL_REVISION = "gluon-ws-r2"
 #: Rows of the tile each math warpgroup owns (one 64-row wgmma).
 ROWS_PER_WARPGROUP = 64
 #: Registers per thread requested for the math warpgroups and the loader, and the kernel-wide
@@ -52,7 +52,7 @@ if gluon is not None:
     def _ws_load(a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n,
                  ssa_r, ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP: gl.constexpr, B_GROUP: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                 STAGES: gl.constexpr):
+                 STAGES: gl.constexpr, SCALE_AHEAD: gl.constexpr):
         """The loader: fills slot ``step % STAGES`` once both math warpgroups released it."""
         pid = gl.program_id(0)
         num_pid_m = gl.cdiv(M, BLOCK_M)
@@ -77,7 +77,7 @@ if gluon is not None:
     def _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n,
                  ssa_r, ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP: gl.constexpr, B_GROUP: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                 STAGES: gl.constexpr, WG: gl.constexpr):
+                 STAGES: gl.constexpr, SCALE_AHEAD: gl.constexpr, WG: gl.constexpr):
         """Math warpgroup ``WG``: rows ``WG * 64`` to ``WG * 64 + 63`` of every tile."""
         ROWS: gl.constexpr = BLOCK_M // 2
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -101,19 +101,32 @@ if gluon is not None:
             offs_m = off_m + gl.arange(0, ROWS, layout=rows_layout)
             offs_n = off_n + gl.arange(0, BLOCK_N, layout=cols_layout)
             acc = zero
+            if SCALE_AHEAD:
+                sa = _scales(sa_ptr, offs_m, off_m, 0, ssa_r, ssa_k, M, A_GROUP, ROWS)
+                sb = _scales(sb_ptr, offs_n, off_n, 0, ssb_r, ssb_k, N, B_GROUP, BLOCK_N)
             for kt in range(k_tiles):
                 slot = step % STAGES
                 mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
                 a_rows = a_bufs.index(slot).slice(WG * ROWS, ROWS)
                 part = warpgroup_mma(a_rows, b_bufs.index(slot).permute((1, 0)), zero, use_acc=False,
                                      is_async=True)
-                # The scale loads go out while the wgmma runs.
-                sa = _scales(sa_ptr, offs_m, off_m, kt, ssa_r, ssa_k, M, A_GROUP, ROWS)
-                sb = _scales(sb_ptr, offs_n, off_n, kt, ssb_r, ssb_k, N, B_GROUP, BLOCK_N)
+                if SCALE_AHEAD:
+                    # The scales of the next K block go out now: a global load's latency is longer
+                    # than one block's wgmma, so loading this block's scales here would stall the
+                    # promotion. (The index wraps to block 0 on the last block: a harmless load.)
+                    kn = (kt + 1) % k_tiles
+                    sa_next = _scales(sa_ptr, offs_m, off_m, kn, ssa_r, ssa_k, M, A_GROUP, ROWS)
+                    sb_next = _scales(sb_ptr, offs_n, off_n, kn, ssb_r, ssb_k, N, B_GROUP, BLOCK_N)
+                else:
+                    sa = _scales(sa_ptr, offs_m, off_m, kt, ssa_r, ssa_k, M, A_GROUP, ROWS)
+                    sb = _scales(sb_ptr, offs_n, off_n, kt, ssb_r, ssb_k, N, B_GROUP, BLOCK_N)
                 part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                 # The slot is read: hand it back before promoting, so the next load starts now.
                 mbarrier.arrive(empty.index(slot), count=1)
                 acc = _promote(acc, part, sa, sb, A_SCALAR, B_SCALAR)
+                if SCALE_AHEAD:
+                    sa = sa_next
+                    sb = sb_next
                 step += 1
             mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
             gl.store(c + offs_m[:, None] * sc_m + offs_n[None, :] * sc_n, acc.to(c.dtype.element_ty), mask=mask)
@@ -122,24 +135,27 @@ if gluon is not None:
     def _ws_math0(a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n,
                   ssa_r, ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP: gl.constexpr, B_GROUP: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                  STAGES: gl.constexpr):
+                  STAGES: gl.constexpr, SCALE_AHEAD: gl.constexpr):
         _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n, ssa_r,
-                 ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, 0)
+                 ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+                 SCALE_AHEAD, 0)
 
     @gluon.jit
     def _ws_math1(a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n,
                   ssa_r, ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP: gl.constexpr, B_GROUP: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                  STAGES: gl.constexpr):
+                  STAGES: gl.constexpr, SCALE_AHEAD: gl.constexpr):
         _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n, ssa_r,
-                 ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, 1)
+                 ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+                 SCALE_AHEAD, 1)
 
     @gluon.jit
     def _fp8_blockwise_ws_kernel(a_desc, b_desc, c, sa_ptr, sb_ptr, M, N, K, sc_m, sc_n,
                                  ssa_r, ssa_k, ssb_r, ssb_k, NUM_PROGS,
                                  A_GROUP: gl.constexpr, B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
                                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                                 STAGES: gl.constexpr, MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+                                 STAGES: gl.constexpr, SCALE_AHEAD: gl.constexpr, MATH_REGS: gl.constexpr,
+                                 LOAD_REGS: gl.constexpr):
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -152,11 +168,14 @@ if gluon is not None:
         # entries would become tensors (triton 3.6).
         gl.warp_specialize([
             (_ws_math0, (a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n, ssa_r,
-                         ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                         ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+                         SCALE_AHEAD)),
             (_ws_math1, (a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n, ssa_r,
-                         ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                         ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+                         SCALE_AHEAD)),
             (_ws_load, (a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n, ssa_r,
-                        ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                        ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+                         SCALE_AHEAD)),
         ], [4, 1], [MATH_REGS, LOAD_REGS])
 
 
@@ -186,10 +205,12 @@ def config_error(cfg, b_group: int) -> str | None:
 
 
 def fp8_blockwise_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
-                          out_dtype: torch.dtype, cfg, a_group: int = 1, b_group: int = 1) -> torch.Tensor:
+                       out_dtype: torch.dtype, cfg, a_group: int = 1, b_group: int = 1,
+                       scale_ahead: bool = True) -> torch.Tensor:
     """``C = dequant(a) @ dequant(b)^T`` with blockwise scales, on the warp-specialised kernel.
 
-    Arguments as ``fp8_blockwise_gluon.fp8_blockwise_gemm``. Raises ValueError naming the reason
+    Arguments as ``fp8_blockwise_gluon.fp8_blockwise_gemm``; ``scale_ahead`` loads each K block's
+    scales one block early (False only to measure what that buys). Raises ValueError naming the reason
     when the kernel cannot run here or ``cfg`` does not suit it.
 
     >>> y = fp8_blockwise_gemm(qa, qw, sa, sw, torch.bfloat16, (128, 128, 128, 8, 6, 8), b_group=128)  # doctest: +SKIP
@@ -212,7 +233,8 @@ def fp8_blockwise_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: t
     _fp8_blockwise_ws_kernel[(progs,)](a_desc, b_desc, c, sa, sb, M, N, K, c.stride(0), c.stride(1),
                                        sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1), progs,
                                        A_GROUP=a_group, B_GROUP=b_group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                       GROUP_M=group_m, STAGES=stages, MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS,
+                                       GROUP_M=group_m, STAGES=stages, SCALE_AHEAD=scale_ahead, MATH_REGS=MATH_REGS,
+                                       LOAD_REGS=LOAD_REGS,
                                        num_warps=4, maxnreg=MAXNREG)
     return c
 
