@@ -2,11 +2,14 @@
 
 GEMM only, K-major fp8 operands quantised once (1 x 128 activation blocks, 128 x 128 weight
 blocks). Per shape: ``F.scaled_mm`` (cuBLASLt) first as the reference output and peer, the
-production Triton tile, then the warp-specialised kernel over pipeline depth and with/without
-loading scales one K block ahead. Each variant's output is compared with cuBLASLt's (relative
+production Triton tile, then the warp-specialised kernel over pipeline depth. Each variant's output is compared with cuBLASLt's (relative
 Frobenius error) before it is timed. One JSON line per row in ``--out``.
 
-Usage (on an sm_90 GPU): ``python tools/probe_gluon_ws.py --out ws.jsonl``.
+``--grouped`` does the same for the M-grouped form (``fp8_blockwise_grouped_gemm``): first a
+float64 check over empty, one-row and unaligned groups, then DeepSeek-V3 8 experts x 4096 tokens
+(up_gate and down, balanced and skewed routing), kernel only, against the Triton grouped kernel.
+
+Usage (on an sm_90 GPU): ``python tools/probe_gluon_ws.py [--grouped] --out ws.jsonl``.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--shapes", default="4096x7168x16384,4096x4096x7168,8192x14336x4096")
     ap.add_argument("--stages", default="4,5,6")
+    ap.add_argument("--grouped", action="store_true", help="the grouped form instead of the dense one")
     args = ap.parse_args()
     out = open(args.out, "w") if args.out else None
 
@@ -45,6 +49,8 @@ def main() -> int:
 
     emit(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     torch.manual_seed(0)
+    if args.grouped:
+        return grouped(emit, [int(s) for s in args.stages.split(",")])
     for shape in args.shapes.split(","):
         m, n, k = (int(v) for v in shape.split("x"))
         flops = 2.0 * m * n * k
@@ -61,11 +67,9 @@ def main() -> int:
                         qa, qb, sa, sb, FK.SCALE_BLOCK, torch.bfloat16, C.TileConfig(128, 128, 128, 8, 4, 8),
                         a_group=1, b_group=128))]
         for stages in (int(s) for s in args.stages.split(",")):
-            for ahead in (True, False):
-                cfg = C.TileConfig(128, 128, 128, 8, stages, 8, 1, C.KERNEL_GLUON_WS)
-                variants.append((f"ws(s{stages}, scale_ahead={int(ahead)})",
-                                 lambda cfg=cfg, ahead=ahead: GWS.fp8_blockwise_gemm(
-                                     qa, qb, sa, sb, torch.bfloat16, cfg, a_group=1, b_group=128, scale_ahead=ahead)))
+            cfg = C.TileConfig(128, 128, 128, 8, stages, 8, 1, C.KERNEL_GLUON_WS)
+            variants.append((f"ws(s{stages})", lambda cfg=cfg: GWS.fp8_blockwise_gemm(
+                qa, qb, sa, sb, torch.bfloat16, cfg, a_group=1, b_group=128)))
         for name, fn in variants:
             rel = float((fn().float() - ref).norm() / ref.norm())
             if not rel < 5e-3:
@@ -73,6 +77,77 @@ def main() -> int:
                 continue
             ms = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
             emit(shape=shape, variant=name, rel=rel, ms=ms, tflops=flops / ms / 1e9)
+    return 0
+
+
+def _grouped_operands(lens, n, k):
+    from turbo_dispatch.backends.triton.grouped_gemm import _quant_rows
+
+    m = int(sum(lens))
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(len(lens), n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+    qa, sa = _quant_rows(a.unsqueeze(0), E4, G.BLOCKWISE, 128)
+    qw, sw = _quant_rows(w, E4, G.BLOCKWISE, 128, tile_2d=True)
+    offs = torch.nn.functional.pad(torch.tensor(lens, device="cuda").cumsum(0), (1, 0)).to(torch.int32)
+    return qa[0], sa, qw, sw, offs
+
+
+def _grouped_ws(qa, sa, qw, sw, offs, cfg):
+    out = torch.empty((qa.shape[0], qw.shape[1]), dtype=torch.bfloat16, device=qa.device)
+    return GWS.fp8_blockwise_grouped_gemm(qa, qw, out, offs, sa, (sa.stride(1), sa.stride(2)), sw, sw.stride(), cfg)
+
+
+def _grouped_triton(qa, sa, qw, sw, offs, cfg=(128, 128, 128, 8, 4, 8, 1)):
+    from turbo_dispatch.backends.triton.grouped_gemm import launch_fixed_k
+
+    out = torch.empty((qa.shape[0], qw.shape[1]), dtype=torch.bfloat16, device=qa.device)
+    return launch_fixed_k(qa, qw, out, offs, cfg, scale=3, sa=sa, sa_strides=(sa.stride(1), sa.stride(2)), sb=sw,
+                          sb_strides=tuple(sw.stride()), qblock=128, sb_ndiv=128)
+
+
+def grouped(emit, stages_list) -> int:
+    ws = C.TileConfig(128, 128, 128, 8, 6, 8, 1, C.KERNEL_GLUON_WS)
+    # float64 check: empty groups, a one-row group, sizes off the 128 grid, K with a partial block.
+    lens = [0, 300, 1, 700, 0, 129, 0]
+    for n, k in ((384, 1000), (256, 7168)):
+        qa, sa, qw, sw, offs = _grouped_operands(lens, n, k)
+        out = _grouped_ws(qa, sa, qw, sw, offs, ws).double()
+        bad = []
+        for g in range(len(lens)):
+            s0, s1 = int(offs[g]), int(offs[g + 1])
+            if s1 == s0:
+                continue
+            da = qa[s0:s1, :k].double() * sa[0, s0:s1].double().repeat_interleave(128, 1)[:, :k]
+            dw = qw[g, :, :k].double() * sw[g].double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+            ref = da @ dw.t()
+            rel = float((out[s0:s1] - ref).norm() / ref.norm())
+            if not rel < 1e-2:
+                bad.append((g, rel))
+        emit(check="grouped_vs_float64", lens=lens, n=n, k=k, status="PASS" if not bad else "FAIL", bad=bad,
+             finite=bool(out.isfinite().all()))
+    # timing at DeepSeek-V3, 8 local experts x 4096 tokens
+    for name, n, k in (("dsv3_up", 4096, 7168), ("dsv3_down", 7168, 2048)):
+        for routing in ("balanced", "skewed"):
+            if routing == "balanced":
+                lens = [4096] * 8
+            else:
+                w = torch.tensor([1.0 / (i + 1) ** 1.2 for i in range(8)])
+                lens = (w / w.sum() * 32768).floor().long().tolist()
+                lens[0] += 32768 - sum(lens)
+            qa, sa, qw, sw, offs = _grouped_operands(lens, n, k)
+            flops = 2.0 * 32768 * n * k
+            ref = _grouped_triton(qa, sa, qw, sw, offs).float()
+            variants = [("triton(128, 128, 128, 8, 4, 8, 1)", lambda: _grouped_triton(qa, sa, qw, sw, offs))]
+            for st in stages_list:
+                cfg = ws._replace(num_stages=st)
+                variants.append((f"ws(s{st})", lambda cfg=cfg: _grouped_ws(qa, sa, qw, sw, offs, cfg)))
+            for vname, fn in variants:
+                rel = float((fn().float() - ref).norm() / ref.norm())
+                if not rel < 5e-3:
+                    emit(shape=name, routing=routing, variant=vname, rel=rel, status="FAIL")
+                    continue
+                ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                emit(shape=name, routing=routing, variant=vname, rel=rel, ms=ms, tflops=flops / ms / 1e9)
     return 0
 
 

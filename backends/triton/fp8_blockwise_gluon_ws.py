@@ -37,7 +37,7 @@ if gluon is not None:
     from .fp8_blockwise_gluon import _promote, _scales, _tile_coords, _tma_load
 
 #: Bumped whenever the kernel's code changes, so stored tuning results are invalidated.
-KERNEL_REVISION = "gluon-ws-r2"
+KERNEL_REVISION = "gluon-ws-r4"
 #: Rows of the tile each math warpgroup owns (one 64-row wgmma).
 ROWS_PER_WARPGROUP = 64
 #: Registers per thread requested for the math warpgroups and the loader, and the kernel-wide
@@ -49,35 +49,52 @@ MATH_REGS, LOAD_REGS, MAXNREG = 232, 40, 168
 if gluon is not None:
 
     @gluon.jit
-    def _ws_load(a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n,
-                 ssa_r, ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP: gl.constexpr, B_GROUP: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                 STAGES: gl.constexpr, SCALE_AHEAD: gl.constexpr):
-        """The loader: fills slot ``step % STAGES`` once both math warpgroups released it."""
-        pid = gl.program_id(0)
-        num_pid_m = gl.cdiv(M, BLOCK_M)
-        num_pid_n = gl.cdiv(N, BLOCK_N)
-        k_tiles = gl.cdiv(K, BLOCK_K)
-        my_tiles = gl.cdiv(num_pid_m * num_pid_n - pid, NUM_PROGS)
-        step = 0
-        for t in range(my_tiles):
-            pid_m, pid_n = _tile_coords(pid + t * NUM_PROGS, num_pid_m, num_pid_n, GROUP_M)
-            for kt in range(k_tiles):
-                slot = step % STAGES
-                # A fresh mbarrier counts as having completed the phase before phase 0, so the
-                # first pass over the ring does not wait.
-                mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
-                bar = ready.index(slot)
-                mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                _tma_load(a_desc, [pid_m * BLOCK_M, kt * BLOCK_K], bar, a_bufs.index(slot))
-                _tma_load(b_desc, [pid_n * BLOCK_N, kt * BLOCK_K], bar, b_bufs.index(slot))
-                step += 1
+    def _group_rows(offs_ptr, g, M, GROUPED: gl.constexpr):
+        """First row and row count of group ``g``: read on the device (grouped), or all of ``a``."""
+        if GROUPED:
+            start = gl.load(offs_ptr + g)
+            return start, gl.load(offs_ptr + g + 1) - start
+        else:
+            return M * 0, M
 
     @gluon.jit
-    def _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n,
-                 ssa_r, ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP: gl.constexpr, B_GROUP: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                 STAGES: gl.constexpr, SCALE_AHEAD: gl.constexpr, WG: gl.constexpr):
+    def _ws_load(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m,
+                 sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
+                 B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        """The loader: fills slot ``step % STAGES`` once both math warpgroups released it."""
+        pid = gl.program_id(0)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        step = 0
+        tile = pid
+        base = 0
+        for g in range(G):
+            start, rows = _group_rows(offs_ptr, g, M, GROUPED)
+            num_pid_m = gl.cdiv(rows, BLOCK_M)
+            count = num_pid_m * num_pid_n
+            while tile < base + count:
+                pid_m, pid_n = _tile_coords(tile - base, num_pid_m, num_pid_n, GROUP_M)
+                for kt in range(k_tiles):
+                    slot = step % STAGES
+                    # A fresh mbarrier counts as having completed the phase before phase 0, so the
+                    # first pass over the ring does not wait.
+                    mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+                    bar = ready.index(slot)
+                    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                    # Rows past the group's end come from the next group (or TMA's zero fill) and
+                    # are never stored; b is [G * N, K], so its rows past N are the next expert's.
+                    _tma_load(a_desc, [start + pid_m * BLOCK_M, kt * BLOCK_K], bar, a_bufs.index(slot))
+                    _tma_load(b_desc, [g * N + pid_n * BLOCK_N, kt * BLOCK_K], bar, b_bufs.index(slot))
+                    step += 1
+                tile += NUM_PROGS
+            base += count
+
+    @gluon.jit
+    def _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m,
+                 sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
+                 B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
         """Math warpgroup ``WG``: rows ``WG * 64`` to ``WG * 64 + 63`` of every tile."""
         ROWS: gl.constexpr = BLOCK_M // 2
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -88,74 +105,70 @@ if gluon is not None:
         B_SCALAR: gl.constexpr = B_GROUP >= BLOCK_N and B_GROUP % BLOCK_N == 0
 
         pid = gl.program_id(0)
-        num_pid_m = gl.cdiv(M, BLOCK_M)
         num_pid_n = gl.cdiv(N, BLOCK_N)
         k_tiles = gl.cdiv(K, BLOCK_K)
-        my_tiles = gl.cdiv(num_pid_m * num_pid_n - pid, NUM_PROGS)
         zero = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=mma_layout)
         step = 0
-        for t in range(my_tiles):
-            pid_m, pid_n = _tile_coords(pid + t * NUM_PROGS, num_pid_m, num_pid_n, GROUP_M)
-            off_m = pid_m * BLOCK_M + WG * ROWS
-            off_n = pid_n * BLOCK_N
-            offs_m = off_m + gl.arange(0, ROWS, layout=rows_layout)
-            offs_n = off_n + gl.arange(0, BLOCK_N, layout=cols_layout)
-            acc = zero
-            if SCALE_AHEAD:
-                sa = _scales(sa_ptr, offs_m, off_m, 0, ssa_r, ssa_k, M, A_GROUP, ROWS)
-                sb = _scales(sb_ptr, offs_n, off_n, 0, ssb_r, ssb_k, N, B_GROUP, BLOCK_N)
-            for kt in range(k_tiles):
-                slot = step % STAGES
-                mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-                a_rows = a_bufs.index(slot).slice(WG * ROWS, ROWS)
-                part = warpgroup_mma(a_rows, b_bufs.index(slot).permute((1, 0)), zero, use_acc=False,
-                                     is_async=True)
-                if SCALE_AHEAD:
-                    # The scales of the next K block go out now: a global load's latency is longer
-                    # than one block's wgmma, so loading this block's scales here would stall the
-                    # promotion. (The index wraps to block 0 on the last block: a harmless load.)
-                    kn = (kt + 1) % k_tiles
-                    sa_next = _scales(sa_ptr, offs_m, off_m, kn, ssa_r, ssa_k, M, A_GROUP, ROWS)
-                    sb_next = _scales(sb_ptr, offs_n, off_n, kn, ssb_r, ssb_k, N, B_GROUP, BLOCK_N)
-                else:
-                    sa = _scales(sa_ptr, offs_m, off_m, kt, ssa_r, ssa_k, M, A_GROUP, ROWS)
-                    sb = _scales(sb_ptr, offs_n, off_n, kt, ssb_r, ssb_k, N, B_GROUP, BLOCK_N)
-                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                # The slot is read: hand it back before promoting, so the next load starts now.
-                mbarrier.arrive(empty.index(slot), count=1)
-                acc = _promote(acc, part, sa, sb, A_SCALAR, B_SCALAR)
-                if SCALE_AHEAD:
-                    sa = sa_next
-                    sb = sb_next
-                step += 1
-            mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-            gl.store(c + offs_m[:, None] * sc_m + offs_n[None, :] * sc_n, acc.to(c.dtype.element_ty), mask=mask)
+        tile = pid
+        base = 0
+        for g in range(G):
+            start, rows = _group_rows(offs_ptr, g, M, GROUPED)
+            end = start + rows
+            num_pid_m = gl.cdiv(rows, BLOCK_M)
+            count = num_pid_m * num_pid_n
+            sbg_ptr = sb_ptr + g * ssb_g
+            while tile < base + count:
+                pid_m, pid_n = _tile_coords(tile - base, num_pid_m, num_pid_n, GROUP_M)
+                off_m = start + pid_m * BLOCK_M + WG * ROWS
+                off_n = pid_n * BLOCK_N
+                offs_m = off_m + gl.arange(0, ROWS, layout=rows_layout)
+                offs_n = off_n + gl.arange(0, BLOCK_N, layout=cols_layout)
+                acc = zero
+                for kt in range(k_tiles):
+                    slot = step % STAGES
+                    mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+                    a_rows = a_bufs.index(slot).slice(WG * ROWS, ROWS)
+                    part = warpgroup_mma(a_rows, b_bufs.index(slot).permute((1, 0)), zero, use_acc=False,
+                                         is_async=True)
+                    # The scale loads go out while the wgmma runs. (Loading them one K block
+                    # ahead instead measured 3-9% slower on an H100: gluon-ws-r2.)
+                    sa = _scales(sa_ptr, offs_m, off_m, kt, ssa_r, ssa_k, end, A_GROUP, ROWS)
+                    sb = _scales(sbg_ptr, offs_n, off_n, kt, ssb_r, ssb_k, N, B_GROUP, BLOCK_N)
+                    part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                    # The slot is read: hand it back before promoting, so the next load starts now.
+                    mbarrier.arrive(empty.index(slot), count=1)
+                    acc = _promote(acc, part, sa, sb, A_SCALAR, B_SCALAR)
+                    step += 1
+                mask = (offs_m[:, None] < end) & (offs_n[None, :] < N)
+                c_ptrs = c + offs_m.to(gl.int64)[:, None] * sc_m + offs_n[None, :] * sc_n
+                gl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=mask)
+                tile += NUM_PROGS
+            base += count
 
     @gluon.jit
-    def _ws_math0(a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n,
-                  ssa_r, ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP: gl.constexpr, B_GROUP: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                  STAGES: gl.constexpr, SCALE_AHEAD: gl.constexpr):
-        _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n, ssa_r,
-                 ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                 SCALE_AHEAD, 0)
+    def _ws_math0(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m,
+                 sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
+                 B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m, sc_n, ssa_r,
+                 ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K,
+                 GROUP_M, STAGES, 0)
 
     @gluon.jit
-    def _ws_math1(a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n,
-                  ssa_r, ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP: gl.constexpr, B_GROUP: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                  STAGES: gl.constexpr, SCALE_AHEAD: gl.constexpr):
-        _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n, ssa_r,
-                 ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                 SCALE_AHEAD, 1)
+    def _ws_math1(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m,
+                 sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
+                 B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m, sc_n, ssa_r,
+                 ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K,
+                 GROUP_M, STAGES, 1)
 
     @gluon.jit
-    def _fp8_blockwise_ws_kernel(a_desc, b_desc, c, sa_ptr, sb_ptr, M, N, K, sc_m, sc_n,
-                                 ssa_r, ssa_k, ssb_r, ssb_k, NUM_PROGS,
+    def _fp8_blockwise_ws_kernel(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, G, M, N, K, sc_m, sc_n,
+                                 ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr,
                                  A_GROUP: gl.constexpr, B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
                                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                                 STAGES: gl.constexpr, SCALE_AHEAD: gl.constexpr, MATH_REGS: gl.constexpr,
-                                 LOAD_REGS: gl.constexpr):
+                                 STAGES: gl.constexpr, MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -167,15 +180,15 @@ if gluon is not None:
         # The argument tuple is spelled out at each use: assigned to a variable, its constexpr
         # entries would become tensors (triton 3.6).
         gl.warp_specialize([
-            (_ws_math0, (a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n, ssa_r,
-                         ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                         SCALE_AHEAD)),
-            (_ws_math1, (a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n, ssa_r,
-                         ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                         SCALE_AHEAD)),
-            (_ws_load, (a_desc, b_desc, c, sa_ptr, sb_ptr, a_bufs, b_bufs, ready, empty, M, N, K, sc_m, sc_n, ssa_r,
-                        ssa_k, ssb_r, ssb_k, NUM_PROGS, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                         SCALE_AHEAD)),
+            (_ws_math0, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m, sc_n, ssa_r,
+                 ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K,
+                 GROUP_M, STAGES)),
+            (_ws_math1, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m, sc_n, ssa_r,
+                 ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K,
+                 GROUP_M, STAGES)),
+            (_ws_load, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m, sc_n, ssa_r,
+                 ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K,
+                 GROUP_M, STAGES)),
         ], [4, 1], [MATH_REGS, LOAD_REGS])
 
 
@@ -205,12 +218,10 @@ def config_error(cfg, b_group: int) -> str | None:
 
 
 def fp8_blockwise_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
-                       out_dtype: torch.dtype, cfg, a_group: int = 1, b_group: int = 1,
-                       scale_ahead: bool = True) -> torch.Tensor:
+                       out_dtype: torch.dtype, cfg, a_group: int = 1, b_group: int = 1) -> torch.Tensor:
     """``C = dequant(a) @ dequant(b)^T`` with blockwise scales, on the warp-specialised kernel.
 
-    Arguments as ``fp8_blockwise_gluon.fp8_blockwise_gemm``; ``scale_ahead`` loads each K block's
-    scales one block early (False only to measure what that buys). Raises ValueError naming the reason
+    Arguments as ``fp8_blockwise_gluon.fp8_blockwise_gemm``. Raises ValueError naming the reason
     when the kernel cannot run here or ``cfg`` does not suit it.
 
     >>> y = fp8_blockwise_gemm(qa, qw, sa, sw, torch.bfloat16, (128, 128, 128, 8, 6, 8), b_group=128)  # doctest: +SKIP
@@ -218,25 +229,69 @@ def fp8_blockwise_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: t
     M, K = a.shape
     N = b.shape[0]
     if b.shape[1] != K:
-        raise ValueError(f"fp8_blockwise_gemm (warp-specialised): a is {tuple(a.shape)}, b is {tuple(b.shape)}; both must be [*, K]")
+        raise ValueError(f"fp8_blockwise_gemm (warp-specialised): a is {tuple(a.shape)}, b is {tuple(b.shape)}; "
+                         f"both must be [*, K]")
     why = available(a.device.index) or config_error(cfg, b_group) or operands_error(a, b)
     if why:
         raise ValueError(f"fp8_blockwise_gemm (warp-specialised): {why}")
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return c
-    bm, bn, bk, group_m, stages = cfg[:5]
-    a_desc = make_descriptor(a, [bm, bk])
-    b_desc = make_descriptor(b, [bn, bk])
-    tiles = -(-M // bm) * -(-N // bn)
-    progs = min(tiles, num_programs(a.device.index))
-    _fp8_blockwise_ws_kernel[(progs,)](a_desc, b_desc, c, sa, sb, M, N, K, c.stride(0), c.stride(1),
-                                       sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1), progs,
-                                       A_GROUP=a_group, B_GROUP=b_group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                       GROUP_M=group_m, STAGES=stages, SCALE_AHEAD=scale_ahead, MATH_REGS=MATH_REGS,
-                                       LOAD_REGS=LOAD_REGS,
-                                       num_warps=4, maxnreg=MAXNREG)
+    _launch(a, b, c, None, 1, N, sa, (sa.stride(0), sa.stride(1)), sb, (0, sb.stride(0), sb.stride(1)), cfg,
+            a_group, b_group)
     return c
 
 
-__all__ = ["KERNEL_REVISION", "available", "config_error", "fp8_blockwise_gemm"]
+def fp8_blockwise_grouped_gemm(a: torch.Tensor, b_gnk: torch.Tensor, out: torch.Tensor, offs: torch.Tensor,
+                               sa: torch.Tensor, sa_strides, sb: torch.Tensor, sb_strides, cfg,
+                               b_group: int = 128) -> torch.Tensor:
+    """``out[s_g:e_g] = dequant(a[s_g:e_g]) @ dequant(b_gnk[g])^T`` for every group, the group
+    boundaries ``offs`` (int32/int64, G + 1 entries) read on the device (no host sync).
+
+    ``a`` is K-major fp8 [M_total, K] with one scale per row and K block (``sa_strides``: row,
+    K-block strides of ``sa``); ``b_gnk`` is K-major fp8 [G, N, K], contiguous per group, with one
+    scale per ``b_group`` x K-block tile (``sb_strides``: group, row-block, K-block). Rows of
+    ``out`` are written group by group; an empty group has no tiles. Raises ValueError naming
+    the reason when the kernel cannot run here or ``cfg`` does not suit it.
+
+    >>> fp8_blockwise_grouped_gemm(qa, qw, out, offs, sa, (sa.stride(0), sa.stride(1)),
+    ...                            sw, sw.stride(), (128, 128, 128, 8, 6, 8))  # doctest: +SKIP
+    """
+    M, K = a.shape
+    G, N, Kb = b_gnk.shape
+    if Kb != K or out.shape != (M, N):
+        raise ValueError(f"fp8_blockwise_grouped_gemm: a is {tuple(a.shape)}, b_gnk {tuple(b_gnk.shape)}, out "
+                         f"{tuple(out.shape)}; need a [M, K], b_gnk [G, N, K], out [M, N]")
+    if offs.numel() != G + 1:
+        raise ValueError(f"fp8_blockwise_grouped_gemm: offs must have G + 1 = {G + 1} entries, got {offs.numel()}")
+    if b_gnk.stride(2) != 1 or b_gnk.stride(0) != N * b_gnk.stride(1):
+        raise ValueError("fp8_blockwise_grouped_gemm: b_gnk must be K-major with its groups stacked row after row "
+                         f"(strides {tuple(b_gnk.stride())})")
+    b_rows = b_gnk.view(G * N, K) if b_gnk.stride(1) == K else b_gnk.as_strided((G * N, K), (b_gnk.stride(1), 1))
+    why = available(a.device.index) or config_error(cfg, b_group) or operands_error(a, b_rows)
+    if why:
+        raise ValueError(f"fp8_blockwise_grouped_gemm: {why}")
+    if M == 0 or N == 0:
+        return out
+    _launch(a, b_rows, out, offs, G, N, sa, sa_strides, sb, sb_strides, cfg, 1, b_group)
+    return out
+
+
+def _launch(a, b_rows, c, offs, G: int, N: int, sa, sa_strides, sb, sb_strides, cfg, a_group: int,
+            b_group: int) -> None:
+    """One launch over ``G`` groups (``offs`` None: one group of all rows, the dense GEMM)."""
+    M, K = a.shape
+    bm, bn, bk, group_m, stages = cfg[:5]
+    a_desc = make_descriptor(a, [bm, bk])
+    b_desc = make_descriptor(b_rows, [bn, bk])
+    bound = (-(-M // bm) + (G if offs is not None else 0)) * -(-N // bn)  # most tiles any routing gives
+    progs = max(1, min(bound, num_programs(a.device.index)))
+    _fp8_blockwise_ws_kernel[(progs,)](a_desc, b_desc, c, sa, sb, sa if offs is None else offs, G, M, N, K,
+                                       c.stride(0), c.stride(1), *sa_strides, *sb_strides, progs,
+                                       GROUPED=offs is not None, A_GROUP=a_group, B_GROUP=b_group, BLOCK_M=bm,
+                                       BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages,
+                                       MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS,
+                                       num_warps=4, maxnreg=MAXNREG)
+
+
+__all__ = ["KERNEL_REVISION", "available", "config_error", "fp8_blockwise_gemm", "fp8_blockwise_grouped_gemm"]
