@@ -557,3 +557,28 @@ def test_gpu_full_op_forward_backward_vs_torch(trans_b):
 if __name__ == "__main__":
     _CASES[sys.argv[1]]()
     print(f"OK {sys.argv[1]}")
+
+
+def test_warp_specialised_grouped_config_and_refusals():
+    """The ninth config field selects the warp-specialised Gluon kernel: validated, never offered
+    where it cannot run (no sm_90 GPU here), a pinned one raises with the reason, and its
+    identity carries the kernel's own revision."""
+    from turbo_dispatch.backends.triton import configs as C
+    from turbo_dispatch.backends.triton.grouped_gemm import TritonGroupedGemmFp8, _check_config
+    from turbo_dispatch.low_precision import ScalingGranularity as SG
+
+    ws = (128, 128, 128, 8, 4, 8, 1, 1, C.KERNEL_GLUON_WS)
+    assert _check_config(ws) == ws
+    with pytest.raises(ValueError, match="kernel=1 must be 0"):
+        _check_config(ws[:8] + (1,))
+    a, b = torch.randn(64, 256, dtype=torch.bfloat16), torch.randn(2, 256, 128, dtype=torch.bfloat16)
+    lens, offs = _lens_offs([40, 24])
+    e4 = torch.float8_e4m3fn
+    p = _fp8_problem(a, b, lens, offs, False, False, torch.bfloat16, e4, e4, SG.BLOCKWISE, 128, True)
+    ad = TritonGroupedGemmFp8()
+    assert all(len(c) < 9 for c in ad.configs(p._replace(platform="cuda")))
+    with pytest.raises(ValueError, match="warp-specialised Gluon kernel, but .*(NVIDIA|sm_90|Gluon|interpreter)"):
+        ad.run(p, a, b, lens, offs, config=ws)
+    with pytest.raises(ValueError, match="2-D tiles only"):
+        ad.run(p._replace(b_2d=False), a, b, lens, offs, config=ws)
+    assert "gluon-ws-r" in ad.identity(ws) and "gluon-ws" not in ad.identity(ws[:8])

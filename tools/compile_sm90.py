@@ -242,7 +242,8 @@ def _grouped_variable_k(cfg: tuple, scale: int, dtype):
 
 
 def _grouped_problem(gran, variable_k: bool, m: int, n: int):
-    return SimpleNamespace(granularity=gran, block_size=128, variable_k=variable_k, m=m, n=n, g=G_MOE, b_2d=True)
+    return SimpleNamespace(granularity=gran, block_size=128, variable_k=variable_k, m=m, n=n, g=G_MOE, b_2d=True,
+                           platform="cuda")
 
 
 def families() -> dict:

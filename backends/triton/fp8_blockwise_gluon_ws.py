@@ -52,8 +52,9 @@ if gluon is not None:
     def _group_rows(offs_ptr, g, M, GROUPED: gl.constexpr):
         """First row and row count of group ``g``: read on the device (grouped), or all of ``a``."""
         if GROUPED:
-            start = gl.load(offs_ptr + g)
-            return start, gl.load(offs_ptr + g + 1) - start
+            # int32 whatever the offsets' dtype: loop-carried tile counters must keep one type.
+            start = gl.load(offs_ptr + g).to(gl.int32)
+            return start, gl.load(offs_ptr + g + 1).to(gl.int32) - start
         else:
             return M * 0, M
 
