@@ -146,6 +146,8 @@ if gluon is not None:
                 tile += NUM_PROGS
             base += count
 
+    # One wrapper per math warpgroup: a worker partition takes the same argument list as the
+    # loader, so the warpgroup index is fixed here rather than passed.
     @gluon.jit
     def _ws_math0(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m,
                  sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
