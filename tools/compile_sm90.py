@@ -153,29 +153,33 @@ def _dense_fp8(cfg: C.TileConfig, mode: int):
         num_warps=cfg.num_warps, grid=(1,))
 
 
-def _dense_fp8_gluon(cfg: C.TileConfig):
+def _dense_gluon_operands(cfg: C.TileConfig):
+    """Descriptors, output and 1 x bk / bk x bk scales of the dense blockwise problem, laid out as
+    the Gluon launchers lay them."""
     M, N, K = M_DENSE, N_DENSE, K_DENSE
     a, b = torch.empty((M, K), dtype=E4), torch.empty((N, K), dtype=E4)
     c = torch.empty((M, N), dtype=torch.bfloat16)
     sa, sb = torch.empty((K // cfg.block_k, M)).t(), torch.empty((N // cfg.block_k, K // cfg.block_k))
+    descs = GL.make_descriptor(a, [cfg.block_m, cfg.block_k]), GL.make_descriptor(b, [cfg.block_n, cfg.block_k])
+    return descs, c, sa, sb
+
+
+def _dense_fp8_gluon(cfg: C.TileConfig):
+    (ad, bd), c, sa, sb = _dense_gluon_operands(cfg)
     return GL._fp8_blockwise_kernel.warmup(
-        GL.make_descriptor(a, [cfg.block_m, cfg.block_k]), GL.make_descriptor(b, [cfg.block_n, cfg.block_k]), c,
-        sa, sb, M, N, K, N, 1, *sa.stride(), *sb.stride(), 132, A_GROUP=1, B_GROUP=cfg.block_k,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-        CHUNK=GL.chunk_for(cfg.block_m, cfg.block_n, cfg.num_warps), num_warps=cfg.num_warps, grid=(1,))
+        ad, bd, c, sa, sb, M_DENSE, N_DENSE, K_DENSE, N_DENSE, 1, *sa.stride(), *sb.stride(), 132, A_GROUP=1,
+        B_GROUP=cfg.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        STAGES=cfg.num_stages, CHUNK=GL.chunk_for(cfg.block_m, cfg.block_n, cfg.num_warps), num_warps=cfg.num_warps,
+        grid=(1,))
 
 
 def _dense_fp8_gluon_ws(cfg: C.TileConfig):
-    M, N, K = M_DENSE, N_DENSE, K_DENSE
-    a, b = torch.empty((M, K), dtype=E4), torch.empty((N, K), dtype=E4)
-    c = torch.empty((M, N), dtype=torch.bfloat16)
-    sa, sb = torch.empty((K // cfg.block_k, M)).t(), torch.empty((N // cfg.block_k, K // cfg.block_k))
+    (ad, bd), c, sa, sb = _dense_gluon_operands(cfg)
     return GWS._fp8_blockwise_ws_kernel.warmup(
-        GL.make_descriptor(a, [cfg.block_m, cfg.block_k]), GL.make_descriptor(b, [cfg.block_n, cfg.block_k]), c,
-        sa, sb, sa, 1, M, N, K, N, 1, *sa.stride(), 0, *sb.stride(), 132, GROUPED=False, A_GROUP=1,
-        B_GROUP=cfg.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        STAGES=cfg.num_stages, MATH_REGS=GWS.MATH_REGS, LOAD_REGS=GWS.LOAD_REGS, num_warps=4,
-        maxnreg=GWS.MAXNREG, grid=(1,))
+        ad, bd, c, sa, sb, sa, 1, M_DENSE, N_DENSE, K_DENSE, N_DENSE, 1, *sa.stride(), 0, *sb.stride(), 132,
+        GROUPED=False, A_GROUP=1, B_GROUP=cfg.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, MATH_REGS=GWS.MATH_REGS,
+        LOAD_REGS=GWS.LOAD_REGS, num_warps=4, maxnreg=GWS.MAXNREG, grid=(1,))
 
 
 def _grouped_fp8_gluon_ws(cfg: C.TileConfig):
@@ -187,8 +191,7 @@ def _grouped_fp8_gluon_ws(cfg: C.TileConfig):
         GL.make_descriptor(a, [cfg.block_m, cfg.block_k]), GL.make_descriptor(b, [cfg.block_n, cfg.block_k]), c,
         sa, sb, offs, G, M, N, K, N, 1, *sa.stride(), *sb.stride(), 132, GROUPED=True, A_GROUP=1, B_GROUP=128,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-        MATH_REGS=GWS.MATH_REGS, LOAD_REGS=GWS.LOAD_REGS, num_warps=4, maxnreg=GWS.MAXNREG,
-        grid=(1,))
+        MATH_REGS=GWS.MATH_REGS, LOAD_REGS=GWS.LOAD_REGS, num_warps=4, maxnreg=GWS.MAXNREG, grid=(1,))
 
 
 def _dense_bf16(cfg: C.TileConfig):
@@ -266,7 +269,8 @@ def families() -> dict:
         ("dense_fp8_blockwise", blockwise, lambda c: _dense_fp8(c, FK.SCALE_BLOCK), dense),
         ("dense_fp8_blockwise_gluon", gluon, _dense_fp8_gluon, dense),
         ("dense_fp8_blockwise_gluon_ws", gluon_ws, _dense_fp8_gluon_ws, dense),
-        ("grouped_fp8_blockwise_gluon_ws", gluon_ws, _grouped_fp8_gluon_ws, dense),
+        ("grouped_fp8_blockwise_gluon_ws", [C.TileConfig(*GG.WS_CONFIG[:6], 1, C.KERNEL_GLUON_WS)],
+         _grouped_fp8_gluon_ws, dense),
         ("dense_fp8_rowwise", C.fp8_candidates(M_DENSE, N_DENSE, K_DENSE), lambda c: _dense_fp8(c, FK.SCALE_ROW), dense),
         ("dense_bf16", C.gemm_candidates(M_DENSE, N_DENSE, 4096, 2), _dense_bf16, dense),
         ("grouped_fp8_blockwise", GG._fp8_configs(_grouped_problem(B, False, M_MOE, N_MOE)),

@@ -2,8 +2,9 @@
 
 GEMM only, K-major fp8 operands quantised once (1 x 128 activation blocks, 128 x 128 weight
 blocks). Per shape: ``F.scaled_mm`` (cuBLASLt) first as the reference output and peer, the
-production Triton tile, then the warp-specialised kernel over pipeline depth. Each variant's output is compared with cuBLASLt's (relative
-Frobenius error) before it is timed. One JSON line per row in ``--out``.
+production Triton tile, then the warp-specialised kernel over pipeline depth. Each variant's
+output is compared with cuBLASLt's (relative Frobenius error) before it is timed. One JSON line
+per row in ``--out``.
 
 ``--grouped`` does the same for the M-grouped form (``fp8_blockwise_grouped_gemm``): first a
 float64 check over empty, one-row and unaligned groups, then DeepSeek-V3 8 experts x 4096 tokens

@@ -189,9 +189,10 @@ _FP8_BLOCKWISE = {
 # other shapes; its 128 x 64 tile ran at 587-621 and is not offered.
 _FP8_BLOCKWISE_GLUON = {
     "small": [],
-    "medium": [TileConfig(128, 128, 128, 8, 6, 8, 1, KERNEL_GLUON_WS), TileConfig(128, 128, 128, 8, 5, 8, 1, KERNEL_GLUON),
-               TileConfig(64, 128, 128, 8, 4, 4, 2, KERNEL_GLUON)],
-    "large": [TileConfig(128, 128, 128, 8, 6, 8, 1, KERNEL_GLUON_WS), TileConfig(128, 128, 128, 8, 5, 8, 1, KERNEL_GLUON), TileConfig(128, 64, 128, 8, 6, 8, 1, KERNEL_GLUON),
+    "medium": [TileConfig(128, 128, 128, 8, 6, 8, 1, KERNEL_GLUON_WS),
+               TileConfig(128, 128, 128, 8, 5, 8, 1, KERNEL_GLUON), TileConfig(64, 128, 128, 8, 4, 4, 2, KERNEL_GLUON)],
+    "large": [TileConfig(128, 128, 128, 8, 6, 8, 1, KERNEL_GLUON_WS),
+              TileConfig(128, 128, 128, 8, 5, 8, 1, KERNEL_GLUON), TileConfig(128, 64, 128, 8, 6, 8, 1, KERNEL_GLUON),
               TileConfig(64, 128, 128, 8, 4, 4, 2, KERNEL_GLUON)],
 }
 

@@ -150,21 +150,21 @@ if gluon is not None:
     # loader, so the warpgroup index is fixed here rather than passed.
     @gluon.jit
     def _ws_math0(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m,
-                 sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
-                 B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-        _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m, sc_n, ssa_r,
-                 ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K,
-                 GROUP_M, STAGES, 0)
+                  sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
+                  B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m, sc_n,
+                 ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N,
+                 BLOCK_K, GROUP_M, STAGES, 0)
 
     @gluon.jit
     def _ws_math1(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m,
-                 sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
-                 B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-        _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m, sc_n, ssa_r,
-                 ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K,
-                 GROUP_M, STAGES, 1)
+                  sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
+                  B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m, sc_n,
+                 ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N,
+                 BLOCK_K, GROUP_M, STAGES, 1)
 
     @gluon.jit
     def _fp8_blockwise_ws_kernel(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, G, M, N, K, sc_m, sc_n,
@@ -183,15 +183,15 @@ if gluon is not None:
         # The argument tuple is spelled out at each use: assigned to a variable, its constexpr
         # entries would become tensors (triton 3.6).
         gl.warp_specialize([
-            (_ws_math0, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m, sc_n, ssa_r,
-                 ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K,
-                 GROUP_M, STAGES)),
-            (_ws_math1, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m, sc_n, ssa_r,
-                 ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K,
-                 GROUP_M, STAGES)),
-            (_ws_load, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m, sc_n, ssa_r,
-                 ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N, BLOCK_K,
-                 GROUP_M, STAGES)),
+            (_ws_math0, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m,
+                          sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M,
+                          BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+            (_ws_math1, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m,
+                          sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M,
+                          BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+            (_ws_load, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m,
+                         sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M,
+                         BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
         ], [4, 1], [MATH_REGS, LOAD_REGS])
 
 
@@ -205,7 +205,8 @@ def config_error(cfg, b_group: int) -> str | None:
     bm, bn, bk, _, stages, warps = cfg[:6]
     occupancy = cfg[6] if len(cfg) > 6 else 1
     if bm != 2 * ROWS_PER_WARPGROUP or warps != 8:
-        return f"the tile must be 128 rows in two math warpgroups (BLOCK_M 128, 8 warps), got {bm} rows, {warps} warps"
+        return (f"the tile must be 128 rows in two math warpgroups (BLOCK_M 128, 8 warps), got {bm} rows, "
+                f"{warps} warps")
     if bn % 8 or not 8 <= bn <= 128:
         return f"BLOCK_N must be a multiple of 8 in [8, 128] (two fp32 tiles per math thread), got {bn}"
     if bk % 32:
@@ -270,7 +271,8 @@ def fp8_blockwise_grouped_gemm(a: torch.Tensor, b_gnk: torch.Tensor, out: torch.
     if b_gnk.stride(2) != 1 or b_gnk.stride(0) != N * b_gnk.stride(1):
         raise ValueError("fp8_blockwise_grouped_gemm: b_gnk must be K-major with its groups stacked row after row "
                          f"(strides {tuple(b_gnk.stride())})")
-    b_rows = b_gnk.view(G * N, K) if b_gnk.stride(1) == K else b_gnk.as_strided((G * N, K), (b_gnk.stride(1), 1))
+    # Rows may be padded (row stride > K): a strided [G * N, K] view, not a copy.
+    b_rows = b_gnk.as_strided((G * N, K), (b_gnk.stride(1), 1))
     why = available(a.device.index) or config_error(cfg, b_group) or operands_error(a, b_rows)
     if why:
         raise ValueError(f"fp8_blockwise_grouped_gemm: {why}")

@@ -307,13 +307,15 @@ def _fp8_configs(p) -> list[Config]:
     return _ws_configs(p, bk) + _fit(cands, p.m, p.n)
 
 
+#: The warp-specialised Gluon kernel's grouped config (ninth field ``KERNEL_GLUON_WS``); BK is
+#: replaced by the problem's K step. H100, DeepSeek-V3 8 x 4096, kernel only: 948 vs 889 TFLOPS
+#: (up_gate), 849 vs 788 (down) for the Triton 128 x 128 tile; 4 stages ran 1% faster than 6.
+WS_CONFIG = (128, 128, 128, 8, 4, 8, 1, 1, KERNEL_GLUON_WS)
+
+
 def _ws_configs(p, bk: int) -> list[Config]:
-    """The warp-specialised Gluon kernel's config (ninth field ``KERNEL_GLUON_WS``), first where it
-    can run: blockwise with the weight in 2-D tiles, an sm_90 GPU. H100, DeepSeek-V3 8 x 4096,
-    kernel only: 948 vs 889 TFLOPS (up_gate), 849 vs 788 (down) for the Triton 128 x 128 tile."""
-    if p.granularity is not ScalingGranularity.BLOCKWISE or not p.b_2d or p.platform != "cuda":
-        return []
-    cfg = (128, 128, bk, 8, 4, 8, 1, 1, KERNEL_GLUON_WS)
+    """``WS_CONFIG``, first, where the warp-specialised kernel can run (``_ws_refusal``)."""
+    cfg = WS_CONFIG[:2] + (bk,) + WS_CONFIG[3:]
     return [cfg] if _ws_refusal(p, cfg) is None else []
 
 
@@ -321,8 +323,12 @@ def _ws_refusal(p, cfg) -> str | None:
     """Why the warp-specialised kernel cannot run ``cfg`` for ``p`` here, or None."""
     from . import fp8_blockwise_gluon_ws as GWS
 
+    if p.variable_k:
+        return "it serves the forward and dgrad (fixed K), not the wgrad"
     if p.granularity is not ScalingGranularity.BLOCKWISE or not p.b_2d:
         return "it serves blockwise fp8 with the weight in 2-D tiles only"
+    if p.platform != "cuda":
+        return f"it runs on NVIDIA sm_90 (platform is {p.platform})"
     if cfg[2] != p.block_size:
         return f"its BK={cfg[2]} must equal block_size={p.block_size} (one scale per K step)"
     return GWS.available() or GWS.config_error(cfg[:6], p.block_size)
@@ -461,8 +467,6 @@ class TritonGroupedGemmFp8(_TritonAdapter):
     def run(self, p, x, y, group_lens, group_offs, config=None):
         cfg = _fp8_configs(p)[0] if config is None else _check_config(config)
         why = _ws_refusal(p, cfg) if _is_ws(cfg) else None
-        if why is None and _is_ws(cfg) and p.variable_k:
-            why = "it serves the forward and dgrad (fixed K), not the wgrad"
         if why:
             raise ValueError(f"TRITON grouped fp8: config {tuple(cfg)} selects the warp-specialised Gluon kernel, "
                              f"but {why}")
