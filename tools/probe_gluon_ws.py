@@ -10,7 +10,7 @@ per row in ``--out``.
 float64 check over empty, one-row and unaligned groups, then DeepSeek-V3 8 experts x 4096 tokens
 (up_gate and down, balanced and skewed routing), kernel only, against the Triton grouped kernel.
 
-Usage (on an sm_90 GPU): ``python tools/probe_gluon_ws.py [--grouped] --out ws.jsonl``.
+Usage (on an sm_90 GPU): ``python tools/probe_gluon_ws.py [--grouped] [--tiles 128:6,256:4] --out ws.jsonl``.
 """
 from __future__ import annotations
 
@@ -38,6 +38,9 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--shapes", default="4096x7168x16384,4096x4096x7168,8192x14336x4096")
     ap.add_argument("--stages", default="4,5,6")
+    ap.add_argument("--tiles", default="",
+                    help="BLOCK_N:stages pairs of the warp-specialised kernel, e.g. 128:6,256:4 (overrides --stages; "
+                         "each is first checked against float64 on odd sizes)")
     ap.add_argument("--grouped", action="store_true", help="the grouped form instead of the dense one")
     args = ap.parse_args()
     out = open(args.out, "w") if args.out else None
@@ -50,8 +53,15 @@ def main() -> int:
 
     emit(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     torch.manual_seed(0)
+    if args.tiles:
+        tiles = [tuple(int(v) for v in t.split(":")) for t in args.tiles.split(",")]
+    else:
+        tiles = [(128, int(s)) for s in args.stages.split(",")]
+    ws_cfgs = [C.TileConfig(128, bn, 128, 8, st, 8, 1, C.KERNEL_GLUON_WS) for bn, st in tiles]
     if args.grouped:
-        return grouped(emit, [int(s) for s in args.stages.split(",")])
+        return grouped(emit, ws_cfgs)
+    if args.tiles and not dense_check(emit, ws_cfgs):
+        return 1
     for shape in args.shapes.split(","):
         m, n, k = (int(v) for v in shape.split("x"))
         flops = 2.0 * m * n * k
@@ -67,9 +77,8 @@ def main() -> int:
                     ("triton(128, 128, 128, 8, 4, 8)", lambda: FK.fp8_gemm(
                         qa, qb, sa, sb, FK.SCALE_BLOCK, torch.bfloat16, C.TileConfig(128, 128, 128, 8, 4, 8),
                         a_group=1, b_group=128))]
-        for stages in (int(s) for s in args.stages.split(",")):
-            cfg = C.TileConfig(128, 128, 128, 8, stages, 8, 1, C.KERNEL_GLUON_WS)
-            variants.append((f"ws(s{stages})", lambda cfg=cfg: GWS.fp8_blockwise_gemm(
+        for cfg in ws_cfgs:
+            variants.append((_ws_name(cfg), lambda cfg=cfg: GWS.fp8_blockwise_gemm(
                 qa, qb, sa, sb, torch.bfloat16, cfg, a_group=1, b_group=128)))
         for name, fn in variants:
             rel = float((fn().float() - ref).norm() / ref.norm())
@@ -79,6 +88,35 @@ def main() -> int:
             ms = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
             emit(shape=shape, variant=name, rel=rel, ms=ms, tflops=flops / ms / 1e9)
     return 0
+
+
+def _ws_name(cfg) -> str:
+    return f"ws(n{cfg.block_n},s{cfg.num_stages})"
+
+
+def dense_check(emit, cfgs) -> bool:
+    """Each config against float64 on the dequantised operands: M of 1 and off the tile grid, N
+    whose last tile is partly or (for a 256-column tile, its second half) wholly past N, K with a
+    partial block; 1 x 128 or 128 x 128 ``a`` scales."""
+    ok = True
+    for cfg in cfgs:
+        for m, n, k in [(1, 128, 256), (257, 384, 1000), (1000, 1000, 1157), (2048, 1536, 4096)]:
+            a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
+            b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            for a2d in (False, True):
+                qa, sa = quantize_kmajor(a, E4, G.BLOCKWISE, 128, a2d)
+                qb, sb = quantize_kmajor(b, E4, G.BLOCKWISE, 128, True)
+                ga = 128 if a2d else 1
+                out = GWS.fp8_blockwise_gemm(qa, qb, sa, sb, torch.float32, cfg, a_group=ga, b_group=128).double()
+                da = qa.double() * sa.double().repeat_interleave(ga, 0)[:m].repeat_interleave(128, 1)[:, :k]
+                db = qb.double() * sb.double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+                ref = da @ db.t()
+                rel = float((out - ref).norm() / ref.norm())
+                good = rel < 1e-3 and bool(out.isfinite().all())
+                ok &= good
+                emit(check="dense_vs_float64", variant=_ws_name(cfg), shape=f"{m}x{n}x{k}", a2d=a2d, rel=rel,
+                     status="PASS" if good else "FAIL")
+    return ok
 
 
 def _grouped_operands(lens, n, k):
@@ -106,11 +144,10 @@ def _grouped_triton(qa, sa, qw, sw, offs, cfg=(128, 128, 128, 8, 4, 8, 1)):
                           sb_strides=tuple(sw.stride()), qblock=128, sb_ndiv=128)
 
 
-def grouped(emit, stages_list) -> int:
-    ws = C.TileConfig(128, 128, 128, 8, 6, 8, 1, C.KERNEL_GLUON_WS)
+def grouped(emit, ws_cfgs) -> int:
     # float64 check: empty groups, a one-row group, sizes off the 128 grid, K with a partial block.
     lens = [0, 300, 1, 700, 0, 129, 0]
-    for n, k in ((384, 1000), (256, 7168)):
+    for ws, n, k in [(ws, n, k) for ws in ws_cfgs for n, k in ((384, 1000), (256, 7168))]:
         qa, sa, qw, sw, offs = _grouped_operands(lens, n, k)
         out = _grouped_ws(qa, sa, qw, sw, offs, ws).double()
         bad = []
@@ -124,8 +161,8 @@ def grouped(emit, stages_list) -> int:
             rel = float((out[s0:s1] - ref).norm() / ref.norm())
             if not rel < 1e-2:
                 bad.append((g, rel))
-        emit(check="grouped_vs_float64", lens=lens, n=n, k=k, status="PASS" if not bad else "FAIL", bad=bad,
-             finite=bool(out.isfinite().all()))
+        emit(check="grouped_vs_float64", variant=_ws_name(ws), lens=lens, n=n, k=k,
+             status="PASS" if not bad else "FAIL", bad=bad, finite=bool(out.isfinite().all()))
     # timing at DeepSeek-V3, 8 local experts x 4096 tokens
     for name, n, k in (("dsv3_up", 4096, 7168), ("dsv3_down", 7168, 2048)):
         for routing in ("balanced", "skewed"):
@@ -139,9 +176,8 @@ def grouped(emit, stages_list) -> int:
             flops = 2.0 * 32768 * n * k
             ref = _grouped_triton(qa, sa, qw, sw, offs).float()
             variants = [("triton(128, 128, 128, 8, 4, 8, 1)", lambda: _grouped_triton(qa, sa, qw, sw, offs))]
-            for st in stages_list:
-                cfg = ws._replace(num_stages=st)
-                variants.append((f"ws(s{st})", lambda cfg=cfg: _grouped_ws(qa, sa, qw, sw, offs, cfg)))
+            for cfg in ws_cfgs:
+                variants.append((_ws_name(cfg), lambda cfg=cfg: _grouped_ws(qa, sa, qw, sw, offs, cfg)))
             for vname, fn in variants:
                 rel = float((fn().float() - ref).norm() / ref.norm())
                 if not rel < 5e-3:

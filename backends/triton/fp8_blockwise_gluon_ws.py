@@ -17,8 +17,11 @@ barrier (TMA bytes) and an ``empty`` barrier that both math warpgroups arrive on
 wgmma has read the slot. All partitions walk the same persistent tile sequence, so the loader
 runs ahead across tile boundaries while the math warpgroups store a finished tile.
 
-Registers: the math warpgroups ask for 232 per thread (64 x BLOCK_N accumulator plus the
-in-flight partial), the loader for 40; the kernel launches with ``maxnreg`` so that the three
+A 256-column tile is two 128-column accumulators per math warpgroup, each K block two wgmmas
+in turn (one partial in flight), so that the fp32 state is 192 registers, not 256.
+
+Registers: the math warpgroups ask for 232 per thread (the accumulators plus the in-flight
+partial), the loader for 40; the kernel launches with ``maxnreg`` so that the three
 warpgroups fit in one SM's register file.
 
 Needs triton >= 3.6 with Gluon and an sm_90 GPU; ``fp8_blockwise_gluon.available`` says why not.
@@ -37,7 +40,7 @@ if gluon is not None:
     from .fp8_blockwise_gluon import _promote, _scales, _tile_coords, _tma_load
 
 #: Bumped whenever the kernel's code changes, so stored tuning results are invalidated.
-KERNEL_REVISION = "gluon-ws-r4"
+KERNEL_REVISION = "gluon-ws-r5"
 #: Rows of the tile each math warpgroup owns (one 64-row wgmma).
 ROWS_PER_WARPGROUP = 64
 #: Registers per thread requested for the math warpgroups and the loader, and the kernel-wide
@@ -96,19 +99,27 @@ if gluon is not None:
                  sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
                  B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
-        """Math warpgroup ``WG``: rows ``WG * 64`` to ``WG * 64 + 63`` of every tile."""
+        """Math warpgroup ``WG``: rows ``WG * 64`` to ``WG * 64 + 63`` of every tile.
+
+        A 256-column tile is worked as two 128-column halves, each with its own accumulator and one
+        shared in-flight partial: two 64 x 256 fp32 tensors (accumulator and partial) would need
+        256 registers per thread, the halves need 192. The wide tile loads a quarter fewer bytes
+        per FLOP than the 128 x 128 one (each ``a`` tile serves twice the columns): on an H100 it
+        ran 1.13-1.18x faster (gluon-ws-r5)."""
         ROWS: gl.constexpr = BLOCK_M // 2
+        SPLIT: gl.constexpr = (BLOCK_N + 127) // 128  # 128 columns per accumulator at most
+        HALF: gl.constexpr = BLOCK_N // SPLIT
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BLOCK_N, 32])
+                                                             instr_shape=[16, HALF, 32])
         rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
         cols_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
         A_SCALAR: gl.constexpr = A_GROUP >= ROWS and A_GROUP % ROWS == 0
-        B_SCALAR: gl.constexpr = B_GROUP >= BLOCK_N and B_GROUP % BLOCK_N == 0
+        B_SCALAR: gl.constexpr = B_GROUP >= HALF and B_GROUP % HALF == 0
 
         pid = gl.program_id(0)
         num_pid_n = gl.cdiv(N, BLOCK_N)
         k_tiles = gl.cdiv(K, BLOCK_K)
-        zero = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+        zero = gl.zeros((ROWS, HALF), dtype=gl.float32, layout=mma_layout)
         step = 0
         tile = pid
         base = 0
@@ -122,29 +133,61 @@ if gluon is not None:
                 pid_m, pid_n = _tile_coords(tile - base, num_pid_m, num_pid_n, GROUP_M)
                 off_m = start + pid_m * BLOCK_M + WG * ROWS
                 off_n = pid_n * BLOCK_N
+                # The second half's first column, clamped so that its scalar scale load stays
+                # inside sb when the half lies wholly past N (its columns are never stored).
+                off_n1 = gl.minimum(off_n + HALF, N - 1)
                 offs_m = off_m + gl.arange(0, ROWS, layout=rows_layout)
-                offs_n = off_n + gl.arange(0, BLOCK_N, layout=cols_layout)
                 acc = zero
+                acc1 = zero
                 for kt in range(k_tiles):
                     slot = step % STAGES
                     mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
                     a_rows = a_bufs.index(slot).slice(WG * ROWS, ROWS)
-                    part = warpgroup_mma(a_rows, b_bufs.index(slot).permute((1, 0)), zero, use_acc=False,
+                    b_tile = b_bufs.index(slot)
+                    part = warpgroup_mma(a_rows, b_tile.slice(0, HALF).permute((1, 0)), zero, use_acc=False,
                                          is_async=True)
                     # The scale loads go out while the wgmma runs. (Loading them one K block
                     # ahead instead measured 3-9% slower on an H100: gluon-ws-r2.)
                     sa = _scales(sa_ptr, offs_m, off_m, kt, ssa_r, ssa_k, end, A_GROUP, ROWS)
-                    sb = _scales(sbg_ptr, offs_n, off_n, kt, ssb_r, ssb_k, N, B_GROUP, BLOCK_N)
+                    # Column indices are made here, not kept from before the loop: held across it
+                    # they would cost a register per column.
+                    offs_n = off_n + gl.arange(0, HALF, layout=cols_layout)
+                    sb = _scales(sbg_ptr, offs_n, off_n, kt, ssb_r, ssb_k, N, B_GROUP, HALF)
+                    if SPLIT == 2:
+                        sb1 = _scales(sbg_ptr, offs_n + HALF, off_n1, kt, ssb_r, ssb_k, N, B_GROUP, HALF)
                     part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                    # The slot is read: hand it back before promoting, so the next load starts now.
-                    mbarrier.arrive(empty.index(slot), count=1)
+                    if SPLIT == 1:
+                        # The slot is read: hand it back before promoting, so the next load starts now.
+                        mbarrier.arrive(empty.index(slot), count=1)
                     acc = _promote(acc, part, sa, sb, A_SCALAR, B_SCALAR)
+                    if SPLIT == 2:
+                        part = warpgroup_mma(a_rows, b_tile.slice(HALF, HALF).permute((1, 0)), zero,
+                                             use_acc=False, is_async=True)
+                        part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                        mbarrier.arrive(empty.index(slot), count=1)
+                        acc1 = _promote(acc1, part, sa, sb1, A_SCALAR, B_SCALAR)
                     step += 1
-                mask = (offs_m[:, None] < end) & (offs_n[None, :] < N)
-                c_ptrs = c + offs_m.to(gl.int64)[:, None] * sc_m + offs_n[None, :] * sc_n
-                gl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=mask)
+                # Both halves are narrowed before either is stored: two fp32 halves plus one
+                # half's addresses would not fit in the registers.
+                out0 = acc.to(c.dtype.element_ty)
+                if SPLIT == 2:
+                    out1 = acc1.to(c.dtype.element_ty)
+                _store_tile(c, out0, off_m, off_n, end, N, sc_m, sc_n)
+                if SPLIT == 2:
+                    _store_tile(c, out1, off_m, off_n + HALF, end, N, sc_m, sc_n)
                 tile += NUM_PROGS
             base += count
+
+    @gluon.jit
+    def _store_tile(c, vals, off_m, off_n, end, N, sc_m, sc_n):
+        """Masked store of ``vals`` with its first element at (``off_m``, ``off_n``), rows below
+        ``end`` and columns below ``N``: 32-bit offsets from one 64-bit base, half the registers
+        of 64-bit pointers."""
+        rows = gl.arange(0, vals.shape[0], layout=gl.SliceLayout(1, vals.type.layout))
+        cols = gl.arange(0, vals.shape[1], layout=gl.SliceLayout(0, vals.type.layout))
+        mask = (off_m + rows[:, None] < end) & (off_n + cols[None, :] < N)
+        base = c + off_m.to(gl.int64) * sc_m + off_n * sc_n
+        gl.store(base + (rows[:, None] * sc_m + cols[None, :] * sc_n), vals, mask=mask)
 
     # One wrapper per math warpgroup: a worker partition takes the same argument list as the
     # loader, so the warpgroup index is fixed here rather than passed.
@@ -199,25 +242,28 @@ def config_error(cfg, b_group: int) -> str | None:
     """Why ``cfg`` (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, stages, warps[, ...]) cannot run this
     kernel with ``b``'s scales shared by ``b_group`` rows, or None.
 
-    The tile is two 64-row math warpgroups (BLOCK_M 128, 8 math warps). ``b``'s scale must be
-    one value per tile, as in the single-program Gluon kernel: a per-column scale vector per
-    thread does not fit next to the accumulator and the in-flight partial."""
+    The tile is two 64-row math warpgroups (BLOCK_M 128, 8 math warps), at most 128 columns per
+    accumulator: BLOCK_N up to 128, or 256 as two 128-column accumulators. ``b``'s scale must be
+    one value per accumulator, as in the single-program Gluon kernel: a per-column scale vector
+    per thread does not fit next to the accumulators and the in-flight partial."""
     bm, bn, bk, _, stages, warps = cfg[:6]
     occupancy = cfg[6] if len(cfg) > 6 else 1
     if bm != 2 * ROWS_PER_WARPGROUP or warps != 8:
         return (f"the tile must be 128 rows in two math warpgroups (BLOCK_M 128, 8 warps), got {bm} rows, "
                 f"{warps} warps")
-    if bn % 8 or not 8 <= bn <= 128:
-        return f"BLOCK_N must be a multiple of 8 in [8, 128] (two fp32 tiles per math thread), got {bn}"
+    if bn != 256 and (bn % 8 or not 8 <= bn <= 128):
+        return (f"BLOCK_N must be a multiple of 8 in [8, 128], or 256 (two 128-column halves), got {bn}: "
+                f"the accumulator and the in-flight partial must fit in a math thread's registers")
     if bk % 32:
         return f"BLOCK_K must be a multiple of 32 (the fp8 wgmma K), got {bk}"
     if stages < 2:
         return f"num_stages must be >= 2, got {stages}"
     if occupancy != 1:
         return f"occupancy must be 1 (the three warpgroups use the whole register file), got {occupancy}"
-    if b_group < bn or b_group % bn:
-        return (f"b's scales must be one per tile: b_group={b_group} is not a multiple of BLOCK_N={bn} "
-                f"(per-column scales do not fit in registers)")
+    half = bn // 2 if bn == 256 else bn
+    if b_group < half or b_group % half:
+        return (f"b's scales must be one per tile: b_group={b_group} is not a multiple of {half}, the columns "
+                f"one accumulator covers (per-column scales do not fit in registers)")
     return None
 
 

@@ -307,16 +307,20 @@ def _fp8_configs(p) -> list[Config]:
     return _ws_configs(p, bk) + _fit(cands, p.m, p.n)
 
 
-#: The warp-specialised Gluon kernel's grouped config (ninth field ``KERNEL_GLUON_WS``); BK is
-#: replaced by the problem's K step. H100, DeepSeek-V3 8 x 4096, kernel only: 948 vs 889 TFLOPS
-#: (up_gate), 849 vs 788 (down) for the Triton 128 x 128 tile; 4 stages ran 1% faster than 6.
-WS_CONFIG = (128, 128, 128, 8, 4, 8, 1, 1, KERNEL_GLUON_WS)
+#: The warp-specialised Gluon kernel's grouped configs (ninth field ``KERNEL_GLUON_WS``), the first
+#: the default; BK is replaced by the problem's K step. H100, DeepSeek-V3 8 x 4096, kernel only,
+#: same run (gluon-ws-r5): the 256-column tile at 4 stages 1035 / 1010 TFLOPS up_gate balanced /
+#: skewed, 885 / 853 down; 3 stages 1017 / 994 and 902 / 854; the 128-column tile 941 / 892 and
+#: 816 / 872; the Triton 128 x 128 tile 868 / 853 and 775 / 745.
+WS_CONFIGS = ((128, 256, 128, 8, 4, 8, 1, 1, KERNEL_GLUON_WS), (128, 256, 128, 8, 3, 8, 1, 1, KERNEL_GLUON_WS),
+              (128, 128, 128, 8, 4, 8, 1, 1, KERNEL_GLUON_WS))
 
 
 def _ws_configs(p, bk: int) -> list[Config]:
-    """``WS_CONFIG``, first, where the warp-specialised kernel can run (``_ws_refusal``)."""
-    cfg = WS_CONFIG[:2] + (bk,) + WS_CONFIG[3:]
-    return [cfg] if _ws_refusal(p, cfg) is None else []
+    """``WS_CONFIGS``, first, where the warp-specialised kernel can run (``_ws_refusal``); the
+    256-column tile only where N is at least 256."""
+    cfgs = [c[:2] + (bk,) + c[3:] for c in WS_CONFIGS if c[1] <= max(128, p.n)]
+    return [c for c in cfgs if _ws_refusal(p, c) is None]
 
 
 def _ws_refusal(p, cfg) -> str | None:
