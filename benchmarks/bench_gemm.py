@@ -246,25 +246,36 @@ def triton_blockwise_gemm():
     """The TRITON blockwise fp8 GEMM on pre-quantised operands, as (fn, "") or (None, why not).
 
     ``fn(qa, qb, out_dtype, tile)`` takes qa = the 1 x 128 quantised [M, K] activations and qb =
-    the 128 x 128 quantised [N, K] weight (QuantizedTensors) and runs
-    ``backends/triton/fp8_gemm_kernels.fp8_gemm`` with that tile config; ``tiles(m, n, k)`` lists
-    the Triton adapter's candidate tiles (its default first).
+    the 128 x 128 quantised [N, K] weight (QuantizedTensors) and runs the kernel the tile's
+    ``kernel`` field names: the Triton kernel of ``backends/triton/fp8_gemm_kernels.py`` or a Gluon
+    one (``gemm.gluon_kernel``). ``tiles(m, n, k)`` lists the Triton adapter's candidate tiles on
+    this machine (its default first; Gluon tiles only where they can run).
     """
     try:
         from turbo_dispatch.backends.triton import configs as tcfg
         from turbo_dispatch.backends.triton import fp8_gemm_kernels as kernels
-        from turbo_dispatch.backends.triton.gemm import TritonGemmFp8
+        from turbo_dispatch.backends.triton.gemm import TritonGemmFp8, gluon_kernel
+        from turbo_dispatch.ops.gemm import GemmFp8Problem
     except Exception as exc:
         return None, f"not available: turbo_dispatch.backends.triton fp8 kernels ({type(exc).__name__}: {exc})"
-    reason = TritonGemmFp8().available()
+    adapter = TritonGemmFp8()
+    reason = adapter.available()
     if reason:
         return None, f"not available: {reason}"
 
     def fn(qa, qb, out_dtype, tile):
+        if tile.kernel in tcfg.GLUON_KERNELS:
+            return gluon_kernel(tile.kernel).fp8_blockwise_gemm(qa.data, qb.data, qa.scale, qb.scale, out_dtype, tile,
+                                                                a_group=1, b_group=qb.block_size)
         return kernels.fp8_gemm(qa.data, qb.data, qa.scale, qb.scale, kernels.SCALE_BLOCK, out_dtype, tile,
                                 a_group=1, b_group=qb.block_size)
 
-    fn.tiles = lambda m, n, k: tcfg.fp8_candidates(m, n, k, 128)
+    def tiles(m, n, k):
+        p = GemmFp8Problem(m, n, k, False, True, torch.bfloat16, torch.bfloat16, torch.bfloat16, E4M3, E4M3,
+                           ScalingGranularity.BLOCKWISE, 128, False, True, "cuda")
+        return [tcfg.from_tuple(c) for c in adapter.configs(p)]
+
+    fn.tiles = tiles
     return fn, ""
 
 
