@@ -60,8 +60,7 @@ def test_occupancy_configs_fit_on_sm90(tmp_path):
 
 @pytest.mark.skipif(_nvidia_toolchain() is not None, reason=str(_nvidia_toolchain()))
 def test_programs_per_sm_model():
-    """The fit model against hand-computed Hopper limits (in a subprocess: importing the tool
-    unsets TRITON_INTERPRET, which this session needs)."""
+    """The fit model against hand-computed Hopper limits."""
     checks = [
         # 4 warps at 166 regs -> 168 x 32 = 5376 per warp, 3 warps per 16384-register
         # sub-partition: 3 programs by registers; 73752 + 1024 bytes of shared memory: 3 of 228 KiB.
@@ -71,13 +70,18 @@ def test_programs_per_sm_model():
         (87, 49176, 4, 4),  # shared memory: 4 x 50200 <= 233472
         (64, 240000, 4, 0),  # more shared memory than an SM has
     ]
-    code = ("import sys; sys.path.insert(0, 'tools'); from compile_sm90 import programs_per_sm as f; "
-            f"print([f(r, s, w) for r, s, w, _ in {checks!r}])")
+    assert _tool_output("programs_per_sm", f"[f(r, s, w) for r, s, w, _ in {checks!r}]") == str([c[3] for c in checks])
+
+
+def _tool_output(name: str, expr: str) -> str:
+    """What ``expr`` prints with ``f`` = compile_sm90's ``name``, run in a subprocess: importing
+    the tool unsets TRITON_INTERPRET, which this session needs."""
+    code = f"import sys; sys.path.insert(0, 'tools'); from compile_sm90 import {name} as f; print({expr})"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == str([c[3] for c in checks])
+    return proc.stdout.strip()
 
 
 _CARRIED_WGMMA = '''
@@ -152,10 +156,4 @@ def test_loop_spill_check_sees_only_the_wgmma_loop():
     cases = [_LOOP_SASS % "NOP ;", _LOOP_SASS % "STL [R1+0x4], R5 ;",
              _LOOP_SASS.replace("/*0110*/                   WARPGROUP.ARRIVE ;", "/*0110*/ LDL R6, [R1] ;")
              % "STL [R1+0x4], R5 ;"]
-    code = ("import sys; sys.path.insert(0, 'tools'); from compile_sm90 import mma_loop_spills as f; "
-            f"print([f(s) for s in {cases!r}])")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == "[0, 1, 2]"
+    assert _tool_output("mma_loop_spills", f"[f(s) for s in {cases!r}]") == "[0, 1, 2]"

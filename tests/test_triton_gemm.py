@@ -327,7 +327,7 @@ def test_gluon_blockwise_configs_and_refusals():
     # The warp-specialised 256-column tile first (the measured fastest on sm_90), the Triton
     # configs last, so that where no Gluon config can run the Triton default is what remains.
     assert set(C.GLUON_KERNELS) <= set(kinds), kinds
-    assert cands[0] == C.TileConfig(128, 256, 128, 8, 4, 8, 1, C.KERNEL_GLUON_WS), cands[0]
+    assert cands[0] == C.TileConfig(128, 256, 128, 8, 3, 8, 1, C.KERNEL_GLUON_WS), cands[0]
     n_tri = kinds.count(C.KERNEL_TRITON)
     assert n_tri and kinds[-n_tri:] == [C.KERNEL_TRITON] * n_tri, kinds
     gluon = [c for c in cands if c.kernel in C.GLUON_KERNELS]
@@ -350,6 +350,8 @@ def test_gluon_blockwise_configs_and_refusals():
     # The warp-specialised kernel: two 64-row math warpgroups, one program per SM.
     assert "two math warpgroups" in GWS.config_error((64, 128, 128, 8, 4, 4), 128)
     assert "occupancy must be 1" in GWS.config_error((128, 128, 128, 8, 4, 8, 2), 128)
+    # a's scales go through shared memory only where one slot's are one contiguous read.
+    assert GWS.scales_in_smem(1, 1) and not GWS.scales_in_smem(56, 1) and not GWS.scales_in_smem(1, 128)
     # 256 columns are two 128-column accumulators, each needing one b scale.
     assert GWS.config_error((128, 256, 128, 8, 4, 8), 128) is None
     assert "BLOCK_N" in GWS.config_error((128, 192, 128, 8, 4, 8), 192)

@@ -215,7 +215,8 @@ def _dense_fp8_gluon_ws(cfg: C.TileConfig):
     return GWS._fp8_blockwise_ws_kernel.warmup(
         ad, bd, c, sa, sb, sa, 1, M_DENSE, N_DENSE, K_DENSE, N_DENSE, 1, *sa.stride(), 0, *sb.stride(), 132,
         GROUPED=False, A_GROUP=1, B_GROUP=cfg.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, MATH_REGS=GWS.MATH_REGS,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
+        SA_SMEM=GWS.scales_in_smem(sa.stride(0), 1), MATH_REGS=GWS.MATH_REGS,
         LOAD_REGS=GWS.LOAD_REGS, num_warps=4, maxnreg=GWS.MAXNREG, grid=(1,))
 
 
@@ -228,7 +229,8 @@ def _grouped_fp8_gluon_ws(cfg: C.TileConfig):
         GL.make_descriptor(a, [cfg.block_m, cfg.block_k]), GL.make_descriptor(b, [cfg.block_n, cfg.block_k]), c,
         sa, sb, offs, G, M, N, K, N, 1, *sa.stride(), *sb.stride(), 132, GROUPED=True, A_GROUP=1, B_GROUP=128,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-        MATH_REGS=GWS.MATH_REGS, LOAD_REGS=GWS.LOAD_REGS, num_warps=4, maxnreg=GWS.MAXNREG, grid=(1,))
+        SA_SMEM=GWS.scales_in_smem(sa.stride(0), 1), MATH_REGS=GWS.MATH_REGS, LOAD_REGS=GWS.LOAD_REGS, num_warps=4,
+        maxnreg=GWS.MAXNREG, grid=(1,))
 
 
 def _dense_bf16(cfg: C.TileConfig):
@@ -380,8 +382,8 @@ def main(argv=None) -> int:
     for r in rows:
         if "regs" in r:
             print(f"{r['status']} {r['family']:30s} {str(tuple(r['config'])):38s} occ={r['occupancy']} "
-                  f"fit={r['fit']} regs={r['regs']} stack={r['stack']} loop_spills={r['loop_spills']} smem={r['shared']} "
-                  f"waits={r['wgmma_waits']} {r['reason']}")
+                  f"fit={r['fit']} regs={r['regs']} stack={r['stack']} loop_spills={r['loop_spills']} "
+                  f"smem={r['shared']} waits={r['wgmma_waits']} {r['reason']}")
         else:
             print(f"{r['status']} {r['family']:30s} {str(tuple(r['config'])):38s} {r['reason']}")
     if args.json:

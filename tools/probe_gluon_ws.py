@@ -39,8 +39,9 @@ def main() -> int:
     ap.add_argument("--shapes", default="4096x7168x16384,4096x4096x7168,8192x14336x4096")
     ap.add_argument("--stages", default="4,5,6")
     ap.add_argument("--tiles", default="",
-                    help="BLOCK_N:stages pairs of the warp-specialised kernel, e.g. 128:6,256:4 (overrides --stages; "
-                         "each is first checked against float64 on odd sizes)")
+                    help="warp-specialised variants BLOCK_N:stages[:GROUP_M][:smem], e.g. 128:6,256:4,256:4:8:smem "
+                         "(smem: a's scales copied into shared memory by the loader); overrides --stages; each is "
+                         "first checked against float64 on odd sizes")
     ap.add_argument("--grouped", action="store_true", help="the grouped form instead of the dense one")
     args = ap.parse_args()
     out = open(args.out, "w") if args.out else None
@@ -53,11 +54,8 @@ def main() -> int:
 
     emit(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     torch.manual_seed(0)
-    if args.tiles:
-        tiles = [tuple(int(v) for v in t.split(":")) for t in args.tiles.split(",")]
-    else:
-        tiles = [(128, int(s)) for s in args.stages.split(",")]
-    ws_cfgs = [C.TileConfig(128, bn, 128, 8, st, 8, 1, C.KERNEL_GLUON_WS) for bn, st in tiles]
+    specs = args.tiles.split(",") if args.tiles else [f"128:{s}" for s in args.stages.split(",")]
+    ws_cfgs = [_ws_variant(spec) for spec in specs]
     if args.grouped:
         return grouped(emit, ws_cfgs)
     if args.tiles and not dense_check(emit, ws_cfgs):
@@ -77,9 +75,8 @@ def main() -> int:
                     ("triton(128, 128, 128, 8, 4, 8)", lambda: FK.fp8_gemm(
                         qa, qb, sa, sb, FK.SCALE_BLOCK, torch.bfloat16, C.TileConfig(128, 128, 128, 8, 4, 8),
                         a_group=1, b_group=128))]
-        for cfg in ws_cfgs:
-            variants.append((_ws_name(cfg), lambda cfg=cfg: GWS.fp8_blockwise_gemm(
-                qa, qb, sa, sb, torch.bfloat16, cfg, a_group=1, b_group=128)))
+        for v in ws_cfgs:
+            variants.append((_ws_name(v), lambda v=v: _ws_dense(v, qa, qb, sa, sb, torch.bfloat16, 1)))
         for name, fn in variants:
             rel = float((fn().float() - ref).norm() / ref.norm())
             if not rel < 5e-3:
@@ -90,8 +87,23 @@ def main() -> int:
     return 0
 
 
-def _ws_name(cfg) -> str:
-    return f"ws(n{cfg.block_n},s{cfg.num_stages})"
+def _ws_variant(spec: str) -> tuple:
+    """``BLOCK_N:stages[:GROUP_M][:smem]`` -> (TileConfig, a's scales in shared memory)."""
+    parts = spec.split(":")
+    smem = parts[-1] == "smem"
+    nums = [int(v) for v in (parts[:-1] if smem else parts)]
+    bn, st, gm = nums[0], nums[1], (nums[2] if len(nums) > 2 else 8)
+    return C.TileConfig(128, bn, 128, gm, st, 8, 1, C.KERNEL_GLUON_WS), smem
+
+
+def _ws_name(v) -> str:
+    cfg, smem = v
+    return f"ws(n{cfg.block_n},s{cfg.num_stages},g{cfg.group_m}{',smem' if smem else ''})"
+
+
+def _ws_dense(v, qa, qb, sa, sb, out_dtype, a_group):
+    GWS.SCALES_IN_SMEM = v[1]
+    return GWS.fp8_blockwise_gemm(qa, qb, sa, sb, out_dtype, v[0], a_group=a_group, b_group=128)
 
 
 def dense_check(emit, cfgs) -> bool:
@@ -107,7 +119,7 @@ def dense_check(emit, cfgs) -> bool:
                 qa, sa = quantize_kmajor(a, E4, G.BLOCKWISE, 128, a2d)
                 qb, sb = quantize_kmajor(b, E4, G.BLOCKWISE, 128, True)
                 ga = 128 if a2d else 1
-                out = GWS.fp8_blockwise_gemm(qa, qb, sa, sb, torch.float32, cfg, a_group=ga, b_group=128).double()
+                out = _ws_dense(cfg, qa, qb, sa, sb, torch.float32, ga).double()
                 da = qa.double() * sa.double().repeat_interleave(ga, 0)[:m].repeat_interleave(128, 1)[:, :k]
                 db = qb.double() * sb.double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
                 ref = da @ db.t()
@@ -131,9 +143,10 @@ def _grouped_operands(lens, n, k):
     return qa[0], sa, qw, sw, offs
 
 
-def _grouped_ws(qa, sa, qw, sw, offs, cfg):
+def _grouped_ws(qa, sa, qw, sw, offs, v):
+    GWS.SCALES_IN_SMEM = v[1]
     out = torch.empty((qa.shape[0], qw.shape[1]), dtype=torch.bfloat16, device=qa.device)
-    return GWS.fp8_blockwise_grouped_gemm(qa, qw, out, offs, sa, (sa.stride(1), sa.stride(2)), sw, sw.stride(), cfg)
+    return GWS.fp8_blockwise_grouped_gemm(qa, qw, out, offs, sa, (sa.stride(1), sa.stride(2)), sw, sw.stride(), v[0])
 
 
 def _grouped_triton(qa, sa, qw, sw, offs, cfg=(128, 128, 128, 8, 4, 8, 1)):

@@ -186,18 +186,20 @@ _FP8_BLOCKWISE = {
 # KERNEL_GLUON_WS splits a 128-row tile between two math warpgroups and a TMA warp
 # (fp8_blockwise_gluon_ws.py): 168 registers cap, 232 per math thread. Its 256-column tile (two
 # 128-column accumulators per warpgroup) loads a quarter fewer bytes per FLOP (each ``a`` tile
-# serves twice the columns) and is the fastest of our blockwise kernels wherever it was measured (H100, GEMM only, same run):
-# 1025 TFLOPS at 4096 x 7168 x 16384 against 903 for its 128-column tile and 849 for the Triton
-# tile (cuBLASLt 1267); 1.13-1.18x the Triton tile at three other shapes. So on an sm_90 GPU it
-# is offered first, the default before tuning. Its 128 x 64 tile ran at 587-621 and is not offered.
+# serves twice the columns) and is the fastest of our blockwise kernels wherever it was measured
+# (H100, GEMM only, same run): 1025 TFLOPS at 4096 x 7168 x 16384 against 903 for its 128-column
+# tile and 849 for the Triton tile (cuBLASLt 1267), 1.13-1.18x the Triton tile at three other
+# shapes. With a's scales in shared memory (the dense layout, ``scales_in_smem``) 3 stages beat 4
+# at all three shapes probed (1173 vs 1062 at 4096 x 7168 x 16384), so 3 stages lead. On an sm_90
+# GPU these come first, the default before tuning. Its 128 x 64 tile ran at 587-621: not offered.
 _FP8_BLOCKWISE_GLUON = {
     "small": [],
-    "medium": [TileConfig(128, 256, 128, 8, 4, 8, 1, KERNEL_GLUON_WS),
-               TileConfig(128, 256, 128, 8, 3, 8, 1, KERNEL_GLUON_WS),
+    "medium": [TileConfig(128, 256, 128, 8, 3, 8, 1, KERNEL_GLUON_WS),
+               TileConfig(128, 256, 128, 8, 4, 8, 1, KERNEL_GLUON_WS),
                TileConfig(128, 128, 128, 8, 6, 8, 1, KERNEL_GLUON_WS),
                TileConfig(128, 128, 128, 8, 5, 8, 1, KERNEL_GLUON), TileConfig(64, 128, 128, 8, 4, 4, 2, KERNEL_GLUON)],
-    "large": [TileConfig(128, 256, 128, 8, 4, 8, 1, KERNEL_GLUON_WS),
-              TileConfig(128, 256, 128, 8, 3, 8, 1, KERNEL_GLUON_WS),
+    "large": [TileConfig(128, 256, 128, 8, 3, 8, 1, KERNEL_GLUON_WS),
+              TileConfig(128, 256, 128, 8, 4, 8, 1, KERNEL_GLUON_WS),
               TileConfig(128, 128, 128, 8, 6, 8, 1, KERNEL_GLUON_WS),
               TileConfig(128, 128, 128, 8, 5, 8, 1, KERNEL_GLUON), TileConfig(128, 64, 128, 8, 6, 8, 1, KERNEL_GLUON),
               TileConfig(64, 128, 128, 8, 4, 4, 2, KERNEL_GLUON)],

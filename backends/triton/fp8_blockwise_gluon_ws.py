@@ -20,6 +20,10 @@ runs ahead across tile boundaries while the math warpgroups store a finished til
 A 256-column tile is two 128-column accumulators per math warpgroup, each K block two wgmmas
 in turn (one partial in flight), so that the fp32 state is 192 registers, not 256.
 
+Where ``a``'s scales lie row-contiguous (``scales_in_smem``), the loader also copies each slot's
+scales into shared memory (cp.async, whose completion holds the slot's ``ready`` phase open), so
+the math warpgroups read them there rather than from global memory.
+
 Registers: the math warpgroups ask for 232 per thread (the accumulators plus the in-flight
 partial), the loader for 40; the kernel launches with ``maxnreg`` so that the three
 warpgroups fit in one SM's register file.
@@ -35,12 +39,16 @@ from .gemm_kernels import num_programs
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
     from .fp8_blockwise_gluon import _promote, _scales, _tile_coords, _tma_load
 
+    # triton 3.6 names the cp.async copy async_copy_global_to_shared; later ones async_load.
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
 #: Bumped whenever the kernel's code changes, so stored tuning results are invalidated.
-KERNEL_REVISION = "gluon-ws-r5"
+KERNEL_REVISION = "gluon-ws-r6"
 #: Rows of the tile each math warpgroup owns (one 64-row wgmma).
 ROWS_PER_WARPGROUP = 64
 #: Registers per thread requested for the math warpgroups and the loader, and the kernel-wide
@@ -48,6 +56,25 @@ ROWS_PER_WARPGROUP = 64
 #: registers, and the default partition gets what the cap leaves after the workers' requests
 #: (3 * 168 - 232 - 40 = 232).
 MATH_REGS, LOAD_REGS, MAXNREG = 232, 40, 168
+#: Forces (True/False) or leaves to ``scales_in_smem`` (None) whether the loader copies a's K-block
+#: scales into each slot; probes set it to compare the two paths.
+SCALES_IN_SMEM: bool | None = None
+
+
+def scales_in_smem(sa_row_stride: int, a_group: int) -> bool:
+    """Whether the loader warp copies a's K-block scales into each ring slot (cp.async, completed on
+    the slot's ``ready`` barrier) for the math warpgroups to read from shared memory, rather than
+    each math warpgroup loading them from global memory every K block.
+
+    Only where the copy is one contiguous read: one scale per row (``a_group`` 1) stored row-
+    contiguous (``sa_row_stride`` 1, as ``quantize_kmajor`` stores them). H100, same run
+    (tools/gpu_round11.sh), 256-column tile at 4096x7168x16384: 1062 TFLOPS with them at 4 stages
+    against 1026 without, 1173 with them at 3 stages; at 4096x4096x7168 1082 / 1096 against 1009.
+    With the grouped quantiser's K-inner scales, the 128 scattered 4-byte copies per slot slowed
+    DeepSeek-V3 up_gate from 1051 to 955, so grouped launches keep the global loads."""
+    if SCALES_IN_SMEM is not None:
+        return SCALES_IN_SMEM
+    return sa_row_stride == 1 and a_group == 1
 
 if gluon is not None:
 
@@ -62,10 +89,10 @@ if gluon is not None:
             return M * 0, M
 
     @gluon.jit
-    def _ws_load(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m,
+    def _ws_load(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, ready, empty, G, M, N, K, sc_m,
                  sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
                  B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, SA_SMEM: gl.constexpr):
         """The loader: fills slot ``step % STAGES`` once both math warpgroups released it."""
         pid = gl.program_id(0)
         num_pid_n = gl.cdiv(N, BLOCK_N)
@@ -73,6 +100,7 @@ if gluon is not None:
         step = 0
         tile = pid
         base = 0
+        sa_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
         for g in range(G):
             start, rows = _group_rows(offs_ptr, g, M, GROUPED)
             num_pid_m = gl.cdiv(rows, BLOCK_M)
@@ -85,6 +113,14 @@ if gluon is not None:
                     # first pass over the ring does not wait.
                     mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
                     bar = ready.index(slot)
+                    if SA_SMEM:
+                        # Every thread's copies hold the slot's phase open until they land (the
+                        # arrive adds one pending arrival and completes it), so they go before the
+                        # TMA bytes are expected.
+                        offs_m = start + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=sa_layout)
+                        _cp_async(sa_bufs.index(slot), sa_ptr + (offs_m // A_GROUP) * ssa_r + kt * ssa_k,
+                                  mask=offs_m < start + rows)
+                        async_copy.mbarrier_arrive(bar, increment_count=True)
                     mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
                     # Rows past the group's end come from the next group (or TMA's zero fill) and
                     # are never stored; b is [G * N, K], so its rows past N are the next expert's.
@@ -95,10 +131,11 @@ if gluon is not None:
             base += count
 
     @gluon.jit
-    def _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m,
+    def _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, ready, empty, G, M, N, K, sc_m,
                  sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
                  B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, SA_SMEM: gl.constexpr,
+                 WG: gl.constexpr):
         """Math warpgroup ``WG``: rows ``WG * 64`` to ``WG * 64 + 63`` of every tile.
 
         A 256-column tile is worked as two 128-column halves, each with its own accumulator and one
@@ -113,7 +150,7 @@ if gluon is not None:
                                                              instr_shape=[16, HALF, 32])
         rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
         cols_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-        A_SCALAR: gl.constexpr = A_GROUP >= ROWS and A_GROUP % ROWS == 0
+        A_SCALAR: gl.constexpr = A_GROUP >= ROWS and A_GROUP % ROWS == 0 and not SA_SMEM
         B_SCALAR: gl.constexpr = B_GROUP >= HALF and B_GROUP % HALF == 0
 
         pid = gl.program_id(0)
@@ -148,7 +185,10 @@ if gluon is not None:
                                          is_async=True)
                     # The scale loads go out while the wgmma runs. (Loading them one K block
                     # ahead instead measured 3-9% slower on an H100: gluon-ws-r2.)
-                    sa = _scales(sa_ptr, offs_m, off_m, kt, ssa_r, ssa_k, end, A_GROUP, ROWS)
+                    if SA_SMEM:
+                        sa = sa_bufs.index(slot).slice(WG * ROWS, ROWS).load(rows_layout)
+                    else:
+                        sa = _scales(sa_ptr, offs_m, off_m, kt, ssa_r, ssa_k, end, A_GROUP, ROWS)
                     # Column indices are made here, not kept from before the loop: held across it
                     # they would cost a register per column.
                     offs_n = off_n + gl.arange(0, HALF, layout=cols_layout)
@@ -192,31 +232,35 @@ if gluon is not None:
     # One wrapper per math warpgroup: a worker partition takes the same argument list as the
     # loader, so the warpgroup index is fixed here rather than passed.
     @gluon.jit
-    def _ws_math0(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m,
+    def _ws_math0(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, ready, empty, G, M, N, K, sc_m,
                   sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
                   B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-        _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m, sc_n,
-                 ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N,
-                 BLOCK_K, GROUP_M, STAGES, 0)
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, SA_SMEM: gl.constexpr):
+        _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, ready, empty, G, M, N, K,
+                 sc_m, sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N,
+                 BLOCK_K, GROUP_M, STAGES, SA_SMEM, 0)
 
     @gluon.jit
-    def _ws_math1(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m,
+    def _ws_math1(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, ready, empty, G, M, N, K, sc_m,
                   sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
                   B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-        _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m, sc_n,
-                 ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N,
-                 BLOCK_K, GROUP_M, STAGES, 1)
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, SA_SMEM: gl.constexpr):
+        _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, ready, empty, G, M, N, K,
+                 sc_m, sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N,
+                 BLOCK_K, GROUP_M, STAGES, SA_SMEM, 1)
 
     @gluon.jit
     def _fp8_blockwise_ws_kernel(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, G, M, N, K, sc_m, sc_n,
                                  ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr,
                                  A_GROUP: gl.constexpr, B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
                                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                                 STAGES: gl.constexpr, MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+                                 STAGES: gl.constexpr, SA_SMEM: gl.constexpr, MATH_REGS: gl.constexpr,
+                                 LOAD_REGS: gl.constexpr):
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+        # a's K-block scales of each slot's rows (SA_SMEM); unused, and 2 KiB at most, otherwise.
+        sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M],
+                                            gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
@@ -226,15 +270,15 @@ if gluon is not None:
         # The argument tuple is spelled out at each use: assigned to a variable, its constexpr
         # entries would become tensors (triton 3.6).
         gl.warp_specialize([
-            (_ws_math0, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m,
-                          sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M,
-                          BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
-            (_ws_math1, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m,
-                          sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M,
-                          BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
-            (_ws_load, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, ready, empty, G, M, N, K, sc_m,
-                         sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M,
-                         BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+            (_ws_math0, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, ready, empty, G, M, N, K,
+                          sc_m, sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M,
+                          BLOCK_N, BLOCK_K, GROUP_M, STAGES, SA_SMEM)),
+            (_ws_math1, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, ready, empty, G, M, N, K,
+                          sc_m, sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M,
+                          BLOCK_N, BLOCK_K, GROUP_M, STAGES, SA_SMEM)),
+            (_ws_load, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, ready, empty, G, M, N, K,
+                         sc_m, sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M,
+                         BLOCK_N, BLOCK_K, GROUP_M, STAGES, SA_SMEM)),
         ], [4, 1], [MATH_REGS, LOAD_REGS])
 
 
@@ -341,6 +385,7 @@ def _launch(a, b_rows, c, offs, G: int, N: int, sa, sa_strides, sb, sb_strides, 
                                        c.stride(0), c.stride(1), *sa_strides, *sb_strides, progs,
                                        GROUPED=offs is not None, A_GROUP=a_group, B_GROUP=b_group, BLOCK_M=bm,
                                        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages,
+                                       SA_SMEM=scales_in_smem(sa_strides[0], a_group),
                                        MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS,
                                        num_warps=4, maxnreg=MAXNREG)
 
