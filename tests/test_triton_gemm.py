@@ -623,3 +623,29 @@ def test_gpu_ops_route_to_triton(monkeypatch):
 
 if __name__ == "__main__" and "--interpreter-checks" in sys.argv:
     _interpreter_checks()
+
+
+def test_warp_specialised_tile_leads_the_adapter_configs_on_sm90(monkeypatch):
+    """With both Gluon kernels able to run (availability stubbed: no sm_90 GPU here), the TRITON
+    fp8 adapter's blockwise candidates open with the warp-specialised 256-column 3-stage tile, all
+    Gluon configs come before the Triton ones, and where b's scales are per column (the wgrad) or
+    the recipe is not blockwise, no Gluon config is offered."""
+    from turbo_dispatch.backends.triton import configs as C
+    from turbo_dispatch.backends.triton import fp8_blockwise_gluon as GLK
+    from turbo_dispatch.backends.triton import fp8_blockwise_gluon_ws as GWS
+    from turbo_dispatch.backends.triton.gemm import TritonGemmFp8
+    from turbo_dispatch.low_precision import ScalingGranularity as G
+    from turbo_dispatch.ops.gemm import GemmFp8Problem
+
+    for module in (GLK, GWS):
+        monkeypatch.setattr(module, "available", lambda device_index=None: None)
+    e4, bf = torch.float8_e4m3fn, torch.bfloat16
+    fwd = GemmFp8Problem(4096, 7168, 16384, False, True, bf, bf, bf, e4, e4, G.BLOCKWISE, 128, False, True, "cuda")
+    cfgs = [C.from_tuple(c) for c in TritonGemmFp8().configs(fwd)]
+    assert cfgs[0] == C.TileConfig(128, 256, 128, 8, 3, 8, 1, C.KERNEL_GLUON_WS), cfgs[0]
+    kinds = [c.kernel for c in cfgs]
+    n_gluon = sum(k in C.GLUON_KERNELS for k in kinds)
+    assert n_gluon and all(k in C.GLUON_KERNELS for k in kinds[:n_gluon]), kinds
+    assert C.KERNEL_TRITON in kinds
+    for p in (fwd._replace(b_2d=False), fwd._replace(granularity=G.ROWWISE, block_size=None)):
+        assert all(C.from_tuple(c).kernel == C.KERNEL_TRITON for c in TritonGemmFp8().configs(p)), p

@@ -582,3 +582,33 @@ def test_warp_specialised_grouped_config_and_refusals():
     with pytest.raises(ValueError, match="2-D tiles only"):
         ad.run(p._replace(b_2d=False), a, b, lens, offs, config=ws)
     assert "gluon-ws-r" in ad.identity(ws) and "gluon-ws" not in ad.identity(ws[:8])
+
+
+def test_warp_specialised_grouped_candidates_where_it_can_run(monkeypatch):
+    """Where the kernel can run (availability stubbed: no sm_90 GPU here), the grouped blockwise
+    candidates open with the warp-specialised configs, BK set to the block size: the 256-column
+    tile first where N >= 256, only the 128-column one below that, none for the wgrad or 1-D
+    weight scales; a pinned config the kernel refuses raises with the reason."""
+    from turbo_dispatch.backends.triton import configs as C
+    from turbo_dispatch.backends.triton import fp8_blockwise_gluon_ws as GWS
+    from turbo_dispatch.backends.triton import grouped_gemm as GG
+    from turbo_dispatch.low_precision import ScalingGranularity as SG
+
+    monkeypatch.setattr(GWS, "available", lambda device_index=None: None)
+    e4 = torch.float8_e4m3fn
+    lens, offs = _lens_offs([40, 24])
+
+    def problem(n, b_2d=True):
+        a, b = torch.randn(64, 256, dtype=torch.bfloat16), torch.randn(2, 256, n, dtype=torch.bfloat16)
+        p = _fp8_problem(a, b, lens, offs, False, False, torch.bfloat16, e4, e4, SG.BLOCKWISE, 128, b_2d)
+        return p._replace(platform="cuda")
+
+    wide = GG._fp8_configs(problem(512))
+    ws = [c for c in wide if len(c) == 9]
+    assert wide[:len(ws)] == ws and [c[:2] for c in ws] == [(128, 256), (128, 256), (128, 128)], wide
+    assert all(c[2] == 128 and c[8] == C.KERNEL_GLUON_WS for c in ws)
+    assert [c[:2] for c in GG._fp8_configs(problem(128)) if len(c) == 9] == [(128, 128)]
+    assert not [c for c in GG._fp8_configs(problem(512)._replace(variable_k=True)) if len(c) == 9]
+    assert not [c for c in GG._fp8_configs(problem(512, b_2d=False)) if len(c) == 9]
+    assert "BK=64 must equal block_size=128" in GG._ws_refusal(problem(512), ws[0][:2] + (64,) + ws[0][3:])
+    assert GG._ws_refusal(problem(512), ws[0]) is None

@@ -318,13 +318,20 @@ WS_CONFIGS = ((128, 256, 128, 8, 4, 8, 1, 1, KERNEL_GLUON_WS), (128, 256, 128, 8
 
 def _ws_configs(p, bk: int) -> list[Config]:
     """``WS_CONFIGS``, first, where the warp-specialised kernel can run (``_ws_refusal``); the
-    256-column tile only where N is at least 256."""
+    256-column tile only where N is at least 256. The problem-level checks (an env parse and a
+    device query among them) run once per call, not once per config."""
+    if _ws_problem_refusal(p):
+        return []
     cfgs = [c[:2] + (bk,) + c[3:] for c in WS_CONFIGS if c[1] <= max(128, p.n)]
-    return [c for c in cfgs if _ws_refusal(p, c) is None]
+    return [c for c in cfgs if _ws_config_refusal(p, c) is None]
 
 
 def _ws_refusal(p, cfg) -> str | None:
     """Why the warp-specialised kernel cannot run ``cfg`` for ``p`` here, or None."""
+    return _ws_problem_refusal(p) or _ws_config_refusal(p, cfg)
+
+
+def _ws_problem_refusal(p) -> str | None:
     from . import fp8_blockwise_gluon_ws as GWS
 
     if p.variable_k:
@@ -333,9 +340,15 @@ def _ws_refusal(p, cfg) -> str | None:
         return "it serves blockwise fp8 with the weight in 2-D tiles only"
     if p.platform != "cuda":
         return f"it runs on NVIDIA sm_90 (platform is {p.platform})"
+    return GWS.available()
+
+
+def _ws_config_refusal(p, cfg) -> str | None:
+    from . import fp8_blockwise_gluon_ws as GWS
+
     if cfg[2] != p.block_size:
         return f"its BK={cfg[2]} must equal block_size={p.block_size} (one scale per K step)"
-    return GWS.available() or GWS.config_error(cfg[:6], p.block_size)
+    return GWS.config_error(cfg[:6], p.block_size)
 
 
 def _check_config(cfg) -> Config:
