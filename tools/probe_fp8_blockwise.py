@@ -110,6 +110,19 @@ def run_variant(qa, sa, qb, sb, bm, bn, warps, stages, kpair, ws_outer, ws_inner
     return c
 
 
+def dense_operands(m: int, n: int, k: int):
+    """Random bf16 ``a`` [m, k] and ``w`` [n, k] (scaled by 0.05) quantised for the blockwise GEMM
+    (1 x 128 activation runs, 128 x 128 weight tiles): the problem key and torch's quantised
+    tensors for ``F.scaled_mm``, then the K-major ``(data, scale)`` pairs our kernels take."""
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+    p = gemm_fp8_problem(a, w, False, True, torch.bfloat16, E4, E4, G.BLOCKWISE, 128, False, True)
+    qa_t = quantize_fp8(a, E4, G.BLOCKWISE, axis=1, block_size=128)
+    qw_t = quantize_fp8(w, E4, G.BLOCKWISE, axis=1, block_size=128, block_2d=True)
+    kmajor = quantize_kmajor(a, E4, G.BLOCKWISE, 128, False), quantize_kmajor(w, E4, G.BLOCKWISE, 128, True)
+    return (p, qa_t, qw_t) + kmajor
+
+
 def emit(out, **kw):
     print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in kw.items()), flush=True)
     if out:
@@ -135,17 +148,11 @@ def main() -> int:
     for shape in args.shapes.split(","):
         m, n, k = (int(v) for v in shape.split("x"))
         flops = 2.0 * m * n * k
-        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
-        p = gemm_fp8_problem(a, w, False, True, torch.bfloat16, E4, E4, G.BLOCKWISE, 128, False, True)
-        qa_t = quantize_fp8(a, E4, G.BLOCKWISE, axis=1, block_size=128)
-        qw_t = quantize_fp8(w, E4, G.BLOCKWISE, axis=1, block_size=128, block_2d=True)
+        p, qa_t, qw_t, (qa, sa), (qb, sb) = dense_operands(m, n, k)
         ref = _scaled(p, qa_t, qw_t)
         ms = triton.testing.do_bench(lambda: _scaled(p, qa_t, qw_t), warmup=50, rep=200, return_mode="median")
         best = ("cublaslt", flops / ms / 1e9)
         emit(out, shape=shape, variant="F.scaled_mm(cublaslt)", ms=ms, tflops=flops / ms / 1e9)
-        qa, sa = quantize_kmajor(a, E4, G.BLOCKWISE, 128, False)
-        qb, sb = quantize_kmajor(w, E4, G.BLOCKWISE, 128, True)
         for tc in C.fp8_candidates(m, n, k, 128):
             cfg = C.as_tuple(tc)
             if tc.kernel in C.GLUON_KERNELS:

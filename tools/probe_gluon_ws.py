@@ -26,9 +26,10 @@ from turbo_dispatch.backends.torch.gemm import _scaled
 from turbo_dispatch.backends.triton import configs as C
 from turbo_dispatch.backends.triton import fp8_blockwise_gluon_ws as GWS
 from turbo_dispatch.backends.triton import fp8_gemm_kernels as FK
-from turbo_dispatch.backends.triton.quantize import quantize_fp8, quantize_kmajor
+from turbo_dispatch.backends.triton.quantize import quantize_kmajor
 from turbo_dispatch.low_precision import ScalingGranularity as G
-from turbo_dispatch.ops.gemm import gemm_fp8_problem
+
+from probe_fp8_blockwise import dense_operands  # a sibling in tools/, on sys.path when run as a script
 
 E4 = torch.float8_e4m3fn
 
@@ -63,14 +64,8 @@ def main() -> int:
     for shape in args.shapes.split(","):
         m, n, k = (int(v) for v in shape.split("x"))
         flops = 2.0 * m * n * k
-        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
-        p = gemm_fp8_problem(a, w, False, True, torch.bfloat16, E4, E4, G.BLOCKWISE, 128, False, True)
-        qa_t = quantize_fp8(a, E4, G.BLOCKWISE, axis=1, block_size=128)
-        qw_t = quantize_fp8(w, E4, G.BLOCKWISE, axis=1, block_size=128, block_2d=True)
+        p, qa_t, qw_t, (qa, sa), (qb, sb) = dense_operands(m, n, k)
         ref = _scaled(p, qa_t, qw_t).float()
-        qa, sa = quantize_kmajor(a, E4, G.BLOCKWISE, 128, False)
-        qb, sb = quantize_kmajor(w, E4, G.BLOCKWISE, 128, True)
         variants = [("F.scaled_mm(cublaslt)", lambda: _scaled(p, qa_t, qw_t)),
                     ("triton(128, 128, 128, 8, 4, 8)", lambda: FK.fp8_gemm(
                         qa, qb, sa, sb, FK.SCALE_BLOCK, torch.bfloat16, C.TileConfig(128, 128, 128, 8, 4, 8),

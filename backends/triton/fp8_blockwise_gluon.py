@@ -262,6 +262,22 @@ def operands_error(a: torch.Tensor, b: torch.Tensor) -> str | None:
     return None
 
 
+def checked_output(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, config_why: str | None,
+                   label: str) -> torch.Tensor:
+    """The uninitialised output [M, N] of a dense Gluon blockwise GEMM of ``a`` [M, K] and ``b``
+    [N, K], after the checks every Gluon kernel makes: the shapes, then the first of this machine
+    (``available``), the config (``config_why``, the kernel's own ``config_error``) and the
+    operands (``operands_error``) that refuses. Raises ValueError prefixed with ``label``."""
+    M, K = a.shape
+    N = b.shape[0]
+    if b.shape[1] != K:
+        raise ValueError(f"{label}: a is {tuple(a.shape)}, b is {tuple(b.shape)}; both must be [*, K]")
+    why = available(a.device.index) or config_why or operands_error(a, b)
+    if why:
+        raise ValueError(f"{label}: {why}")
+    return torch.empty((M, N), dtype=out_dtype, device=a.device)
+
+
 def fp8_blockwise_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
                        out_dtype: torch.dtype, cfg, a_group: int = 1, b_group: int = 1) -> torch.Tensor:
     """``C = dequant(a) @ dequant(b)^T`` with blockwise scales, on the Gluon kernel.
@@ -275,14 +291,9 @@ def fp8_blockwise_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: t
     >>> qw, sw = quantize_kmajor(w, torch.float8_e4m3fn, ScalingGranularity.BLOCKWISE, 128, True)  # doctest: +SKIP
     >>> y = fp8_blockwise_gemm(qa, qw, sa, sw, torch.bfloat16, (128, 128, 128, 8, 5, 8), b_group=128)  # doctest: +SKIP
     """
+    c = checked_output(a, b, out_dtype, config_error(cfg, b_group), "fp8_blockwise_gemm")
     M, K = a.shape
     N = b.shape[0]
-    if b.shape[1] != K:
-        raise ValueError(f"fp8_blockwise_gemm: a is {tuple(a.shape)}, b is {tuple(b.shape)}; both must be [*, K]")
-    why = available(a.device.index) or config_error(cfg, b_group) or operands_error(a, b)
-    if why:
-        raise ValueError(f"fp8_blockwise_gemm: {why}")
-    c = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return c
     bm, bn, bk, group_m, stages, warps = cfg[:6]
@@ -313,5 +324,5 @@ def make_descriptor(t: torch.Tensor, block: list[int]):
     return GluonDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-__all__ = ["GLUON_ENV", "KERNEL_REVISION", "available", "config_error", "fp8_blockwise_gemm", "make_descriptor",
-           "operands_error"]
+__all__ = ["GLUON_ENV", "KERNEL_REVISION", "available", "checked_output", "config_error", "fp8_blockwise_gemm",
+           "make_descriptor", "operands_error"]

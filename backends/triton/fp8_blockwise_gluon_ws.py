@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8_blockwise_gluon import available, gluon, make_descriptor, operands_error
+from .fp8_blockwise_gluon import available, checked_output, gluon, make_descriptor, operands_error
 from .gemm_kernels import num_programs
 
 if gluon is not None:
@@ -320,18 +320,10 @@ def fp8_blockwise_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: t
 
     >>> y = fp8_blockwise_gemm(qa, qw, sa, sw, torch.bfloat16, (128, 128, 128, 8, 6, 8), b_group=128)  # doctest: +SKIP
     """
-    M, K = a.shape
-    N = b.shape[0]
-    if b.shape[1] != K:
-        raise ValueError(f"fp8_blockwise_gemm (warp-specialised): a is {tuple(a.shape)}, b is {tuple(b.shape)}; "
-                         f"both must be [*, K]")
-    why = available(a.device.index) or config_error(cfg, b_group) or operands_error(a, b)
-    if why:
-        raise ValueError(f"fp8_blockwise_gemm (warp-specialised): {why}")
-    c = torch.empty((M, N), dtype=out_dtype, device=a.device)
-    if M == 0 or N == 0:
+    c = checked_output(a, b, out_dtype, config_error(cfg, b_group), "fp8_blockwise_gemm (warp-specialised)")
+    if c.numel() == 0:
         return c
-    _launch(a, b, c, None, 1, N, sa, (sa.stride(0), sa.stride(1)), sb, (0, sb.stride(0), sb.stride(1)), cfg,
+    _launch(a, b, c, None, 1, b.shape[0], sa, (sa.stride(0), sa.stride(1)), sb, (0, sb.stride(0), sb.stride(1)), cfg,
             a_group, b_group)
     return c
 
