@@ -356,6 +356,17 @@ def test_gluon_blockwise_configs_and_refusals():
     assert GWS.config_error((128, 256, 128, 8, 4, 8), 128) is None
     assert "BLOCK_N" in GWS.config_error((128, 192, 128, 8, 4, 8), 192)
     assert "one per tile" in GWS.config_error((128, 256, 128, 8, 4, 8), 64)
+    # TMA-store epilogue: only for row-major, 16-byte aligned rows, and only where the two [64, 128]
+    # staging buffers fit next to the ring (the 4-stage 256-column tile just does, in bf16).
+    c = torch.empty(64, 1024, dtype=torch.bfloat16)
+    wide4, narrow6 = (128, 256, 128, 8, 4, 8), (128, 128, 128, 8, 6, 8)
+    assert GWS.smem_bytes(wide4, 2, True) <= GWS.SMEM_PER_CTA < GWS.smem_bytes(wide4, 4, True)
+    assert GWS.smem_bytes(wide4, 2, False) < GWS.smem_bytes(wide4, 2, True)
+    assert GWS.tma_store_ok(c, wide4) and not GWS.tma_store_ok(c.float(), wide4)
+    assert not GWS.tma_store_ok(c, narrow6) and GWS.tma_store_ok(c, (128, 128, 128, 8, 5, 8))
+    assert not GWS.tma_store_ok(torch.empty(64, 999, dtype=torch.bfloat16), wide4), "rows not 16-byte aligned"
+    assert not GWS.tma_store_ok(c.t(), wide4), "column-major"
+    assert not GWS.tma_store_ok(c[:, 1:], wide4), "base not 16-byte aligned"
 
     f8 = GemmFp8Problem(256, 256, 256, False, True, torch.bfloat16, torch.bfloat16, torch.bfloat16,
                         torch.float8_e4m3fn, torch.float8_e4m3fn, G.BLOCKWISE, 128, False, True, "cuda")
@@ -537,7 +548,10 @@ def test_gpu_gluon_blockwise_kernel(cfg, bs, fmt):
     torch.manual_seed(0)
     if GLK.config_error(cfg, bs):
         pytest.skip(GLK.config_error(cfg, bs))
-    for m, n, k in [(1, 128, 256), (257, 384, 1000), (1000, 1000, 9 * bs + 5), (2048, 1536, 4096)]:
+    # (300, 999): rows a TMA store cannot address (the pointer-store epilogue); the others store by
+    # TMA where the kernel does, except in tiles that run past M.
+    for m, n, k in [(1, 128, 256), (257, 384, 1000), (1000, 1000, 9 * bs + 5), (300, 999, 5 * bs + 3),
+                    (2048, 1536, 4096)]:
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
         b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         # b in 2-D tiles: the kernel's contract (config_error refuses per-column b scales).

@@ -212,12 +212,21 @@ def _dense_fp8_gluon(cfg: C.TileConfig):
 
 def _dense_fp8_gluon_ws(cfg: C.TileConfig):
     (ad, bd), c, sa, sb = _dense_gluon_operands(cfg)
+    cd, tma_store = _ws_output(c, cfg)
     return GWS._fp8_blockwise_ws_kernel.warmup(
-        ad, bd, c, sa, sb, sa, 1, M_DENSE, N_DENSE, K_DENSE, N_DENSE, 1, *sa.stride(), 0, *sb.stride(), 132,
+        ad, bd, c, cd or ad, sa, sb, sa, 1, M_DENSE, N_DENSE, K_DENSE, N_DENSE, 1, *sa.stride(), 0, *sb.stride(), 132,
         GROUPED=False, A_GROUP=1, B_GROUP=cfg.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-        SA_SMEM=GWS.scales_in_smem(sa.stride(0), 1), MATH_REGS=GWS.MATH_REGS,
+        SA_SMEM=GWS.scales_in_smem(sa.stride(0), 1), TMA_STORE=tma_store, MATH_REGS=GWS.MATH_REGS,
         LOAD_REGS=GWS.LOAD_REGS, num_warps=4, maxnreg=GWS.MAXNREG, grid=(1,))
+
+
+def _ws_output(c: torch.Tensor, cfg: C.TileConfig):
+    """The output descriptor and TMA_STORE flag the warp-specialised launcher would pass for ``c``
+    (the CPU tensor's address stands in for a CUDA one: both are 16-byte aligned)."""
+    tma_store = GWS.tma_store_ok(c, cfg)
+    half = cfg.block_n // 2 if cfg.block_n > 128 else cfg.block_n
+    return (GWS.output_descriptor(c, cfg.block_m // 2, half) if tma_store else None), tma_store
 
 
 def _grouped_fp8_gluon_ws(cfg: C.TileConfig):
@@ -225,11 +234,13 @@ def _grouped_fp8_gluon_ws(cfg: C.TileConfig):
     a, b = torch.empty((M, K), dtype=E4), torch.empty((G * N, K), dtype=E4)
     c, offs = torch.empty((M, N), dtype=torch.bfloat16), torch.empty(G + 1, dtype=torch.int32)
     sa, sb = torch.empty((M, K // 128)), torch.empty((G, N // 128, K // 128))
+    ad = GL.make_descriptor(a, [cfg.block_m, cfg.block_k])
+    cd, tma_store = _ws_output(c, cfg)
     return GWS._fp8_blockwise_ws_kernel.warmup(
-        GL.make_descriptor(a, [cfg.block_m, cfg.block_k]), GL.make_descriptor(b, [cfg.block_n, cfg.block_k]), c,
-        sa, sb, offs, G, M, N, K, N, 1, *sa.stride(), *sb.stride(), 132, GROUPED=True, A_GROUP=1, B_GROUP=128,
+        ad, GL.make_descriptor(b, [cfg.block_n, cfg.block_k]), c, cd or ad, sa, sb, offs, G, M, N, K, N, 1, *sa.stride(), *sb.stride(), 132, GROUPED=True, A_GROUP=1, B_GROUP=128,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-        SA_SMEM=GWS.scales_in_smem(sa.stride(0), 1), MATH_REGS=GWS.MATH_REGS, LOAD_REGS=GWS.LOAD_REGS, num_warps=4,
+        SA_SMEM=GWS.scales_in_smem(sa.stride(0), 1), TMA_STORE=tma_store, MATH_REGS=GWS.MATH_REGS,
+        LOAD_REGS=GWS.LOAD_REGS, num_warps=4,
         maxnreg=GWS.MAXNREG, grid=(1,))
 
 

@@ -40,9 +40,10 @@ def main() -> int:
     ap.add_argument("--shapes", default="4096x7168x16384,4096x4096x7168,8192x14336x4096")
     ap.add_argument("--stages", default="4,5,6")
     ap.add_argument("--tiles", default="",
-                    help="warp-specialised variants BLOCK_N:stages[:GROUP_M][:smem], e.g. 128:6,256:4,256:4:8:smem "
-                         "(smem: a's scales copied into shared memory by the loader); overrides --stages; each is "
-                         "first checked against float64 on odd sizes")
+                    help="warp-specialised variants BLOCK_N:stages[:GROUP_M][:smem|:gmem][:ptr|:tma], e.g. "
+                         "128:6,256:3,256:3:ptr (smem/gmem: a's scales copied into shared memory by the loader or "
+                         "read from global; tma/ptr: TMA-store or pointer-store epilogue; left out: the launcher's "
+                         "choice); overrides --stages; each is first checked against float64 on odd sizes")
     ap.add_argument("--grouped", action="store_true", help="the grouped form instead of the dense one")
     args = ap.parse_args()
     out = open(args.out, "w") if args.out else None
@@ -83,46 +84,55 @@ def main() -> int:
 
 
 def _ws_variant(spec: str) -> tuple:
-    """``BLOCK_N:stages[:GROUP_M][:smem]`` -> (TileConfig, a's scales in shared memory)."""
+    """``BLOCK_N:stages[:GROUP_M][:smem|:gmem][:ptr|:tma]`` -> (TileConfig, a's scales in shared
+    memory, TMA-store epilogue); a flag left out is the launcher's own choice (None)."""
     parts = spec.split(":")
-    smem = parts[-1] == "smem"
-    nums = [int(v) for v in (parts[:-1] if smem else parts)]
+    flags = {p for p in parts if not p.isdigit()}
+    nums = [int(v) for v in parts if v.isdigit()]
     bn, st, gm = nums[0], nums[1], (nums[2] if len(nums) > 2 else 8)
-    return C.TileConfig(128, bn, 128, gm, st, 8, 1, C.KERNEL_GLUON_WS), smem
+    smem = True if "smem" in flags else False if "gmem" in flags else None
+    tma = True if "tma" in flags else False if "ptr" in flags else None
+    return C.TileConfig(128, bn, 128, gm, st, 8, 1, C.KERNEL_GLUON_WS), smem, tma
 
 
 def _ws_name(v) -> str:
-    cfg, smem = v
-    return f"ws(n{cfg.block_n},s{cfg.num_stages},g{cfg.group_m}{',smem' if smem else ''})"
+    cfg, smem, tma = v
+    flags = {True: ",smem", False: ",gmem", None: ""}[smem] + {True: ",tma", False: ",ptr", None: ""}[tma]
+    return f"ws(n{cfg.block_n},s{cfg.num_stages},g{cfg.group_m}{flags})"
+
+
+def _force(v) -> None:
+    GWS.SCALES_IN_SMEM, GWS.TMA_STORE = v[1], v[2]
 
 
 def _ws_dense(v, qa, qb, sa, sb, out_dtype, a_group):
-    GWS.SCALES_IN_SMEM = v[1]
+    _force(v)
     return GWS.fp8_blockwise_gemm(qa, qb, sa, sb, out_dtype, v[0], a_group=a_group, b_group=128)
 
 
 def dense_check(emit, cfgs) -> bool:
     """Each config against float64 on the dequantised operands: M of 1 and off the tile grid, N
-    whose last tile is partly or (for a 256-column tile, its second half) wholly past N, K with a
-    partial block; 1 x 128 or 128 x 128 ``a`` scales."""
+    whose last tile is partly or (for a 256-column tile, its second half) wholly past N, N whose
+    rows TMA cannot store (odd), K with a partial block; 1 x 128 or 128 x 128 ``a`` scales; fp32
+    and bf16 output (each its own staging buffer type)."""
     ok = True
     for cfg in cfgs:
-        for m, n, k in [(1, 128, 256), (257, 384, 1000), (1000, 1000, 1157), (2048, 1536, 4096)]:
+        for m, n, k in [(1, 128, 256), (257, 384, 1000), (1000, 1000, 1157), (300, 999, 640), (2048, 1536, 4096)]:
             a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
             b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-            for a2d in (False, True):
+            for a2d, out_dtype in ((False, torch.float32), (True, torch.float32), (False, torch.bfloat16)):
                 qa, sa = quantize_kmajor(a, E4, G.BLOCKWISE, 128, a2d)
                 qb, sb = quantize_kmajor(b, E4, G.BLOCKWISE, 128, True)
                 ga = 128 if a2d else 1
-                out = _ws_dense(cfg, qa, qb, sa, sb, torch.float32, ga).double()
+                out = _ws_dense(cfg, qa, qb, sa, sb, out_dtype, ga).double()
                 da = qa.double() * sa.double().repeat_interleave(ga, 0)[:m].repeat_interleave(128, 1)[:, :k]
                 db = qb.double() * sb.double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
                 ref = da @ db.t()
                 rel = float((out - ref).norm() / ref.norm())
-                good = rel < 1e-3 and bool(out.isfinite().all())
+                good = rel < (1e-3 if out_dtype == torch.float32 else 5e-3) and bool(out.isfinite().all())
                 ok &= good
-                emit(check="dense_vs_float64", variant=_ws_name(cfg), shape=f"{m}x{n}x{k}", a2d=a2d, rel=rel,
-                     status="PASS" if good else "FAIL")
+                emit(check="dense_vs_float64", variant=_ws_name(cfg), shape=f"{m}x{n}x{k}", a2d=a2d,
+                     out=str(out_dtype), rel=rel, status="PASS" if good else "FAIL")
     return ok
 
 
@@ -139,7 +149,7 @@ def _grouped_operands(lens, n, k):
 
 
 def _grouped_ws(qa, sa, qw, sw, offs, v):
-    GWS.SCALES_IN_SMEM = v[1]
+    _force(v)
     out = torch.empty((qa.shape[0], qw.shape[1]), dtype=torch.bfloat16, device=qa.device)
     return GWS.fp8_blockwise_grouped_gemm(qa, qw, out, offs, sa, (sa.stride(1), sa.stride(2)), sw, sw.stride(), v[0])
 

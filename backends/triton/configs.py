@@ -190,17 +190,22 @@ _FP8_BLOCKWISE = {
 # (H100, GEMM only, same run): 1025 TFLOPS at 4096 x 7168 x 16384 against 903 for its 128-column
 # tile and 849 for the Triton tile (cuBLASLt 1267), 1.13-1.18x the Triton tile at three other
 # shapes. With a's scales in shared memory (the dense layout, ``scales_in_smem``) 3 stages beat 4
-# at all three shapes probed (1173 vs 1062 at 4096 x 7168 x 16384), so 3 stages lead. On an sm_90
-# GPU these come first, the default before tuning. Its 128 x 64 tile ran at 587-621: not offered.
+# at all three shapes probed (1173 vs 1062 at 4096 x 7168 x 16384). With the TMA-store epilogue
+# (gluon-ws-r7) 4 stages won at 4096 x 7168 x 16384 (1300 vs 1240; cuBLASLt 1308) but lost at
+# 4096 x 4096 x 4096 (917 vs 976) and once collapsed at 4096 x 4608 x 3584 (539 vs 1094), so 3
+# stages stay the untuned default; the 128-column tile takes 5 stages, the most that leave room for
+# its staging buffers (1027-1070 at 5 vs 910-1027 at 6 with pointer stores, six shapes). On an
+# sm_90 GPU these come first, the default before tuning. Its 128 x 64 tile ran at 587-621: not
+# offered.
 _FP8_BLOCKWISE_GLUON = {
     "small": [],
     "medium": [TileConfig(128, 256, 128, 8, 3, 8, 1, KERNEL_GLUON_WS),
                TileConfig(128, 256, 128, 8, 4, 8, 1, KERNEL_GLUON_WS),
-               TileConfig(128, 128, 128, 8, 6, 8, 1, KERNEL_GLUON_WS),
+               TileConfig(128, 128, 128, 8, 5, 8, 1, KERNEL_GLUON_WS),
                TileConfig(128, 128, 128, 8, 5, 8, 1, KERNEL_GLUON), TileConfig(64, 128, 128, 8, 4, 4, 2, KERNEL_GLUON)],
     "large": [TileConfig(128, 256, 128, 8, 3, 8, 1, KERNEL_GLUON_WS),
               TileConfig(128, 256, 128, 8, 4, 8, 1, KERNEL_GLUON_WS),
-              TileConfig(128, 128, 128, 8, 6, 8, 1, KERNEL_GLUON_WS),
+              TileConfig(128, 128, 128, 8, 5, 8, 1, KERNEL_GLUON_WS),
               TileConfig(128, 128, 128, 8, 5, 8, 1, KERNEL_GLUON), TileConfig(128, 64, 128, 8, 6, 8, 1, KERNEL_GLUON),
               TileConfig(64, 128, 128, 8, 4, 4, 2, KERNEL_GLUON)],
 }

@@ -40,15 +40,19 @@ from .gemm_kernels import num_programs
 if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
 
-    from .fp8_blockwise_gluon import _promote, _scales, _tile_coords, _tma_load
+    from .fp8_blockwise_gluon import GluonDescriptor, _cta_barrier, _promote, _scales, _tile_coords, _tma_load
+
+    # triton 3.6 names the TMA store async_copy_shared_to_global; later ones async_store.
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
     # triton 3.6 names the cp.async copy async_copy_global_to_shared; later ones async_load.
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 #: Bumped whenever the kernel's code changes, so stored tuning results are invalidated.
-KERNEL_REVISION = "gluon-ws-r6"
+KERNEL_REVISION = "gluon-ws-r7"
 #: Rows of the tile each math warpgroup owns (one 64-row wgmma).
 ROWS_PER_WARPGROUP = 64
 #: Registers per thread requested for the math warpgroups and the loader, and the kernel-wide
@@ -59,6 +63,39 @@ MATH_REGS, LOAD_REGS, MAXNREG = 232, 40, 168
 #: Forces (True/False) or leaves to ``scales_in_smem`` (None) whether the loader copies a's K-block
 #: scales into each slot; probes set it to compare the two paths.
 SCALES_IN_SMEM: bool | None = None
+
+
+#: Forces (True/False) or leaves to ``tma_store_ok`` (None) whether the output goes out through TMA
+#: stores; probes set it to compare the two epilogues.
+TMA_STORE: bool | None = None
+#: Dynamic shared memory one sm_90 CTA may use (227 KiB).
+SMEM_PER_CTA = 232448
+
+
+def smem_bytes(cfg, out_bytes: int, tma_store: bool) -> int:
+    """Shared memory the kernel allocates for ``cfg`` (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, stages,
+    ...): the fp8 ring, a's scales per slot, two mbarriers per slot and, with TMA stores, one
+    [64, 128-column half] staging buffer of ``out_bytes`` elements per math warpgroup. Each
+    allocation is rounded up to the 1 KiB a 128-byte swizzle needs."""
+    bm, bn, bk, _, stages = cfg[:5]
+    half = bn // 2 if bn > 128 else bn
+    parts = [stages * bm * bk, stages * bn * bk, stages * bm * 4, 2 * stages * 8]
+    parts.append(2 * (bm // 2) * half * out_bytes if tma_store else 8)
+    return sum(-(-p // 1024) * 1024 for p in parts)
+
+
+def tma_store_ok(c: torch.Tensor, cfg) -> bool:
+    """Whether the epilogue can store ``c`` by TMA: row-major with 16-byte aligned rows and base
+    (TMA's rule), at least 16 bytes per row, and room for the staging buffers next to ``cfg``'s
+    ring (``smem_bytes``). Else the kernel stores through masked pointers.
+
+    Why: the pointer stores hold both math warpgroups, so the tensor cores idle while a tile is
+    written; a TMA store drains while the next tile's wgmmas run."""
+    if TMA_STORE is not None:
+        return TMA_STORE
+    size = c.element_size()
+    return (c.dim() == 2 and c.stride(1) == 1 and (c.stride(0) * size) % 16 == 0 and c.data_ptr() % 16 == 0
+            and c.shape[1] * size >= 16 and smem_bytes(cfg, size, True) <= SMEM_PER_CTA)
 
 
 def scales_in_smem(sa_row_stride: int, a_group: int) -> bool:
@@ -89,10 +126,11 @@ if gluon is not None:
             return M * 0, M
 
     @gluon.jit
-    def _ws_load(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, ready, empty, G, M, N, K, sc_m,
+    def _ws_load(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, c_desc, c_smem, ready, empty, G, M, N, K, sc_m,
                  sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
                  B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, SA_SMEM: gl.constexpr):
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, SA_SMEM: gl.constexpr,
+                 TMA_STORE: gl.constexpr):
         """The loader: fills slot ``step % STAGES`` once both math warpgroups released it."""
         pid = gl.program_id(0)
         num_pid_n = gl.cdiv(N, BLOCK_N)
@@ -131,11 +169,11 @@ if gluon is not None:
             base += count
 
     @gluon.jit
-    def _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, ready, empty, G, M, N, K, sc_m,
+    def _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, c_desc, c_smem, ready, empty, G, M, N, K, sc_m,
                  sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
                  B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, SA_SMEM: gl.constexpr,
-                 WG: gl.constexpr):
+                 TMA_STORE: gl.constexpr, WG: gl.constexpr):
         """Math warpgroup ``WG``: rows ``WG * 64`` to ``WG * 64 + 63`` of every tile.
 
         A 256-column tile is worked as two 128-column halves, each with its own accumulator and one
@@ -212,17 +250,50 @@ if gluon is not None:
                 out0 = acc.to(c.dtype.element_ty)
                 if SPLIT == 2:
                     out1 = acc1.to(c.dtype.element_ty)
-                _store_tile(c, out0, off_m, off_n, end, N, sc_m, sc_n)
+                _store_tile(c, c_desc, c_smem.index(WG), out0, off_m, off_n, end, N, sc_m, sc_n, TMA_STORE)
                 if SPLIT == 2:
-                    _store_tile(c, out1, off_m, off_n + HALF, end, N, sc_m, sc_n)
+                    _store_tile(c, c_desc, c_smem.index(WG), out1, off_m, off_n + HALF, end, N, sc_m, sc_n, TMA_STORE)
                 tile += NUM_PROGS
             base += count
+        if TMA_STORE:
+            # The staging buffer must stay valid until the last store has read it.
+            tma.store_wait(0)
 
     @gluon.jit
-    def _store_tile(c, vals, off_m, off_n, end, N, sc_m, sc_n):
-        """Masked store of ``vals`` with its first element at (``off_m``, ``off_n``), rows below
-        ``end`` and columns below ``N``: 32-bit offsets from one 64-bit base, half the registers
-        of 64-bit pointers."""
+    def _store_tile(c, c_desc, c_buf, vals, off_m, off_n, end, N, sc_m, sc_n, TMA_STORE: gl.constexpr):
+        """Store ``vals`` with its first element at (``off_m``, ``off_n``), rows below ``end`` and
+        columns below ``N``: through the warpgroup's staging buffer and a TMA store where c allows
+        one (the store drains while the next tile's wgmmas run), else masked pointer stores.
+
+        A tile whose rows run past ``end`` takes the pointer stores: TMA clips only at the tensor's
+        edge, so in a grouped launch it would write the next group's rows. (The branch also keeps
+        LLVM from hoisting the staging buffer's addresses out of the tile loop: hoisted, they
+        stayed live across the K loop and spilled 58-70 registers inside it, sm_90, triton 3.6.)"""
+        if TMA_STORE:
+            if off_m + vals.shape[0] <= end:
+                _tma_store_tile(c_desc, c_buf, vals, off_m, off_n)
+            else:
+                _masked_store_tile(c, vals, off_m, off_n, end, N, sc_m, sc_n)
+        else:
+            _masked_store_tile(c, vals, off_m, off_n, end, N, sc_m, sc_n)
+
+    @gluon.jit
+    def _tma_store_tile(c_desc, c_buf, vals, off_m, off_n):
+        """Stage ``vals`` in ``c_buf`` and start its TMA store, without waiting for it."""
+        # The buffer's previous store must have read it (only the issuing thread has one pending;
+        # the barrier tells the others) before any thread overwrites it.
+        tma.store_wait(0)
+        _cta_barrier()
+        c_buf.store(vals)
+        # Every thread's generic-proxy writes must be visible to the async proxy before the copy.
+        fence_async_shared()
+        _cta_barrier()
+        _tma_store(c_desc, [off_m, off_n], c_buf)
+
+    @gluon.jit
+    def _masked_store_tile(c, vals, off_m, off_n, end, N, sc_m, sc_n):
+        """Masked store of ``vals``: 32-bit offsets from one 64-bit base, half the registers of
+        64-bit pointers."""
         rows = gl.arange(0, vals.shape[0], layout=gl.SliceLayout(1, vals.type.layout))
         cols = gl.arange(0, vals.shape[1], layout=gl.SliceLayout(0, vals.type.layout))
         mask = (off_m + rows[:, None] < end) & (off_n + cols[None, :] < N)
@@ -232,35 +303,45 @@ if gluon is not None:
     # One wrapper per math warpgroup: a worker partition takes the same argument list as the
     # loader, so the warpgroup index is fixed here rather than passed.
     @gluon.jit
-    def _ws_math0(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, ready, empty, G, M, N, K, sc_m,
+    def _ws_math0(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, c_desc, c_smem, ready, empty, G, M, N, K, sc_m,
                   sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
                   B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, SA_SMEM: gl.constexpr):
-        _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, ready, empty, G, M, N, K,
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, SA_SMEM: gl.constexpr,
+                 TMA_STORE: gl.constexpr):
+        _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, c_desc, c_smem, ready, empty, G, M, N, K,
                  sc_m, sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N,
-                 BLOCK_K, GROUP_M, STAGES, SA_SMEM, 0)
+                 BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE, 0)
 
     @gluon.jit
-    def _ws_math1(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, ready, empty, G, M, N, K, sc_m,
+    def _ws_math1(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, c_desc, c_smem, ready, empty, G, M, N, K, sc_m,
                   sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
                   B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, SA_SMEM: gl.constexpr):
-        _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, ready, empty, G, M, N, K,
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, SA_SMEM: gl.constexpr,
+                 TMA_STORE: gl.constexpr):
+        _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, c_desc, c_smem, ready, empty, G, M, N, K,
                  sc_m, sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N,
-                 BLOCK_K, GROUP_M, STAGES, SA_SMEM, 1)
+                 BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE, 1)
 
     @gluon.jit
-    def _fp8_blockwise_ws_kernel(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, G, M, N, K, sc_m, sc_n,
+    def _fp8_blockwise_ws_kernel(a_desc, b_desc, c, c_desc, sa_ptr, sb_ptr, offs_ptr, G, M, N, K, sc_m, sc_n,
                                  ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr,
                                  A_GROUP: gl.constexpr, B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
                                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                                 STAGES: gl.constexpr, SA_SMEM: gl.constexpr, MATH_REGS: gl.constexpr,
-                                 LOAD_REGS: gl.constexpr):
+                                 STAGES: gl.constexpr, SA_SMEM: gl.constexpr, TMA_STORE: gl.constexpr,
+                                 MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
         # a's K-block scales of each slot's rows (SA_SMEM); unused, and 2 KiB at most, otherwise.
         sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M],
                                             gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        if TMA_STORE:
+            # One staging buffer per math warpgroup for its output half-tile ([64, HALF], the TMA
+            # store's block); c_desc is then a descriptor over c.
+            c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, c_desc.block_type.shape[0], c_desc.block_type.shape[1]],
+                                               c_desc.layout)
+        else:
+            # Pointer stores: c_desc is a placeholder and the buffer is never touched.
+            c_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
@@ -270,15 +351,15 @@ if gluon is not None:
         # The argument tuple is spelled out at each use: assigned to a variable, its constexpr
         # entries would become tensors (triton 3.6).
         gl.warp_specialize([
-            (_ws_math0, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, ready, empty, G, M, N, K,
+            (_ws_math0, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, c_desc, c_smem, ready, empty, G, M, N, K,
                           sc_m, sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M,
-                          BLOCK_N, BLOCK_K, GROUP_M, STAGES, SA_SMEM)),
-            (_ws_math1, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, ready, empty, G, M, N, K,
+                          BLOCK_N, BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE)),
+            (_ws_math1, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, c_desc, c_smem, ready, empty, G, M, N, K,
                           sc_m, sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M,
-                          BLOCK_N, BLOCK_K, GROUP_M, STAGES, SA_SMEM)),
-            (_ws_load, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, ready, empty, G, M, N, K,
+                          BLOCK_N, BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE)),
+            (_ws_load, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, c_desc, c_smem, ready, empty, G, M, N, K,
                          sc_m, sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M,
-                         BLOCK_N, BLOCK_K, GROUP_M, STAGES, SA_SMEM)),
+                         BLOCK_N, BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE)),
         ], [4, 1], [MATH_REGS, LOAD_REGS])
 
 
@@ -371,15 +452,26 @@ def _launch(a, b_rows, c, offs, G: int, N: int, sa, sa_strides, sb, sb_strides, 
     bm, bn, bk, group_m, stages = cfg[:5]
     a_desc = make_descriptor(a, [bm, bk])
     b_desc = make_descriptor(b_rows, [bn, bk])
+    tma_store = tma_store_ok(c, cfg)
+    # Without TMA stores the kernel never reads c_desc: a's descriptor stands in for it.
+    c_desc = output_descriptor(c, bm // 2, bn // 2 if bn > 128 else bn) if tma_store else a_desc
     bound = (-(-M // bm) + (G if offs is not None else 0)) * -(-N // bn)  # most tiles any routing gives
     progs = max(1, min(bound, num_programs(a.device.index)))
-    _fp8_blockwise_ws_kernel[(progs,)](a_desc, b_desc, c, sa, sb, sa if offs is None else offs, G, M, N, K,
+    _fp8_blockwise_ws_kernel[(progs,)](a_desc, b_desc, c, c_desc, sa, sb, sa if offs is None else offs, G, M, N, K,
                                        c.stride(0), c.stride(1), *sa_strides, *sb_strides, progs,
                                        GROUPED=offs is not None, A_GROUP=a_group, B_GROUP=b_group, BLOCK_M=bm,
                                        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages,
-                                       SA_SMEM=scales_in_smem(sa_strides[0], a_group),
+                                       SA_SMEM=scales_in_smem(sa_strides[0], a_group), TMA_STORE=tma_store,
                                        MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS,
                                        num_warps=4, maxnreg=MAXNREG)
+
+
+def output_descriptor(c: torch.Tensor, rows: int, cols: int):
+    """A Gluon TMA descriptor over the 2-D output ``c`` whose block is one math warpgroup's
+    [``rows``, ``cols``] store."""
+    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[c.dtype]
+    layout = gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
+    return GluonDescriptor(c, list(c.shape), list(c.stride()), [rows, cols], layout)
 
 
 __all__ = ["KERNEL_REVISION", "available", "config_error", "fp8_blockwise_gemm", "fp8_blockwise_grouped_gemm"]
