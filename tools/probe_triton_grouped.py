@@ -525,6 +525,24 @@ def whole_op(shape):
     emit(probe="whole_op", shape=shape, bf16_ms=sum(t_b), fp8_blockwise_ms=sum(t_f), speedup=sum(t_b) / sum(t_f),
          bf16_parts="/".join(f"{v:.2f}" for v in t_b), fp8_parts="/".join(f"{v:.2f}" for v in t_f),
          bf16_tflops=flops / sum(t_b) * 1e-9, fp8_tflops=flops / sum(t_f) * 1e-9)
+    # Where the fp8 time goes: each quantisation the three runs do, alone (as each run calls it),
+    # with its bf16 read + fp8 write rate.
+    q = tgg._quant_rows
+    quants = {"fwd": [("x", lambda: q(a.unsqueeze(0), E4, SG.BLOCKWISE, bs), a),
+                      ("w", lambda: q(w, E4, SG.BLOCKWISE, bs, tile_2d=True), w)],
+              "dgrad": [("grad", lambda: q(grad.unsqueeze(0), E4, SG.BLOCKWISE, bs), grad),
+                        ("w_t", lambda: q(w.transpose(1, 2), E4, SG.BLOCKWISE, bs, tile_2d=True), w)],
+              "wgrad": [("grad_t", lambda: q(grad.t().unsqueeze(0), E4, SG.BLOCKWISE, bs, scale_rows_inner=True), grad),
+                        ("x_t", lambda: q(a.t().unsqueeze(0), E4, SG.BLOCKWISE, bs, scale_rows_inner=True), a)]}
+    for (gemm, parts), total in zip(quants.items(), t_f):
+        spent = 0.0
+        for name, fn, src in parts:
+            ms = bench(fn)
+            spent += ms
+            emit(probe="whole_op_quant", shape=shape, gemm=gemm, operand=name, ms=ms,
+                 gb_per_s=src.numel() * 3 / ms * 1e-6)
+        emit(probe="whole_op_gemm", shape=shape, gemm=gemm, run_ms=total, quant_ms=spent, gemm_ms=total - spent,
+             gemm_tflops=2.0 * t * n * k / (total - spent) * 1e-9)
 
 
 def wgrad_steps():
@@ -550,6 +568,8 @@ def main():
     ap.add_argument("--occupancy", action="store_true",
                     help="blockwise fp8 fixed-K (fwd, dgrad) over every config, occupancy > 1 included, "
                          "end to end and kernel only, then the whole op")
+    ap.add_argument("--whole-op", action="store_true",
+                    help="the whole blockwise op only (DeepSeek-V3 up_gate and down), with its quantisation breakdown")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="with --wgrad: tiny shapes under TRITON_INTERPRET=1, to catch script errors before a GPU run")
     ap.add_argument("--budget", type=float, default=300.0, help="seconds; later sections are skipped past it")
@@ -602,6 +622,8 @@ def main():
             lambda: whole_op("dsv3_up"),
             lambda: whole_op("dsv3_down"),
         ]
+    if args.whole_op:
+        steps = [lambda: whole_op("dsv3_up"), lambda: whole_op("dsv3_down")]
     for step in steps:
         if time.time() - t0 > args.budget:
             emit(skipped="budget")
