@@ -217,8 +217,8 @@ def _dense_fp8_gluon_ws(cfg: C.TileConfig):
         ad, bd, c, cd or ad, sa, sb, sa, 1, M_DENSE, N_DENSE, K_DENSE, N_DENSE, 1, *sa.stride(), 0, *sb.stride(), 132,
         GROUPED=False, A_GROUP=1, B_GROUP=cfg.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-        SA_SMEM=GWS.scales_in_smem(sa.stride(0), 1), TMA_STORE=tma_store, MATH_REGS=GWS.MATH_REGS,
-        LOAD_REGS=GWS.LOAD_REGS, num_warps=4, maxnreg=GWS.MAXNREG, grid=(1,))
+        SA_SMEM=GWS.scales_in_smem(sa.stride(0), 1), TMA_STORE=tma_store, SPLIT_TAIL=cfg.block_n > 128,
+        MATH_REGS=GWS.MATH_REGS, LOAD_REGS=GWS.LOAD_REGS, num_warps=4, maxnreg=GWS.MAXNREG, grid=(1,))
 
 
 def _ws_output(c: torch.Tensor, cfg: C.TileConfig):
@@ -239,8 +239,8 @@ def _grouped_fp8_gluon_ws(cfg: C.TileConfig):
     return GWS._fp8_blockwise_ws_kernel.warmup(
         ad, GL.make_descriptor(b, [cfg.block_n, cfg.block_k]), c, cd or ad, sa, sb, offs, G, M, N, K, N, 1, *sa.stride(), *sb.stride(), 132, GROUPED=True, A_GROUP=1, B_GROUP=128,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-        SA_SMEM=GWS.scales_in_smem(sa.stride(0), 1), TMA_STORE=tma_store, MATH_REGS=GWS.MATH_REGS,
-        LOAD_REGS=GWS.LOAD_REGS, num_warps=4,
+        SA_SMEM=GWS.scales_in_smem(sa.stride(0), 1), TMA_STORE=tma_store, SPLIT_TAIL=False,
+        MATH_REGS=GWS.MATH_REGS, LOAD_REGS=GWS.LOAD_REGS, num_warps=4,
         maxnreg=GWS.MAXNREG, grid=(1,))
 
 

@@ -40,10 +40,11 @@ def main() -> int:
     ap.add_argument("--shapes", default="4096x7168x16384,4096x4096x7168,8192x14336x4096")
     ap.add_argument("--stages", default="4,5,6")
     ap.add_argument("--tiles", default="",
-                    help="warp-specialised variants BLOCK_N:stages[:GROUP_M][:smem|:gmem][:ptr|:tma], e.g. "
+                    help="warp-specialised variants BLOCK_N:stages[:GROUP_M][:smem|:gmem][:ptr|:tma][:whole], e.g. "
                          "128:6,256:3,256:3:ptr (smem/gmem: a's scales copied into shared memory by the loader or "
-                         "read from global; tma/ptr: TMA-store or pointer-store epilogue; left out: the launcher's "
-                         "choice); overrides --stages; each is first checked against float64 on odd sizes")
+                         "read from global; tma/ptr: TMA-store or pointer-store epilogue; whole: no split of a short "
+                         "last wave; left out: the launcher's choice); overrides --stages; each is first checked "
+                         "against float64 on odd sizes")
     ap.add_argument("--grouped", action="store_true", help="the grouped form instead of the dense one")
     args = ap.parse_args()
     out = open(args.out, "w") if args.out else None
@@ -84,25 +85,27 @@ def main() -> int:
 
 
 def _ws_variant(spec: str) -> tuple:
-    """``BLOCK_N:stages[:GROUP_M][:smem|:gmem][:ptr|:tma]`` -> (TileConfig, a's scales in shared
-    memory, TMA-store epilogue); a flag left out is the launcher's own choice (None)."""
+    """``BLOCK_N:stages[:GROUP_M][:smem|:gmem][:ptr|:tma][:whole]`` -> (TileConfig, a's scales in
+    shared memory, TMA-store epilogue, split a short last wave); a flag left out is the launcher's
+    own choice (None; the split is on unless ``whole``)."""
     parts = spec.split(":")
     flags = {p for p in parts if not p.isdigit()}
     nums = [int(v) for v in parts if v.isdigit()]
     bn, st, gm = nums[0], nums[1], (nums[2] if len(nums) > 2 else 8)
     smem = True if "smem" in flags else False if "gmem" in flags else None
     tma = True if "tma" in flags else False if "ptr" in flags else None
-    return C.TileConfig(128, bn, 128, gm, st, 8, 1, C.KERNEL_GLUON_WS), smem, tma
+    return C.TileConfig(128, bn, 128, gm, st, 8, 1, C.KERNEL_GLUON_WS), smem, tma, "whole" not in flags
 
 
 def _ws_name(v) -> str:
-    cfg, smem, tma = v
+    cfg, smem, tma, split = v
     flags = {True: ",smem", False: ",gmem", None: ""}[smem] + {True: ",tma", False: ",ptr", None: ""}[tma]
+    flags += "" if split else ",whole"
     return f"ws(n{cfg.block_n},s{cfg.num_stages},g{cfg.group_m}{flags})"
 
 
 def _force(v) -> None:
-    GWS.SCALES_IN_SMEM, GWS.TMA_STORE = v[1], v[2]
+    GWS.SCALES_IN_SMEM, GWS.TMA_STORE, GWS.SPLIT_TAIL = v[1], v[2], v[3]
 
 
 def _ws_dense(v, qa, qb, sa, sb, out_dtype, a_group):
@@ -113,11 +116,13 @@ def _ws_dense(v, qa, qb, sa, sb, out_dtype, a_group):
 def dense_check(emit, cfgs) -> bool:
     """Each config against float64 on the dequantised operands: M of 1 and off the tile grid, N
     whose last tile is partly or (for a 256-column tile, its second half) wholly past N, N whose
-    rows TMA cannot store (odd), K with a partial block; 1 x 128 or 128 x 128 ``a`` scales; fp32
-    and bf16 output (each its own staging buffer type)."""
+    rows TMA cannot store (odd), K with a partial block, a short last wave split into halves (2100
+    x 1800: 136 tiles, the last four split, one half wholly past N); 1 x 128 or 128 x 128 ``a``
+    scales; fp32 and bf16 output (each its own staging buffer type)."""
     ok = True
     for cfg in cfgs:
-        for m, n, k in [(1, 128, 256), (257, 384, 1000), (1000, 1000, 1157), (300, 999, 640), (2048, 1536, 4096)]:
+        for m, n, k in [(1, 128, 256), (257, 384, 1000), (1000, 1000, 1157), (300, 999, 640), (2048, 1536, 4096),
+                        (2100, 1800, 640)]:
             a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
             b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
             for a2d, out_dtype in ((False, torch.float32), (True, torch.float32), (False, torch.bfloat16)):

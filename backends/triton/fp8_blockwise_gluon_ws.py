@@ -52,7 +52,7 @@ if gluon is not None:
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 #: Bumped whenever the kernel's code changes, so stored tuning results are invalidated.
-KERNEL_REVISION = "gluon-ws-r7"
+KERNEL_REVISION = "gluon-ws-r8"
 #: Rows of the tile each math warpgroup owns (one 64-row wgmma).
 ROWS_PER_WARPGROUP = 64
 #: Registers per thread requested for the math warpgroups and the loader, and the kernel-wide
@@ -68,6 +68,9 @@ SCALES_IN_SMEM: bool | None = None
 #: Forces (True/False) or leaves to ``tma_store_ok`` (None) whether the output goes out through TMA
 #: stores; probes set it to compare the two epilogues.
 TMA_STORE: bool | None = None
+#: Whether a dense launch of the 256-column tile works a short last wave as 128-column halves
+#: (``_split_tail``); probes turn it off to compare.
+SPLIT_TAIL = True
 #: Dynamic shared memory one sm_90 CTA may use (227 KiB).
 SMEM_PER_CTA = 232448
 
@@ -126,11 +129,39 @@ if gluon is not None:
             return M * 0, M
 
     @gluon.jit
+    def _split_tail(count, NUM_PROGS, SPLIT_TAIL: gl.constexpr):
+        """How many of the last ``count`` tiles are worked as two 128-column halves.
+
+        A dense launch whose last wave holds at most half of the programs splits that wave's
+        256-column tiles in two, so it takes about half a tile's time rather than a whole one
+        (4096 x 3584: 448 tiles on 132 SMs, a last wave of 52). A fuller last wave would give
+        some programs two halves, no faster than one whole tile, so it is left whole. Grouped
+        launches do not split (their tile count depends on the routing): ``SPLIT_TAIL`` is
+        false for them, for 128-column tiles, and where a probe turns the split off."""
+        tail = count % NUM_PROGS
+        if not SPLIT_TAIL:
+            tail = tail * 0
+        else:
+            tail = gl.where(tail * 2 <= NUM_PROGS, tail, 0)
+        return tail
+
+    @gluon.jit
+    def _tile_at(t, full, num_pid_m, num_pid_n, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+        """Row tile, first column and whether it is a 128-column half of linear work item ``t``:
+        items below ``full`` are whole tiles, the rest two halves of each remaining tile."""
+        narrow = t >= full
+        u = gl.maximum(t - full, 0)
+        tile_id = gl.where(narrow, full + u // 2, t)
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        return pid_m, pid_n * BLOCK_N + gl.where(narrow, (u % 2) * (BLOCK_N // 2), 0), narrow
+
+    @gluon.jit
     def _ws_load(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, c_desc, c_smem, ready, empty, G, M, N, K, sc_m,
                  sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
                  B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, SA_SMEM: gl.constexpr,
-                 TMA_STORE: gl.constexpr):
+                 TMA_STORE: gl.constexpr,
+                 SPLIT_TAIL: gl.constexpr):
         """The loader: fills slot ``step % STAGES`` once both math warpgroups released it."""
         pid = gl.program_id(0)
         num_pid_n = gl.cdiv(N, BLOCK_N)
@@ -143,8 +174,9 @@ if gluon is not None:
             start, rows = _group_rows(offs_ptr, g, M, GROUPED)
             num_pid_m = gl.cdiv(rows, BLOCK_M)
             count = num_pid_m * num_pid_n
-            while tile < base + count:
-                pid_m, pid_n = _tile_coords(tile - base, num_pid_m, num_pid_n, GROUP_M)
+            tail = _split_tail(count, NUM_PROGS, SPLIT_TAIL)
+            while tile < base + count + tail:
+                pid_m, off_n, narrow = _tile_at(tile - base, count - tail, num_pid_m, num_pid_n, BLOCK_N, GROUP_M)
                 for kt in range(k_tiles):
                     slot = step % STAGES
                     # A fresh mbarrier counts as having completed the phase before phase 0, so the
@@ -163,17 +195,19 @@ if gluon is not None:
                     # Rows past the group's end come from the next group (or TMA's zero fill) and
                     # are never stored; b is [G * N, K], so its rows past N are the next expert's.
                     _tma_load(a_desc, [start + pid_m * BLOCK_M, kt * BLOCK_K], bar, a_bufs.index(slot))
-                    _tma_load(b_desc, [g * N + pid_n * BLOCK_N, kt * BLOCK_K], bar, b_bufs.index(slot))
+                    # A half tile still loads BLOCK_N rows (the descriptor's box); the math reads
+                    # only the first half.
+                    _tma_load(b_desc, [g * N + off_n, kt * BLOCK_K], bar, b_bufs.index(slot))
                     step += 1
                 tile += NUM_PROGS
-            base += count
+            base += count + tail
 
     @gluon.jit
     def _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, c_desc, c_smem, ready, empty, G, M, N, K, sc_m,
                  sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
                  B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, SA_SMEM: gl.constexpr,
-                 TMA_STORE: gl.constexpr, WG: gl.constexpr):
+                 TMA_STORE: gl.constexpr, SPLIT_TAIL: gl.constexpr, WG: gl.constexpr):
         """Math warpgroup ``WG``: rows ``WG * 64`` to ``WG * 64 + 63`` of every tile.
 
         A 256-column tile is worked as two 128-column halves, each with its own accumulator and one
@@ -184,17 +218,10 @@ if gluon is not None:
         ROWS: gl.constexpr = BLOCK_M // 2
         SPLIT: gl.constexpr = (BLOCK_N + 127) // 128  # 128 columns per accumulator at most
         HALF: gl.constexpr = BLOCK_N // SPLIT
-        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, HALF, 32])
-        rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-        cols_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-        A_SCALAR: gl.constexpr = A_GROUP >= ROWS and A_GROUP % ROWS == 0 and not SA_SMEM
-        B_SCALAR: gl.constexpr = B_GROUP >= HALF and B_GROUP % HALF == 0
 
         pid = gl.program_id(0)
         num_pid_n = gl.cdiv(N, BLOCK_N)
         k_tiles = gl.cdiv(K, BLOCK_K)
-        zero = gl.zeros((ROWS, HALF), dtype=gl.float32, layout=mma_layout)
         step = 0
         tile = pid
         base = 0
@@ -204,60 +231,94 @@ if gluon is not None:
             num_pid_m = gl.cdiv(rows, BLOCK_M)
             count = num_pid_m * num_pid_n
             sbg_ptr = sb_ptr + g * ssb_g
-            while tile < base + count:
-                pid_m, pid_n = _tile_coords(tile - base, num_pid_m, num_pid_n, GROUP_M)
+            tail = _split_tail(count, NUM_PROGS, SPLIT_TAIL)
+            while tile < base + count + tail:
+                pid_m, off_n, narrow = _tile_at(tile - base, count - tail, num_pid_m, num_pid_n, BLOCK_N, GROUP_M)
                 off_m = start + pid_m * BLOCK_M + WG * ROWS
-                off_n = pid_n * BLOCK_N
-                # The second half's first column, clamped so that its scalar scale load stays
-                # inside sb when the half lies wholly past N (its columns are never stored).
-                off_n1 = gl.minimum(off_n + HALF, N - 1)
-                offs_m = off_m + gl.arange(0, ROWS, layout=rows_layout)
-                acc = zero
-                acc1 = zero
-                for kt in range(k_tiles):
-                    slot = step % STAGES
-                    mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-                    a_rows = a_bufs.index(slot).slice(WG * ROWS, ROWS)
-                    b_tile = b_bufs.index(slot)
-                    part = warpgroup_mma(a_rows, b_tile.slice(0, HALF).permute((1, 0)), zero, use_acc=False,
-                                         is_async=True)
-                    # The scale loads go out while the wgmma runs. (Loading them one K block
-                    # ahead instead measured 3-9% slower on an H100: gluon-ws-r2.)
-                    if SA_SMEM:
-                        sa = sa_bufs.index(slot).slice(WG * ROWS, ROWS).load(rows_layout)
+                # A half tile runs its own copy of the K loop: a branch on ``narrow`` inside the
+                # loop made the second accumulator a branch result, which spilled ~100 registers
+                # inside the loop (sm_90, triton 3.6).
+                if SPLIT_TAIL:
+                    if narrow:
+                        step = _ws_tile(a_bufs, b_bufs, sa_bufs, c, c_desc, c_smem, ready, empty, sa_ptr, sbg_ptr,
+                                        step, k_tiles, off_m, off_n, end, N, sc_m, sc_n, ssa_r, ssa_k, ssb_r, ssb_k,
+                                        A_GROUP, B_GROUP, ROWS, HALF, 1, STAGES, SA_SMEM, TMA_STORE, WG)
                     else:
-                        sa = _scales(sa_ptr, offs_m, off_m, kt, ssa_r, ssa_k, end, A_GROUP, ROWS)
-                    # Column indices are made here, not kept from before the loop: held across it
-                    # they would cost a register per column.
-                    offs_n = off_n + gl.arange(0, HALF, layout=cols_layout)
-                    sb = _scales(sbg_ptr, offs_n, off_n, kt, ssb_r, ssb_k, N, B_GROUP, HALF)
-                    if SPLIT == 2:
-                        sb1 = _scales(sbg_ptr, offs_n + HALF, off_n1, kt, ssb_r, ssb_k, N, B_GROUP, HALF)
-                    part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                    if SPLIT == 1:
-                        # The slot is read: hand it back before promoting, so the next load starts now.
-                        mbarrier.arrive(empty.index(slot), count=1)
-                    acc = _promote(acc, part, sa, sb, A_SCALAR, B_SCALAR)
-                    if SPLIT == 2:
-                        part = warpgroup_mma(a_rows, b_tile.slice(HALF, HALF).permute((1, 0)), zero,
-                                             use_acc=False, is_async=True)
-                        part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                        mbarrier.arrive(empty.index(slot), count=1)
-                        acc1 = _promote(acc1, part, sa, sb1, A_SCALAR, B_SCALAR)
-                    step += 1
-                # Both halves are narrowed before either is stored: two fp32 halves plus one
-                # half's addresses would not fit in the registers.
-                out0 = acc.to(c.dtype.element_ty)
-                if SPLIT == 2:
-                    out1 = acc1.to(c.dtype.element_ty)
-                _store_tile(c, c_desc, c_smem.index(WG), out0, off_m, off_n, end, N, sc_m, sc_n, TMA_STORE)
-                if SPLIT == 2:
-                    _store_tile(c, c_desc, c_smem.index(WG), out1, off_m, off_n + HALF, end, N, sc_m, sc_n, TMA_STORE)
+                        step = _ws_tile(a_bufs, b_bufs, sa_bufs, c, c_desc, c_smem, ready, empty, sa_ptr, sbg_ptr,
+                                        step, k_tiles, off_m, off_n, end, N, sc_m, sc_n, ssa_r, ssa_k, ssb_r, ssb_k,
+                                        A_GROUP, B_GROUP, ROWS, HALF, 2, STAGES, SA_SMEM, TMA_STORE, WG)
+                else:
+                    step = _ws_tile(a_bufs, b_bufs, sa_bufs, c, c_desc, c_smem, ready, empty, sa_ptr, sbg_ptr,
+                                    step, k_tiles, off_m, off_n, end, N, sc_m, sc_n, ssa_r, ssa_k, ssb_r, ssb_k,
+                                    A_GROUP, B_GROUP, ROWS, HALF, SPLIT, STAGES, SA_SMEM, TMA_STORE, WG)
                 tile += NUM_PROGS
-            base += count
+            base += count + tail
         if TMA_STORE:
             # The staging buffer must stay valid until the last store has read it.
             tma.store_wait(0)
+
+    @gluon.jit
+    def _ws_tile(a_bufs, b_bufs, sa_bufs, c, c_desc, c_smem, ready, empty, sa_ptr, sbg_ptr, step, k_tiles, off_m,
+                 off_n, end, N, sc_m, sc_n, ssa_r, ssa_k, ssb_r, ssb_k, A_GROUP: gl.constexpr, B_GROUP: gl.constexpr,
+                 ROWS: gl.constexpr, HALF: gl.constexpr, PARTS: gl.constexpr, STAGES: gl.constexpr,
+                 SA_SMEM: gl.constexpr, TMA_STORE: gl.constexpr, WG: gl.constexpr):
+        """One math warpgroup's ``ROWS`` rows of one tile: ``PARTS`` (1 or 2) accumulators of
+        ``HALF`` columns from ``off_n``, over every K block from flattened step ``step``, then
+        stored. Returns the step after the tile's last."""
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HALF, 32])
+        rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        cols_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+        A_SCALAR: gl.constexpr = A_GROUP >= ROWS and A_GROUP % ROWS == 0 and not SA_SMEM
+        B_SCALAR: gl.constexpr = B_GROUP >= HALF and B_GROUP % HALF == 0
+        zero = gl.zeros((ROWS, HALF), dtype=gl.float32, layout=mma_layout)
+        # Each half's first column for its scalar scale load, clamped to stay inside sb where the
+        # half lies wholly past N (its columns are never stored): the second half of a tile, or
+        # the second of a split tile's halves.
+        off_n0 = gl.minimum(off_n, N - 1)
+        off_n1 = gl.minimum(off_n + HALF, N - 1)
+        offs_m = off_m + gl.arange(0, ROWS, layout=rows_layout)
+        acc = zero
+        acc1 = zero
+        for kt in range(k_tiles):
+            slot = step % STAGES
+            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+            a_rows = a_bufs.index(slot).slice(WG * ROWS, ROWS)
+            b_tile = b_bufs.index(slot)
+            part = warpgroup_mma(a_rows, b_tile.slice(0, HALF).permute((1, 0)), zero, use_acc=False, is_async=True)
+            # The scale loads go out while the wgmma runs. (Loading them one K block ahead
+            # instead measured 3-9% slower on an H100: gluon-ws-r2.)
+            if SA_SMEM:
+                sa = sa_bufs.index(slot).slice(WG * ROWS, ROWS).load(rows_layout)
+            else:
+                sa = _scales(sa_ptr, offs_m, off_m, kt, ssa_r, ssa_k, end, A_GROUP, ROWS)
+            # Column indices are made here, not kept from before the loop: held across it they
+            # would cost a register per column.
+            offs_n = off_n + gl.arange(0, HALF, layout=cols_layout)
+            sb = _scales(sbg_ptr, offs_n, off_n0, kt, ssb_r, ssb_k, N, B_GROUP, HALF)
+            if PARTS == 2:
+                sb1 = _scales(sbg_ptr, offs_n + HALF, off_n1, kt, ssb_r, ssb_k, N, B_GROUP, HALF)
+            part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+            if PARTS == 1:
+                # The slot is read: hand it back before promoting, so the next load starts now.
+                mbarrier.arrive(empty.index(slot), count=1)
+            acc = _promote(acc, part, sa, sb, A_SCALAR, B_SCALAR)
+            if PARTS == 2:
+                part = warpgroup_mma(a_rows, b_tile.slice(HALF, HALF).permute((1, 0)), zero, use_acc=False,
+                                     is_async=True)
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                mbarrier.arrive(empty.index(slot), count=1)
+                acc1 = _promote(acc1, part, sa, sb1, A_SCALAR, B_SCALAR)
+            step += 1
+        # Both halves are narrowed before either is stored: two fp32 halves plus one half's
+        # addresses would not fit in the registers.
+        out0 = acc.to(c.dtype.element_ty)
+        if PARTS == 2:
+            out1 = acc1.to(c.dtype.element_ty)
+        _store_tile(c, c_desc, c_smem.index(WG), out0, off_m, off_n, end, N, sc_m, sc_n, TMA_STORE)
+        if PARTS == 2:
+            _store_tile(c, c_desc, c_smem.index(WG), out1, off_m, off_n + HALF, end, N, sc_m, sc_n, TMA_STORE)
+        return step
 
     @gluon.jit
     def _store_tile(c, c_desc, c_buf, vals, off_m, off_n, end, N, sc_m, sc_n, TMA_STORE: gl.constexpr):
@@ -307,20 +368,22 @@ if gluon is not None:
                   sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
                   B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, SA_SMEM: gl.constexpr,
-                 TMA_STORE: gl.constexpr):
+                 TMA_STORE: gl.constexpr,
+                 SPLIT_TAIL: gl.constexpr):
         _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, c_desc, c_smem, ready, empty, G, M, N, K,
                  sc_m, sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N,
-                 BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE, 0)
+                 BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE, SPLIT_TAIL, 0)
 
     @gluon.jit
     def _ws_math1(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, c_desc, c_smem, ready, empty, G, M, N, K, sc_m,
                   sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
                   B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, SA_SMEM: gl.constexpr,
-                 TMA_STORE: gl.constexpr):
+                 TMA_STORE: gl.constexpr,
+                 SPLIT_TAIL: gl.constexpr):
         _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, c_desc, c_smem, ready, empty, G, M, N, K,
                  sc_m, sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N,
-                 BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE, 1)
+                 BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE, SPLIT_TAIL, 1)
 
     @gluon.jit
     def _fp8_blockwise_ws_kernel(a_desc, b_desc, c, c_desc, sa_ptr, sb_ptr, offs_ptr, G, M, N, K, sc_m, sc_n,
@@ -328,7 +391,7 @@ if gluon is not None:
                                  A_GROUP: gl.constexpr, B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
                                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                                  STAGES: gl.constexpr, SA_SMEM: gl.constexpr, TMA_STORE: gl.constexpr,
-                                 MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+                                 SPLIT_TAIL: gl.constexpr, MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
         # a's K-block scales of each slot's rows (SA_SMEM); unused, and 2 KiB at most, otherwise.
@@ -353,13 +416,13 @@ if gluon is not None:
         gl.warp_specialize([
             (_ws_math0, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, c_desc, c_smem, ready, empty, G, M, N, K,
                           sc_m, sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M,
-                          BLOCK_N, BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE)),
+                          BLOCK_N, BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE, SPLIT_TAIL)),
             (_ws_math1, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, c_desc, c_smem, ready, empty, G, M, N, K,
                           sc_m, sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M,
-                          BLOCK_N, BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE)),
+                          BLOCK_N, BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE, SPLIT_TAIL)),
             (_ws_load, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, c_desc, c_smem, ready, empty, G, M, N, K,
                          sc_m, sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M,
-                         BLOCK_N, BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE)),
+                         BLOCK_N, BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE, SPLIT_TAIL)),
         ], [4, 1], [MATH_REGS, LOAD_REGS])
 
 
@@ -462,6 +525,7 @@ def _launch(a, b_rows, c, offs, G: int, N: int, sa, sa_strides, sb, sb_strides, 
                                        GROUPED=offs is not None, A_GROUP=a_group, B_GROUP=b_group, BLOCK_M=bm,
                                        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages,
                                        SA_SMEM=scales_in_smem(sa_strides[0], a_group), TMA_STORE=tma_store,
+                                       SPLIT_TAIL=SPLIT_TAIL and offs is None and bn > 128,
                                        MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS,
                                        num_warps=4, maxnreg=MAXNREG)
 
