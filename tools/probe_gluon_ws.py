@@ -46,6 +46,9 @@ def main() -> int:
                          "last wave; left out: the launcher's choice); overrides --stages; each is first checked "
                          "against float64 on odd sizes")
     ap.add_argument("--grouped", action="store_true", help="the grouped form instead of the dense one")
+    ap.add_argument("--overhead", action="store_true",
+                    help="per shape and variant: eager time (do_bench), CUDA-graph replay time and the host time "
+                         "of one launch, to tell launch overhead from kernel time")
     args = ap.parse_args()
     out = open(args.out, "w") if args.out else None
 
@@ -61,6 +64,8 @@ def main() -> int:
     ws_cfgs = [_ws_variant(spec) for spec in specs]
     if args.grouped:
         return grouped(emit, ws_cfgs)
+    if args.overhead:
+        return overhead(emit, ws_cfgs, args.shapes.split(","))
     if args.tiles and not dense_check(emit, ws_cfgs):
         return 1
     for shape in args.shapes.split(","):
@@ -81,6 +86,31 @@ def main() -> int:
                 continue
             ms = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
             emit(shape=shape, variant=name, rel=rel, ms=ms, tflops=flops / ms / 1e9)
+    return 0
+
+
+def overhead(emit, ws_cfgs, shapes) -> int:
+    """Eager (``do_bench``: host launch work the GPU waits for is counted) against CUDA-graph
+    replay (kernel time alone) and the host time per launch (100 launches queued, no sync)."""
+    import time
+
+    for shape in shapes:
+        m, n, k = (int(v) for v in shape.split("x"))
+        p, qa_t, qw_t, (qa, sa), (qb, sb) = dense_operands(m, n, k)
+        variants = [("F.scaled_mm(cublaslt)", lambda: _scaled(p, qa_t, qw_t))]
+        variants += [(_ws_name(v), lambda v=v: _ws_dense(v, qa, qb, sa, sb, torch.bfloat16, 1)) for v in ws_cfgs]
+        for name, fn in variants:
+            fn()
+            torch.cuda.synchronize()
+            eager = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+            graph = triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
+            t0 = time.perf_counter()
+            for _ in range(100):
+                fn()
+            host_us = (time.perf_counter() - t0) * 1e4
+            torch.cuda.synchronize()
+            emit(probe="overhead", shape=shape, variant=name, eager_ms=eager, graph_ms=graph, host_us=host_us,
+                 eager_tflops=2.0 * m * n * k / eager / 1e9, graph_tflops=2.0 * m * n * k / graph / 1e9)
     return 0
 
 
