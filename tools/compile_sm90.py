@@ -237,7 +237,8 @@ def _grouped_fp8_gluon_ws(cfg: C.TileConfig):
     ad = GL.make_descriptor(a, [cfg.block_m, cfg.block_k])
     cd, tma_store = _ws_output(c, cfg)
     return GWS._fp8_blockwise_ws_kernel.warmup(
-        ad, GL.make_descriptor(b, [cfg.block_n, cfg.block_k]), c, cd or ad, sa, sb, offs, G, M, N, K, N, 1, *sa.stride(), *sb.stride(), 132, GROUPED=True, A_GROUP=1, B_GROUP=128,
+        ad, GL.make_descriptor(b, [cfg.block_n, cfg.block_k]), c, cd or ad, sa, sb, offs, G, M, N, K, N, 1,
+        *sa.stride(), *sb.stride(), 132, GROUPED=True, A_GROUP=1, B_GROUP=128,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
         SA_SMEM=GWS.scales_in_smem(sa.stride(0), 1), TMA_STORE=tma_store, SPLIT_TAIL=False,
         MATH_REGS=GWS.MATH_REGS, LOAD_REGS=GWS.LOAD_REGS, num_warps=4,

@@ -24,6 +24,10 @@ Where ``a``'s scales lie row-contiguous (``scales_in_smem``), the loader also co
 scales into shared memory (cp.async, whose completion holds the slot's ``ready`` phase open), so
 the math warpgroups read them there rather than from global memory.
 
+Epilogue: each math warpgroup stages its 64-row half of the tile in shared memory and starts a
+TMA store without waiting for it, so the store drains while the next tile's wgmmas run
+(``tma_store_ok`` says where c allows it; masked pointer stores serve the rest).
+
 Registers: the math warpgroups ask for 232 per thread (the accumulators plus the in-flight
 partial), the loader for 40; the kernel launches with ``maxnreg`` so that the three
 warpgroups fit in one SM's register file.
@@ -133,9 +137,12 @@ if gluon is not None:
         """How many of the last ``count`` tiles are worked as two 128-column halves.
 
         A dense launch whose last wave holds at most half of the programs splits that wave's
-        256-column tiles in two, so it takes about half a tile's time rather than a whole one
-        (4096 x 3584: 448 tiles on 132 SMs, a last wave of 52). A fuller last wave would give
-        some programs two halves, no faster than one whole tile, so it is left whole. Grouped
+        256-column tiles in two (4096 x 3584: 448 tiles on 132 SMs, a last wave of 52), aiming
+        at half a tile's time for that wave. A fuller last wave would give some programs two
+        halves, no faster than one whole tile, so it is left whole. On an H100 (gluon-ws-r8,
+        tools/gpu_round15.sh) the split measured +4-5% at two shapes and +-1% at a third, inside
+        that run's noise: a half tile still loads the 256-row b box, so where the wave is short
+        its L2 traffic per FLOP doubles. Grouped
         launches do not split (their tile count depends on the routing): ``SPLIT_TAIL`` is
         false for them, for 128-column tiles, and where a probe turns the split off."""
         tail = count % NUM_PROGS
@@ -156,7 +163,8 @@ if gluon is not None:
         return pid_m, pid_n * BLOCK_N + gl.where(narrow, (u % 2) * (BLOCK_N // 2), 0), narrow
 
     @gluon.jit
-    def _ws_load(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, c_desc, c_smem, ready, empty, G, M, N, K, sc_m,
+    def _ws_load(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs,
+                 c_desc, c_smem, ready, empty, G, M, N, K, sc_m,
                  sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
                  B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, SA_SMEM: gl.constexpr,
@@ -203,7 +211,8 @@ if gluon is not None:
             base += count + tail
 
     @gluon.jit
-    def _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, c_desc, c_smem, ready, empty, G, M, N, K, sc_m,
+    def _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs,
+                 c_desc, c_smem, ready, empty, G, M, N, K, sc_m,
                  sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
                  B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, SA_SMEM: gl.constexpr,
@@ -364,24 +373,28 @@ if gluon is not None:
     # One wrapper per math warpgroup: a worker partition takes the same argument list as the
     # loader, so the warpgroup index is fixed here rather than passed.
     @gluon.jit
-    def _ws_math0(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, c_desc, c_smem, ready, empty, G, M, N, K, sc_m,
+    def _ws_math0(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs,
+                  c_desc, c_smem, ready, empty, G, M, N, K, sc_m,
                   sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
                   B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, SA_SMEM: gl.constexpr,
                  TMA_STORE: gl.constexpr,
                  SPLIT_TAIL: gl.constexpr):
-        _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, c_desc, c_smem, ready, empty, G, M, N, K,
+        _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs,
+                 c_desc, c_smem, ready, empty, G, M, N, K,
                  sc_m, sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N,
                  BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE, SPLIT_TAIL, 0)
 
     @gluon.jit
-    def _ws_math1(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, c_desc, c_smem, ready, empty, G, M, N, K, sc_m,
+    def _ws_math1(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs,
+                  c_desc, c_smem, ready, empty, G, M, N, K, sc_m,
                   sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
                   B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, SA_SMEM: gl.constexpr,
                  TMA_STORE: gl.constexpr,
                  SPLIT_TAIL: gl.constexpr):
-        _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, c_desc, c_smem, ready, empty, G, M, N, K,
+        _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs,
+                 c_desc, c_smem, ready, empty, G, M, N, K,
                  sc_m, sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N,
                  BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE, SPLIT_TAIL, 1)
 
@@ -400,8 +413,8 @@ if gluon is not None:
         if TMA_STORE:
             # One staging buffer per math warpgroup for its output half-tile ([64, HALF], the TMA
             # store's block); c_desc is then a descriptor over c.
-            c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, c_desc.block_type.shape[0], c_desc.block_type.shape[1]],
-                                               c_desc.layout)
+            c_shape: gl.constexpr = [2, c_desc.block_type.shape[0], c_desc.block_type.shape[1]]
+            c_smem = gl.allocate_shared_memory(c_desc.dtype, c_shape, c_desc.layout)
         else:
             # Pointer stores: c_desc is a placeholder and the buffer is never touched.
             c_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
@@ -414,13 +427,16 @@ if gluon is not None:
         # The argument tuple is spelled out at each use: assigned to a variable, its constexpr
         # entries would become tensors (triton 3.6).
         gl.warp_specialize([
-            (_ws_math0, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, c_desc, c_smem, ready, empty, G, M, N, K,
+            (_ws_math0, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs,
+                          c_desc, c_smem, ready, empty, G, M, N, K,
                           sc_m, sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M,
                           BLOCK_N, BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE, SPLIT_TAIL)),
-            (_ws_math1, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, c_desc, c_smem, ready, empty, G, M, N, K,
+            (_ws_math1, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs,
+                          c_desc, c_smem, ready, empty, G, M, N, K,
                           sc_m, sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M,
                           BLOCK_N, BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE, SPLIT_TAIL)),
-            (_ws_load, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs, c_desc, c_smem, ready, empty, G, M, N, K,
+            (_ws_load, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs,
+                         c_desc, c_smem, ready, empty, G, M, N, K,
                          sc_m, sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M,
                          BLOCK_N, BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE, SPLIT_TAIL)),
         ], [4, 1], [MATH_REGS, LOAD_REGS])
