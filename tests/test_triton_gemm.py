@@ -367,6 +367,13 @@ def test_gluon_blockwise_configs_and_refusals():
     assert not GWS.tma_store_ok(torch.empty(64, 999, dtype=torch.bfloat16), wide4), "rows not 16-byte aligned"
     assert not GWS.tma_store_ok(c.t(), wide4), "column-major"
     assert not GWS.tma_store_ok(c[:, 1:], wide4), "base not 16-byte aligned"
+    # Descriptor layouts are built once per (block, dtype) and are the default swizzle.
+    from triton.experimental.gluon import language as gl
+
+    assert GLK.shared_layout((128, 128), "float8e4nv") is GLK.shared_layout((128, 128), "float8e4nv")
+    assert GWS.output_descriptor(c, 64, 128).layout == gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
+    assert GLK.make_descriptor(torch.empty(256, 256, dtype=torch.float8_e5m2), [128, 64]).layout == \
+        gl.NVMMASharedLayout.get_default_for([128, 64], gl.float8e5)
 
     f8 = GemmFp8Problem(256, 256, 256, False, True, torch.bfloat16, torch.bfloat16, torch.bfloat16,
                         torch.float8_e4m3fn, torch.float8_e4m3fn, G.BLOCKWISE, 128, False, True, "cuda")

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8_blockwise_gluon import available, checked_output, gluon, make_descriptor, operands_error
+from .fp8_blockwise_gluon import available, checked_output, gluon, make_descriptor, operands_error, shared_layout
 from .gemm_kernels import num_programs
 
 if gluon is not None:
@@ -549,9 +549,8 @@ def _launch(a, b_rows, c, offs, G: int, N: int, sa, sa_strides, sb, sb_strides, 
 def output_descriptor(c: torch.Tensor, rows: int, cols: int):
     """A Gluon TMA descriptor over the 2-D output ``c`` whose block is one math warpgroup's
     [``rows``, ``cols``] store."""
-    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[c.dtype]
-    layout = gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
-    return GluonDescriptor(c, list(c.shape), list(c.stride()), [rows, cols], layout)
+    dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[c.dtype]
+    return GluonDescriptor(c, list(c.shape), list(c.stride()), [rows, cols], shared_layout((rows, cols), dtype))
 
 
 __all__ = ["KERNEL_REVISION", "available", "config_error", "fp8_blockwise_gemm", "fp8_blockwise_grouped_gemm"]
