@@ -324,10 +324,15 @@ def test_gluon_blockwise_configs_and_refusals():
 
     cands = C.fp8_candidates(4096, 7168, 16384, 128)
     kinds = [c.kernel for c in cands]
-    # The warp-specialised 256-column tile first (the measured fastest on sm_90), the Triton
-    # configs last, so that where no Gluon config can run the Triton default is what remains.
+    # The warp-specialised 256-column tile first (the measured fastest on sm_90): 4 stages from
+    # WS_DEEP_K on, 3 below; the Triton configs last, so that where no Gluon config can run the
+    # Triton default is what remains.
     assert set(C.GLUON_KERNELS) <= set(kinds), kinds
-    assert cands[0] == C.TileConfig(128, 256, 128, 8, 3, 8, 1, C.KERNEL_GLUON_WS), cands[0]
+    assert cands[0] == C.TileConfig(128, 256, 128, 8, 4, 8, 1, C.KERNEL_GLUON_WS), cands[0]
+    assert C.TileConfig(128, 256, 128, 8, 3, 8, 1, C.KERNEL_GLUON_WS) in cands
+    shallow = C.fp8_candidates(4096, 7168, C.WS_DEEP_K - 128, 128)
+    assert shallow[0] == C.TileConfig(128, 256, 128, 8, 3, 8, 1, C.KERNEL_GLUON_WS), shallow[0]
+    assert sorted(shallow, key=repr) == sorted(C.fp8_candidates(4096, 7168, C.WS_DEEP_K, 128), key=repr)
     n_tri = kinds.count(C.KERNEL_TRITON)
     assert n_tri and kinds[-n_tri:] == [C.KERNEL_TRITON] * n_tri, kinds
     gluon = [c for c in cands if c.kernel in C.GLUON_KERNELS]
@@ -650,7 +655,8 @@ if __name__ == "__main__" and "--interpreter-checks" in sys.argv:
 
 def test_warp_specialised_tile_leads_the_adapter_configs_on_sm90(monkeypatch):
     """With both Gluon kernels able to run (availability stubbed: no sm_90 GPU here), the TRITON
-    fp8 adapter's blockwise candidates open with the warp-specialised 256-column 3-stage tile, all
+    fp8 adapter's blockwise candidates open with the warp-specialised 256-column tile (4 stages at
+    this deep K, ``WS_DEEP_K``), all
     Gluon configs come before the Triton ones, and where b's scales are per column (the wgrad) or
     the recipe is not blockwise, no Gluon config is offered."""
     from turbo_dispatch.backends.triton import configs as C
@@ -665,7 +671,7 @@ def test_warp_specialised_tile_leads_the_adapter_configs_on_sm90(monkeypatch):
     e4, bf = torch.float8_e4m3fn, torch.bfloat16
     fwd = GemmFp8Problem(4096, 7168, 16384, False, True, bf, bf, bf, e4, e4, G.BLOCKWISE, 128, False, True, "cuda")
     cfgs = [C.from_tuple(c) for c in TritonGemmFp8().configs(fwd)]
-    assert cfgs[0] == C.TileConfig(128, 256, 128, 8, 3, 8, 1, C.KERNEL_GLUON_WS), cfgs[0]
+    assert cfgs[0] == C.TileConfig(128, 256, 128, 8, 4, 8, 1, C.KERNEL_GLUON_WS), cfgs[0]
     kinds = [c.kernel for c in cfgs]
     n_gluon = sum(k in C.GLUON_KERNELS for k in kinds)
     assert n_gluon and all(k in C.GLUON_KERNELS for k in kinds[:n_gluon]), kinds

@@ -192,8 +192,9 @@ _FP8_BLOCKWISE = {
 # shapes. With a's scales in shared memory (the dense layout, ``scales_in_smem``) 3 stages beat 4
 # at all three shapes probed (1173 vs 1062 at 4096 x 7168 x 16384). With the TMA-store epilogue
 # (gluon-ws-r7) 4 stages won at 4096 x 7168 x 16384 (1300 vs 1240; cuBLASLt 1308) but lost at
-# 4096 x 4096 x 4096 (917 vs 976) and once collapsed at 4096 x 4608 x 3584 (539 vs 1094), so 3
-# stages stay the untuned default; the 128-column tile takes 5 stages, the most that leave room for
+# 4096 x 4096 x 4096 (917 vs 976) and once collapsed at 4096 x 4608 x 3584 (539 vs 1094, later
+# traced to host launch time), so 3 stages stay the untuned default below ``WS_DEEP_K`` and 4 lead
+# from it (``fp8_candidates``); the 128-column tile takes 5 stages, the most that leave room for
 # its staging buffers (1027-1070 at 5 vs 910-1027 at 6 with pointer stores, six shapes). On an
 # sm_90 GPU these come first, the default before tuning. Its 128 x 64 tile ran at 587-621: not
 # offered.
@@ -211,6 +212,13 @@ _FP8_BLOCKWISE_GLUON = {
 }
 
 
+#: From this K on, the warp-specialised 256-column tile's 4-stage config leads the blockwise list
+#: instead of the 3-stage one. H100, same runs (gluon-ws-r7/r8, TMA-store epilogue): 4 stages won
+#: at K = 16384 (1300 vs 1240 and 1209 vs 1118 TFLOPS), 18944 (1150 vs 1132) and 8192 (1128 vs
+#: 1117); 3 stages won or tied at K = 4096 (976 vs 917, 1133 vs 1128, 1192 vs 1170, 1115 both).
+WS_DEEP_K = 8192
+
+
 def fp8_candidates(m: int, n: int, k: int, block_k: int | None = None) -> list[TileConfig]:
     """Pruned configs for an fp8 GEMM; ``block_k`` marks a blockwise GEMM and pins BLOCK_K
     (BLOCK_K == the quantisation block so each K step sees one scale)."""
@@ -222,5 +230,9 @@ def fp8_candidates(m: int, n: int, k: int, block_k: int | None = None) -> list[T
     found = prune(cands, m, n, k, 1, 1) or [cands[0]]
     if block_k is not None:
         # Gluon first: the adapter drops them where they cannot run, leaving the Triton default.
-        found = prune([c._replace(block_k=block_k) for c in _FP8_BLOCKWISE_GLUON[cls]], m, n, k, 1, 1) + found
+        gluon = prune([c._replace(block_k=block_k) for c in _FP8_BLOCKWISE_GLUON[cls]], m, n, k, 1, 1)
+        if k >= WS_DEEP_K:
+            deep = [c for c in gluon if c.kernel == KERNEL_GLUON_WS and c.block_n == 256 and c.num_stages == 4]
+            gluon = deep + [c for c in gluon if c not in deep]
+        found = gluon + found
     return found
