@@ -311,7 +311,9 @@ def _fp8_configs(p) -> list[Config]:
 #: the default; BK is replaced by the problem's K step. H100, DeepSeek-V3 8 x 4096, kernel only,
 #: same run (gluon-ws-r5): the 256-column tile at 4 stages 1035 / 1010 TFLOPS up_gate balanced /
 #: skewed, 885 / 853 down; 3 stages 1017 / 994 and 902 / 854; the 128-column tile 941 / 892 and
-#: 816 / 872; the Triton 128 x 128 tile 868 / 853 and 775 / 745.
+#: 816 / 872; the Triton 128 x 128 tile 868 / 853 and 775 / 745. With the TMA-store epilogue
+#: (gluon-ws-r7, tools/gpu_round12.sh): 4 stages 1226 / 1169 and 1162 / 1177; 3 stages 1183 / 1095
+#: and 1077 / 1037; the 128-column tile 992 / 946 and 1039 / 975.
 WS_CONFIGS = ((128, 256, 128, 8, 4, 8, 1, 1, KERNEL_GLUON_WS), (128, 256, 128, 8, 3, 8, 1, 1, KERNEL_GLUON_WS),
               (128, 128, 128, 8, 4, 8, 1, 1, KERNEL_GLUON_WS))
 
