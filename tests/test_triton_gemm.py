@@ -656,9 +656,8 @@ if __name__ == "__main__" and "--interpreter-checks" in sys.argv:
 def test_warp_specialised_tile_leads_the_adapter_configs_on_sm90(monkeypatch):
     """With both Gluon kernels able to run (availability stubbed: no sm_90 GPU here), the TRITON
     fp8 adapter's blockwise candidates open with the warp-specialised 256-column tile (4 stages at
-    this deep K, ``WS_DEEP_K``), all
-    Gluon configs come before the Triton ones, and where b's scales are per column (the wgrad) or
-    the recipe is not blockwise, no Gluon config is offered."""
+    this deep K, ``WS_DEEP_K``), all Gluon configs come before the Triton ones, and where b's
+    scales are per column (the wgrad) or the recipe is not blockwise, no Gluon config is offered."""
     from turbo_dispatch.backends.triton import configs as C
     from turbo_dispatch.backends.triton import fp8_blockwise_gluon as GLK
     from turbo_dispatch.backends.triton import fp8_blockwise_gluon_ws as GWS

@@ -190,19 +190,19 @@ def _dense_fp8(cfg: C.TileConfig, mode: int):
         num_warps=cfg.num_warps, grid=(1,))
 
 
-def _dense_gluon_operands(cfg: C.TileConfig):
-    """Descriptors, output and 1 x bk / bk x bk scales of the dense blockwise problem, laid out as
-    the Gluon launchers lay them."""
+def _dense_gluon_tensors(cfg: C.TileConfig):
+    """Operands, output and 1 x bk / bk x bk scales of the dense blockwise problem, laid out as the
+    Gluon launchers lay them."""
     M, N, K = M_DENSE, N_DENSE, K_DENSE
     a, b = torch.empty((M, K), dtype=E4), torch.empty((N, K), dtype=E4)
     c = torch.empty((M, N), dtype=torch.bfloat16)
     sa, sb = torch.empty((K // cfg.block_k, M)).t(), torch.empty((N // cfg.block_k, K // cfg.block_k))
-    descs = GL.make_descriptor(a, [cfg.block_m, cfg.block_k]), GL.make_descriptor(b, [cfg.block_n, cfg.block_k])
-    return descs, c, sa, sb
+    return a, b, c, sa, sb
 
 
 def _dense_fp8_gluon(cfg: C.TileConfig):
-    (ad, bd), c, sa, sb = _dense_gluon_operands(cfg)
+    a, b, c, sa, sb = _dense_gluon_tensors(cfg)
+    ad, bd = GL.make_descriptor(a, [cfg.block_m, cfg.block_k]), GL.make_descriptor(b, [cfg.block_n, cfg.block_k])
     return GL._fp8_blockwise_kernel.warmup(
         ad, bd, c, sa, sb, M_DENSE, N_DENSE, K_DENSE, N_DENSE, 1, *sa.stride(), *sb.stride(), 132, A_GROUP=1,
         B_GROUP=cfg.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
@@ -211,22 +211,13 @@ def _dense_fp8_gluon(cfg: C.TileConfig):
 
 
 def _dense_fp8_gluon_ws(cfg: C.TileConfig):
-    (ad, bd), c, sa, sb = _dense_gluon_operands(cfg)
-    cd, tma_store = _ws_output(c, cfg)
-    return GWS._fp8_blockwise_ws_kernel.warmup(
-        ad, bd, c, cd or ad, sa, sb, sa, 1, M_DENSE, N_DENSE, K_DENSE, N_DENSE, 1, *sa.stride(), 0, *sb.stride(), 132,
-        GROUPED=False, A_GROUP=1, B_GROUP=cfg.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-        SA_SMEM=GWS.scales_in_smem(sa.stride(0), 1), TMA_STORE=tma_store, SPLIT_TAIL=cfg.block_n > 128,
-        MATH_REGS=GWS.MATH_REGS, LOAD_REGS=GWS.LOAD_REGS, num_warps=4, maxnreg=GWS.MAXNREG, grid=(1,))
-
-
-def _ws_output(c: torch.Tensor, cfg: C.TileConfig):
-    """The output descriptor and TMA_STORE flag the warp-specialised launcher would pass for ``c``
-    (the CPU tensor's address stands in for a CUDA one: both are 16-byte aligned)."""
-    tma_store = GWS.tma_store_ok(c, cfg)
-    half = cfg.block_n // 2 if cfg.block_n > 128 else cfg.block_n
-    return (GWS.output_descriptor(c, cfg.block_m // 2, half) if tma_store else None), tma_store
+    """The launcher's own arguments (``launch_args``: TMA stores, scales in shared memory, the
+    split last wave, as it would choose them; the CPU tensors' addresses are 16-byte aligned like
+    CUDA ones), 132 programs."""
+    a, b, c, sa, sb = _dense_gluon_tensors(cfg)
+    args, kwargs = GWS.launch_args(a, b, c, None, 1, N_DENSE, sa, sa.stride(), sb, (0, *sb.stride()), cfg, 1,
+                                   cfg.block_k, 132)
+    return GWS._fp8_blockwise_ws_kernel.warmup(*args, **kwargs, grid=(1,))
 
 
 def _grouped_fp8_gluon_ws(cfg: C.TileConfig):
@@ -234,15 +225,8 @@ def _grouped_fp8_gluon_ws(cfg: C.TileConfig):
     a, b = torch.empty((M, K), dtype=E4), torch.empty((G * N, K), dtype=E4)
     c, offs = torch.empty((M, N), dtype=torch.bfloat16), torch.empty(G + 1, dtype=torch.int32)
     sa, sb = torch.empty((M, K // 128)), torch.empty((G, N // 128, K // 128))
-    ad = GL.make_descriptor(a, [cfg.block_m, cfg.block_k])
-    cd, tma_store = _ws_output(c, cfg)
-    return GWS._fp8_blockwise_ws_kernel.warmup(
-        ad, GL.make_descriptor(b, [cfg.block_n, cfg.block_k]), c, cd or ad, sa, sb, offs, G, M, N, K, N, 1,
-        *sa.stride(), *sb.stride(), 132, GROUPED=True, A_GROUP=1, B_GROUP=128,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-        SA_SMEM=GWS.scales_in_smem(sa.stride(0), 1), TMA_STORE=tma_store, SPLIT_TAIL=False,
-        MATH_REGS=GWS.MATH_REGS, LOAD_REGS=GWS.LOAD_REGS, num_warps=4,
-        maxnreg=GWS.MAXNREG, grid=(1,))
+    args, kwargs = GWS.launch_args(a, b, c, offs, G, N, sa, sa.stride(), sb, sb.stride(), cfg, 1, 128, 132)
+    return GWS._fp8_blockwise_ws_kernel.warmup(*args, **kwargs, grid=(1,))
 
 
 def _dense_bf16(cfg: C.TileConfig):

@@ -527,6 +527,18 @@ def fp8_blockwise_grouped_gemm(a: torch.Tensor, b_gnk: torch.Tensor, out: torch.
 def _launch(a, b_rows, c, offs, G: int, N: int, sa, sa_strides, sb, sb_strides, cfg, a_group: int,
             b_group: int) -> None:
     """One launch over ``G`` groups (``offs`` None: one group of all rows, the dense GEMM)."""
+    bm, bn = cfg[:2]
+    bound = (-(-a.shape[0] // bm) + (G if offs is not None else 0)) * -(-N // bn)  # most tiles any routing gives
+    progs = max(1, min(bound, num_programs(a.device.index)))
+    args, kwargs = launch_args(a, b_rows, c, offs, G, N, sa, sa_strides, sb, sb_strides, cfg, a_group, b_group,
+                               progs)
+    _fp8_blockwise_ws_kernel[(progs,)](*args, **kwargs)
+
+
+def launch_args(a, b_rows, c, offs, G: int, N: int, sa, sa_strides, sb, sb_strides, cfg, a_group: int,
+                b_group: int, progs: int) -> tuple[tuple, dict]:
+    """The positional and keyword arguments of a launch of ``progs`` persistent programs, as
+    ``_launch`` passes them (arguments as ``_launch``); tools/compile_sm90.py compiles with them."""
     M, K = a.shape
     bm, bn, bk, group_m, stages = cfg[:5]
     a_desc = make_descriptor(a, [bm, bk])
@@ -534,16 +546,13 @@ def _launch(a, b_rows, c, offs, G: int, N: int, sa, sa_strides, sb, sb_strides, 
     tma_store = tma_store_ok(c, cfg)
     # Without TMA stores the kernel never reads c_desc: a's descriptor stands in for it.
     c_desc = output_descriptor(c, bm // 2, bn // 2 if bn > 128 else bn) if tma_store else a_desc
-    bound = (-(-M // bm) + (G if offs is not None else 0)) * -(-N // bn)  # most tiles any routing gives
-    progs = max(1, min(bound, num_programs(a.device.index)))
-    _fp8_blockwise_ws_kernel[(progs,)](a_desc, b_desc, c, c_desc, sa, sb, sa if offs is None else offs, G, M, N, K,
-                                       c.stride(0), c.stride(1), *sa_strides, *sb_strides, progs,
-                                       GROUPED=offs is not None, A_GROUP=a_group, B_GROUP=b_group, BLOCK_M=bm,
-                                       BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages,
-                                       SA_SMEM=scales_in_smem(sa_strides[0], a_group), TMA_STORE=tma_store,
-                                       SPLIT_TAIL=SPLIT_TAIL and offs is None and bn > 128,
-                                       MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS,
-                                       num_warps=4, maxnreg=MAXNREG)
+    args = (a_desc, b_desc, c, c_desc, sa, sb, sa if offs is None else offs, G, M, N, K, c.stride(0), c.stride(1),
+            *sa_strides, *sb_strides, progs)
+    kwargs = dict(GROUPED=offs is not None, A_GROUP=a_group, B_GROUP=b_group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                  GROUP_M=group_m, STAGES=stages, SA_SMEM=scales_in_smem(sa_strides[0], a_group),
+                  TMA_STORE=tma_store, SPLIT_TAIL=SPLIT_TAIL and offs is None and bn > 128, MATH_REGS=MATH_REGS,
+                  LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)
+    return args, kwargs
 
 
 def output_descriptor(c: torch.Tensor, rows: int, cols: int):

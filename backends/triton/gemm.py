@@ -107,14 +107,19 @@ def gluon_kernel(kind: int):
     return module
 
 
-def _gluon_refusal(p, cfg: _cfg.TileConfig) -> str | None:
-    """Why the Gluon blockwise kernel ``cfg.kernel`` cannot run ``cfg`` for ``p`` here, or None."""
+def _gluon_problem_refusal(p) -> str | None:
+    """Why no Gluon blockwise kernel can serve ``p`` at all, or None (the recipe and platform)."""
     if p.granularity is not ScalingGranularity.BLOCKWISE:
         return f"it serves BLOCKWISE only (got {p.granularity.value})"
     if p.platform != "cuda":
         return f"it runs on NVIDIA sm_90 (platform is {p.platform})"
+    return None
+
+
+def _gluon_refusal(p, cfg: _cfg.TileConfig) -> str | None:
+    """Why the Gluon blockwise kernel ``cfg.kernel`` cannot run ``cfg`` for ``p`` here, or None."""
     kernel = gluon_kernel(cfg.kernel)
-    return kernel.available() or kernel.config_error(cfg, _scale_groups(p)[1])
+    return _gluon_problem_refusal(p) or kernel.available() or kernel.config_error(cfg, _scale_groups(p)[1])
 
 
 class TritonGemm(_TritonAdapter):
@@ -196,9 +201,18 @@ class TritonGemmFp8(_TritonAdapter):
         return None
 
     def _candidates(self, p):
+        """The configs that can run ``p`` here. The problem- and machine-level Gluon checks (an
+        env parse and a device query among them) run once per call and kernel kind, not once per
+        config: an untuned call lists its candidates every time."""
         bk = p.block_size if p.granularity is ScalingGranularity.BLOCKWISE else None
-        return [c for c in _cfg.fp8_candidates(p.m, p.n, p.k, bk)
-                if c.kernel == _cfg.KERNEL_TRITON or _gluon_refusal(p, c) is None]
+        cands = _cfg.fp8_candidates(p.m, p.n, p.k, bk)
+        if _gluon_problem_refusal(p):
+            return [c for c in cands if c.kernel == _cfg.KERNEL_TRITON]
+        kinds = {c.kernel for c in cands if c.kernel in _cfg.GLUON_KERNELS}
+        runnable = {kind for kind in kinds if gluon_kernel(kind).available() is None}
+        b_group = _scale_groups(p)[1]
+        return [c for c in cands if c.kernel == _cfg.KERNEL_TRITON
+                or (c.kernel in runnable and gluon_kernel(c.kernel).config_error(c, b_group) is None)]
 
     def configs(self, p):
         return [_cfg.as_tuple(c) for c in self._candidates(p)]
@@ -227,7 +241,8 @@ class TritonGemmFp8(_TritonAdapter):
         if blockwise and cfg.block_k != p.block_size:
             raise ValueError(f"TritonGemmFp8: config BLOCK_K={cfg.block_k} must equal block_size={p.block_size}")
         gluon = cfg.kernel in _cfg.GLUON_KERNELS
-        why = _gluon_refusal(p, cfg) if gluon else None
+        # A default config came from _candidates, which already checked it.
+        why = _gluon_refusal(p, cfg) if gluon and config is not None else None
         if why:
             raise ValueError(f"TritonGemmFp8: config {_cfg.as_tuple(cfg)} selects the Gluon kernel, but {why}")
         bs = p.block_size if blockwise else None

@@ -485,7 +485,8 @@ class TritonGroupedGemmFp8(_TritonAdapter):
 
     def run(self, p, x, y, group_lens, group_offs, config=None):
         cfg = _fp8_configs(p)[0] if config is None else _check_config(config)
-        why = _ws_refusal(p, cfg) if _is_ws(cfg) else None
+        # A default config came from _fp8_configs, which offers the WS ones only where they run.
+        why = _ws_refusal(p, cfg) if config is not None and _is_ws(cfg) else None
         if why:
             raise ValueError(f"TRITON grouped fp8: config {tuple(cfg)} selects the warp-specialised Gluon kernel, "
                              f"but {why}")
