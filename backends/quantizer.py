@@ -71,3 +71,90 @@ def quantize_operand(x: torch.Tensor, dtype: torch.dtype, granularity: ScalingGr
             log.warning("gemm_fp8: Triton quantizer refused %s (block_2d=%s, block_size=%s): %s; using the "
                         "reference quantizer for this recipe from now on", granularity.value, block_2d, block_size, exc)
     return _reference_quantize(x, dtype, granularity, axis=axis, block_size=block_size, block_2d=block_2d)
+
+
+
+# -- both quantisations of one tensor (the blockwise training step) ---------------------------------------
+#: Block sizes whose two quantisations come from one read (the Triton kernel's one-tile blocks).
+DUAL_BLOCK_SIZES = (32, 64, 128)
+
+
+@functools.lru_cache(maxsize=None)
+def _dual_kernel() -> Callable | None:
+    try:
+        from turbo_dispatch.backends.triton.dual_quantize import dual_quantize
+    except Exception as exc:  # no triton here: the reference quantises twice, with the same result
+        log.debug("dual quantiser not importable (%s: %s); quantising twice", type(exc).__name__, exc)
+        return None
+    return dual_quantize
+
+
+def _padded_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied into storage whose rows are padded to 16 elements (the kernel's layout)."""
+    cols = t.shape[-1]
+    storage = t.new_empty((*t.shape[:-1], -(-cols // 16) * 16))
+    storage[..., :cols] = t
+    return storage[..., :cols]
+
+
+def quantize_both_tensors(x3: torch.Tensor, dtype: torch.dtype, block_size: int, tile_2d: bool
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(data, scale, data_t, scale_t)`` of ``x3[G, R, C]`` as
+    ``turbo_dispatch.backends.triton.dual_quantize.dual_quantize`` returns them (same layouts,
+    rows padded to 16 bytes): from its one-read kernel on a GPU, else from two reference
+    ``quantize`` calls, which give the same bits."""
+    fn = _dual_kernel()
+    if fn is not None and x3.is_cuda and block_size in DUAL_BLOCK_SIZES:
+        return fn(x3, dtype, block_size, tile_2d)
+    blockwise = ScalingGranularity.BLOCKWISE
+    if tile_2d:
+        q = _reference_quantize(x3, dtype, blockwise, axis=2, block_size=block_size, block_2d=True)
+        return _padded_rows(q.data), q.scale, _padded_rows(q.data.transpose(1, 2)), q.scale.transpose(1, 2)
+    rows = _reference_quantize(x3, dtype, blockwise, axis=2, block_size=block_size)
+    cols = _reference_quantize(x3, dtype, blockwise, axis=1, block_size=block_size)
+    return _padded_rows(rows.data), rows.scale, _padded_rows(cols.data.transpose(1, 2)), cols.scale
+
+
+def runs_from_tensors(data: torch.Tensor, scale: torch.Tensor, data_t: torch.Tensor, scale_t: torch.Tensor,
+                      block_size: int) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """The two QuantizedTensors of ``quantize_runs_both`` from its 2-D tensors (a custom op's outputs)."""
+    make = dict(granularity=ScalingGranularity.BLOCKWISE, block_size=block_size, block_2d=False)
+    return (QuantizedTensor(data=data, scale=scale, axis=1, **make),
+            QuantizedTensor(data=data_t.t(), scale=scale_t, axis=0, **make))
+
+
+def tiles_from_tensors(data: torch.Tensor, scale: torch.Tensor, data_t: torch.Tensor,
+                       block_size: int) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """The two QuantizedTensors of ``quantize_tiles_both`` from its tensors (a custom op's outputs)."""
+    make = dict(scale=scale, granularity=ScalingGranularity.BLOCKWISE, axis=2, block_size=block_size, block_2d=True)
+    return QuantizedTensor(data=data, **make), QuantizedTensor(data=data_t.transpose(1, 2), **make)
+
+
+def quantize_runs_both(x: torch.Tensor, dtype: torch.dtype, block_size: int
+                       ) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """``x[T, C]`` quantised in 1 x block runs along C (``axis=1``: the forward's or dgrad's
+    operand) and along T (``axis=0``: the wgrad's), exactly as two ``quantize`` calls give them,
+    from one read of ``x`` on a GPU. The second one's data is a token-contiguous ``[T, C]`` view
+    (stored ``[C, T]``), the layout the K-major fp8 MMA reads.
+
+    >>> rows, cols = quantize_runs_both(torch.randn(300, 256), torch.float8_e4m3fn, 128)
+    >>> rows.axis, tuple(rows.scale.shape), cols.axis, tuple(cols.scale.shape), cols.data.stride(0)
+    (1, (300, 2), 0, (3, 256), 1)
+    """
+    data, scale, data_t, scale_t = quantize_both_tensors(x.unsqueeze(0), dtype, block_size, False)
+    return runs_from_tensors(data[0], scale[0], data_t[0], scale_t[0], block_size)
+
+
+def quantize_tiles_both(w: torch.Tensor, dtype: torch.dtype, block_size: int
+                        ) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """``w[G, R, C]`` in block x block tiles per group (``block_2d``), twice with the same values:
+    data stored as ``w`` is (C contiguous), and stored transposed (R contiguous) but shown as a
+    ``[G, R, C]`` view. The forward reads the first and the dgrad the second, each K-major. One
+    read of ``w`` on a GPU.
+
+    >>> fwd, bwd = quantize_tiles_both(torch.randn(2, 256, 384), torch.float8_e4m3fn, 128)
+    >>> tuple(fwd.scale.shape), fwd.data.stride(2), bwd.data.stride(1)
+    ((2, 2, 3), 1, 1)
+    """
+    data, scale, data_t, _ = quantize_both_tensors(w, dtype, block_size, True)
+    return tiles_from_tensors(data, scale, data_t, block_size)

@@ -15,7 +15,8 @@ Plain torch runs a grouped GEMM one of two ways:
   being captured (it raises a clear error instead). It also re-checks, for free, that the lengths
   are non-negative and sum to the token count.
 
-fp8: operands are quantised with ``turbo_dispatch.low_precision.quantize``; TENSORWISE and
+fp8: operands are quantised with ``turbo_dispatch.low_precision.quantize`` (an operand that
+arrives as a QuantizedTensor, pre-quantised by the training step, is used as is); TENSORWISE and
 ROWWISE forward/dgrad GEMMs with e4m3 operands and bf16 output run on ``torch._scaled_grouped_mm``
 (rowwise scales; a tensorwise scale is broadcast to rows, which is the same math). Everything
 else is emulated exactly: dequantise, then the grouped GEMM above (bf16 ``torch._grouped_mm``
@@ -248,20 +249,26 @@ class TorchGroupedGemmFp8(_TorchAdapter):
 
     def run(self, p, x, y, group_lens, group_offs, config=None):
         gran, bs = p.granularity, p.block_size
+
+        def quantized(t, dtype, **kw) -> QuantizedTensor:  # a pre-quantised operand is used as it came
+            return t if isinstance(t, QuantizedTensor) else quantize(t, dtype, gran, block_size=bs, **kw)
+
         if p.variable_k:
             # wgrad: both operands in runs along the token dimension (the reduction).
-            qx = quantize(x, p.a_fp8, gran, axis=0, block_size=bs)
-            qy = quantize(y, p.b_fp8, gran, axis=0, block_size=bs)
+            qx = quantized(x, p.a_fp8, axis=0)
+            qy = quantized(y, p.b_fp8, axis=0)
         else:
-            qx = quantize(x, p.a_fp8, gran, axis=1, block_size=bs)
-            qy = quantize(y, p.b_fp8, gran, axis=2 if p.trans_b else 1, block_size=bs, block_2d=p.b_2d)
+            qx = quantized(x, p.a_fp8, axis=1)
+            qy = quantized(y, p.b_fp8, axis=2 if p.trans_b else 1, block_2d=p.b_2d)
             if _scaled_grouped_unsupported(p) is None:
                 out = _scaled_grouped(p, qx, qy, group_offs)
                 if out is not None:
                     return out
         fast = _emulation_fast(p)
         work = torch.bfloat16 if fast else torch.float32
-        lhs, rhs = dequantize(qx, work), dequantize(qy, work)
+        # Contiguous: a pre-quantised operand may be stored transposed, and the same values must
+        # give the same bits whichever layout they came in (the GEMM's summation order follows it).
+        lhs, rhs = dequantize(qx, work).contiguous(), dequantize(qy, work).contiguous()
         if p.variable_k:
             out = variable_k(lhs, rhs, group_lens, group_offs, fast)
         else:

@@ -16,6 +16,9 @@ the same math):
 * wgrad (variable K): both operands per tensor, per column over all tokens, or in 1 x block runs
   along the tokens aligned to the global token index (a run may straddle two groups; its one
   scale serves both). They are written transposed, token-contiguous.
+* BLOCKWISE operands may arrive pre-quantised (QuantizedTensor, the training step's reuse:
+  ``turbo_dispatch.backends.quantizer.quantize_runs_both``/``quantize_tiles_both``); they are read
+  as they are, a weight not stored K-major for this GEMM copied once.
 
 Configs are ``(BM, BN, BK, GROUP_M, num_stages, num_warps, tma[, occupancy])`` tuples; ``tma=1``
 loads the operands (fixed-K and variable-K alike) through host-built TMA descriptors where the
@@ -35,7 +38,7 @@ from typing import Optional, Sequence
 import torch
 
 from turbo_dispatch.adapter import Adapter
-from turbo_dispatch.low_precision import ScalingGranularity
+from turbo_dispatch.low_precision import QuantizedTensor, ScalingGranularity
 
 from .configs import KERNEL_GLUON_WS, MAX_OCCUPANCY
 
@@ -44,6 +47,7 @@ Config = tuple  # (BM, BN, BK, GROUP_M, num_stages, num_warps, tma[, occupancy])
 _HALF = (torch.bfloat16, torch.float16)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _OUT = (torch.bfloat16, torch.float16, torch.float32)
+_IN = _OUT + _FP8  # an fp8 input dtype: the operand arrives pre-quantised (a QuantizedTensor)
 
 
 def _interpreting() -> bool:
@@ -469,11 +473,13 @@ class TritonGroupedGemmFp8(_TritonAdapter):
             return reason
         if p.granularity not in _SCALE_MODE:
             return f"TRITON grouped fp8 has no {p.granularity.value} recipe (tensorwise, rowwise, blockwise)"
-        if p.a_dtype not in _OUT or p.b_dtype not in _OUT or p.out_dtype not in _OUT:
+        if p.a_dtype not in _IN or p.b_dtype not in _IN or p.out_dtype not in _OUT:
             return f"unsupported dtypes a={p.a_dtype} b={p.b_dtype} out={p.out_dtype}"
         if p.granularity is ScalingGranularity.BLOCKWISE:
             if not isinstance(p.block_size, int) or p.block_size <= 0 or p.block_size % 32:
                 return f"TRITON blockwise fp8 needs block_size a multiple of 32 (got {p.block_size})"
+        elif p.a_dtype in _FP8 or p.b_dtype in _FP8:
+            return f"TRITON grouped fp8 takes pre-quantised operands for BLOCKWISE only (got {p.granularity.value})"
         return None
 
     def configs(self, p) -> Sequence[Config]:
@@ -501,32 +507,44 @@ class TritonGroupedGemmFp8(_TritonAdapter):
             out = torch.empty((p.g, p.m, p.n), dtype=p.out_dtype, device=x.device)
             if p.k == 0:
                 return out.zero_()
-            # Token-major inputs become token-contiguous [1, cols, T] fp8 (K-major for the fp8 MMA;
-            # the row stride padded to 16 bytes, so TMA takes it) with scales along T, stored
-            # column-block-major so that one step's scales of BM rows are one contiguous load.
-            qx, sx = _quant_rows(x.t().unsqueeze(0), p.a_fp8, gran, bs, scale_rows_inner=True)
-            qy, sy = _quant_rows(y.t().unsqueeze(0), p.b_fp8, gran, bs, scale_rows_inner=True)
-            qx, qy = qx[0].t(), qy[0].t()  # [T, m] / [T, n] views, token stride 1
-            if mode == 1:
-                sxs = sys_ = (0, 0)
-            else:  # scale [1, cols, nT]: (token-block, column) strides
-                sxs, sys_ = (sx.stride(2), sx.stride(1)), (sy.stride(2), sy.stride(1))
+            qx, sx, sxs = _wgrad_operand(x, p.a_fp8, gran, bs, mode)
+            qy, sy, sys_ = _wgrad_operand(y, p.b_fp8, gran, bs, mode)
             return launch_variable_k(qx, qy, out, offs, cfg, scale=mode, sx=sx, sx_strides=sxs, sy=sy,
                                      sy_strides=sys_, qblock=qblock, upcast=up)
         out = torch.empty((p.m, p.n), dtype=p.out_dtype, device=x.device)
         if p.m == 0:
             return out
-        qa, sa = _quant_rows(x.unsqueeze(0), p.a_fp8, gran, bs)
-        b_gnk = y if p.trans_b else y.transpose(1, 2)
-        qb, sb = _quant_rows(b_gnk, p.b_fp8, gran, bs, tile_2d=p.b_2d)
-        if mode == 1:
-            sas, sbs = (0, 0), (0, 0, 0)
+        if isinstance(x, QuantizedTensor):  # [M, K] in runs along K, scale [M, nK]
+            qa, sa = x.data, x.scale
+            sas = (sa.stride(0), sa.stride(1))
         else:
-            sas, sbs = (sa.stride(1), sa.stride(2)), (sb.stride(0), sb.stride(1), sb.stride(2))
+            qa3, sa = _quant_rows(x.unsqueeze(0), p.a_fp8, gran, bs)
+            qa, sas = qa3[0], ((0, 0) if mode == 1 else (sa.stride(1), sa.stride(2)))
+        if isinstance(y, QuantizedTensor):  # the weight's tiles, viewed [G, N, K] with K contiguous
+            qb = y.data if p.trans_b else y.data.transpose(1, 2)
+            sb = y.scale if p.trans_b else y.scale.transpose(1, 2)
+            if qb.stride(2) != 1:  # fp8 MMAs read K-major operands
+                qb = qb.contiguous()
+        else:
+            qb, sb = _quant_rows(y if p.trans_b else y.transpose(1, 2), p.b_fp8, gran, bs, tile_2d=p.b_2d)
+        sbs = (0, 0, 0) if mode == 1 else sb.stride()
         ndiv = bs if (gran is ScalingGranularity.BLOCKWISE and p.b_2d) else 1
         if _is_ws(cfg):
             from .fp8_blockwise_gluon_ws import fp8_blockwise_grouped_gemm
 
-            return fp8_blockwise_grouped_gemm(qa[0], qb, out, offs, sa, sas, sb, sbs, cfg[:6], b_group=bs)
-        return launch_fixed_k(qa[0], qb, out, offs, cfg, scale=mode, sa=sa, sa_strides=sas, sb=sb, sb_strides=sbs,
+            return fp8_blockwise_grouped_gemm(qa, qb, out, offs, sa, sas, sb, sbs, cfg[:6], b_group=bs)
+        return launch_fixed_k(qa, qb, out, offs, cfg, scale=mode, sa=sa, sa_strides=sas, sb=sb, sb_strides=sbs,
                               qblock=qblock, sb_ndiv=ndiv, upcast=up)
+
+
+def _wgrad_operand(t, dtype: torch.dtype, gran: ScalingGranularity, bs: Optional[int], mode: int):
+    """A wgrad operand as the variable-K kernel reads it: ([T, cols] fp8 view, scale, its
+    (token-block, column) strides). A token-major input becomes token-contiguous fp8 (K-major for
+    the fp8 MMA; rows padded to 16 bytes, so TMA takes it) with scales along T, stored
+    column-block-major so that one step's scales of BM rows are one contiguous load; a
+    QuantizedTensor (runs along the tokens, scale [nT, cols]) is read as it is."""
+    if isinstance(t, QuantizedTensor):
+        return t.data, t.scale, (t.scale.stride(0), t.scale.stride(1))
+    q, s = _quant_rows(t.t().unsqueeze(0), dtype, gran, bs, scale_rows_inner=True)
+    strides = (0, 0) if mode == 1 else (s.stride(2), s.stride(1))  # scale [1, cols, nT]
+    return q[0].t(), s, strides

@@ -144,16 +144,16 @@ def gemm_problem(a: torch.Tensor, b: torch.Tensor, trans_a: bool = False, trans_
 
 
 def _check_prequantized(name: str, q: QuantizedTensor, fp8: torch.dtype, granularity: ScalingGranularity,
-                        block_size: Optional[int], is_2d: bool, k_axis: int) -> None:
+                        block_size: Optional[int], is_2d: bool, k_axis: int, op: str = "gemm_fp8") -> None:
     """A pre-quantised operand must be exactly what the backend would have made of it: same
     recipe, scales along this GEMM's K. Anything else is a caller bug, named here."""
     want = (fp8, granularity, block_size, is_2d)
     got = (q.data.dtype, q.granularity, q.block_size, q.block_2d)
     if got != want:
-        raise ValueError(f"gemm_fp8: pre-quantised {name} is (dtype, granularity, block_size, block_2d)={got}, "
+        raise ValueError(f"{op}: pre-quantised {name} is (dtype, granularity, block_size, block_2d)={got}, "
                          f"but this GEMM quantises {name} as {want}")
     if not is_2d and granularity is not ScalingGranularity.TENSORWISE and q.axis != k_axis:
-        raise ValueError(f"gemm_fp8: pre-quantised {name} has its scales along dim {q.axis}, but this GEMM's "
+        raise ValueError(f"{op}: pre-quantised {name} has its scales along dim {q.axis}, but this GEMM's "
                          f"reduction dim of {name} is dim {k_axis}")
 
 

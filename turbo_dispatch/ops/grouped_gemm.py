@@ -33,11 +33,11 @@ import torch
 
 from ..backend_type import PrecisionType
 from ..device_platform import platform_of
-from ..low_precision import Float8QuantConfig, ScalingGranularity
+from ..low_precision import Float8QuantConfig, QuantizedTensor, ScalingGranularity, dequantize, quantize
 from ..op_spec import OpSpec, precision_of_dtype, register_op
 from ..resolver import resolve
 from ._common import check_rel, check_snr, require_bool, require_dtype, require_tensor
-from .gemm import _platform, _same_device
+from .gemm import _check_prequantized, _data, _platform, _same_device
 
 _I64 = torch.int64
 _HP = frozenset((torch.bfloat16, torch.float16, torch.float32))
@@ -193,26 +193,47 @@ def variable_k_problem(x: torch.Tensor, y: torch.Tensor, group_lens: torch.Tenso
     return GroupedGemmProblem(g, m, n, k, False, True, x.dtype, _platform(x))
 
 
+def _operand_dtype(name: str, x, fp8: torch.dtype, granularity: ScalingGranularity, block_size: Optional[int],
+                   is_2d: bool, k_axis: int) -> torch.dtype:
+    """The dtype an operand arrives in: high precision (quantised inside), or fp8 (== ``fp8``)
+    when it is a QuantizedTensor made as the backend would have made it."""
+    if isinstance(x, QuantizedTensor):
+        _check_prequantized(name, x, fp8, granularity, block_size, is_2d, k_axis, op="grouped_gemm_fp8")
+        return x.data.dtype
+    require_dtype("grouped_gemm_fp8", f"{name}.dtype (high-precision input, or a QuantizedTensor)", x.dtype)
+    return x.dtype
+
+
 def grouped_gemm_fp8_problem(x, y, group_lens, group_offs, trans_b: bool, variable_k: bool,
                              out_dtype: Optional[torch.dtype], a_fp8: torch.dtype, b_fp8: torch.dtype,
                              granularity: ScalingGranularity, block_size: Optional[int],
                              b_2d: bool) -> GroupedGemmFp8Problem:
-    """Validates one fp8 grouped GEMM's arguments and returns its problem key."""
+    """Validates one fp8 grouped GEMM's arguments and returns its problem key.
+
+    Either operand may be a ``QuantizedTensor`` already quantised for this GEMM (the training
+    step's reuse, see ``_quantize_for_step``): along the tokens for the wgrad (``axis=0``), along K
+    for the forward's ``a`` (``axis=1``), in 2-D tiles for a ``b_2d`` weight. Its key dtype is
+    then the fp8 dtype, so pre-quantised and high-precision calls keep separate decisions."""
     op = "grouped_gemm_fp8"
     if variable_k:
-        g, m, n, k = _variable_shapes(op, x, y, group_lens, group_offs)
+        g, m, n, k = _variable_shapes(op, _data(x), _data(y), group_lens, group_offs)
+        a_axis = b_axis = 0
     else:
-        g, m, n, k = _fixed_shapes(op, x, y, group_lens, group_offs, trans_b)
-    require_dtype(op, "a.dtype (high-precision input; it is quantised inside)", x.dtype)
-    require_dtype(op, "b.dtype (high-precision input; it is quantised inside)", y.dtype)
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    require_dtype(op, "out_dtype", out_dtype)
+        g, m, n, k = _fixed_shapes(op, _data(x), _data(y), group_lens, group_offs, trans_b)
+        a_axis, b_axis = 1, 2 if trans_b else 1
     require_dtype(op, "a_fp8", a_fp8, _FP8)
     require_dtype(op, "b_fp8", b_fp8, _FP8)
     if granularity is ScalingGranularity.MX_BLOCKWISE:
         raise ValueError(_MX_REFUSED)
-    return GroupedGemmFp8Problem(g, m, n, k, trans_b and not variable_k, variable_k, x.dtype, y.dtype, out_dtype,
-                                 a_fp8, b_fp8, granularity, block_size, b_2d, _platform(x))
+    a_dtype = _operand_dtype("a", x, a_fp8, granularity, block_size, False, a_axis)
+    b_dtype = _operand_dtype("b", y, b_fp8, granularity, block_size, b_2d and not variable_k, b_axis)
+    if out_dtype is None:
+        if a_dtype in _FP8:
+            raise TypeError(f"{op}: out_dtype is required when a arrives pre-quantised")
+        out_dtype = a_dtype
+    require_dtype(op, "out_dtype", out_dtype)
+    return GroupedGemmFp8Problem(g, m, n, k, trans_b and not variable_k, variable_k, a_dtype, b_dtype, out_dtype,
+                                 a_fp8, b_fp8, granularity, block_size, b_2d, _platform(_data(x)))
 
 
 #: Opt-in on GPUs: checking group_lens values there costs a device->host sync per call.
@@ -316,6 +337,43 @@ def grouped_reference(p, inputs) -> torch.Tensor:
     return torch.cat(outs) if outs else x.new_zeros((0, p.n))
 
 
+def _kmajor(data: torch.Tensor, k_dim: int) -> torch.Tensor:
+    """``data`` with the same shape and values, stored with dim ``k_dim`` contiguous."""
+    last = data.dim() - 1
+    return data if k_dim == last else data.transpose(k_dim, last).contiguous().transpose(k_dim, last)
+
+
+def _fp8_make_inputs(p: GroupedGemmFp8Problem, device) -> tuple:
+    """Inputs for a grouped_gemm_fp8 key. An operand whose key dtype is fp8 arrives pre-quantised
+    as the training step passes it (``_quantize_for_step``): K-major data, token runs for the
+    wgrad, 2-D tiles for a ``b_2d`` weight."""
+    hp = p._replace(a_dtype=torch.float32 if p.a_dtype in _FP8 else p.a_dtype,
+                    b_dtype=torch.float32 if p.b_dtype in _FP8 else p.b_dtype)
+    x, y, lens, offs = _make_inputs(hp, device)
+    gran, bs = p.granularity, p.block_size
+    if p.variable_k:
+        if p.a_dtype in _FP8:
+            q = quantize(x, p.a_fp8, gran, axis=0, block_size=bs)
+            x = QuantizedTensor(_kmajor(q.data, 0), q.scale, q.granularity, q.axis, q.block_size, q.block_2d)
+        if p.b_dtype in _FP8:
+            q = quantize(y, p.b_fp8, gran, axis=0, block_size=bs)
+            y = QuantizedTensor(_kmajor(q.data, 0), q.scale, q.granularity, q.axis, q.block_size, q.block_2d)
+        return x, y, lens, offs
+    if p.a_dtype in _FP8:
+        x = quantize(x, p.a_fp8, gran, axis=1, block_size=bs)
+    if p.b_dtype in _FP8:
+        q = quantize(y, p.b_fp8, gran, axis=2 if p.trans_b else 1, block_size=bs, block_2d=p.b_2d)
+        y = QuantizedTensor(_kmajor(q.data, 2 if p.trans_b else 1), q.scale, q.granularity, q.axis, q.block_size,
+                            q.block_2d)
+    return x, y, lens, offs
+
+
+def _fp8_reference(p: GroupedGemmFp8Problem, inputs) -> torch.Tensor:
+    # A pre-quantised operand's exact value is its dequantisation (its rounding already happened).
+    x, y = (dequantize(t) if isinstance(t, QuantizedTensor) else t for t in inputs[:2])
+    return grouped_reference(p, (x, y, *inputs[2:]))
+
+
 def _fp8_check(p: GroupedGemmFp8Problem, out, ref):
     return check_snr(20.0 if torch.float8_e5m2 in (p.a_fp8, p.b_fp8) else 25.0)(out, ref)
 
@@ -337,8 +395,8 @@ GROUPED_GEMM_FP8 = register_op(OpSpec(
     keys_vary_across_ranks=True,
     problem_type=GroupedGemmFp8Problem,
     precision_of=lambda p: PrecisionType.FP8,
-    make_inputs=_make_inputs,
-    reference=grouped_reference,
+    make_inputs=_fp8_make_inputs,
+    reference=_fp8_reference,
     check=_fp8_check,
     flops=lambda p: 2.0 * p.m * p.n * p.k,
     problem_from_call=lambda *args, **kwargs: _explain_grouped_gemm_fp8(*args, **kwargs),
@@ -371,20 +429,62 @@ def _grouped_grads(mm: Callable, mm_k: Callable, a, b, grad, group_lens, group_o
 
 def _grouped_fp8_grads(mm8: Callable, mm8_k: Callable, a, b, grad, group_lens, group_offs, trans_b: bool,
                        fwd: torch.dtype, bwd: torch.dtype, granularity: ScalingGranularity, need_a: bool,
-                       need_b: bool):
+                       need_b: bool, a_dtype: Optional[torch.dtype] = None, b_dtype: Optional[torch.dtype] = None,
+                       runs_both: Optional[Callable] = None, block_size: Optional[int] = None):
     """Like _grouped_grads with the recipe's roles (as gemm_fp8's _fp8_grads): the gradient is
     quantised as ``bwd`` (E5M2 under HYBRID); under BLOCKWISE the weight keeps its 2-D tiles in
-    dgrad, and both wgrad operands use 1-D runs along the tokens, that GEMM's reduction dimension."""
+    dgrad, and both wgrad operands use 1-D runs along the tokens, that GEMM's reduction dimension.
+
+    In a step that reuses its quantisations (``_step_reuses_quantization``), ``a`` and ``b`` are
+    what the forward saved (``_quantize_for_step``): a's token runs and b's tiles stored for the
+    dgrad, both QuantizedTensors, and ``a_dtype``/``b_dtype`` name the gradients' dtypes. Then
+    ``runs_both`` (``quantize_runs_both`` or its custom op) quantises the gradient for both GEMMs
+    from one read when both gradients are needed; otherwise each GEMM's backend quantises it."""
+    a_dtype = a.dtype if a_dtype is None else a_dtype
+    b_dtype = b.dtype if b_dtype is None else b_dtype
     w2d = granularity is ScalingGranularity.BLOCKWISE
+    g_rows = g_cols = grad
+    if runs_both is not None and need_a and need_b:
+        g_rows, g_cols = runs_both(grad, bwd, block_size)
     grad_a = grad_b = None
     if need_a:
-        grad_a = mm8(grad, b, group_lens, group_offs, not trans_b, a.dtype, bwd, fwd, w2d)
+        grad_a = mm8(g_rows, b, group_lens, group_offs, not trans_b, a_dtype, bwd, fwd, w2d)
     if need_b:
         if trans_b:
-            grad_b = mm8_k(grad, a, group_lens, group_offs, b.dtype, bwd, fwd)
+            grad_b = mm8_k(g_cols, a, group_lens, group_offs, b_dtype, bwd, fwd)
         else:
-            grad_b = mm8_k(a, grad, group_lens, group_offs, b.dtype, fwd, bwd)
+            grad_b = mm8_k(a, g_cols, group_lens, group_offs, b_dtype, fwd, bwd)
     return grad_a, grad_b
+
+
+# -- the blockwise training step: every operand quantised once, for both GEMMs that read it ----------------
+def _step_reuses_quantization(cfg: Float8QuantConfig) -> bool:
+    """Whether a training step quantises a, b and the gradient once each (BLOCKWISE with a block
+    the one-read quantiser takes) instead of once per GEMM. The results are bit-identical either
+    way: the forward's and dgrad's 2-D weight tiles are the same tiles, and the wgrad's token
+    runs are computed from the same values, so this changes traffic, not math."""
+    from turbo_dispatch.backends.quantizer import DUAL_BLOCK_SIZES
+
+    return cfg.granularity is ScalingGranularity.BLOCKWISE and cfg.block_size in DUAL_BLOCK_SIZES
+
+
+def _quantize_for_step(a, b, cfg: Float8QuantConfig, need_a: bool, need_b: bool, runs_both: Callable,
+                       tiles_both: Callable):
+    """(forward a, forward b, a saved for the wgrad, b saved for the dgrad). Where a gradient is
+    needed, its saved operand is quantised with the forward's in one read; an operand no
+    backward GEMM reads stays high precision, for the forward's backend to quantise."""
+    fwd, bs = cfg.format.fwd_dtype(), cfg.block_size
+    qa, a_saved = runs_both(a, fwd, bs) if need_b else (a, None)
+    qb, b_saved = tiles_both(b, fwd, bs) if need_a else (b, None)
+    return qa, qb, a_saved, b_saved
+
+
+def _step_forward_problem(qa, qb, group_lens, group_offs, trans_b: bool, out_dtype: Optional[torch.dtype],
+                          a_dtype: torch.dtype, cfg: Float8QuantConfig) -> GroupedGemmFp8Problem:
+    fwd = cfg.format.fwd_dtype()
+    return grouped_gemm_fp8_problem(qa, qb, group_lens, group_offs, trans_b, False,
+                                    a_dtype if out_dtype is None else out_dtype, fwd, fwd, cfg.granularity,
+                                    cfg.block_size, True)
 
 
 # -- eager path --------------------------------------------------------------------------------------
@@ -428,18 +528,57 @@ def _eager_fp8_mms(cfg: Float8QuantConfig):
 class _GroupedFp8Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, group_lens, group_offs, problem, config):
-        ctx.save_for_backward(a, b, group_lens, group_offs)
         ctx.problem, ctx.config = problem, config
-        return _run_fp8(problem, a, b, group_lens, group_offs)
+        ctx.dtypes = (a.dtype, b.dtype)
+        ctx.reuse = _step_reuses_quantization(config)
+        if not ctx.reuse:
+            ctx.save_for_backward(a, b, group_lens, group_offs)
+            return _run_fp8(problem, a, b, group_lens, group_offs)
+        from turbo_dispatch.backends.quantizer import quantize_runs_both, quantize_tiles_both
+
+        need_a, need_b = ctx.needs_input_grad[:2]
+        qa, qb, a_saved, b_saved = _quantize_for_step(a, b, config, need_a, need_b, quantize_runs_both,
+                                                      quantize_tiles_both)
+        ctx.quantized = (_layout(a_saved), _layout(b_saved))  # their tensors go through save_for_backward
+        ctx.save_for_backward(*_unpack(a_saved), *_unpack(b_saved), group_lens, group_offs)
+        p = _step_forward_problem(qa, qb, group_lens, group_offs, problem.trans_b, problem.out_dtype, a.dtype, config)
+        return _run_fp8(p, qa, qb, group_lens, group_offs)
 
     @staticmethod
     def backward(ctx, grad):
-        a, b, group_lens, group_offs = ctx.saved_tensors
         cfg = ctx.config
-        grad_a, grad_b = _grouped_fp8_grads(*_eager_fp8_mms(cfg), a, b, grad, group_lens, group_offs,
-                                            ctx.problem.trans_b, cfg.format.fwd_dtype(), cfg.format.bwd_dtype(),
-                                            cfg.granularity, *ctx.needs_input_grad[:2])
+        flags = (ctx.problem.trans_b, cfg.format.fwd_dtype(), cfg.format.bwd_dtype(), cfg.granularity,
+                 *ctx.needs_input_grad[:2])
+        if not ctx.reuse:
+            a, b, group_lens, group_offs = ctx.saved_tensors
+            grad_a, grad_b = _grouped_fp8_grads(*_eager_fp8_mms(cfg), a, b, grad, group_lens, group_offs, *flags)
+            return grad_a, grad_b, None, None, None, None
+        from turbo_dispatch.backends.quantizer import quantize_runs_both
+
+        a_data, a_scale, b_data, b_scale, group_lens, group_offs = ctx.saved_tensors
+        a_saved, b_saved = (_repack(q, d, s) for q, d, s in zip(ctx.quantized, (a_data, b_data), (a_scale, b_scale)))
+        grad_a, grad_b = _grouped_fp8_grads(*_eager_fp8_mms(cfg), a_saved, b_saved, grad, group_lens, group_offs,
+                                            *flags, a_dtype=ctx.dtypes[0], b_dtype=ctx.dtypes[1],
+                                            runs_both=quantize_runs_both, block_size=cfg.block_size)
         return grad_a, grad_b, None, None, None, None
+
+
+def _unpack(q: Optional[QuantizedTensor]) -> tuple:
+    return (None, None) if q is None else (q.data, q.scale)
+
+
+def _layout(q: Optional[QuantizedTensor]) -> Optional[tuple]:
+    return None if q is None else (q.granularity, q.axis, q.block_size, q.block_2d)
+
+
+def _repack(layout: Optional[tuple], data, scale) -> Optional[QuantizedTensor]:
+    """A saved QuantizedTensor rebuilt from its ``_layout`` and the tensors save_for_backward
+    kept (which guard them against in-place changes and let saved-tensor hooks move them)."""
+    if layout is None:
+        return None
+    granularity, axis, block_size, block_2d = layout
+    return QuantizedTensor(data=data, scale=scale, granularity=granularity, axis=axis, block_size=block_size,
+                           block_2d=block_2d)
 
 
 # -- custom ops (the torch.compile path) ----------------------------------------------------------------
@@ -489,25 +628,168 @@ def _grouped_backward(ctx, grad):
 _grouped_gemm_op.register_autograd(_grouped_backward, setup_context=_grouped_setup)
 
 
+def _prequantized(t: torch.Tensor, scale: Optional[torch.Tensor], granularity: ScalingGranularity,
+                  block_size: Optional[int], axis: int, block_2d: bool):
+    """A custom op cannot take a QuantizedTensor: it gets (fp8 data, scale) and rebuilds it."""
+    if scale is None:
+        return t
+    return QuantizedTensor(data=t, scale=scale, granularity=granularity, axis=axis, block_size=block_size,
+                           block_2d=block_2d)
+
+
 @torch.library.custom_op("turbo_dispatch::grouped_gemm_fp8_raw", mutates_args=())
 def _grouped_gemm_fp8_raw_op(x: torch.Tensor, y: torch.Tensor, group_lens: torch.Tensor,
                              group_offs: Optional[torch.Tensor], trans_b: bool, variable_k: bool,
                              out_dtype: torch.dtype, a_fp8: torch.dtype, b_fp8: torch.dtype, granularity: str,
-                             block_size: Optional[int], b_2d: bool) -> torch.Tensor:
+                             block_size: Optional[int], b_2d: bool, a_scale: Optional[torch.Tensor] = None,
+                             b_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One fp8 GEMM of the backward. With ``a_scale`` (``b_scale``), ``x`` (``y``) is fp8 data
+    already quantised for this GEMM (as grouped_gemm_fp8_problem describes), with that scale."""
     offs = _offsets(group_lens, x.shape[0]) if group_offs is None else group_offs
-    p = grouped_gemm_fp8_problem(x, y, group_lens, offs, trans_b, variable_k, out_dtype, a_fp8, b_fp8,
-                                 ScalingGranularity(granularity), block_size, b_2d)
+    gran = ScalingGranularity(granularity)
+    x = _prequantized(x, a_scale, gran, block_size, 0 if variable_k else 1, False)
+    y = _prequantized(y, b_scale, gran, block_size, 0 if variable_k else (2 if trans_b else 1),
+                      b_2d and not variable_k)
+    p = grouped_gemm_fp8_problem(x, y, group_lens, offs, trans_b, variable_k, out_dtype, a_fp8, b_fp8, gran,
+                                 block_size, b_2d)
     return _run_fp8(p, x, y, group_lens, offs)
 
 
 @_grouped_gemm_fp8_raw_op.register_fake
 def _grouped_gemm_fp8_raw_fake(x, y, group_lens, group_offs, trans_b, variable_k, out_dtype, a_fp8, b_fp8,
-                               granularity, block_size, b_2d):
+                               granularity, block_size, b_2d, a_scale=None, b_scale=None):
     if variable_k:
         g, m, n, _ = _variable_shapes("grouped_gemm_fp8", x, y, group_lens, group_offs)
         return x.new_empty((g, m, n), dtype=out_dtype)
     _, m, n, _ = _fixed_shapes("grouped_gemm_fp8", x, y, group_lens, group_offs, trans_b)
     return x.new_empty((m, n), dtype=out_dtype)
+
+
+def _raw_mms(cfg: Float8QuantConfig) -> tuple[Callable, Callable]:
+    """The backward's fp8 GEMMs through the raw custom op, unpacking QuantizedTensor operands."""
+    raw = torch.ops.turbo_dispatch.grouped_gemm_fp8_raw
+    gran, bs = cfg.granularity.value, cfg.block_size
+
+    def scale(t) -> Optional[torch.Tensor]:
+        return t.scale if isinstance(t, QuantizedTensor) else None
+
+    def mm8(x, y, lens, offs, trans_b, out_dtype, x_fp8, y_fp8, y_2d):
+        return raw(_data(x), _data(y), lens, offs, trans_b, False, out_dtype, x_fp8, y_fp8, gran, bs, y_2d, scale(x),
+                   scale(y))
+
+    def mm8_k(x, y, lens, offs, out_dtype, x_fp8, y_fp8):
+        return raw(_data(x), _data(y), lens, offs, False, True, out_dtype, x_fp8, y_fp8, gran, bs, False, scale(x),
+                   scale(y))
+
+    return mm8, mm8_k
+
+
+# -- the compiled blockwise training step (see _step_reuses_quantization) ---------------------------------
+def _pad16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+@torch.library.custom_op("turbo_dispatch::fp8_quantize_both", mutates_args=())
+def _fp8_quantize_both_op(x: torch.Tensor, dtype: torch.dtype, block_size: int,
+                          tile_2d: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_both_tensors`` of ``x`` ([T, C] runs, or [G, R, C] tiles) as (data, scale, data_t,
+    scale_t), the fp8 data in storage order (rows padded to 16 bytes)."""
+    from turbo_dispatch.backends.quantizer import quantize_both_tensors
+
+    out = quantize_both_tensors(x if tile_2d else x.unsqueeze(0), dtype, block_size, tile_2d)
+    if tile_2d:
+        return out[0], out[1], out[2], out[3].contiguous()
+    return tuple(t[0] for t in out)
+
+
+@_fp8_quantize_both_op.register_fake
+def _fp8_quantize_both_fake(x, dtype, block_size, tile_2d):
+    *lead, r, c = x.shape
+    n_r, n_c = -(-r // block_size), -(-c // block_size)
+    data = x.new_empty((*lead, r, _pad16(c)), dtype=dtype)[..., :c]
+    data_t = x.new_empty((*lead, c, _pad16(r)), dtype=dtype)[..., :r]
+    if tile_2d:
+        return data, x.new_empty((*lead, n_r, n_c), dtype=torch.float32), data_t, \
+            x.new_empty((*lead, n_c, n_r), dtype=torch.float32)
+    return data, x.new_empty((r, n_c), dtype=torch.float32), data_t, x.new_empty((n_r, c), dtype=torch.float32)
+
+
+def _runs_both_op(x: torch.Tensor, dtype: torch.dtype, block_size: int):
+    from turbo_dispatch.backends.quantizer import runs_from_tensors
+
+    return runs_from_tensors(*torch.ops.turbo_dispatch.fp8_quantize_both(x, dtype, block_size, False), block_size)
+
+
+def _tiles_both_op(w: torch.Tensor, dtype: torch.dtype, block_size: int):
+    from turbo_dispatch.backends.quantizer import tiles_from_tensors
+
+    data, scale, data_t, _ = torch.ops.turbo_dispatch.fp8_quantize_both(w, dtype, block_size, True)
+    return tiles_from_tensors(data, scale, data_t, block_size)
+
+
+@torch.library.custom_op("turbo_dispatch::grouped_gemm_fp8_step", mutates_args=())
+def _grouped_gemm_fp8_step_op(a: torch.Tensor, b: torch.Tensor, group_lens: torch.Tensor, group_offs: torch.Tensor,
+                              trans_b: bool, out_dtype: Optional[torch.dtype], format: str, block_size: int,
+                              scale_dtype: str, need_a: bool, need_b: bool
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The BLOCKWISE forward of a training step: (out, a's token-run data stored [K, T] and
+    scale [nT, K], b's tiles stored for the dgrad and scale [G, nR, nC]); an unneeded pair is
+    empty. As the eager _GroupedFp8Function.forward."""
+    from turbo_dispatch.backends.quantizer import quantize_runs_both, quantize_tiles_both
+
+    cfg = Float8QuantConfig(format, ScalingGranularity.BLOCKWISE, scale_dtype, block_size)
+    qa, qb, a_saved, b_saved = _quantize_for_step(a, b, cfg, need_a, need_b, quantize_runs_both, quantize_tiles_both)
+    out = _run_fp8(_step_forward_problem(qa, qb, group_lens, group_offs, trans_b, out_dtype, a.dtype, cfg), qa, qb,
+                   group_lens, group_offs)
+    a_pair, b_pair = ((a.new_empty(0, dtype=torch.float32), a.new_empty(0, dtype=torch.float32)) for _ in range(2))
+    if a_saved is not None:
+        a_pair = (a_saved.data.t(), a_saved.scale)
+    if b_saved is not None:
+        b_pair = (b_saved.data.transpose(1, 2), b_saved.scale)
+    return out, *a_pair, *b_pair
+
+
+@_grouped_gemm_fp8_step_op.register_fake
+def _grouped_gemm_fp8_step_fake(a, b, group_lens, group_offs, trans_b, out_dtype, format, block_size, scale_dtype,
+                                need_a, need_b):
+    _, m, n, k = _fixed_shapes("grouped_gemm_fp8", a, b, group_lens, group_offs, trans_b)
+    fwd = Float8QuantConfig(format, ScalingGranularity.BLOCKWISE, scale_dtype, block_size).format.fwd_dtype()
+    out = a.new_empty((m, n), dtype=a.dtype if out_dtype is None else out_dtype)
+    a_pair, b_pair = ((a.new_empty(0, dtype=torch.float32), a.new_empty(0, dtype=torch.float32)) for _ in range(2))
+    if need_b:
+        a_pair = (a.new_empty((k, _pad16(m)), dtype=fwd)[:, :m], a.new_empty((-(-m // block_size), k),
+                                                                            dtype=torch.float32))
+    if need_a:
+        g, r, c = b.shape
+        b_pair = (b.new_empty((g, c, _pad16(r)), dtype=fwd)[..., :r],
+                  b.new_empty((g, -(-r // block_size), -(-c // block_size)), dtype=torch.float32))
+    return out, *a_pair, *b_pair
+
+
+def _grouped_fp8_step_setup(ctx, inputs, output):
+    a, b, group_lens, group_offs, trans_b, _, fmt, block_size, scale_dtype, need_a, need_b = inputs
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(*output[1:], group_lens, group_offs)
+    ctx.trans_b, ctx.needs = trans_b, (need_a, need_b)
+    ctx.dtypes = (a.dtype, b.dtype)
+    ctx.config = Float8QuantConfig(fmt, ScalingGranularity.BLOCKWISE, scale_dtype, block_size)
+
+
+def _grouped_fp8_step_backward(ctx, grad, *_unused):
+    a_data_t, a_scale, b_data_t, b_scale, group_lens, group_offs = ctx.saved_tensors
+    cfg = ctx.config
+    need_a, need_b = ctx.needs
+    a_saved = _repack((cfg.granularity, 0, cfg.block_size, False), a_data_t.t(), a_scale) if need_b else None
+    b_saved = _repack((cfg.granularity, 2, cfg.block_size, True), b_data_t.transpose(1, 2), b_scale) if need_a else None
+    grad_a, grad_b = _grouped_fp8_grads(*_raw_mms(cfg), a_saved, b_saved, grad, group_lens, group_offs, ctx.trans_b,
+                                        cfg.format.fwd_dtype(), cfg.format.bwd_dtype(), cfg.granularity,
+                                        need_a and ctx.needs_input_grad[0], need_b and ctx.needs_input_grad[1],
+                                        a_dtype=ctx.dtypes[0], b_dtype=ctx.dtypes[1], runs_both=_runs_both_op,
+                                        block_size=cfg.block_size)
+    return grad_a, grad_b, None, None, None, None, None, None, None, None, None
+
+
+_grouped_gemm_fp8_step_op.register_autograd(_grouped_fp8_step_backward, setup_context=_grouped_fp8_step_setup)
 
 
 @torch.library.custom_op("turbo_dispatch::grouped_gemm_fp8", mutates_args=())
@@ -537,16 +819,7 @@ def _grouped_fp8_setup(ctx, inputs, output):
 def _grouped_fp8_backward(ctx, grad):
     a, b, group_lens, group_offs = ctx.saved_tensors
     cfg = ctx.config
-    raw = torch.ops.turbo_dispatch.grouped_gemm_fp8_raw
-    gran, bs = cfg.granularity.value, cfg.block_size
-
-    def mm8(x, y, lens, offs, trans_b, out_dtype, x_fp8, y_fp8, y_2d):
-        return raw(x, y, lens, offs, trans_b, False, out_dtype, x_fp8, y_fp8, gran, bs, y_2d)
-
-    def mm8_k(x, y, lens, offs, out_dtype, x_fp8, y_fp8):
-        return raw(x, y, lens, offs, False, True, out_dtype, x_fp8, y_fp8, gran, bs, False)
-
-    grad_a, grad_b = _grouped_fp8_grads(mm8, mm8_k, a, b, grad, group_lens, group_offs, ctx.trans_b,
+    grad_a, grad_b = _grouped_fp8_grads(*_raw_mms(cfg), a, b, grad, group_lens, group_offs, ctx.trans_b,
                                         cfg.format.fwd_dtype(), cfg.format.bwd_dtype(), cfg.granularity,
                                         *ctx.needs_input_grad[:2])
     return grad_a, grad_b, None, None, None, None, None, None, None, None
@@ -655,6 +928,10 @@ def grouped_gemm_fp8(a: torch.Tensor, b: torch.Tensor, group_lens: torch.Tensor,
         raise ValueError(_MX_REFUSED)
     if torch.compiler.is_compiling():
         offs = _offsets(group_lens, a.shape[0]) if group_offs is None else group_offs
+        if _needs_grad(a, b) and _step_reuses_quantization(cfg):
+            return torch.ops.turbo_dispatch.grouped_gemm_fp8_step(
+                a, b, group_lens, offs, trans_b, out_dtype, cfg.format.value, cfg.block_size, cfg.scale_dtype.value,
+                a.requires_grad, b.requires_grad)[0]
         return torch.ops.turbo_dispatch.grouped_gemm_fp8(a, b, group_lens, offs, trans_b, out_dtype, cfg.format.value,
                                                          cfg.granularity.value, cfg.block_size, cfg.scale_dtype.value)
     problem = _forward_fp8_problem(a, b, group_lens, group_offs, trans_b, out_dtype, cfg)

@@ -1,0 +1,144 @@
+"""Two fp8 quantisations of one tensor from a single read (the blockwise training step's layouts).
+
+A blockwise fp8 training step quantises each operand twice, once per GEMM that reads it:
+
+* an activation or gradient ``x[T, C]`` in 1 x B runs along C (the forward or dgrad, which reduce
+  over C) and in B x 1 runs along the tokens T (the wgrad, which reduces over T), the latter
+  stored transposed ``[C, T]`` so that the tokens are contiguous for the K-major fp8 MMA;
+* a weight ``w[G, R, C]`` in B x B tiles, stored as is for the forward and transposed
+  ``[G, C, R]`` for the dgrad (fp8 wgmma reads both operands K-major, and the dgrad's K is the
+  forward's N). Both copies share the tiles' scales.
+
+Quantising twice reads the high-precision tensor twice (the bf16 read is two thirds of the
+traffic); here one program loads a B x B tile once and writes both results. Every value is
+computed as ``grouped_quantize.quantize_cells`` computes it (that is, as TORCH's
+``turbo_dispatch.low_precision.quantize`` does), so the results are bit-identical to two separate
+quantisations: ``scale = amax / FP8_MAX`` clamped to the smallest normal float32, 1 for an
+all-zero cell, a NaN amax kept; ``data = clamp(x / scale, -FP8_MAX, FP8_MAX)``. Token runs are
+aligned to the global token index, as quantize_cells aligns them.
+
+Rows of every fp8 output are padded in memory to 16 bytes (the row stride TMA descriptors need);
+the padding is never read.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .grouped_quantize import _MANT_BITS, _MIN_EXP, _TINY, FP8_MAX, _round_to_fp8_grid
+
+#: Block sizes the one-tile-per-program kernel takes (a power of two, so a block is one tile).
+DUAL_BLOCKS = (32, 64, 128)
+
+
+@triton.jit
+def _scale_of(amax, FP8_MAX: tl.constexpr, TINY: tl.constexpr):
+    # div_rn: correctly rounded like torch's division (plain '/' may be approximate on GPUs).
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
+    scale = tl.maximum(scale, TINY, propagate_nan=tl.PropagateNan.ALL)
+    return tl.where(amax == 0.0, 1.0, scale)
+
+
+@triton.jit
+def _to_fp8(v, scale, FP8_MAX: tl.constexpr, ROUND_FIRST: tl.constexpr, MANT_BITS: tl.constexpr,
+            MIN_EXP: tl.constexpr):
+    q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX), FP8_MAX)
+    if ROUND_FIRST:
+        q = _round_to_fp8_grid(q, MANT_BITS, MIN_EXP)
+    return q
+
+
+@triton.jit
+def _dual_quantize_kernel(
+    x_ptr, q_ptr, qt_ptr, s_ptr, st_ptr,
+    R, C, n_rb,
+    sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
+    TILE_2D: tl.constexpr, B: tl.constexpr, FP8_MAX: tl.constexpr, TINY: tl.constexpr,
+    ROUND_FIRST: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cb = tl.program_id(1)
+    g = (pid // n_rb).to(tl.int64)
+    rb = pid % n_rb
+    rr = rb * B + tl.arange(0, B)
+    cc = cb * B + tl.arange(0, B)
+    r_ok = rr < R
+    c_ok = cc < C
+    ok = r_ok[:, None] & c_ok[None, :]
+    r64 = rr.to(tl.int64)
+    c64 = cc.to(tl.int64)
+    v = tl.load(x_ptr + g * sxg + r64[:, None] * sxr + c64[None, :] * sxc, mask=ok, other=0.0).to(tl.float32)
+    # amax on the float bits (abs clears the sign): integer order is float order for non-negative
+    # floats, and NaN sorts above inf, so a NaN anywhere gives its cell a NaN scale.
+    bits = tl.abs(v).to(tl.int32, bitcast=True)
+    if TILE_2D:
+        amax = tl.max(tl.max(bits, axis=1), axis=0).to(tl.float32, bitcast=True)
+        scale = _scale_of(amax, FP8_MAX, TINY)
+        q = _to_fp8(v, scale, FP8_MAX, ROUND_FIRST, MANT_BITS, MIN_EXP)
+        qt = q
+        tl.store(s_ptr + g * ssg + rb * ssr + cb * ssc, scale)
+    else:
+        row_scale = _scale_of(tl.max(bits, axis=1).to(tl.float32, bitcast=True), FP8_MAX, TINY)  # [B] rows
+        col_scale = _scale_of(tl.max(bits, axis=0).to(tl.float32, bitcast=True), FP8_MAX, TINY)  # [B] columns
+        q = _to_fp8(v, row_scale[:, None], FP8_MAX, ROUND_FIRST, MANT_BITS, MIN_EXP)
+        qt = _to_fp8(v, col_scale[None, :], FP8_MAX, ROUND_FIRST, MANT_BITS, MIN_EXP)
+        tl.store(s_ptr + g * ssg + r64 * ssr + cb * ssc, row_scale, mask=r_ok)
+        tl.store(st_ptr + g * stg + rb * str_ + c64 * stc, col_scale, mask=c_ok)
+    tl.store(q_ptr + g * sqg + r64[:, None] * sqr + c64[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(qt_ptr + g * sqtg + c64[None, :] * sqtc + r64[:, None], qt.to(qt_ptr.dtype.element_ty), mask=ok)
+
+
+def _padded(n: int, pad: int = 16) -> int:
+    return -(-n // pad) * pad
+
+
+def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantise ``x[G, R, C]`` (any strides) both ways in one pass; see the module docstring.
+
+    Returns ``(data, scale, data_t, scale_t)``:
+
+    * ``data`` ``[G, R, C]`` fp8 (rows padded to 16 bytes);
+    * ``data_t`` ``[G, C, R]`` fp8, the same values transposed (``tile_2d``) or quantised along R
+      (rows padded to 16 bytes);
+    * ``tile_2d``: ``scale`` is ``[G, nR, nC]``, one per tile, and ``scale_t`` is its
+      ``[G, nC, nR]`` transposed view;
+    * else ``scale`` ``[G, R, nC]`` (1 x block runs along C) and ``scale_t`` ``[G, nR, C]``
+      (block x 1 runs along R), both contiguous.
+
+    >>> d, s, dt, st = dual_quantize(torch.randn(1, 300, 256), torch.float8_e4m3fn, 128, False)  # doctest: +SKIP
+    >>> tuple(d.shape), tuple(s.shape), tuple(dt.shape), tuple(st.shape)  # doctest: +SKIP
+    ((1, 300, 256), (1, 300, 2), (1, 256, 300), (1, 3, 256))
+    """
+    if x.dim() != 3:
+        raise ValueError(f"dual_quantize: x must be 3-D [G, R, C]; got shape {tuple(x.shape)}")
+    if dtype not in FP8_MAX:
+        raise ValueError(f"dual_quantize: dtype must be float8_e4m3fn or float8_e5m2; got {dtype}")
+    if block not in DUAL_BLOCKS:
+        raise ValueError(f"dual_quantize: block must be one of {DUAL_BLOCKS}; got {block}")
+    g, r, c = x.shape
+    n_r, n_c = -(-r // block), -(-c // block)
+    data = torch.empty((g, r, _padded(c)), dtype=dtype, device=x.device)[:, :, :c]
+    data_t = torch.empty((g, c, _padded(r)), dtype=dtype, device=x.device)[:, :, :r]
+    f32 = dict(dtype=torch.float32, device=x.device)
+    if tile_2d:
+        scale = torch.empty((g, n_r, n_c), **f32)
+        scale_t = scale.transpose(1, 2)
+    else:
+        scale = torch.empty((g, r, n_c), **f32)
+        scale_t = torch.empty((g, n_r, c), **f32)
+    if g * r * c == 0:
+        return data, scale, data_t, scale_t
+    _dual_quantize_kernel[(g * n_r, n_c)](
+        x, data, data_t, scale, scale_t, r, c, n_r,
+        *x.stride(), data.stride(0), data.stride(1), data_t.stride(0), data_t.stride(1),
+        *scale.stride(), *scale_t.stride(),
+        TILE_2D=tile_2d, B=block, FP8_MAX=FP8_MAX[dtype], TINY=_TINY,
+        ROUND_FIRST=os.environ.get("TRITON_INTERPRET", "") == "1", MANT_BITS=_MANT_BITS[dtype],
+        MIN_EXP=_MIN_EXP[dtype],
+        num_warps=8 if block == 128 else 4,
+    )
+    return data, scale, data_t, scale_t
