@@ -1,0 +1,176 @@
+"""GPU probe of the blockwise fp8 grouped training step (forward + dgrad + wgrad through the public
+op, quantisation included) with and without the step's quantisation reuse, against the bf16 op on
+torch._grouped_mm, all in one process. Usage (repo installed):
+``python3 tools/probe_grouped_step.py [--shapes dsv3_up,dsv3_down] [--out FILE]``.
+
+Checks first, each printed as PASS/FAIL:
+
+* the one-read dual quantiser against ``grouped_quantize.quantize_cells`` (the adapters' own
+  quantiser) at odd sizes, both fp8 formats, all-zero runs and a NaN: bit-identical data and scales;
+* the step with reuse against the step without it (TRITON pinned): bit-identical output and
+  gradients (the kernels read the same values in the same layouts).
+
+Then times, per shape: each variant's fwd+bwd step (CUDA events, median), and the quantisers
+alone (dual vs the two separate quantisations it replaces), as GB/s of bf16 read + fp8 written.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+
+import torch
+
+import turbo_dispatch as turbo
+from turbo_dispatch import BackendType, GlobalBackendManager
+from turbo_dispatch.backends.triton.dual_quantize import dual_quantize
+from turbo_dispatch.backends.triton.grouped_quantize import quantize_cells
+from turbo_dispatch.low_precision import Float8QuantConfig
+
+_grouped = importlib.import_module("turbo_dispatch.ops.grouped_gemm")
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+#: name -> (G local experts, tokens, N, K): DeepSeek-V3 EP8 at 4096 tokens per expert (up_gate:
+#: 2 x 2048 outputs from hidden 7168; down: 7168 from 2048), Qwen3-30B-A3B EP8 (16 local experts,
+#: hidden 2048, FFN 768), Mixtral EP8 (1 local expert of 8, hidden 4096, FFN 14336).
+SHAPES = {"dsv3_up": (8, 32768, 4096, 7168), "dsv3_down": (8, 32768, 7168, 2048),
+          "qwen3_up": (16, 65536, 1536, 2048), "qwen3_down": (16, 65536, 2048, 768),
+          "mixtral_up": (1, 4096, 28672, 4096)}
+OUT: list = []
+
+
+def emit(**kw):
+    if OUT:
+        OUT[0].write(json.dumps(kw, default=str) + "\n")
+        OUT[0].flush()
+    print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in kw.items()), flush=True)
+
+
+def time_ms(fn, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def check_dual() -> bool:
+    ok = True
+    for dt in (E4, E5):
+        x = torch.randn(3, 1000, 300, device="cuda", dtype=torch.bfloat16) * 7
+        x[0, :, 128:256] = 0
+        x[1, 517, 3] = float("nan")
+        for block in (128, 64):
+            d, s, d_t, s_t = dual_quantize(x, dt, block, False)
+            r, rs = quantize_cells(x, dt, 1, block)
+            c, cs = quantize_cells(x.transpose(1, 2), dt, 1, block, scale_rows_inner=True)
+            same = (torch.equal(d.view(torch.uint8), r.view(torch.uint8)) and torch.equal(s, rs, )
+                    and torch.equal(d_t.view(torch.uint8), c.view(torch.uint8))
+                    and torch.equal(s_t.transpose(1, 2), cs, ))
+            same = same or _equal_nan(d, s, d_t, s_t, r, rs, c, cs)
+            w = x.transpose(1, 2)
+            d, s, d_t, s_t = dual_quantize(w, dt, block, True)
+            q, qs = quantize_cells(w, dt, block, block)
+            qt, _ = quantize_cells(w.transpose(1, 2), dt, block, block)
+            tiles = (torch.equal(d.view(torch.uint8), q.view(torch.uint8)) and _eq(s, qs)
+                     and torch.equal(d_t.view(torch.uint8), qt.view(torch.uint8)))
+            emit(check="dual_quantize", dtype=str(dt), block=block, runs="PASS" if same else "FAIL",
+                 tiles="PASS" if tiles else "FAIL")
+            ok = ok and same and tiles
+    return ok
+
+
+def _eq(a, b) -> bool:
+    return torch.equal(torch.nan_to_num(a, nan=-1.0), torch.nan_to_num(b, nan=-1.0))
+
+
+def _equal_nan(d, s, d_t, s_t, r, rs, c, cs) -> bool:
+    return (torch.equal(d.view(torch.uint8), r.view(torch.uint8)) and _eq(s, rs)
+            and torch.equal(d_t.view(torch.uint8), c.view(torch.uint8)) and _eq(s_t.transpose(1, 2), cs))
+
+
+def step_fn(a, w, lens, offs, cfg, grad):
+    def run():
+        a.grad = w.grad = None
+        if cfg is None:
+            out = turbo.ops.grouped_gemm(a, w, lens, offs, trans_b=True)
+        else:
+            out = turbo.ops.grouped_gemm_fp8(a, w, lens, offs, trans_b=True, config=cfg)
+        out.backward(grad)
+        return out
+    return run
+
+
+def with_reuse(flag: bool, fn):
+    saved = _grouped._step_reuses_quantization
+    if not flag:
+        _grouped._step_reuses_quantization = lambda cfg: False
+    try:
+        return fn()
+    finally:
+        _grouped._step_reuses_quantization = saved
+
+
+def probe(shape: str) -> bool:
+    g, t, n, k = SHAPES[shape]
+    lens = torch.full((g,), t // g, dtype=torch.int64, device="cuda")
+    offs = torch.nn.functional.pad(torch.cumsum(lens, 0, dtype=torch.int32), (1, 0))
+    torch.manual_seed(0)
+    a = torch.randn(t, k, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    w = (torch.randn(g, n, k, device="cuda", dtype=torch.bfloat16) * 0.05).requires_grad_()
+    grad = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    cfg = Float8QuantConfig(granularity="blockwise", block_size=128)
+    GlobalBackendManager.reset()
+    GlobalBackendManager.set_grouped_gemm_backend(BackendType.TRITON, precision="fp8")
+    results = {}
+    for reuse in (True, False):
+        out = with_reuse(reuse, step_fn(a, w, lens, offs, cfg, grad))
+        results[reuse] = (out.detach().clone(), a.grad.clone(), w.grad.clone())
+    same = all(torch.equal(x, y) for x, y in zip(results[True], results[False]))
+    emit(check="step_reuse_vs_not", shape=shape, result="PASS" if same else "FAIL",
+         max_diff=max((x.float() - y.float()).abs().max().item() for x, y in zip(results[True], results[False])))
+    flops = 3 * 2.0 * t * n * k
+    t_fp8 = with_reuse(True, lambda: time_ms(step_fn(a, w, lens, offs, cfg, grad)))
+    t_old = with_reuse(False, lambda: time_ms(step_fn(a, w, lens, offs, cfg, grad)))
+    GlobalBackendManager.set_grouped_gemm_backend(BackendType.TORCH, precision="bf16")
+    t_bf16 = time_ms(step_fn(a, w, lens, offs, None, grad))
+    GlobalBackendManager.reset()
+    emit(probe="step", shape=shape, bf16_ms=t_bf16, fp8_reuse_ms=t_fp8, fp8_per_gemm_ms=t_old,
+         reuse_vs_bf16=t_bf16 / t_fp8, per_gemm_vs_bf16=t_bf16 / t_old, reuse_gain=t_old / t_fp8,
+         bf16_tflops=flops / t_bf16 * 1e-9, fp8_reuse_tflops=flops / t_fp8 * 1e-9)
+    # The quantisers alone: what the step does now vs what the three GEMMs did.
+    x2 = a.detach()
+    w3 = w.detach()
+    dual_x = time_ms(lambda: dual_quantize(x2.unsqueeze(0), E4, 128, False))
+    two_x = time_ms(lambda: (quantize_cells(x2.unsqueeze(0), E4, 1, 128),
+                             quantize_cells(x2.t().unsqueeze(0), E4, 1, 128, scale_rows_inner=True)))
+    dual_w = time_ms(lambda: dual_quantize(w3, E4, 128, True))
+    two_w = time_ms(lambda: (quantize_cells(w3, E4, 128, 128), quantize_cells(w3.transpose(1, 2), E4, 128, 128)))
+    emit(probe="quantisers", shape=shape, dual_x_ms=dual_x, two_x_ms=two_x, dual_x_gbs=x2.numel() * 4 / dual_x * 1e-6,
+         dual_w_ms=dual_w, two_w_ms=two_w, dual_w_gbs=w3.numel() * 4 / dual_w * 1e-6)
+    return same
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="dsv3_up,dsv3_down,qwen3_up,mixtral_up")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.out:
+        OUT.append(open(args.out, "w"))
+    emit(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+    ok = check_dual()
+    for shape in args.shapes.split(","):
+        ok = probe(shape) and ok
+        torch.cuda.empty_cache()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
