@@ -25,6 +25,7 @@ import pytest
 import torch
 
 _HERE = os.path.abspath(__file__)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _lens_offs(lens, device="cpu"):
@@ -305,7 +306,87 @@ def _case_quantize():
         quantize_cells(x[0], torch.float8_e4m3fn, 1, 32)
 
 
-_CASES = {"half": _case_half, "fp8_fixed": _case_fp8_fixed, "fp8_variable": _case_fp8_variable,
+def _case_dual_quantize():
+    """The one-read dual quantiser gives bit for bit what two quantisations give (reference
+    quantize: the same math as quantize_cells), strided inputs, odd sizes, zero runs, a NaN."""
+    from turbo_dispatch.backends.triton.dual_quantize import dual_quantize
+    from turbo_dispatch.low_precision import quantize
+
+    for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        for block in (32, 64):
+            big = torch.randn(2, 70, 103, dtype=torch.bfloat16) * 10
+            x = big[:, :, 2:102]  # strided rows
+            x[0, 5, 7] = 0.0
+            x[1, :, 64:96] = 0.0
+            d, s, d_t, s_t = dual_quantize(x, dt, block, False)
+            rows = quantize(x, dt, "blockwise", axis=2, block_size=block)
+            cols = quantize(x, dt, "blockwise", axis=1, block_size=block)
+            assert torch.equal(s, rows.scale) and torch.equal(d.float(), rows.data.float()), (dt, block)
+            assert torch.equal(s_t, cols.scale) and torch.equal(d_t.transpose(1, 2).float(), cols.data.float())
+            assert d.stride(1) % 16 == 0 and d_t.stride(1) % 16 == 0  # TMA row strides
+            w = x.transpose(1, 2)
+            d, s, d_t, s_t = dual_quantize(w, dt, block, True)
+            q = quantize(w, dt, "blockwise", block_size=block, block_2d=True)
+            assert torch.equal(s, q.scale) and torch.equal(d.float(), q.data.float())
+            assert torch.equal(d_t.transpose(1, 2).float(), q.data.float()) and torch.equal(s_t.transpose(1, 2), s)
+    x = torch.randn(1, 40, 64)
+    x[0, 33, 3] = float("nan")
+    _, s, _, s_t = dual_quantize(x, torch.float8_e4m3fn, 32, False)
+    assert torch.isnan(s[0, 33, 0]) and torch.isfinite(s[0, 33, 1]) and torch.isnan(s_t[0, 1, 3])
+    assert int(torch.isnan(s).sum()) == 1 and int(torch.isnan(s_t).sum()) == 1
+    with pytest.raises(ValueError, match="block must be one of"):
+        dual_quantize(x, torch.float8_e4m3fn, 48, False)
+
+
+def _case_fp8_step():
+    """The public blockwise op with TRITON pinned: the step that quantises each operand once (the
+    adapter gets QuantizedTensors: token runs, dgrad-order weight tiles) gives the same bits as
+    the step that quantises per GEMM, for both layouts, both formats, and one-sided gradients."""
+    import importlib
+
+    import turbo_dispatch as turbo
+    from turbo_dispatch.backends.triton.grouped_gemm import TritonGroupedGemmFp8
+    from turbo_dispatch.low_precision import Float8QuantConfig
+
+    grouped = importlib.import_module("turbo_dispatch.ops.grouped_gemm")
+    # TRITON is registered for GPUs only: every fp8 GEMM of the step goes to its adapter directly.
+    adapter = TritonGroupedGemmFp8()
+    seen = []
+
+    def run_triton(p, x, y, lens_, offs):
+        seen.append(p.a_dtype in _FP8_DTYPES or p.b_dtype in _FP8_DTYPES)
+        assert adapter.supports(p) is None, adapter.supports(p)
+        return adapter.run(p, x, y, lens_, offs)
+
+    grouped._run_fp8 = run_triton
+    lens, _ = _lens_offs([37, 0, 64, 27])
+    m, k, n = 128, 64, 96
+    for trans_b in (True, False):
+        for fmt, need in (("e4m3", (True, True)), ("hybrid", (True, True)), ("e4m3", (True, False)),
+                          ("hybrid", (False, True))):
+            cfg = Float8QuantConfig(format=fmt, granularity="blockwise", block_size=32)
+            a0, b0 = torch.randn(m, k), torch.randn((4, n, k) if trans_b else (4, k, n))
+            grad = torch.randn(m, n)
+            results = []
+            for reuse in (True, False):
+                saved = grouped._step_reuses_quantization
+                if not reuse:
+                    grouped._step_reuses_quantization = lambda c: False
+                try:
+                    a, b = a0.clone().requires_grad_(need[0]), b0.clone().requires_grad_(need[1])
+                    out = turbo.ops.grouped_gemm_fp8(a, b, lens, trans_b=trans_b, config=cfg)
+                    out.backward(grad)
+                finally:
+                    grouped._step_reuses_quantization = saved
+                results.append((out.detach(), a.grad, b.grad))
+            for x, y in zip(*results):
+                assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), (trans_b, fmt, need)
+            if need[1]:
+                assert torch.equal(results[0][2][1], torch.zeros_like(results[0][2][1]))  # empty expert
+    assert any(seen) and not all(seen)  # both steps ran: with pre-quantised operands and without
+
+
+_CASES = {"half": _case_half, "dual_quantize": _case_dual_quantize, "fp8_step": _case_fp8_step, "fp8_fixed": _case_fp8_fixed, "fp8_variable": _case_fp8_variable,
           "quantize": _case_quantize, "variable_k_edges": _case_variable_k_edges}
 
 

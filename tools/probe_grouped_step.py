@@ -95,6 +95,32 @@ def _equal_nan(d, s, d_t, s_t, r, rs, c, cs) -> bool:
             and torch.equal(d_t.view(torch.uint8), c.view(torch.uint8)) and _eq(s_t.transpose(1, 2), cs))
 
 
+def sweep_dual() -> None:
+    """Times every (chunk rows, warps) launch of the dual quantiser on the DeepSeek-V3 up_gate
+    activation and weight, next to the two quantize_cells calls it replaces, and keeps the fastest
+    per mode in dual_quantize.LAUNCH for the rest of the run."""
+    import turbo_dispatch.backends.triton.dual_quantize as DQ
+
+    x = torch.randn(1, 32768, 7168, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(8, 4096, 7168, device="cuda", dtype=torch.bfloat16)
+    two = {False: lambda: (quantize_cells(x, E4, 1, 128), quantize_cells(x.transpose(1, 2), E4, 1, 128,
+                                                                          scale_rows_inner=True)),
+           True: lambda: (quantize_cells(w, E4, 128, 128), quantize_cells(w.transpose(1, 2), E4, 128, 128))}
+    for tile in (False, True):
+        src = w if tile else x
+        ms_two = time_ms(two[tile])
+        best = None
+        for chunk, warps in ((8, 4), (16, 4), (16, 8), (32, 4), (32, 8), (64, 8)):
+            DQ.LAUNCH[tile] = (chunk, warps)
+            ms = time_ms(lambda: dual_quantize(src, E4, 128, tile))
+            emit(probe="dual_sweep", tiles=tile, chunk=chunk, warps=warps, ms=ms, two_ms=ms_two,
+                 gbs=src.numel() * 4 / ms * 1e-6, vs_two=ms_two / ms)
+            if best is None or ms < best[0]:
+                best = (ms, chunk, warps)
+        DQ.LAUNCH[tile] = best[1:]
+        emit(probe="dual_best", tiles=tile, chunk=best[1], warps=best[2], ms=best[0])
+
+
 def step_fn(a, w, lens, offs, cfg, grad):
     def run():
         a.grad = w.grad = None
@@ -165,6 +191,8 @@ def main() -> int:
     if args.out:
         OUT.append(open(args.out, "w"))
     emit(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+    sweep_dual()
+    torch.cuda.empty_cache()
     ok = check_dual()
     for shape in args.shapes.split(","):
         ok = probe(shape) and ok

@@ -503,15 +503,16 @@ class TritonGroupedGemmFp8(_TritonAdapter):
         if gran is ScalingGranularity.BLOCKWISE and qblock % cfg[2]:
             raise ValueError(f"TRITON grouped fp8: BK={cfg[2]} must divide block_size={qblock}")
         up = _upcast(p.a_fp8, p.b_fp8)
+        device = (x.data if isinstance(x, QuantizedTensor) else x).device
         if p.variable_k:
-            out = torch.empty((p.g, p.m, p.n), dtype=p.out_dtype, device=x.device)
+            out = torch.empty((p.g, p.m, p.n), dtype=p.out_dtype, device=device)
             if p.k == 0:
                 return out.zero_()
             qx, sx, sxs = _wgrad_operand(x, p.a_fp8, gran, bs, mode)
             qy, sy, sys_ = _wgrad_operand(y, p.b_fp8, gran, bs, mode)
             return launch_variable_k(qx, qy, out, offs, cfg, scale=mode, sx=sx, sx_strides=sxs, sy=sy,
                                      sy_strides=sys_, qblock=qblock, upcast=up)
-        out = torch.empty((p.m, p.n), dtype=p.out_dtype, device=x.device)
+        out = torch.empty((p.m, p.n), dtype=p.out_dtype, device=device)
         if p.m == 0:
             return out
         if isinstance(x, QuantizedTensor):  # [M, K] in runs along K, scale [M, nK]
