@@ -61,11 +61,18 @@ def time_ms(fn, reps: int = 20) -> float:
 
 
 def check_dual() -> bool:
-    ok = True
-    for dt in (E4, E5):
+    import turbo_dispatch.backends.triton.dual_quantize as DQ
+
+    ok, chosen = True, DQ.FAST_DIV
+    for dt, fast in ((E4, True), (E5, True), (E4, False)):
+        DQ.FAST_DIV = fast
         x = torch.randn(3, 1000, 300, device="cuda", dtype=torch.bfloat16) * 7
         x[0, :, 128:256] = 0
         x[1, 517, 3] = float("nan")
+        x[2, 0:128, 0:128] *= 1e-38  # subnormal-sized cells: the scaled path of _quotient
+        x[2, 200:300, :] = -0.0  # signed zeros
+        x[2, 900, 290] = float("inf")
+        x[0, 700:800, 40:60] *= 3e37  # near the top of the range
         for block in (128, 64):
             d, s, d_t, s_t = dual_quantize(x, dt, block, False)
             r, rs = quantize_cells(x, dt, 1, block)
@@ -80,9 +87,10 @@ def check_dual() -> bool:
             qt, _ = quantize_cells(w.transpose(1, 2), dt, block, block)
             tiles = (torch.equal(d.view(torch.uint8), q.view(torch.uint8)) and _eq(s, qs)
                      and torch.equal(d_t.view(torch.uint8), qt.view(torch.uint8)))
-            emit(check="dual_quantize", dtype=str(dt), block=block, runs="PASS" if same else "FAIL",
+            emit(check="dual_quantize", dtype=str(dt), fast_div=fast, block=block, runs="PASS" if same else "FAIL",
                  tiles="PASS" if tiles else "FAIL")
             ok = ok and same and tiles
+    DQ.FAST_DIV = chosen
     return ok
 
 
@@ -110,15 +118,18 @@ def sweep_dual() -> None:
         src = w if tile else x
         ms_two = time_ms(two[tile])
         best = None
-        for chunk, warps in ((8, 4), (16, 4), (16, 8), (32, 4), (32, 8), (64, 8)):
-            DQ.LAUNCH[tile] = (chunk, warps)
-            ms = time_ms(lambda: dual_quantize(src, E4, 128, tile))
-            emit(probe="dual_sweep", tiles=tile, chunk=chunk, warps=warps, ms=ms, two_ms=ms_two,
-                 gbs=src.numel() * 4 / ms * 1e-6, vs_two=ms_two / ms)
-            if best is None or ms < best[0]:
-                best = (ms, chunk, warps)
-        DQ.LAUNCH[tile] = best[1:]
-        emit(probe="dual_best", tiles=tile, chunk=best[1], warps=best[2], ms=best[0])
+        for fast in (True, False):
+            DQ.FAST_DIV = fast
+            for chunk, warps in ((8, 4), (16, 4), (16, 8), (32, 4), (32, 8), (64, 4), (64, 8)):
+                DQ.LAUNCH[tile] = (chunk, warps)
+                ms = time_ms(lambda: dual_quantize(src, E4, 128, tile))
+                emit(probe="dual_sweep", tiles=tile, fast_div=fast, chunk=chunk, warps=warps, ms=ms, two_ms=ms_two,
+                     gbs=src.numel() * 4 / ms * 1e-6, vs_two=ms_two / ms)
+                if best is None or ms < best[0]:
+                    best = (ms, chunk, warps, fast)
+        DQ.LAUNCH[tile] = best[1:3]
+        DQ.FAST_DIV = best[3]  # the last mode's best; both modes are reported
+        emit(probe="dual_best", tiles=tile, chunk=best[1], warps=best[2], fast_div=best[3], ms=best[0])
 
 
 def step_fn(a, w, lens, offs, cfg, grad):

@@ -43,9 +43,33 @@ def _scale_of(amax, FP8_MAX: tl.constexpr, TINY: tl.constexpr):
 
 
 @triton.jit
+def _quotient(v, scale):
+    """``v / scale`` rounded exactly as ``div_rn`` rounds it, for ``scale`` of shape [n, 1], [1, n]
+    or a scalar (one reciprocal each): q0 = v * RN(1/s) is within an ulp of the quotient, and one
+    FMA step, q0 + RN(v - s * q0) * RN(1/s), is then correctly rounded (Markstein), as long as
+    nothing underflows. Scales below 2**-60 (amaxes of subnormal-sized data) are first multiplied,
+    with the values, by 2**64, which changes no quotient and keeps the residual normal. Division
+    is most of this kernel's arithmetic: div_rn per element left it below the memory bandwidth.
+    A zero quotient keeps its sign (as the division's); a non-finite scale takes the plain
+    product (x * 0 = 0 for x / inf, NaN from NaN), as the division gives."""
+    k = tl.where(scale < 1.0e-18, 18446744073709551616.0, 1.0)
+    s = scale * k
+    r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+    exact_step = s < float("inf")  # False for inf and NaN
+    x = v * k
+    q0 = x * r
+    q1 = tl.fma(tl.fma(-q0, s, x), r, q0)
+    return tl.where(exact_step & (q0 != 0.0), q1, q0)
+
+
+@triton.jit
 def _to_fp8(v, scale, FP8_MAX: tl.constexpr, ROUND_FIRST: tl.constexpr, MANT_BITS: tl.constexpr,
-            MIN_EXP: tl.constexpr):
-    q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX), FP8_MAX)
+            MIN_EXP: tl.constexpr, FAST_DIV: tl.constexpr):
+    if FAST_DIV:
+        q = _quotient(v, scale)
+    else:
+        q = tl.math.div_rn(v, scale)
+    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
     if ROUND_FIRST:
         q = _round_to_fp8_grid(q, MANT_BITS, MIN_EXP)
     return q
@@ -57,7 +81,7 @@ def _dual_quantize_kernel(
     R, C, n_rb,
     sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
     TILE_2D: tl.constexpr, B: tl.constexpr, CH: tl.constexpr, FP8_MAX: tl.constexpr, TINY: tl.constexpr,
-    ROUND_FIRST: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
+    ROUND_FIRST: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, FAST_DIV: tl.constexpr,
 ):
     # One program owns one B x B tile and walks it in CH-row chunks twice: first for the amax of
     # each column (and of the tile), then to quantise, reloading each chunk (from L2: the tile was
@@ -92,21 +116,24 @@ def _dual_quantize_kernel(
         ok = r_ok[:, None] & c_ok[None, :]
         v = tl.load(x_base + r64[:, None] * sxr, mask=ok, other=0.0).to(tl.float32)
         if TILE_2D:
-            q = _to_fp8(v, scale, FP8_MAX, ROUND_FIRST, MANT_BITS, MIN_EXP)
+            q = _to_fp8(v, scale, FP8_MAX, ROUND_FIRST, MANT_BITS, MIN_EXP, FAST_DIV)
             qt = q
         else:
             row_bits = tl.max(tl.abs(v).to(tl.int32, bitcast=True), axis=1)
             row_scale = _scale_of(row_bits.to(tl.float32, bitcast=True), FP8_MAX, TINY)  # [CH] rows
             tl.store(s_ptr + g * ssg + r64 * ssr + cb * ssc, row_scale, mask=r_ok)
-            q = _to_fp8(v, row_scale[:, None], FP8_MAX, ROUND_FIRST, MANT_BITS, MIN_EXP)
-            qt = _to_fp8(v, col_scale[None, :], FP8_MAX, ROUND_FIRST, MANT_BITS, MIN_EXP)
+            q = _to_fp8(v, row_scale[:, None], FP8_MAX, ROUND_FIRST, MANT_BITS, MIN_EXP, FAST_DIV)
+            qt = _to_fp8(v, col_scale[None, :], FP8_MAX, ROUND_FIRST, MANT_BITS, MIN_EXP, FAST_DIV)
         tl.store(q_ptr + g * sqg + r64[:, None] * sqr + c64[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(qt_ptr + g * sqtg + c64[None, :] * sqtc + r64[:, None], qt.to(qt_ptr.dtype.element_ty), mask=ok)
 
 
 #: (rows per chunk, warps) of the one-read kernel for runs (False) and 2-D tiles (True); a module
 #: global so that tools/probe_grouped_step.py can sweep it.
-LAUNCH = {False: (16, 8), True: (16, 8)}
+LAUNCH = {False: (32, 4), True: (64, 8)}
+#: Divide through ``_quotient`` (True) or div_rn per element; both give the same bits. The CPU
+#: interpreter always takes div_rn (its FMA is not fused).
+FAST_DIV = True
 
 
 def _padded(n: int, pad: int = 16) -> int:
@@ -151,13 +178,13 @@ def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
     if g * r * c == 0:
         return data, scale, data_t, scale_t
     chunk, warps = LAUNCH[tile_2d]
+    interpreting = os.environ.get("TRITON_INTERPRET", "") == "1"
     _dual_quantize_kernel[(g * n_r, n_c)](
         x, data, data_t, scale, scale_t, r, c, n_r,
         *x.stride(), data.stride(0), data.stride(1), data_t.stride(0), data_t.stride(1),
         *scale.stride(), *scale_t.stride(),
         TILE_2D=tile_2d, B=block, CH=min(chunk, block), FP8_MAX=FP8_MAX[dtype], TINY=_TINY,
-        ROUND_FIRST=os.environ.get("TRITON_INTERPRET", "") == "1", MANT_BITS=_MANT_BITS[dtype],
-        MIN_EXP=_MIN_EXP[dtype],
-        num_warps=warps,
+        ROUND_FIRST=interpreting, MANT_BITS=_MANT_BITS[dtype], MIN_EXP=_MIN_EXP[dtype],
+        FAST_DIV=FAST_DIV and not interpreting, num_warps=warps,
     )
     return data, scale, data_t, scale_t
