@@ -305,6 +305,60 @@ def test_fp8_custom_op_matches_eager(device, trans_b, fmt_gran):
     assert_same(eager, op, device)
 
 
+@pytest.mark.parametrize("fmt", ["E4M3", "HYBRID"])
+@pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True)], ids=["both", "a", "b"])
+@pytest.mark.parametrize("trans_b", [False, True], ids=["NN", "NT"])
+def test_fp8_blockwise_step_op_matches_eager(device, trans_b, needs, fmt):
+    """The compiled path's blockwise step (grouped_gemm_fp8_step: each operand quantised once,
+    the backward's GEMMs on pre-quantised operands) against the eager step, and both against the
+    per-GEMM quantisation they replace: the same values, so the same bits on the CPU."""
+    import importlib
+
+    grouped = importlib.import_module("turbo_dispatch.ops.grouped_gemm")
+    cfg = Float8QuantConfig(format=fmt, granularity="blockwise", block_size=32)
+    a0, b0 = operands(FP8_LENS, FP8_K, FP8_N, trans_b, BF16, device, requires_grad=False)
+    group_lens = lens_tensor(FP8_LENS, device)
+    offs = torch.nn.functional.pad(group_lens.cumsum(0), (1, 0))
+    grad = randn((sum(FP8_LENS), FP8_N), BF16, device)
+
+    def run(fn):
+        a, b = a0.detach().clone().requires_grad_(needs[0]), b0.detach().clone().requires_grad_(needs[1])
+        out = fn(a, b)
+        out.backward(grad)
+        return out.detach(), a.grad, b.grad
+
+    def step_op(x, y):
+        return torch.ops.turbo_dispatch.grouped_gemm_fp8_step(x, y, group_lens, offs, trans_b, None, cfg.format.value,
+                                                              cfg.block_size, cfg.scale_dtype.value, *needs)[0]
+
+    eager = run(lambda x, y: grouped_gemm_fp8(x, y, group_lens, None, trans_b, None, cfg))
+    op = run(step_op)
+    saved = grouped._step_reuses_quantization
+    grouped._step_reuses_quantization = lambda c: False
+    try:
+        per_gemm = run(lambda x, y: grouped_gemm_fp8(x, y, group_lens, None, trans_b, None, cfg))
+    finally:
+        grouped._step_reuses_quantization = saved
+    for name, x, y, z in zip(("out", "a.grad", "b.grad"), eager, op, per_gemm):
+        assert (x is None) == (y is None) == (z is None), name
+        if x is not None:
+            assert torch.equal(x, y) and torch.equal(x, z), name
+
+
+def test_fp8_blockwise_step_saves_fp8_not_the_inputs():
+    """What the reusing step keeps for the backward: a's token runs and b's dgrad-order tiles in
+    fp8 (with their scales), not bf16 a and b."""
+    cfg = Float8QuantConfig(granularity="blockwise", block_size=32)
+    a, b = operands(FP8_LENS, FP8_K, FP8_N, True, BF16, "cpu", requires_grad=True)
+    out = grouped_gemm_fp8(a, b, lens_tensor(FP8_LENS, "cpu"), None, True, None, cfg)
+    saved = out.grad_fn.saved_tensors
+    fp8 = [t for t in saved if t.dtype == torch.float8_e4m3fn]
+    assert len(fp8) == 2 and not any(t.dtype == BF16 and t.dim() > 1 for t in saved)
+    a_data, b_data = fp8
+    assert a_data.shape == a.shape and a_data.stride(0) == 1  # token-contiguous, as the wgrad reads it
+    assert b_data.shape == b.shape and b_data.stride(1) == 1  # stored [G, K, N]: K-major for the dgrad
+
+
 opcheck = getattr(torch.library, "opcheck", None)
 
 
@@ -324,6 +378,16 @@ def test_opcheck(device, trans_b):
     opcheck(ops.grouped_gemm_fp8.default, (a8, b8, group_lens, offs, trans_b, None, "hybrid", "blockwise", 16, "fp32"))
     opcheck(ops.grouped_gemm_fp8_raw.default, (x.to(BF16), y.to(BF16), group_lens, offs, False, True, BF16,
                                                torch.float8_e4m3fn, torch.float8_e5m2, "rowwise", None, False))
+    a16 = a8.detach().requires_grad_()
+    b16 = b8.detach().requires_grad_()
+    # Not test_aot_dispatch_dynamic: it multiplies every output by a bf16 cotangent, and the fp8
+    # outputs (saved for the backward, non-differentiable) refuse that promotion. The compiled
+    # forward + backward is compared with the eager one in test_compiled_matches_eager.
+    opcheck(ops.grouped_gemm_fp8_step.default, (a16, b16, group_lens, offs, trans_b, None, "hybrid", 16, "fp32",
+                                                True, True),
+            test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    opcheck(ops.fp8_quantize_both.default, (a8.detach(), torch.float8_e4m3fn, 16, False))
+    opcheck(ops.fp8_quantize_both.default, (b8.detach(), torch.float8_e5m2, 16, True))
 
 
 # -- torch.compile(fullgraph=True) -----------------------------------------------------------------
@@ -334,6 +398,8 @@ COMPILE_CASES = {
     "fp8-hybrid-blockwise32-NN-aot_eager": (BF16, False, Float8QuantConfig(format="hybrid", granularity=G.BLOCKWISE,
                                                                            block_size=32), "aot_eager"),
     "fp32-NT-inductor": (FP32, True, None, "inductor"),
+    # The blockwise step's custom op under inductor: its fp8 side outputs saved for the backward.
+    "fp8-blockwise32-NT-inductor": (BF16, True, Float8QuantConfig(granularity=G.BLOCKWISE, block_size=32), "inductor"),
 }
 
 

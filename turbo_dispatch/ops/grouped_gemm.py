@@ -698,7 +698,7 @@ def _fp8_quantize_both_op(x: torch.Tensor, dtype: torch.dtype, block_size: int,
 
     out = quantize_both_tensors(x if tile_2d else x.unsqueeze(0), dtype, block_size, tile_2d)
     if tile_2d:
-        return out[0], out[1], out[2], out[3].contiguous()
+        return out[0], out[1], out[2], out[3].clone(memory_format=torch.contiguous_format)  # a view of out[1]
     return tuple(t[0] for t in out)
 
 

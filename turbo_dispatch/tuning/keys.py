@@ -96,8 +96,26 @@ def _grouped_fp8_keys(shape: presets.GroupedShape, dtype: torch.dtype, granulari
             a, b, group_lens, group_offs, False, True, out_dtype, a_fp8, b_fp8, cfg.granularity, cfg.block_size,
             False)))
 
-    _grouped._grouped_fp8_grads(mm8, mm8_k, x, w, dy, lens, None, True, cfg.format.fwd_dtype(),
-                                cfg.format.bwd_dtype(), cfg.granularity, True, True)
+    fwd, bwd = cfg.format.fwd_dtype(), cfg.format.bwd_dtype()
+    if not _grouped._step_reuses_quantization(cfg):
+        _grouped._grouped_fp8_grads(mm8, mm8_k, x, w, dy, lens, None, True, fwd, bwd, cfg.granularity, True, True)
+        return keys
+    # The blockwise step quantises each operand once and its GEMMs take them pre-quantised (fp8
+    # dtypes in their keys): the keys are those, built from the quantiser's fake (shape) outputs.
+    from turbo_dispatch.backends.quantizer import runs_from_tensors, tiles_from_tensors
+
+    fake = _grouped._fp8_quantize_both_fake
+
+    def runs(t, dtype, block):
+        return runs_from_tensors(*fake(t, dtype, block, False), block)
+
+    def tiles(t, dtype, block):
+        return tiles_from_tensors(*fake(t, dtype, block, True)[:3], block)
+
+    qa, qb, a_saved, b_saved = _grouped._quantize_for_step(x, w, cfg, True, True, runs, tiles)
+    keys[0] = ("grouped_gemm_fp8", _grouped._step_forward_problem(qa, qb, lens, None, True, None, x.dtype, cfg))
+    _grouped._grouped_fp8_grads(mm8, mm8_k, a_saved, b_saved, dy, lens, None, True, fwd, bwd, cfg.granularity, True,
+                                True, a_dtype=x.dtype, b_dtype=w.dtype, runs_both=runs, block_size=cfg.block_size)
     return keys
 
 
