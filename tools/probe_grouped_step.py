@@ -104,7 +104,7 @@ def _equal_nan(d, s, d_t, s_t, r, rs, c, cs) -> bool:
 
 
 def sweep_dual() -> None:
-    """Times every (chunk rows, warps) launch of the dual quantiser on the DeepSeek-V3 up_gate
+    """Times (chunk rows, warps) launches of the dual quantiser on the DeepSeek-V3 up_gate
     activation and weight, next to the two quantize_cells calls it replaces, and keeps the fastest
     per mode in dual_quantize.LAUNCH for the rest of the run."""
     import turbo_dispatch.backends.triton.dual_quantize as DQ
@@ -120,7 +120,7 @@ def sweep_dual() -> None:
         best = None
         for fast in (True, False):
             DQ.FAST_DIV = fast
-            for chunk, warps in ((8, 4), (16, 4), (16, 8), (32, 4), (32, 8), (64, 4), (64, 8)):
+            for chunk, warps in ((16, 4), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8)):
                 DQ.LAUNCH[tile] = (chunk, warps)
                 ms = time_ms(lambda: dual_quantize(src, E4, 128, tile))
                 emit(probe="dual_sweep", tiles=tile, fast_div=fast, chunk=chunk, warps=warps, ms=ms, two_ms=ms_two,
@@ -198,12 +198,15 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="dsv3_up,dsv3_down,qwen3_up,mixtral_up")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep", action="store_true", help="sweep the dual quantiser's launches first (and keep "
+                    "the fastest for the rest of the run)")
     args = ap.parse_args()
     if args.out:
         OUT.append(open(args.out, "w"))
     emit(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
-    sweep_dual()
-    torch.cuda.empty_cache()
+    if args.sweep:
+        sweep_dual()
+        torch.cuda.empty_cache()
     ok = check_dual()
     for shape in args.shapes.split(","):
         ok = probe(shape) and ok

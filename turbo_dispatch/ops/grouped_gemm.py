@@ -911,6 +911,9 @@ def grouped_gemm_fp8(a: torch.Tensor, b: torch.Tensor, group_lens: torch.Tensor,
     quantises the gradient too (as E5M2 under Format.HYBRID); the weight keeps its tiles in dgrad,
     and wgrad quantises both operands in runs along the tokens (a run may straddle two groups;
     its one scale serves both). MX_BLOCKWISE is not supported for grouped GEMMs (ValueError).
+    With gradients, a BLOCKWISE step (block 32, 64 or 128) quantises each operand once for both
+    GEMMs that read it and saves fp8 ``a`` and ``b`` for the backward instead of the inputs; the
+    results are bit-identical to quantising per GEMM (docs/architecture.md).
     The group_lens value check and its host sync behave as in ``grouped_gemm``.
 
     Example:
