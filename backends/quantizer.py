@@ -75,7 +75,8 @@ def quantize_operand(x: torch.Tensor, dtype: torch.dtype, granularity: ScalingGr
 
 
 # -- both quantisations of one tensor (the blockwise training step) ---------------------------------------
-#: Block sizes whose two quantisations come from one read (the Triton kernel's one-tile blocks).
+#: Block sizes whose two quantisations come from one read (the Triton kernel's one-tile blocks:
+#: a power of two, so a block is one tile).
 DUAL_BLOCK_SIZES = (32, 64, 128)
 
 
@@ -89,12 +90,20 @@ def _dual_kernel() -> Callable | None:
     return dual_quantize
 
 
+def empty_padded_rows(like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, pad: int = 16) -> torch.Tensor:
+    """An uninitialised ``shape`` tensor on ``like``'s device whose rows are padded in memory to a
+    multiple of ``pad`` elements (for fp8, 16 bytes: the row stride TMA descriptors need; the
+    padding is never read): a view of the padded storage. Every quantiser that feeds TMA, and
+    the fake implementations that must match it, lay out their outputs with this."""
+    *lead, cols = shape
+    return like.new_empty((*lead, -(-cols // pad) * pad), dtype=dtype)[..., :cols]
+
+
 def _padded_rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` copied into storage whose rows are padded to 16 elements (the kernel's layout)."""
-    cols = t.shape[-1]
-    storage = t.new_empty((*t.shape[:-1], -(-cols // 16) * 16))
-    storage[..., :cols] = t
-    return storage[..., :cols]
+    """``t`` copied into ``empty_padded_rows`` storage (the dual kernel's layout)."""
+    out = empty_padded_rows(t, tuple(t.shape), t.dtype)
+    out.copy_(t)
+    return out
 
 
 def quantize_both_tensors(x3: torch.Tensor, dtype: torch.dtype, block_size: int, tile_2d: bool

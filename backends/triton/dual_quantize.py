@@ -28,10 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quantizer import DUAL_BLOCK_SIZES, empty_padded_rows
 from .grouped_quantize import _MANT_BITS, _MIN_EXP, _TINY, FP8_MAX, _round_to_fp8_grid
-
-#: Block sizes the one-tile-per-program kernel takes (a power of two, so a block is one tile).
-DUAL_BLOCKS = (32, 64, 128)
 
 
 @triton.jit
@@ -140,10 +138,6 @@ LAUNCH = {False: (64, 4), True: (64, 4)}
 FAST_DIV = True
 
 
-def _padded(n: int, pad: int = 16) -> int:
-    return -(-n // pad) * pad
-
-
 def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantise ``x[G, R, C]`` (any strides) both ways in one pass; see the module docstring.
@@ -166,12 +160,12 @@ def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
         raise ValueError(f"dual_quantize: x must be 3-D [G, R, C]; got shape {tuple(x.shape)}")
     if dtype not in FP8_MAX:
         raise ValueError(f"dual_quantize: dtype must be float8_e4m3fn or float8_e5m2; got {dtype}")
-    if block not in DUAL_BLOCKS:
-        raise ValueError(f"dual_quantize: block must be one of {DUAL_BLOCKS}; got {block}")
+    if block not in DUAL_BLOCK_SIZES:
+        raise ValueError(f"dual_quantize: block must be one of {DUAL_BLOCK_SIZES}; got {block}")
     g, r, c = x.shape
     n_r, n_c = -(-r // block), -(-c // block)
-    data = torch.empty((g, r, _padded(c)), dtype=dtype, device=x.device)[:, :, :c]
-    data_t = torch.empty((g, c, _padded(r)), dtype=dtype, device=x.device)[:, :, :r]
+    data = empty_padded_rows(x, (g, r, c), dtype)
+    data_t = empty_padded_rows(x, (g, c, r), dtype)
     f32 = dict(dtype=torch.float32, device=x.device)
     if tile_2d:
         scale = torch.empty((g, n_r, n_c), **f32)

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quantizer import empty_padded_rows
+
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 _MANT_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
 _MIN_EXP = {torch.float8_e4m3fn: -6, torch.float8_e5m2: -14}  # exponent of the smallest normal
@@ -163,9 +165,7 @@ def quantize_cells(x: torch.Tensor, dtype: torch.dtype, cell_r: int, cell_c: int
     if cell_r < 1 or cell_c < 1:
         raise ValueError(f"quantize_cells: cell sizes must be positive; got {cell_r} x {cell_c}")
     cell_r, cell_c = min(cell_r, max(r, 1)), min(cell_c, max(c, 1))
-    cp = -(-c // pad_c) * pad_c
-    storage = torch.empty((g, r, cp), dtype=dtype, device=x.device)
-    data = storage[:, :, :c]
+    data = empty_padded_rows(x, (g, r, c), dtype, pad_c)
     n_r, n_c = -(-r // cell_r), -(-c // cell_c)
     prescaled = scale is not None
     if prescaled:

@@ -26,6 +26,7 @@ formulas.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Callable, NamedTuple, Optional
 
@@ -343,6 +344,13 @@ def _kmajor(data: torch.Tensor, k_dim: int) -> torch.Tensor:
     return data if k_dim == last else data.transpose(k_dim, last).contiguous().transpose(k_dim, last)
 
 
+def _quantized_kmajor(t: torch.Tensor, dtype: torch.dtype, p: GroupedGemmFp8Problem, k_dim: int,
+                      block_2d: bool) -> QuantizedTensor:
+    """``t`` quantised for ``p`` along ``k_dim`` (or in 2-D tiles), its data stored K-major."""
+    q = quantize(t, dtype, p.granularity, axis=k_dim, block_size=p.block_size, block_2d=block_2d)
+    return dataclasses.replace(q, data=_kmajor(q.data, k_dim))
+
+
 def _fp8_make_inputs(p: GroupedGemmFp8Problem, device) -> tuple:
     """Inputs for a grouped_gemm_fp8 key. An operand whose key dtype is fp8 arrives pre-quantised
     as the training step passes it (``_quantize_for_step``): K-major data, token runs for the
@@ -350,21 +358,11 @@ def _fp8_make_inputs(p: GroupedGemmFp8Problem, device) -> tuple:
     hp = p._replace(a_dtype=torch.float32 if p.a_dtype in _FP8 else p.a_dtype,
                     b_dtype=torch.float32 if p.b_dtype in _FP8 else p.b_dtype)
     x, y, lens, offs = _make_inputs(hp, device)
-    gran, bs = p.granularity, p.block_size
-    if p.variable_k:
-        if p.a_dtype in _FP8:
-            q = quantize(x, p.a_fp8, gran, axis=0, block_size=bs)
-            x = QuantizedTensor(_kmajor(q.data, 0), q.scale, q.granularity, q.axis, q.block_size, q.block_2d)
-        if p.b_dtype in _FP8:
-            q = quantize(y, p.b_fp8, gran, axis=0, block_size=bs)
-            y = QuantizedTensor(_kmajor(q.data, 0), q.scale, q.granularity, q.axis, q.block_size, q.block_2d)
-        return x, y, lens, offs
+    k_a, k_b = (0, 0) if p.variable_k else (1, 2 if p.trans_b else 1)
     if p.a_dtype in _FP8:
-        x = quantize(x, p.a_fp8, gran, axis=1, block_size=bs)
+        x = _quantized_kmajor(x, p.a_fp8, p, k_a, False)
     if p.b_dtype in _FP8:
-        q = quantize(y, p.b_fp8, gran, axis=2 if p.trans_b else 1, block_size=bs, block_2d=p.b_2d)
-        y = QuantizedTensor(_kmajor(q.data, 2 if p.trans_b else 1), q.scale, q.granularity, q.axis, q.block_size,
-                            q.block_2d)
+        y = _quantized_kmajor(y, p.b_fp8, p, k_b, p.b_2d and not p.variable_k)
     return x, y, lens, offs
 
 
@@ -479,12 +477,11 @@ def _quantize_for_step(a, b, cfg: Float8QuantConfig, need_a: bool, need_b: bool,
     return qa, qb, a_saved, b_saved
 
 
-def _step_forward_problem(qa, qb, group_lens, group_offs, trans_b: bool, out_dtype: Optional[torch.dtype],
-                          a_dtype: torch.dtype, cfg: Float8QuantConfig) -> GroupedGemmFp8Problem:
-    fwd = cfg.format.fwd_dtype()
-    return grouped_gemm_fp8_problem(qa, qb, group_lens, group_offs, trans_b, False,
-                                    a_dtype if out_dtype is None else out_dtype, fwd, fwd, cfg.granularity,
-                                    cfg.block_size, True)
+def _step_forward_problem(problem: GroupedGemmFp8Problem, qa, qb) -> GroupedGemmFp8Problem:
+    """The forward's key once ``_quantize_for_step`` quantised its operands: the inputs' key with
+    the fp8 dtypes of the operands that now arrive pre-quantised (the inputs are validated
+    already, and our own quantiser made qa and qb)."""
+    return problem._replace(a_dtype=_data(qa).dtype, b_dtype=_data(qb).dtype)
 
 
 # -- eager path --------------------------------------------------------------------------------------
@@ -541,8 +538,7 @@ class _GroupedFp8Function(torch.autograd.Function):
                                                       quantize_tiles_both)
         ctx.quantized = (_layout(a_saved), _layout(b_saved))  # their tensors go through save_for_backward
         ctx.save_for_backward(*_unpack(a_saved), *_unpack(b_saved), group_lens, group_offs)
-        p = _step_forward_problem(qa, qb, group_lens, group_offs, problem.trans_b, problem.out_dtype, a.dtype, config)
-        return _run_fp8(p, qa, qb, group_lens, group_offs)
+        return _run_fp8(_step_forward_problem(problem, qa, qb), qa, qb, group_lens, group_offs)
 
     @staticmethod
     def backward(ctx, grad):
@@ -685,10 +681,6 @@ def _raw_mms(cfg: Float8QuantConfig) -> tuple[Callable, Callable]:
 
 
 # -- the compiled blockwise training step (see _step_reuses_quantization) ---------------------------------
-def _pad16(n: int) -> int:
-    return -(-n // 16) * 16
-
-
 @torch.library.custom_op("turbo_dispatch::fp8_quantize_both", mutates_args=())
 def _fp8_quantize_both_op(x: torch.Tensor, dtype: torch.dtype, block_size: int,
                           tile_2d: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -706,8 +698,10 @@ def _fp8_quantize_both_op(x: torch.Tensor, dtype: torch.dtype, block_size: int,
 def _fp8_quantize_both_fake(x, dtype, block_size, tile_2d):
     *lead, r, c = x.shape
     n_r, n_c = -(-r // block_size), -(-c // block_size)
-    data = x.new_empty((*lead, r, _pad16(c)), dtype=dtype)[..., :c]
-    data_t = x.new_empty((*lead, c, _pad16(r)), dtype=dtype)[..., :r]
+    from turbo_dispatch.backends.quantizer import empty_padded_rows
+
+    data = empty_padded_rows(x, (*lead, r, c), dtype)
+    data_t = empty_padded_rows(x, (*lead, c, r), dtype)
     if tile_2d:
         return data, x.new_empty((*lead, n_r, n_c), dtype=torch.float32), data_t, \
             x.new_empty((*lead, n_c, n_r), dtype=torch.float32)
@@ -739,8 +733,8 @@ def _grouped_gemm_fp8_step_op(a: torch.Tensor, b: torch.Tensor, group_lens: torc
 
     cfg = Float8QuantConfig(format, ScalingGranularity.BLOCKWISE, scale_dtype, block_size)
     qa, qb, a_saved, b_saved = _quantize_for_step(a, b, cfg, need_a, need_b, quantize_runs_both, quantize_tiles_both)
-    out = _run_fp8(_step_forward_problem(qa, qb, group_lens, group_offs, trans_b, out_dtype, a.dtype, cfg), qa, qb,
-                   group_lens, group_offs)
+    problem = _forward_fp8_problem(a, b, group_lens, group_offs, trans_b, out_dtype, cfg)
+    out = _run_fp8(_step_forward_problem(problem, qa, qb), qa, qb, group_lens, group_offs)
     a_pair, b_pair = ((a.new_empty(0, dtype=torch.float32), a.new_empty(0, dtype=torch.float32)) for _ in range(2))
     if a_saved is not None:
         a_pair = (a_saved.data.t(), a_saved.scale)
@@ -752,17 +746,16 @@ def _grouped_gemm_fp8_step_op(a: torch.Tensor, b: torch.Tensor, group_lens: torc
 @_grouped_gemm_fp8_step_op.register_fake
 def _grouped_gemm_fp8_step_fake(a, b, group_lens, group_offs, trans_b, out_dtype, format, block_size, scale_dtype,
                                 need_a, need_b):
-    _, m, n, k = _fixed_shapes("grouped_gemm_fp8", a, b, group_lens, group_offs, trans_b)
+    _, m, n, _ = _fixed_shapes("grouped_gemm_fp8", a, b, group_lens, group_offs, trans_b)
     fwd = Float8QuantConfig(format, ScalingGranularity.BLOCKWISE, scale_dtype, block_size).format.fwd_dtype()
     out = a.new_empty((m, n), dtype=a.dtype if out_dtype is None else out_dtype)
     a_pair, b_pair = ((a.new_empty(0, dtype=torch.float32), a.new_empty(0, dtype=torch.float32)) for _ in range(2))
+    # What the real op returns of fp8_quantize_both's outputs: a's (data_t, scale_t), b's (data_t, scale).
     if need_b:
-        a_pair = (a.new_empty((k, _pad16(m)), dtype=fwd)[:, :m], a.new_empty((-(-m // block_size), k),
-                                                                            dtype=torch.float32))
+        a_pair = _fp8_quantize_both_fake(a, fwd, block_size, False)[2:]
     if need_a:
-        g, r, c = b.shape
-        b_pair = (b.new_empty((g, c, _pad16(r)), dtype=fwd)[..., :r],
-                  b.new_empty((g, -(-r // block_size), -(-c // block_size)), dtype=torch.float32))
+        _, scale, data_t, _ = _fp8_quantize_both_fake(b, fwd, block_size, True)
+        b_pair = (data_t, scale)
     return out, *a_pair, *b_pair
 
 

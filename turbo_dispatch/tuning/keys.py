@@ -113,7 +113,7 @@ def _grouped_fp8_keys(shape: presets.GroupedShape, dtype: torch.dtype, granulari
         return tiles_from_tensors(*fake(t, dtype, block, True)[:3], block)
 
     qa, qb, a_saved, b_saved = _grouped._quantize_for_step(x, w, cfg, True, True, runs, tiles)
-    keys[0] = ("grouped_gemm_fp8", _grouped._step_forward_problem(qa, qb, lens, None, True, None, x.dtype, cfg))
+    keys[0] = ("grouped_gemm_fp8", _grouped._step_forward_problem(keys[0][1], qa, qb))
     _grouped._grouped_fp8_grads(mm8, mm8_k, a_saved, b_saved, dy, lens, None, True, fwd, bwd, cfg.granularity, True,
                                 True, a_dtype=x.dtype, b_dtype=w.dtype, runs_both=runs, block_size=cfg.block_size)
     return keys
