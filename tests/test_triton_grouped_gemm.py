@@ -563,6 +563,62 @@ def test_gpu_wgrad_edges_tma_and_pointer(layout):
                 assert torch.isfinite(out[i]).all() and _rel(out[i], ref[i]) <= 1e-2, (cfg, i, _rel(out[i], ref[i]))
 
 
+def _token_runs(t: torch.Tensor, dtype: torch.dtype):
+    """``t`` [T, cols] quantised in 128-token runs along T as the wgrad reads it: the token-contiguous
+    fp8 view [T, cols], its scale [cols, nT] and the float64 dequantised values [T, cols]."""
+    from turbo_dispatch.backends.triton.grouped_gemm import _quant_rows
+    from turbo_dispatch.low_precision import ScalingGranularity as SG
+
+    q, s = _quant_rows(t.t().unsqueeze(0), dtype, SG.BLOCKWISE, 128, scale_rows_inner=True)
+    q, s = q[0].t(), s[0]
+    deq = q.double() * s.double().repeat_interleave(128, dim=1)[:, :t.shape[0]].t()
+    return q, s, deq
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+@pytest.mark.parametrize("offs_dtype", [torch.int32, torch.int64])
+def test_gpu_wgrad_warp_specialised_vs_float64(out_dtype, fmt, offs_dtype):
+    """The warp-specialised blockwise wgrad kernel against a float64 product of the dequantised
+    operands, every config it offers: group bounds off the 128-token grid, groups shorter than a
+    step and inside one step, empty groups first, in the middle and last, M and N that end inside
+    a tile (masked stores) and N whose rows TMA cannot store (333, pointer stores); NaN bytes put
+    into the fp8 data of one group's last token and another's first stay in their groups."""
+    from turbo_dispatch.backends.triton import fp8_blockwise_wgrad_ws as GWW
+    from turbo_dispatch.backends.triton.grouped_gemm import WGRAD_WS_CONFIGS
+
+    if GWW.available():
+        pytest.skip(GWW.available())
+    lens_l = [0, 5, 1, 70, 200, 3, 0, 130, 378, 0]  # T = 787
+    lens, offs = _lens_offs(lens_l, "cuda")
+    offs = offs.to(offs_dtype)
+    t, m, n = sum(lens_l), 200, (328 if fmt == "e4m3" else 333)
+    fx = torch.float8_e5m2 if fmt == "hybrid" else torch.float8_e4m3fn  # HYBRID: e5m2 gradient
+    qx, sx, dx = _token_runs(torch.randn(t, m, device="cuda", dtype=torch.bfloat16), fx)
+    qy, sy, dy = _token_runs(torch.randn(t, n, device="cuda", dtype=torch.bfloat16) * 4, torch.float8_e4m3fn)
+    nan = 0x7F if fx == torch.float8_e4m3fn else 0x7E
+    qx.view(torch.uint8)[4, 7] = nan  # the last token of group 1 ([0, 5))
+    qy.view(torch.uint8)[6, 9] = 0x7F  # the first token of group 3 ([6, 76))
+    ref = _reference(dx.nan_to_num(0.0), dy.nan_to_num(0.0), lens.cpu(), False, True)
+    tol = 1e-3 if out_dtype == torch.float32 else 8e-3
+    for cfg in WGRAD_WS_CONFIGS:
+        out = torch.full((len(lens_l), m, n), float("nan"), device="cuda", dtype=out_dtype)
+        GWW.fp8_blockwise_wgrad(qx, qy, out, offs, sx, (sx.stride(1), sx.stride(0)), sy,
+                                (sy.stride(1), sy.stride(0)), cfg[:6])
+        out = out.cpu()
+        for i, cnt in enumerate(lens_l):
+            if i in (1, 3):
+                assert not torch.isfinite(out[i]).all(), (cfg, i)
+                keep = torch.ones(m, n, dtype=torch.bool)
+                keep[7 if i == 1 else slice(None), 9 if i == 3 else slice(None)] = False
+                assert torch.isfinite(out[i][keep]).all(), (cfg, i)
+            elif cnt == 0:
+                assert torch.equal(out[i], torch.zeros_like(out[i])), (cfg, i)
+            else:
+                assert torch.isfinite(out[i]).all() and _rel(out[i], ref[i]) <= tol, (cfg, i, _rel(out[i], ref[i]))
+
+
 @pytest.mark.gpu
 def test_gpu_cuda_graph_capture_with_changing_routing():
     from turbo_dispatch.low_precision import ScalingGranularity as SG
@@ -712,13 +768,49 @@ def test_warp_specialised_grouped_config_and_refusals():
     with pytest.raises(ValueError, match="2-D tiles only"):
         ad.run(p._replace(b_2d=False), a, b, lens, offs, config=ws)
     assert "gluon-ws-r" in ad.identity(ws) and "gluon-ws" not in ad.identity(ws[:8])
+    assert "gluon-wgrad-r" in ad.identity(ws) and "gluon-wgrad" not in ad.identity(ws[:8])
+
+
+def test_warp_specialised_wgrad_config_errors():
+    """The warp-specialised wgrad kernel names what it refuses: the tile shape, a K step that
+    straddles scale runs, too few stages, more shared memory than an SM has, and (off an sm_90
+    GPU) the machine itself, before any operand is touched."""
+    from turbo_dispatch.backends.triton import fp8_blockwise_wgrad_ws as GWW
+
+    ok = (128, 128, 128, 8, 6, 8)
+    assert GWW.config_error(ok, 128) is None
+    assert GWW.config_error((128, 64, 64, 8, 4, 8), 128) is None
+    assert "128 rows in two math warpgroups" in GWW.config_error((64, 128, 128, 8, 4, 8), 128)
+    assert "128 rows in two math warpgroups" in GWW.config_error((128, 128, 128, 8, 4, 4), 128)
+    assert "BLOCK_N must be" in GWW.config_error((128, 256, 128, 8, 4, 8), 128)
+    assert "BLOCK_N must be" in GWW.config_error((128, 72, 128, 8, 4, 8), 128)
+    assert "dividing the scale block 128" in GWW.config_error((128, 128, 96, 8, 4, 8), 128)
+    assert "dividing the scale block 64" in GWW.config_error(ok, 64)
+    assert "num_stages must be >= 2" in GWW.config_error((128, 128, 128, 8, 1, 8), 128)
+    assert "shared memory" in GWW.config_error((128, 128, 128, 8, 8, 8), 128)
+    assert "occupancy must be 1" in GWW.config_error(ok + (2,), 128)
+    # 6 stages leave room for the bf16 staging buffers (TMA stores), 7 do not.
+    assert GWW.smem_bytes(ok, 2, True) <= GWW.SMEM_PER_CTA < GWW.smem_bytes(ok[:4] + (7, 8), 2, True)
+    e4 = torch.float8_e4m3fn
+    x = torch.zeros(256, 64, dtype=e4).t().contiguous().t()  # token-contiguous [T, M]
+    y = torch.zeros(256, 32, dtype=e4).t().contiguous().t()
+    out = torch.empty(2, 64, 32)
+    offs = torch.tensor([0, 100, 256], dtype=torch.int32)
+    s = torch.ones(2, 64)
+    with pytest.raises(ValueError, match="fp8_blockwise_wgrad: .*(NVIDIA|sm_90|Gluon|interpreter)"):
+        GWW.fp8_blockwise_wgrad(x, y, out, offs, s, s.stride(), s, s.stride(), ok)
+    with pytest.raises(ValueError, match="offs must have G \\+ 1 = 3 entries"):
+        GWW.fp8_blockwise_wgrad(x, y, out, offs[:2], s, s.stride(), s, s.stride(), ok)
+    with pytest.raises(ValueError, match="need x \\[T, M\\], y \\[T, N\\], out \\[G, M, N\\]"):
+        GWW.fp8_blockwise_wgrad(x, y, out.transpose(1, 2), offs, s, s.stride(), s, s.stride(), ok)
 
 
 def test_warp_specialised_grouped_candidates_where_it_can_run(monkeypatch):
     """Where the kernel can run (availability stubbed: no sm_90 GPU here), the grouped blockwise
     candidates open with the warp-specialised configs, BK set to the block size: the 256-column
-    tile first where N >= 256, only the 128-column one below that, none for the wgrad or 1-D
-    weight scales; a pinned config the kernel refuses raises with the reason."""
+    tile first where N >= 256, only the 128-column one below that, none for 1-D weight scales; the
+    wgrad opens with the warp-specialised wgrad kernel's 128-column tiles; a pinned config the
+    kernel refuses raises with the reason."""
     from turbo_dispatch.backends.triton import configs as C
     from turbo_dispatch.backends.triton import fp8_blockwise_gluon_ws as GWS
     from turbo_dispatch.backends.triton import grouped_gemm as GG
@@ -738,7 +830,13 @@ def test_warp_specialised_grouped_candidates_where_it_can_run(monkeypatch):
     assert wide[:len(ws)] == ws and [c[:2] for c in ws] == [(128, 256), (128, 256), (128, 128)], wide
     assert all(c[2] == 128 and c[8] == C.KERNEL_GLUON_WS for c in ws)
     assert [c[:2] for c in GG._fp8_configs(problem(128)) if len(c) == 9] == [(128, 128)]
-    assert not [c for c in GG._fp8_configs(problem(512)._replace(variable_k=True)) if len(c) == 9]
+    wgrad = GG._fp8_configs(problem(512)._replace(variable_k=True))
+    wgrad_ws = [c for c in wgrad if len(c) == 9]
+    assert wgrad[:len(wgrad_ws)] == wgrad_ws and list(wgrad_ws) == list(GG.WGRAD_WS_CONFIGS), wgrad
+    # 1-D weight scales do not matter to the wgrad, whose operands are both 1-D runs.
+    assert GG._ws_refusal(problem(512, b_2d=False)._replace(variable_k=True), wgrad_ws[0]) is None
+    wide_wgrad = wgrad_ws[0][:1] + (256,) + wgrad_ws[0][2:]
+    assert "BLOCK_N must be" in GG._ws_refusal(problem(512)._replace(variable_k=True), wide_wgrad)
     assert not [c for c in GG._fp8_configs(problem(512, b_2d=False)) if len(c) == 9]
     assert "BK=64 must equal block_size=128" in GG._ws_refusal(problem(512), ws[0][:2] + (64,) + ws[0][3:])
     assert GG._ws_refusal(problem(512), ws[0]) is None

@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from turbo_dispatch.backends.triton import configs as C  # noqa: E402
 from turbo_dispatch.backends.triton import fp8_blockwise_gluon as GL  # noqa: E402
 from turbo_dispatch.backends.triton import fp8_blockwise_gluon_ws as GWS  # noqa: E402
+from turbo_dispatch.backends.triton import fp8_blockwise_wgrad_ws as GWW  # noqa: E402
 from turbo_dispatch.backends.triton import fp8_gemm_kernels as FK  # noqa: E402
 from turbo_dispatch.backends.triton import gemm_kernels as GK  # noqa: E402
 from turbo_dispatch.backends.triton import grouped_gemm as GG  # noqa: E402
@@ -229,6 +230,17 @@ def _grouped_fp8_gluon_ws(cfg: C.TileConfig):
     return GWS._fp8_blockwise_ws_kernel.warmup(*args, **kwargs, grid=(1,))
 
 
+def _grouped_wgrad_gluon_ws(cfg: tuple):
+    """The warp-specialised wgrad at DeepSeek-V3 up_gate ([G, 4096, 7168] over 8 x 4096 tokens),
+    operands and scales as the dual quantiser lays them, the launcher's own arguments."""
+    G, T, M, N = G_MOE, M_MOE, N_MOE, K_MOE
+    x, y = torch.empty((M, T), dtype=E4).t(), torch.empty((N, T), dtype=E4).t()
+    c, offs = torch.empty((G, M, N), dtype=torch.bfloat16), torch.empty(G + 1, dtype=torch.int32)
+    sx, sy = torch.empty((T // 128, M)), torch.empty((T // 128, N))
+    args, kwargs = GWW.launch_args(x, y, c, offs, sx, sx.stride(), sy, sy.stride(), cfg, 128, 132)
+    return GWW._fp8_blockwise_wgrad_kernel.warmup(*args, **kwargs, grid=(1,))
+
+
 def _dense_bf16(cfg: C.TileConfig):
     M, N, K = M_DENSE, N_DENSE, 4096
     a, b = torch.empty((M, K), dtype=torch.bfloat16), torch.empty((K, N), dtype=torch.bfloat16)
@@ -315,6 +327,8 @@ def families() -> dict:
         ("grouped_bf16", GG._half_configs(fixed_half), lambda c: _grouped_fixed_k(c, 0, torch.bfloat16), grouped),
         ("grouped_wgrad_fp8_blockwise", GG._fp8_configs(_grouped_problem(B, True, N_MOE, K_MOE)),
          lambda c: _grouped_variable_k(c, 3, E4), grouped),
+        ("grouped_wgrad_fp8_blockwise_gluon_ws", [C.TileConfig(*c[:6], 1, C.KERNEL_GLUON_WS)
+                                                  for c in GG.WGRAD_WS_CONFIGS], _grouped_wgrad_gluon_ws, dense),
         ("grouped_wgrad_fp8_tensorwise", GG._fp8_configs(_grouped_problem(T, True, N_MOE, K_MOE)),
          lambda c: _grouped_variable_k(c, 1, E4), grouped),
         ("grouped_wgrad_bf16", GG._half_configs(vk_half), lambda c: _grouped_variable_k(c, 0, torch.bfloat16),

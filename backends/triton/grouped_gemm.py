@@ -279,9 +279,11 @@ def _fp8_configs(p) -> list[Config]:
         if p.granularity is ScalingGranularity.BLOCKWISE:
             # The per-step scale is an outer product of two per-column vectors (both operands in
             # 1 x block token runs): 128 x 256 and 4-warp 128 x 128 spill (ptxas, sm_90a). Measured
-            # 678/677 TFLOPS (64x128), 618/679 (128x128 3-stage), 616/680 (64x256 3-stage).
+            # 678/677 TFLOPS (64x128), 618/679 (128x128 3-stage), 616/680 (64x256 3-stage). The
+            # warp-specialised wgrad kernel's configs go first where it can run.
             cands = [(64, 128, bk, 8, 4, 4, 1), (128, 128, bk, 8, 3, 8, 1), (64, 256, bk, 8, 3, 8, 1),
                      (128, 128, bk, 8, 4, 8, 1), (64, 256, bk, 8, 4, 8, 1), (128, 128, bk, 8, 4, 8, 0)]
+            return _ws_configs(p, bk) + _fit(cands, p.m, p.n)
         else:
             # rowwise 128x256 4-stage 1301/1238 TFLOPS, 3-stage 1240/1199; tensorwise 3-stage
             # 1379/1321, 4-stage 1346/1216.
@@ -321,14 +323,21 @@ def _fp8_configs(p) -> list[Config]:
 WS_CONFIGS = ((128, 256, 128, 8, 4, 8, 1, 1, KERNEL_GLUON_WS), (128, 256, 128, 8, 3, 8, 1, 1, KERNEL_GLUON_WS),
               (128, 128, 128, 8, 4, 8, 1, 1, KERNEL_GLUON_WS))
 
+#: The warp-specialised wgrad kernel's configs (fp8_blockwise_wgrad_ws), the first the default. Only
+#: the 128-column tile: the 256-column one spills inside its wgmma loop (146 LDL/STL, 440 bytes of
+#: stack; sm_90, triton 3.6, tools/compile_sm90.py), because both scales are vectors.
+WGRAD_WS_CONFIGS = ((128, 128, 128, 8, 6, 8, 1, 1, KERNEL_GLUON_WS), (128, 128, 128, 8, 5, 8, 1, 1, KERNEL_GLUON_WS),
+                    (128, 128, 128, 8, 4, 8, 1, 1, KERNEL_GLUON_WS))
+
 
 def _ws_configs(p, bk: int) -> list[Config]:
-    """``WS_CONFIGS``, first, where the warp-specialised kernel can run (``_ws_refusal``); the
-    256-column tile only where N is at least 256. The problem-level checks (an env parse and a
-    device query among them) run once per call, not once per config."""
+    """``WS_CONFIGS`` (``WGRAD_WS_CONFIGS`` for a wgrad), first, where the warp-specialised kernel
+    can run (``_ws_refusal``); the 256-column tile only where N is at least 256. The problem-level
+    checks (an env parse and a device query among them) run once per call, not once per config."""
     if _ws_problem_refusal(p):
         return []
-    cfgs = [c[:2] + (bk,) + c[3:] for c in WS_CONFIGS if c[1] <= max(128, p.n)]
+    table = WGRAD_WS_CONFIGS if p.variable_k else WS_CONFIGS
+    cfgs = [c[:2] + (bk,) + c[3:] for c in table if c[1] <= max(128, p.n)]
     return [c for c in cfgs if _ws_config_refusal(p, c) is None]
 
 
@@ -340,10 +349,10 @@ def _ws_refusal(p, cfg) -> str | None:
 def _ws_problem_refusal(p) -> str | None:
     from . import fp8_blockwise_gluon_ws as GWS
 
-    if p.variable_k:
-        return "it serves the forward and dgrad (fixed K), not the wgrad"
-    if p.granularity is not ScalingGranularity.BLOCKWISE or not p.b_2d:
-        return "it serves blockwise fp8 with the weight in 2-D tiles only"
+    if p.granularity is not ScalingGranularity.BLOCKWISE:
+        return "it serves blockwise fp8 only"
+    if not p.variable_k and not p.b_2d:
+        return "its forward/dgrad form serves the weight in 2-D tiles only"
     if p.platform != "cuda":
         return f"it runs on NVIDIA sm_90 (platform is {p.platform})"
     return GWS.available()
@@ -351,9 +360,12 @@ def _ws_problem_refusal(p) -> str | None:
 
 def _ws_config_refusal(p, cfg) -> str | None:
     from . import fp8_blockwise_gluon_ws as GWS
+    from . import fp8_blockwise_wgrad_ws as GWW
 
     if cfg[2] != p.block_size:
         return f"its BK={cfg[2]} must equal block_size={p.block_size} (one scale per K step)"
+    if p.variable_k:
+        return GWW.config_error(cfg[:6], p.block_size)
     return GWS.config_error(cfg[:6], p.block_size)
 
 
@@ -405,8 +417,11 @@ class _TritonAdapter(Adapter):
         revision = KERNEL_REVISION
         if config is not None and _is_ws(config):
             from .fp8_blockwise_gluon_ws import KERNEL_REVISION as ws_revision
+            from .fp8_blockwise_wgrad_ws import KERNEL_REVISION as wgrad_revision
 
-            revision = f"{revision}+{ws_revision}"
+            # A WS config names the forward/dgrad kernel or the wgrad one by the problem, which
+            # the identity does not see, so it carries both revisions.
+            revision = f"{revision}+{ws_revision}+{wgrad_revision}"
         suffix = "" if config is None else f"/{tuple(config)}"
         return f"{self.library}-{self.version()}:{type(self).__name__}:{revision}{suffix}"
 
@@ -510,6 +525,10 @@ class TritonGroupedGemmFp8(_TritonAdapter):
                 return out.zero_()
             qx, sx, sxs = _wgrad_operand(x, p.a_fp8, gran, bs, mode)
             qy, sy, sys_ = _wgrad_operand(y, p.b_fp8, gran, bs, mode)
+            if _is_ws(cfg):
+                from .fp8_blockwise_wgrad_ws import fp8_blockwise_wgrad
+
+                return fp8_blockwise_wgrad(qx, qy, out, offs, sx, sxs, sy, sys_, cfg[:6], qblock=bs)
             return launch_variable_k(qx, qy, out, offs, cfg, scale=mode, sx=sx, sx_strides=sxs, sy=sy,
                                      sy_strides=sys_, qblock=qblock, upcast=up)
         out = torch.empty((p.m, p.n), dtype=p.out_dtype, device=device)

@@ -1,0 +1,347 @@
+"""Warp-specialised blockwise fp8 wgrad (variable K) for Hopper in Gluon.
+
+``out[g] = dequant(x_g)^T @ dequant(y_g)``: the reduction runs over group ``g``'s tokens
+``[offs[g], offs[g + 1])``, read on the device. Both operands are token-contiguous fp8 (``x``
+stored ``[M, T]``, ``y`` ``[N, T]``: K-major, as the fp8 wgmma reads them) with one fp32 scale per
+column and ``QBLOCK``-token run, the runs aligned to the *global* token index as TORCH's
+``quantize(t, axis=0)`` defines them (so one run may straddle two groups, and its scale serves
+both). The output ``[G, M, N]`` is written whole: an empty group gets exact zeros.
+
+Why a second warp-specialised kernel: the Triton variable-K kernel waits for every K step's
+wgmma with all of its warps before it promotes, so the tensor cores idle during each promotion,
+and the wgrad's promotion is twice the forward's work (both scales are vectors:
+``acc += part * sx[:, None] * sy[None, :]``). On an H100 it ran at ~680 TFLOPS where the
+warp-specialised forward ran at ~1200. This kernel reuses the forward's design
+(``fp8_blockwise_gluon_ws``): one loader warp fills a ring of shared-memory slots by TMA, two math
+warpgroups own 64 rows of the 128-row tile each and synchronise only through mbarriers, so one
+warpgroup's promotion runs on the CUDA cores while the other's wgmma runs.
+
+What differs from the forward:
+
+* Work items are (group, row tile, column tile) of the output, a static count, walked
+  persistently; each tile's K loop covers its group's tokens on the global ``BLOCK_K`` grid
+  (``BLOCK_K`` divides ``QBLOCK``, so a step lies in one scale run).
+* Edge steps, the partial first and last step of a group, hold tokens of the neighbouring groups.
+  Before their wgmma the two math warpgroups zero those tokens in shared memory, each its own 64
+  rows of ``x`` and half of ``y``'s rows, and meet on an mbarrier (``edge``) so neither reads the
+  other's half before it is zeroed. Both operands are zeroed, not one: with one, a non-finite
+  value in a neighbouring group's tokens would leak in as ``0 * inf = NaN``. Interior steps,
+  all but at most two per tile, pay nothing.
+* Scales are per column on both sides: each K step loads the warpgroup's 64 row scales and the
+  accumulator's column scales from global memory while its wgmma runs.
+
+Needs triton >= 3.6 with Gluon and an sm_90 GPU; ``fp8_blockwise_gluon.available`` says why not.
+"""
+from __future__ import annotations
+
+import torch
+
+from .fp8_blockwise_gluon import available, gluon, make_descriptor
+from .fp8_blockwise_gluon_ws import LOAD_REGS, MATH_REGS, MAXNREG, SMEM_PER_CTA, output_descriptor
+from .gemm_kernels import num_programs, tma_ok
+
+if gluon is not None:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+
+    from .fp8_blockwise_gluon import _cta_barrier, _promote, _tile_coords, _tma_load
+    from .fp8_blockwise_gluon_ws import _store_tile
+
+#: Bumped whenever the kernel's code changes, so stored tuning results are invalidated.
+KERNEL_REVISION = "gluon-wgrad-r1"
+
+
+def smem_bytes(cfg, out_bytes: int, tma_store: bool) -> int:
+    """Shared memory the kernel allocates for ``cfg`` (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, stages,
+    ...): the fp8 ring, two mbarriers per slot plus the edge barrier and, with TMA stores, one
+    [64, BLOCK_N] staging buffer of ``out_bytes`` elements per math warpgroup, each allocation
+    rounded up to 1 KiB (a 128-byte swizzle's alignment)."""
+    bm, bn, bk, _, stages = cfg[:5]
+    parts = [stages * bm * bk, stages * bn * bk, 2 * stages * 8 + 8]
+    parts.append(2 * (bm // 2) * bn * out_bytes if tma_store else 8)
+    return sum(-(-p // 1024) * 1024 for p in parts)
+
+
+def config_error(cfg, qblock: int) -> str | None:
+    """Why ``cfg`` (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, stages, warps[, ...]) cannot run this kernel
+    for token runs of ``qblock``, or None.
+
+    The tile is two 64-row math warpgroups (BLOCK_M 128, 8 math warps) and one accumulator of at most
+    128 columns per warpgroup; a K step must lie in one scale run. No 256-column tile (two
+    accumulators, as the forward has): with a column-scale vector per thread next to them it
+    spilled 146 loads/stores inside the wgmma loop (sm_90, triton 3.6, tools/compile_sm90.py)."""
+    bm, bn, bk, _, stages, warps = cfg[:6]
+    occupancy = cfg[6] if len(cfg) > 6 and cfg[6] is not None else 1
+    if bm != 128 or warps != 8:
+        return (f"the tile must be 128 rows in two math warpgroups (BLOCK_M 128, 8 warps), got {bm} rows, "
+                f"{warps} warps")
+    if bn % 16 or not 16 <= bn <= 128:
+        return f"BLOCK_N must be a multiple of 16 in [16, 128] (one accumulator per math warpgroup), got {bn}"
+    if bk % 32 or bk < 32 or qblock % bk:
+        return f"BLOCK_K must be a multiple of 32 (the fp8 wgmma K) dividing the scale block {qblock}, got {bk}"
+    if stages < 2:
+        return f"num_stages must be >= 2, got {stages}"
+    if occupancy != 1:
+        return f"occupancy must be 1 (the three warpgroups use the whole register file), got {occupancy}"
+    if smem_bytes(cfg, 4, False) > SMEM_PER_CTA:
+        return f"{stages} stages of a {bm} x {bn} x {bk} tile need more than {SMEM_PER_CTA} bytes of shared memory"
+    return None
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _token_steps(offs_ptr, g, BLOCK_K: gl.constexpr):
+        """Group ``g``'s first and last token and its K steps ``[kb0, kb1)`` on the global grid
+        (none for an empty group, whatever its offset)."""
+        start = gl.load(offs_ptr + g).to(gl.int32)
+        end = gl.load(offs_ptr + g + 1).to(gl.int32)
+        kb0 = start // BLOCK_K
+        kb1 = gl.where(end > start, gl.cdiv(end, BLOCK_K), kb0)
+        return start, end, kb0, kb1
+
+    @gluon.jit
+    def _work_item(t, num_m, num_n, GROUP_M: gl.constexpr):
+        """Group, row tile and column tile of work item ``t`` (groups in order, each grouped by
+        ``GROUP_M`` row tiles so that neighbouring programs share operand tiles in L2)."""
+        per_group = num_m * num_n
+        g = t // per_group
+        pid_m, pid_n = _tile_coords(t % per_group, num_m, num_n, GROUP_M)
+        return g, pid_m, pid_n
+
+    @gluon.jit
+    def _wg_load(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, c_smem, ready, empty, edge,
+                 G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                 STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
+        """The loader: fills slot ``step % STAGES`` once both math warpgroups released it. Boxes
+        past the operand's end (rows past M or N, tokens past T) are zero-filled by TMA."""
+        num_m = gl.cdiv(M, BLOCK_M)
+        num_n = gl.cdiv(N, BLOCK_N)
+        step = 0
+        for t in range(gl.program_id(0), G * num_m * num_n, NUM_PROGS):
+            g, pid_m, pid_n = _work_item(t, num_m, num_n, GROUP_M)
+            start, end, kb0, kb1 = _token_steps(offs_ptr, g, BLOCK_K)
+            for kb in range(kb0, kb1):
+                slot = step % STAGES
+                # A fresh mbarrier counts as having completed the phase before phase 0, so the
+                # first pass over the ring does not wait.
+                mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+                bar = ready.index(slot)
+                mbarrier.expect(bar, x_desc.block_type.nbytes + y_desc.block_type.nbytes)
+                _tma_load(x_desc, [pid_m * BLOCK_M, kb * BLOCK_K], bar, x_bufs.index(slot))
+                _tma_load(y_desc, [pid_n * BLOCK_N, kb * BLOCK_K], bar, y_bufs.index(slot))
+                step += 1
+
+    @gluon.jit
+    def _zero_outside(buf, k0, start, end, BLOCK_K: gl.constexpr):
+        """Zero the tokens of ``buf`` ([rows, BLOCK_K] fp8 in shared memory, tokens ``k0`` on)
+        outside ``[start, end)``, selecting on the bytes so that no float conversion is involved."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        bits = buf._reinterpret(gl.int8, buf.shape, buf.layout).load(layout)
+        tok = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
+        keep = (tok >= start) & (tok < end)
+        bits = gl.where(keep[None, :], bits, gl.zeros_like(bits))
+        buf._reinterpret(gl.int8, buf.shape, buf.layout).store(bits)
+
+    @gluon.jit
+    def _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, c_smem, ready, empty, edge,
+                 G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                 STAGES: gl.constexpr, TMA_STORE: gl.constexpr, WG: gl.constexpr):
+        """Math warpgroup ``WG``: rows ``WG * 64`` to ``WG * 64 + 63`` of every tile."""
+        ROWS: gl.constexpr = BLOCK_M // 2
+        num_m = gl.cdiv(M, BLOCK_M)
+        num_n = gl.cdiv(N, BLOCK_N)
+        step = 0
+        edges = 0
+        for t in range(gl.program_id(0), G * num_m * num_n, NUM_PROGS):
+            g, pid_m, pid_n = _work_item(t, num_m, num_n, GROUP_M)
+            start, end, kb0, kb1 = _token_steps(offs_ptr, g, BLOCK_K)
+            step, edges = _wg_tile(x_bufs, y_bufs, ready, empty, edge, c, c_desc, c_smem.index(WG), sx_ptr, sy_ptr,
+                                   step, edges, kb0, kb1, start, end, g, pid_m * BLOCK_M + WG * ROWS,
+                                   pid_n * BLOCK_N, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, QBLOCK,
+                                   ROWS, BLOCK_N, BLOCK_K, STAGES, TMA_STORE, WG)
+        if TMA_STORE:
+            # The staging buffer must stay valid until the last store has read it.
+            tma.store_wait(0)
+
+    @gluon.jit
+    def _wg_tile(x_bufs, y_bufs, ready, empty, edge, c, c_desc, c_buf, sx_ptr, sy_ptr, step, edges, kb0, kb1,
+                 start, end, g, off_m, off_n, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, QBLOCK: gl.constexpr,
+                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                 TMA_STORE: gl.constexpr, WG: gl.constexpr):
+        """One math warpgroup's ``ROWS`` rows of one output tile (columns ``off_n`` on) over K steps
+        ``[kb0, kb1)``, then stored. Returns the flattened step and edge count after the tile."""
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BLOCK_N, 32])
+        rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        cols_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+        zero = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+        offs_m = off_m + gl.arange(0, ROWS, layout=rows_layout)
+        m_ok = offs_m < M
+        acc = zero
+        for kb in range(kb0, kb1):
+            slot = step % STAGES
+            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+            x_rows = x_bufs.index(slot).slice(WG * ROWS, ROWS)
+            y_tile = y_bufs.index(slot)
+            k0 = kb * BLOCK_K
+            if (k0 < start) | (k0 + BLOCK_K > end):
+                _zero_outside(x_rows, k0, start, end, BLOCK_K)
+                _zero_outside(y_tile.slice(WG * (BLOCK_N // 2), BLOCK_N // 2), k0, start, end, BLOCK_K)
+                # Every thread's generic-proxy writes must reach the async proxy (the wgmma) and
+                # the other warpgroup, which reads this warpgroup's half of y.
+                fence_async_shared()
+                _cta_barrier()
+                mbarrier.arrive(edge, count=1)
+                mbarrier.wait(edge, edges & 1)
+                edges += 1
+            part = warpgroup_mma(x_rows, y_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+            # The scale loads go out while the wgmma runs.
+            kq = k0 // QBLOCK
+            sx = gl.load(sx_ptr + kq * ssx_k + offs_m * ssx_m, mask=m_ok, other=0.0)
+            # Column indices are made here, not kept across the loop (a register per column).
+            offs_n = off_n + gl.arange(0, BLOCK_N, layout=cols_layout)
+            sy = gl.load(sy_ptr + kq * ssy_k + offs_n * ssy_n, mask=offs_n < N, other=0.0)
+            part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+            # The slot is read: hand it back before promoting, so the next load starts now.
+            mbarrier.arrive(empty.index(slot), count=1)
+            acc = _promote(acc, part, sx, sy, False, False)
+            step += 1
+        # The output is viewed [G * M, N]: this group's rows end at (g + 1) * M.
+        _store_tile(c, c_desc, c_buf, acc.to(c.dtype.element_ty), g * M + off_m, off_n, g * M + M, N, sc_m, sc_n,
+                    TMA_STORE)
+        return step, edges
+
+    # One wrapper per math warpgroup: a worker partition takes the loader's argument list, so the
+    # warpgroup index is fixed here rather than passed.
+    @gluon.jit
+    def _wg_math0(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, c_smem, ready, empty, edge,
+                  G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                  STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
+        _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, c_smem, ready, empty, edge,
+                 G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K,
+                 GROUP_M, STAGES, TMA_STORE, 0)
+
+    @gluon.jit
+    def _wg_math1(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, c_smem, ready, empty, edge,
+                  G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                  STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
+        _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, c_smem, ready, empty, edge,
+                 G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K,
+                 GROUP_M, STAGES, TMA_STORE, 1)
+
+    @gluon.jit
+    def _fp8_blockwise_wgrad_kernel(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, G, M, N, sc_m, sc_n,
+                                    ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK: gl.constexpr,
+                                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
+                                    MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+        x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+        y_bufs = gl.allocate_shared_memory(y_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], y_desc.layout)
+        if TMA_STORE:
+            c_shape: gl.constexpr = [2, c_desc.block_type.shape[0], c_desc.block_type.shape[1]]
+            c_smem = gl.allocate_shared_memory(c_desc.dtype, c_shape, c_desc.layout)
+        else:
+            # Pointer stores: c_desc is a placeholder and the buffer is never touched.
+            c_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        edge = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            # One arrival per math warpgroup.
+            mbarrier.init(empty.index(s), count=2)
+        mbarrier.init(edge, count=2)
+        # The argument tuple is spelled out at each use: assigned to a variable, its constexpr
+        # entries would become tensors (triton 3.6).
+        gl.warp_specialize([
+            (_wg_math0, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, c_smem, ready, empty,
+                         edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK, BLOCK_M, BLOCK_N,
+                         BLOCK_K, GROUP_M, STAGES, TMA_STORE)),
+            (_wg_math1, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, c_smem, ready, empty,
+                         edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK, BLOCK_M, BLOCK_N,
+                         BLOCK_K, GROUP_M, STAGES, TMA_STORE)),
+            (_wg_load, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, c_smem, ready, empty,
+                        edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK, BLOCK_M, BLOCK_N,
+                        BLOCK_K, GROUP_M, STAGES, TMA_STORE)),
+        ], [4, 1], [MATH_REGS, LOAD_REGS])
+
+
+def tma_store_ok(out: torch.Tensor, cfg) -> bool:
+    """Whether the epilogue can store ``out`` ([G, M, N], viewed [G * M, N]) by TMA: contiguous,
+    16-byte aligned rows and base, and room for the staging buffers next to the ring."""
+    size = out.element_size()
+    return (out.is_contiguous() and (out.shape[2] * size) % 16 == 0 and out.data_ptr() % 16 == 0
+            and smem_bytes(cfg, size, True) <= SMEM_PER_CTA)
+
+
+def fp8_blockwise_wgrad(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, offs: torch.Tensor,
+                        sx: torch.Tensor, sx_strides, sy: torch.Tensor, sy_strides, cfg,
+                        qblock: int = 128) -> torch.Tensor:
+    """``out[g] = dequant(x[s_g:e_g])^T @ dequant(y[s_g:e_g])`` for every group, the boundaries
+    ``offs`` (int32/int64, G + 1 entries) read on the device (no host sync).
+
+    ``x`` [T, M] and ``y`` [T, N] are token-contiguous fp8 views (token stride 1, the other stride
+    16-byte aligned: the dual quantiser's transposed runs); ``sx``/``sy`` hold one scale per
+    ``qblock``-token run and column, at (run, column) strides ``sx_strides``/``sy_strides``.
+    ``out`` is [G, M, N], contiguous; every element is written. Raises ValueError naming the reason
+    when the kernel cannot run here or ``cfg`` does not suit it.
+
+    >>> fp8_blockwise_wgrad(qx, qy, out, offs, sx, sx.stride(), sy, sy.stride(),
+    ...                     (128, 128, 128, 8, 5, 8))  # doctest: +SKIP
+    """
+    T, M = x.shape
+    G, Mo, N = out.shape
+    if y.shape[0] != T or (Mo, N) != (M, y.shape[1]):
+        raise ValueError(f"fp8_blockwise_wgrad: x is {tuple(x.shape)}, y {tuple(y.shape)}, out {tuple(out.shape)}; "
+                         "need x [T, M], y [T, N], out [G, M, N]")
+    if offs.numel() != G + 1:
+        raise ValueError(f"fp8_blockwise_wgrad: offs must have G + 1 = {G + 1} entries, got {offs.numel()}")
+    if not out.is_contiguous():
+        raise ValueError("fp8_blockwise_wgrad: out must be contiguous")
+    why = available(x.device.index) or config_error(cfg, qblock) or _operand_error(x, y)
+    if why:
+        raise ValueError(f"fp8_blockwise_wgrad: {why}")
+    if out.numel() == 0:
+        return out
+    bm, bn = cfg[:2]
+    tiles = G * -(-M // bm) * -(-N // bn)
+    progs = max(1, min(tiles, num_programs(x.device.index)))
+    args, kwargs = launch_args(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock, progs)
+    _fp8_blockwise_wgrad_kernel[(progs,)](*args, **kwargs)
+    return out
+
+
+def _operand_error(x: torch.Tensor, y: torch.Tensor) -> str | None:
+    for name, t in (("x", x), ("y", y)):
+        if t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return f"{name} must be fp8 (e4m3fn or e5m2), got {t.dtype}"
+        if t.shape[0] and not tma_ok(t.t()):
+            return f"{name} must be token-contiguous with 16-byte aligned column stride and base for TMA"
+    return None
+
+
+def launch_args(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock: int, progs: int) -> tuple[tuple, dict]:
+    """The positional and keyword arguments of a launch of ``progs`` persistent programs (arguments
+    as ``fp8_blockwise_wgrad``); tools/compile_sm90.py compiles with them."""
+    G, M, N = out.shape
+    bm, bn, bk, group_m, stages = cfg[:5]
+    x_desc = make_descriptor(x.t(), [bm, bk])
+    y_desc = make_descriptor(y.t(), [bn, bk])
+    c2 = out.view(G * M, N)
+    tma_store = tma_store_ok(out, cfg)
+    # Without TMA stores the kernel never reads c_desc: x's descriptor stands in for it.
+    c_desc = output_descriptor(c2, bm // 2, bn) if tma_store else x_desc
+    args = (x_desc, y_desc, c2, c_desc, sx, sy, offs, G, M, N, c2.stride(0), c2.stride(1), *sx_strides,
+            *sy_strides, progs)
+    kwargs = dict(QBLOCK=qblock, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages,
+                  TMA_STORE=tma_store, MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)
+    return args, kwargs
+
+
+__all__ = ["KERNEL_REVISION", "config_error", "fp8_blockwise_wgrad", "smem_bytes"]

@@ -1,0 +1,88 @@
+"""Time the warp-specialised blockwise fp8 wgrad kernel against the Triton variable-K kernel.
+
+Kernel only, operands quantised once as the training step quantises them (128-token runs,
+token-contiguous fp8, the dual quantiser's layout). For each shape and routing: the Triton
+kernel's default config first (its output is the reference the others are compared with,
+relative Frobenius error, which must stay under 1e-3 before a time counts), then every
+warp-specialised config. One JSON line per row in ``--out``.
+
+Usage (on an sm_90 GPU): ``python tools/probe_wgrad_ws.py --out wgrad.jsonl [--shapes dsv3_w13,dsv3_w2]``.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton.testing
+
+from turbo_dispatch.backends.quantizer import quantize_runs_both
+from turbo_dispatch.backends.triton import fp8_blockwise_wgrad_ws as GWW
+from turbo_dispatch.backends.triton import grouped_gemm as GG
+
+from probe_triton_grouped import OUT_FILE, WGRAD_SHAPES, emit, lens_offs, rel, routing  # sibling in tools/
+
+E4 = torch.float8_e4m3fn
+SHAPES = dict(WGRAD_SHAPES, qwen3_w13=(16, 65536, 1536, 2048), qwen3_w2=(16, 65536, 2048, 768))
+
+
+def operand(t: torch.Tensor):
+    """The wgrad operand the step saves: ([T, cols] token-contiguous fp8, scale, (run, column) strides)."""
+    _, runs_t = quantize_runs_both(t, E4, 128)
+    return runs_t.data, runs_t.scale, (runs_t.scale.stride(0), runs_t.scale.stride(1))
+
+
+def probe(shape: str, kind: str) -> None:
+    g, tokens, m, n = SHAPES[shape]
+    lens = routing(kind, tokens, g)
+    _, offs = lens_offs(lens)
+    offs = offs.to(torch.int32)
+    flops = 2.0 * tokens * m * n
+    qx, sx, sxs = operand(torch.randn(tokens, m, device="cuda", dtype=torch.bfloat16))
+    qy, sy, sys_ = operand(torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16))
+    tag = dict(shape=shape, routing=kind, g=g, tokens=tokens, m=m, n=n)
+    triton_cfg = (64, 128, 128, 8, 4, 4, 1)  # the Triton kernel's measured best (configs.py notes)
+    out = torch.empty((g, m, n), device="cuda", dtype=torch.bfloat16)
+
+    def run_triton():
+        return GG.launch_variable_k(qx, qy, out, offs, triton_cfg, scale=3, sx=sx, sx_strides=sxs, sy=sy,
+                                    sy_strides=sys_, qblock=128)
+
+    ref = run_triton().float().clone()
+    ms = triton.testing.do_bench(run_triton, warmup=10, rep=100, return_mode="median")
+    emit(**tag, impl=f"triton{triton_cfg}", ms=ms, tflops=flops / ms * 1e-9)
+    base = ms
+    for cfg in GG.WGRAD_WS_CONFIGS:
+        ws = torch.full((g, m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+
+        def run_ws():
+            return GWW.fp8_blockwise_wgrad(qx, qy, ws, offs, sx, sxs, sy, sys_, cfg[:6])
+
+        try:
+            err = rel(run_ws(), ref)
+            if not err < 1e-3:
+                emit(**tag, impl=f"ws{cfg[:6]}", rel=f"{err:.2e}", ok=False)
+                continue
+            ms = triton.testing.do_bench(run_ws, warmup=10, rep=100, return_mode="median")
+            emit(**tag, impl=f"ws{cfg[:6]}", ms=ms, tflops=flops / ms * 1e-9, vs_triton=base / ms,
+                 rel=f"{err:.2e}", ok=True)
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            emit(**tag, impl=f"ws{cfg[:6]}", error=repr(exc)[:300], ok=False)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--shapes", default="dsv3_w13,dsv3_w2,qwen3_w13,qwen3_w2")
+    ap.add_argument("--routings", default="balanced,skewed,empty")
+    args = ap.parse_args()
+    if args.out:
+        OUT_FILE.append(open(args.out, "w"))
+    emit(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    for shape in args.shapes.split(","):
+        for kind in args.routings.split(","):
+            probe(shape, kind)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
