@@ -579,9 +579,10 @@ def _token_runs(t: torch.Tensor, dtype: torch.dtype):
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
 @pytest.mark.parametrize("offs_dtype", [torch.int32, torch.int64])
-def test_gpu_wgrad_warp_specialised_vs_float64(out_dtype, fmt, offs_dtype):
+def test_gpu_wgrad_warp_specialised_vs_float64(out_dtype, fmt, offs_dtype, monkeypatch):
     """The warp-specialised blockwise wgrad kernel against a float64 product of the dequantised
-    operands, every config it offers: group bounds off the 128-token grid, groups shorter than a
+    operands, every config it offers, the 256-row tile and the scales read from global memory:
+    group bounds off the 128-token grid, groups shorter than a
     step and inside one step, empty groups first, in the middle and last, M and N that end inside
     a tile (masked stores) and N whose rows TMA cannot store (333, pointer stores); NaN bytes put
     into the fp8 data of one group's last token and another's first stay in their groups."""
@@ -602,10 +603,13 @@ def test_gpu_wgrad_warp_specialised_vs_float64(out_dtype, fmt, offs_dtype):
     qy.view(torch.uint8)[6, 9] = 0x7F  # the first token of group 3 ([6, 76))
     ref = _reference(dx.nan_to_num(0.0), dy.nan_to_num(0.0), lens.cpu(), False, True)
     tol = 1e-3 if out_dtype == torch.float32 else 8e-3
-    for cfg in WGRAD_WS_CONFIGS:
+    variants = [(c[:6], True) for c in WGRAD_WS_CONFIGS]
+    variants += [((256, 128, 128, 8, 3, 8), True), (WGRAD_WS_CONFIGS[0][:6], False)]
+    for cfg, smem in variants:
+        monkeypatch.setattr(GWW, "SCALES_IN_SMEM", smem)
         out = torch.full((len(lens_l), m, n), float("nan"), device="cuda", dtype=out_dtype)
         GWW.fp8_blockwise_wgrad(qx, qy, out, offs, sx, (sx.stride(1), sx.stride(0)), sy,
-                                (sy.stride(1), sy.stride(0)), cfg[:6])
+                                (sy.stride(1), sy.stride(0)), cfg)
         out = out.cpu()
         for i, cnt in enumerate(lens_l):
             if i in (1, 3):
@@ -777,20 +781,21 @@ def test_warp_specialised_wgrad_config_errors():
     GPU) the machine itself, before any operand is touched."""
     from turbo_dispatch.backends.triton import fp8_blockwise_wgrad_ws as GWW
 
-    ok = (128, 128, 128, 8, 6, 8)
+    ok = (128, 128, 128, 8, 5, 8)
     assert GWW.config_error(ok, 128) is None
     assert GWW.config_error((128, 64, 64, 8, 4, 8), 128) is None
-    assert "128 rows in two math warpgroups" in GWW.config_error((64, 128, 128, 8, 4, 8), 128)
-    assert "128 rows in two math warpgroups" in GWW.config_error((128, 128, 128, 8, 4, 4), 128)
+    assert GWW.config_error((256, 128, 128, 8, 3, 8), 128) is None
+    assert "128 or 256 rows in two math warpgroups" in GWW.config_error((64, 128, 128, 8, 4, 8), 128)
+    assert "128 or 256 rows in two math warpgroups" in GWW.config_error((128, 128, 128, 8, 4, 4), 128)
     assert "BLOCK_N must be" in GWW.config_error((128, 256, 128, 8, 4, 8), 128)
-    assert "BLOCK_N must be" in GWW.config_error((128, 72, 128, 8, 4, 8), 128)
+    assert "BLOCK_N must be" in GWW.config_error((128, 80, 128, 8, 4, 8), 128)
     assert "dividing the scale block 128" in GWW.config_error((128, 128, 96, 8, 4, 8), 128)
     assert "dividing the scale block 64" in GWW.config_error(ok, 64)
     assert "num_stages must be >= 2" in GWW.config_error((128, 128, 128, 8, 1, 8), 128)
     assert "shared memory" in GWW.config_error((128, 128, 128, 8, 8, 8), 128)
     assert "occupancy must be 1" in GWW.config_error(ok + (2,), 128)
-    # 6 stages leave room for the bf16 staging buffers (TMA stores), 7 do not.
-    assert GWW.smem_bytes(ok, 2, True) <= GWW.SMEM_PER_CTA < GWW.smem_bytes(ok[:4] + (7, 8), 2, True)
+    # 5 stages leave room for the scales and the bf16 staging buffers (TMA stores), 6 do not.
+    assert GWW.smem_bytes(ok, 2, True) <= GWW.SMEM_PER_CTA < GWW.smem_bytes(ok[:4] + (6, 8), 2, True)
     e4 = torch.float8_e4m3fn
     x = torch.zeros(256, 64, dtype=e4).t().contiguous().t()  # token-contiguous [T, M]
     y = torch.zeros(256, 32, dtype=e4).t().contiguous().t()

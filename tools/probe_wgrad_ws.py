@@ -4,7 +4,8 @@ Kernel only, operands quantised once as the training step quantises them (128-to
 token-contiguous fp8, the dual quantiser's layout). For each shape and routing: the Triton
 kernel's default config first (its output is the reference the others are compared with,
 relative Frobenius error, which must stay under 1e-3 before a time counts), then every
-warp-specialised config. One JSON line per row in ``--out``.
+warp-specialised config with the scales copied into shared memory, the default with them read
+from global memory, and the 256-row tile. One JSON line per row in ``--out``.
 
 Usage (on an sm_90 GPU): ``python tools/probe_wgrad_ws.py --out wgrad.jsonl [--shapes dsv3_w13,dsv3_w2]``.
 """
@@ -51,22 +52,26 @@ def probe(shape: str, kind: str) -> None:
     ms = triton.testing.do_bench(run_triton, warmup=10, rep=100, return_mode="median")
     emit(**tag, impl=f"triton{triton_cfg}", ms=ms, tflops=flops / ms * 1e-9)
     base = ms
-    for cfg in GG.WGRAD_WS_CONFIGS:
+    variants = [(cfg[:6], True) for cfg in GG.WGRAD_WS_CONFIGS] + [(GG.WGRAD_WS_CONFIGS[0][:6], False)]
+    variants.append(((256, 128, 128, 8, 3, 8), True))  # not offered (spills); timed to see what it costs
+    for cfg, smem in variants:
         ws = torch.full((g, m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
 
         def run_ws():
-            return GWW.fp8_blockwise_wgrad(qx, qy, ws, offs, sx, sxs, sy, sys_, cfg[:6])
+            GWW.SCALES_IN_SMEM = smem
+            return GWW.fp8_blockwise_wgrad(qx, qy, ws, offs, sx, sxs, sy, sys_, cfg)
 
         try:
             err = rel(run_ws(), ref)
             if not err < 1e-3:
-                emit(**tag, impl=f"ws{cfg[:6]}", rel=f"{err:.2e}", ok=False)
+                emit(**tag, impl=f"ws{cfg}", scales_smem=smem, rel=f"{err:.2e}", ok=False)
                 continue
             ms = triton.testing.do_bench(run_ws, warmup=10, rep=100, return_mode="median")
-            emit(**tag, impl=f"ws{cfg[:6]}", ms=ms, tflops=flops / ms * 1e-9, vs_triton=base / ms,
+            emit(**tag, impl=f"ws{cfg}", scales_smem=smem, ms=ms, tflops=flops / ms * 1e-9, vs_triton=base / ms,
                  rel=f"{err:.2e}", ok=True)
         except Exception as exc:  # noqa: BLE001 - report and go on
-            emit(**tag, impl=f"ws{cfg[:6]}", error=repr(exc)[:300], ok=False)
+            emit(**tag, impl=f"ws{cfg}", scales_smem=smem, error=repr(exc)[:300], ok=False)
+    GWW.SCALES_IN_SMEM = True
 
 
 def main() -> int:

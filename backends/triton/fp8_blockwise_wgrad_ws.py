@@ -42,23 +42,29 @@ from .gemm_kernels import num_programs, tma_ok
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
 
     from .fp8_blockwise_gluon import _cta_barrier, _promote, _tile_coords, _tma_load
-    from .fp8_blockwise_gluon_ws import _store_tile
+    from .fp8_blockwise_gluon_ws import _cp_async, _store_tile
 
 #: Bumped whenever the kernel's code changes, so stored tuning results are invalidated.
-KERNEL_REVISION = "gluon-wgrad-r1"
+KERNEL_REVISION = "gluon-wgrad-r2"
+#: Whether the loader copies each K step's row and column scales into its ring slot (cp.async,
+#: completed on the slot's ``ready`` barrier) for the math warpgroups to read from shared memory,
+#: rather than each math warpgroup loading them from global memory every step. Probes set it to
+#: compare the two.
+SCALES_IN_SMEM = True
 
 
 def smem_bytes(cfg, out_bytes: int, tma_store: bool) -> int:
     """Shared memory the kernel allocates for ``cfg`` (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, stages,
-    ...): the fp8 ring, two mbarriers per slot plus the edge barrier and, with TMA stores, one
-    [64, BLOCK_N] staging buffer of ``out_bytes`` elements per math warpgroup, each allocation
-    rounded up to 1 KiB (a 128-byte swizzle's alignment)."""
+    ...): the fp8 ring, each slot's fp32 row and column scales, two mbarriers per slot plus the edge
+    barrier and, with TMA stores, one [64, BLOCK_N] staging buffer of ``out_bytes`` elements per
+    math warpgroup, each allocation rounded up to 1 KiB (a 128-byte swizzle's alignment)."""
     bm, bn, bk, _, stages = cfg[:5]
-    parts = [stages * bm * bk, stages * bn * bk, 2 * stages * 8 + 8]
+    parts = [stages * bm * bk, stages * bn * bk, stages * bm * 4, stages * bn * 4, 2 * stages * 8 + 8]
     parts.append(2 * (bm // 2) * bn * out_bytes if tma_store else 8)
     return sum(-(-p // 1024) * 1024 for p in parts)
 
@@ -67,17 +73,19 @@ def config_error(cfg, qblock: int) -> str | None:
     """Why ``cfg`` (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, stages, warps[, ...]) cannot run this kernel
     for token runs of ``qblock``, or None.
 
-    The tile is two 64-row math warpgroups (BLOCK_M 128, 8 math warps) and one accumulator of at most
-    128 columns per warpgroup; a K step must lie in one scale run. No 256-column tile (two
-    accumulators, as the forward has): with a column-scale vector per thread next to them it
-    spilled 146 loads/stores inside the wgmma loop (sm_90, triton 3.6, tools/compile_sm90.py)."""
+    The tile is two math warpgroups (8 math warps) of 64 or 128 rows each (BLOCK_M 128 or 256; a
+    128-row warpgroup keeps two 64-row accumulators), at most 128 columns; a K step must lie in
+    one scale run. No 256-column tile (two accumulators along N, as the forward has): with a
+    column-scale vector per thread next to them it spilled 146 loads/stores inside the wgmma loop
+    (sm_90, triton 3.6, tools/compile_sm90.py). The 256-row tile shares one column-scale vector
+    between its accumulators."""
     bm, bn, bk, _, stages, warps = cfg[:6]
     occupancy = cfg[6] if len(cfg) > 6 and cfg[6] is not None else 1
-    if bm != 128 or warps != 8:
-        return (f"the tile must be 128 rows in two math warpgroups (BLOCK_M 128, 8 warps), got {bm} rows, "
+    if bm not in (128, 256) or warps != 8:
+        return (f"the tile must be 128 or 256 rows in two math warpgroups (8 warps), got {bm} rows, "
                 f"{warps} warps")
-    if bn % 16 or not 16 <= bn <= 128:
-        return f"BLOCK_N must be a multiple of 16 in [16, 128] (one accumulator per math warpgroup), got {bn}"
+    if bn % 32 or not 32 <= bn <= 128:
+        return f"BLOCK_N must be a multiple of 32 in [32, 128] (one accumulator wide), got {bn}"
     if bk % 32 or bk < 32 or qblock % bk:
         return f"BLOCK_K must be a multiple of 32 (the fp8 wgmma K) dividing the scale block {qblock}, got {bk}"
     if stages < 2:
@@ -111,12 +119,15 @@ if gluon is not None:
         return g, pid_m, pid_n
 
     @gluon.jit
-    def _wg_load(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, c_smem, ready, empty, edge,
-                 G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                 STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
+    def _wg_load(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
+                 ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
+                 QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr):
         """The loader: fills slot ``step % STAGES`` once both math warpgroups released it. Boxes
-        past the operand's end (rows past M or N, tokens past T) are zero-filled by TMA."""
+        past the operand's end (rows past M or N, tokens past T) are zero-filled by TMA; with
+        ``SCALES_SMEM`` the step's scales follow (zeros past M and N)."""
+        sx_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+        sy_layout: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
         num_m = gl.cdiv(M, BLOCK_M)
         num_n = gl.cdiv(N, BLOCK_N)
         step = 0
@@ -129,6 +140,15 @@ if gluon is not None:
                 # first pass over the ring does not wait.
                 mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
                 bar = ready.index(slot)
+                if SCALES_SMEM:
+                    # Every thread's copies hold the slot's phase open until they land (the arrive
+                    # adds one pending arrival and completes it), so they go before the TMA bytes.
+                    kq = (kb * BLOCK_K) // QBLOCK
+                    rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=sx_layout)
+                    _cp_async(sx_bufs.index(slot), sx_ptr + kq * ssx_k + rows * ssx_m, mask=rows < M)
+                    cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=sy_layout)
+                    _cp_async(sy_bufs.index(slot), sy_ptr + kq * ssy_k + cols * ssy_n, mask=cols < N)
+                    async_copy.mbarrier_arrive(bar, increment_count=True)
                 mbarrier.expect(bar, x_desc.block_type.nbytes + y_desc.block_type.nbytes)
                 _tma_load(x_desc, [pid_m * BLOCK_M, kb * BLOCK_K], bar, x_bufs.index(slot))
                 _tma_load(y_desc, [pid_n * BLOCK_N, kb * BLOCK_K], bar, y_bufs.index(slot))
@@ -146,11 +166,12 @@ if gluon is not None:
         buf._reinterpret(gl.int8, buf.shape, buf.layout).store(bits)
 
     @gluon.jit
-    def _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, c_smem, ready, empty, edge,
-                 G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                 STAGES: gl.constexpr, TMA_STORE: gl.constexpr, WG: gl.constexpr):
-        """Math warpgroup ``WG``: rows ``WG * 64`` to ``WG * 64 + 63`` of every tile."""
+    def _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
+                 ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
+                 QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
+                 WG: gl.constexpr):
+        """Math warpgroup ``WG``: rows ``WG * BLOCK_M / 2`` on of every tile, BLOCK_M / 2 of them."""
         ROWS: gl.constexpr = BLOCK_M // 2
         num_m = gl.cdiv(M, BLOCK_M)
         num_n = gl.cdiv(N, BLOCK_N)
@@ -159,29 +180,30 @@ if gluon is not None:
         for t in range(gl.program_id(0), G * num_m * num_n, NUM_PROGS):
             g, pid_m, pid_n = _work_item(t, num_m, num_n, GROUP_M)
             start, end, kb0, kb1 = _token_steps(offs_ptr, g, BLOCK_K)
-            step, edges = _wg_tile(x_bufs, y_bufs, ready, empty, edge, c, c_desc, c_smem.index(WG), sx_ptr, sy_ptr,
-                                   step, edges, kb0, kb1, start, end, g, pid_m * BLOCK_M + WG * ROWS,
-                                   pid_n * BLOCK_N, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, QBLOCK,
-                                   ROWS, BLOCK_N, BLOCK_K, STAGES, TMA_STORE, WG)
+            step, edges = _wg_tile(x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, edge, c, c_desc,
+                                   c_smem.index(WG), sx_ptr, sy_ptr, step, edges, kb0, kb1, start, end, g,
+                                   pid_m * BLOCK_M + WG * ROWS, pid_n * BLOCK_N, M, N, sc_m, sc_n, ssx_k, ssx_m,
+                                   ssy_k, ssy_n, QBLOCK, ROWS, BLOCK_N, BLOCK_K, STAGES, TMA_STORE, SCALES_SMEM, WG)
         if TMA_STORE:
             # The staging buffer must stay valid until the last store has read it.
             tma.store_wait(0)
 
     @gluon.jit
-    def _wg_tile(x_bufs, y_bufs, ready, empty, edge, c, c_desc, c_buf, sx_ptr, sy_ptr, step, edges, kb0, kb1,
-                 start, end, g, off_m, off_n, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, QBLOCK: gl.constexpr,
-                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                 TMA_STORE: gl.constexpr, WG: gl.constexpr):
-        """One math warpgroup's ``ROWS`` rows of one output tile (columns ``off_n`` on) over K steps
-        ``[kb0, kb1)``, then stored. Returns the flattened step and edge count after the tile."""
+    def _wg_tile(x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, edge, c, c_desc, c_buf, sx_ptr, sy_ptr, step, edges,
+                 kb0, kb1, start, end, g, off_m, off_n, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n,
+                 QBLOCK: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                 STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr, WG: gl.constexpr):
+        """One math warpgroup's ``ROWS`` rows (64, or 128 as two 64-row accumulators) of one output
+        tile (columns ``off_n`` on) over K steps ``[kb0, kb1)``, then stored. Returns the flattened
+        step and edge count after the tile."""
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BLOCK_N, 32])
         rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
         cols_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-        zero = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=mma_layout)
-        offs_m = off_m + gl.arange(0, ROWS, layout=rows_layout)
-        m_ok = offs_m < M
+        PARTS: gl.constexpr = ROWS // 64
+        zero = gl.zeros((64, BLOCK_N), dtype=gl.float32, layout=mma_layout)
         acc = zero
+        acc1 = zero
         for kb in range(kb0, kb1):
             slot = step % STAGES
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
@@ -198,51 +220,79 @@ if gluon is not None:
                 mbarrier.arrive(edge, count=1)
                 mbarrier.wait(edge, edges & 1)
                 edges += 1
-            part = warpgroup_mma(x_rows, y_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
-            # The scale loads go out while the wgmma runs.
+            part = warpgroup_mma(x_rows.slice(0, 64), y_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+            # The scales are read while the wgmma runs.
             kq = k0 // QBLOCK
-            sx = gl.load(sx_ptr + kq * ssx_k + offs_m * ssx_m, mask=m_ok, other=0.0)
-            # Column indices are made here, not kept across the loop (a register per column).
-            offs_n = off_n + gl.arange(0, BLOCK_N, layout=cols_layout)
-            sy = gl.load(sy_ptr + kq * ssy_k + offs_n * ssy_n, mask=offs_n < N, other=0.0)
+            sx = _row_scales(sx_bufs, slot, sx_ptr, kq, ssx_k, ssx_m, off_m, M, WG * ROWS, 64, rows_layout,
+                             SCALES_SMEM)
+            sy = _row_scales(sy_bufs, slot, sy_ptr, kq, ssy_k, ssy_n, off_n, N, 0, BLOCK_N, cols_layout,
+                             SCALES_SMEM)
             part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-            # The slot is read: hand it back before promoting, so the next load starts now.
-            mbarrier.arrive(empty.index(slot), count=1)
+            if PARTS == 1:
+                # The slot is read: hand it back before promoting, so the next load starts now.
+                mbarrier.arrive(empty.index(slot), count=1)
             acc = _promote(acc, part, sx, sy, False, False)
+            if PARTS == 2:
+                part = warpgroup_mma(x_rows.slice(64, 64), y_tile.permute((1, 0)), zero, use_acc=False,
+                                     is_async=True)
+                sx = _row_scales(sx_bufs, slot, sx_ptr, kq, ssx_k, ssx_m, off_m + 64, M, WG * ROWS + 64, 64,
+                                 rows_layout, SCALES_SMEM)
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                mbarrier.arrive(empty.index(slot), count=1)
+                acc1 = _promote(acc1, part, sx, sy, False, False)
             step += 1
-        # The output is viewed [G * M, N]: this group's rows end at (g + 1) * M.
-        _store_tile(c, c_desc, c_buf, acc.to(c.dtype.element_ty), g * M + off_m, off_n, g * M + M, N, sc_m, sc_n,
-                    TMA_STORE)
+        # The output is viewed [G * M, N]: this group's rows end at (g + 1) * M. Both halves are
+        # narrowed before either is stored (two fp32 halves plus addresses would not fit).
+        out0 = acc.to(c.dtype.element_ty)
+        if PARTS == 2:
+            out1 = acc1.to(c.dtype.element_ty)
+        _store_tile(c, c_desc, c_buf, out0, g * M + off_m, off_n, g * M + M, N, sc_m, sc_n, TMA_STORE)
+        if PARTS == 2:
+            _store_tile(c, c_desc, c_buf, out1, g * M + off_m + 64, off_n, g * M + M, N, sc_m, sc_n, TMA_STORE)
         return step, edges
+
+    @gluon.jit
+    def _row_scales(bufs, slot, s_ptr, kq, s_k, s_r, off, n_valid, first, COUNT: gl.constexpr,
+                    layout: gl.constexpr, SCALES_SMEM: gl.constexpr):
+        """The step's ``COUNT`` scales from row (or column) ``off``: from the slot's copy (entries
+        ``first`` on) when the loader made one, else from global memory (zeros past ``n_valid``)."""
+        if SCALES_SMEM:
+            return bufs.index(slot).slice(first, COUNT).load(layout)
+        else:
+            offs = off + gl.arange(0, COUNT, layout=layout)
+            return gl.load(s_ptr + kq * s_k + offs * s_r, mask=offs < n_valid, other=0.0)
 
     # One wrapper per math warpgroup: a worker partition takes the loader's argument list, so the
     # warpgroup index is fixed here rather than passed.
     @gluon.jit
-    def _wg_math0(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, c_smem, ready, empty, edge,
-                  G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                  STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
-        _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, c_smem, ready, empty, edge,
-                 G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K,
-                 GROUP_M, STAGES, TMA_STORE, 0)
+    def _wg_math0(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
+                  ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
+                  QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr):
+        _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
+                 ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK, BLOCK_M,
+                 BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, 0)
 
     @gluon.jit
-    def _wg_math1(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, c_smem, ready, empty, edge,
-                  G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                  STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
-        _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, c_smem, ready, empty, edge,
-                 G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K,
-                 GROUP_M, STAGES, TMA_STORE, 1)
+    def _wg_math1(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
+                  ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
+                  QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr):
+        _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
+                 ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK, BLOCK_M,
+                 BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, 1)
 
     @gluon.jit
     def _fp8_blockwise_wgrad_kernel(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, G, M, N, sc_m, sc_n,
                                     ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK: gl.constexpr,
                                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-                                    MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+                                    SCALES_SMEM: gl.constexpr, MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
         x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
         y_bufs = gl.allocate_shared_memory(y_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], y_desc.layout)
+        # Each slot's row and column scales (SCALES_SMEM; unused otherwise).
+        sx_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        sy_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         if TMA_STORE:
             c_shape: gl.constexpr = [2, c_desc.block_type.shape[0], c_desc.block_type.shape[1]]
             c_smem = gl.allocate_shared_memory(c_desc.dtype, c_shape, c_desc.layout)
@@ -260,15 +310,15 @@ if gluon is not None:
         # The argument tuple is spelled out at each use: assigned to a variable, its constexpr
         # entries would become tensors (triton 3.6).
         gl.warp_specialize([
-            (_wg_math0, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, c_smem, ready, empty,
-                         edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK, BLOCK_M, BLOCK_N,
-                         BLOCK_K, GROUP_M, STAGES, TMA_STORE)),
-            (_wg_math1, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, c_smem, ready, empty,
-                         edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK, BLOCK_M, BLOCK_N,
-                         BLOCK_K, GROUP_M, STAGES, TMA_STORE)),
-            (_wg_load, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, c_smem, ready, empty,
-                        edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK, BLOCK_M, BLOCK_N,
-                        BLOCK_K, GROUP_M, STAGES, TMA_STORE)),
+            (_wg_math0, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs,
+                         c_smem, ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK,
+                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM)),
+            (_wg_math1, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs,
+                         c_smem, ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK,
+                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM)),
+            (_wg_load, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs,
+                        c_smem, ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK,
+                        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM)),
         ], [4, 1], [MATH_REGS, LOAD_REGS])
 
 
@@ -336,11 +386,11 @@ def launch_args(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock: in
     c2 = out.view(G * M, N)
     tma_store = tma_store_ok(out, cfg)
     # Without TMA stores the kernel never reads c_desc: x's descriptor stands in for it.
-    c_desc = output_descriptor(c2, bm // 2, bn) if tma_store else x_desc
+    c_desc = output_descriptor(c2, 64, bn) if tma_store else x_desc
     args = (x_desc, y_desc, c2, c_desc, sx, sy, offs, G, M, N, c2.stride(0), c2.stride(1), *sx_strides,
             *sy_strides, progs)
     kwargs = dict(QBLOCK=qblock, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages,
-                  TMA_STORE=tma_store, MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)
+                  TMA_STORE=tma_store, SCALES_SMEM=SCALES_IN_SMEM, MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)
     return args, kwargs
 
 
