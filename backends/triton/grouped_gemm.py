@@ -324,10 +324,14 @@ WS_CONFIGS = ((128, 256, 128, 8, 4, 8, 1, 1, KERNEL_GLUON_WS), (128, 256, 128, 8
               (128, 128, 128, 8, 4, 8, 1, 1, KERNEL_GLUON_WS))
 
 #: The warp-specialised wgrad kernel's configs (fp8_blockwise_wgrad_ws), the first the default: the
-#: 128 x 128 tile. The wider tiles spill inside the wgmma loop because both scales are vectors
-#: (sm_90, triton 3.6, tools/compile_sm90.py): 128 x 256 146 LDL/STL, 256 x 128 (two accumulators
-#: per warpgroup) 88, so they are not offered (a pinned 256-row config still runs).
-WGRAD_WS_CONFIGS = ((128, 128, 128, 8, 5, 8, 1, 1, KERNEL_GLUON_WS), (128, 128, 128, 8, 4, 8, 1, 1, KERNEL_GLUON_WS))
+#: 128 x 128 tile at 4 and 5 stages. H100, kernel only, same run (gluon-wgrad-r2,
+#: tools/gpu_round23.sh), TFLOPS balanced / skewed: DeepSeek-V3 up_gate wgrad 904 / 759 (4 stages),
+#: 881 / 763 (5), against the Triton variable-K kernel's 691 / 601; down 869 / 778, 823 / 760
+#: against 647 / 598; Qwen3-30B-A3B up_gate 940 / 734, 891 / 737 against 652 / 592. The wider tiles
+#: spill inside the wgmma loop because both scales are vectors (sm_90, triton 3.6,
+#: tools/compile_sm90.py): 128 x 256 146 LDL/STL, 256 x 128 (two accumulators per warpgroup) 88;
+#: the latter measured 838 / 744 at DeepSeek-V3 up_gate, so neither is offered.
+WGRAD_WS_CONFIGS = ((128, 128, 128, 8, 4, 8, 1, 1, KERNEL_GLUON_WS), (128, 128, 128, 8, 5, 8, 1, 1, KERNEL_GLUON_WS))
 
 
 def _ws_configs(p, bk: int) -> list[Config]:
