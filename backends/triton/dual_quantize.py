@@ -78,24 +78,15 @@ def _dual_quantize_kernel(
     x_ptr, q_ptr, qt_ptr, s_ptr, st_ptr,
     R, C, n_rb,
     sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
-    n_cb,
     TILE_2D: tl.constexpr, B: tl.constexpr, CH: tl.constexpr, FP8_MAX: tl.constexpr, TINY: tl.constexpr,
     ROUND_FIRST: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, FAST_DIV: tl.constexpr,
-    COLS_FASTEST: tl.constexpr,
 ):
     # One program owns one B x B tile and walks it in CH-row chunks twice: first for the amax of
     # each column (and of the tile), then to quantise, reloading each chunk (from L2: the tile was
     # just read). A whole tile held in registers needs ~200 per thread and one program per SM,
     # which left the kernel at a quarter of the memory bandwidth (H100, 8 warps).
-    # Programs launched together take neighbouring column blocks of the same rows (COLS_FASTEST:
-    # whole rows streamed from DRAM) or neighbouring row blocks of one column block.
-    if COLS_FASTEST:
-        cb = tl.program_id(0) % n_cb
-        pid = tl.program_id(0) // n_cb
-    else:
-        row_blocks = tl.num_programs(0) // n_cb  # G x row blocks
-        pid = tl.program_id(0) % row_blocks
-        cb = tl.program_id(0) // row_blocks
+    pid = tl.program_id(0)
+    cb = tl.program_id(1)
     g = (pid // n_rb).to(tl.int64)
     rb = pid % n_rb
     cc = cb * B + tl.arange(0, B)
@@ -145,8 +136,6 @@ LAUNCH = {False: (64, 4), True: (64, 4)}
 #: the H100 with zeros, signed zeros, subnormal-sized cells, inf and NaN). div_rn at (64, 4):
 #: 1.015 ms for x, 0.868 ms for w. The CPU interpreter always takes div_rn (its FMA is not fused).
 FAST_DIV = True
-#: Launch order: neighbouring programs take neighbouring column blocks (True) or row blocks.
-COLS_FASTEST = False
 
 
 def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
@@ -188,12 +177,12 @@ def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
         return data, scale, data_t, scale_t
     chunk, warps = LAUNCH[tile_2d]
     interpreting = os.environ.get("TRITON_INTERPRET", "") == "1"
-    _dual_quantize_kernel[(g * n_r * n_c,)](
+    _dual_quantize_kernel[(g * n_r, n_c)](
         x, data, data_t, scale, scale_t, r, c, n_r,
         *x.stride(), data.stride(0), data.stride(1), data_t.stride(0), data_t.stride(1),
-        *scale.stride(), *scale_t.stride(), n_c,
+        *scale.stride(), *scale_t.stride(),
         TILE_2D=tile_2d, B=block, CH=min(chunk, block), FP8_MAX=FP8_MAX[dtype], TINY=_TINY,
         ROUND_FIRST=interpreting, MANT_BITS=_MANT_BITS[dtype], MIN_EXP=_MIN_EXP[dtype],
-        FAST_DIV=FAST_DIV and not interpreting, COLS_FASTEST=COLS_FASTEST, num_warps=warps,
+        FAST_DIV=FAST_DIV and not interpreting, num_warps=warps,
     )
     return data, scale, data_t, scale_t
