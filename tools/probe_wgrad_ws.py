@@ -5,7 +5,9 @@ token-contiguous fp8, the dual quantiser's layout). For each shape and routing: 
 kernel's default config first (its output is the reference the others are compared with,
 relative Frobenius error, which must stay under 1e-3 before a time counts), then every
 warp-specialised config with the scales copied into shared memory, the default with them read
-from global memory, and the 256-row tile. One JSON line per row in ``--out``.
+from global memory, the default with each warpgroup zeroing all of an edge step's y (no barrier
+between them), and the 256-row tile. A routing name ending in ``_aligned`` rounds every group to
+a multiple of 128 tokens, so that no step is an edge step. One JSON line per row in ``--out``.
 
 Usage (on an sm_90 GPU): ``python tools/probe_wgrad_ws.py --out wgrad.jsonl [--shapes dsv3_w13,dsv3_w2]``.
 """
@@ -23,6 +25,7 @@ from turbo_dispatch.backends.triton import grouped_gemm as GG
 from probe_triton_grouped import OUT_FILE, WGRAD_SHAPES, emit, lens_offs, rel, routing  # sibling in tools/
 
 E4 = torch.float8_e4m3fn
+ONLY_DEFAULT = False
 SHAPES = dict(WGRAD_SHAPES, qwen3_w13=(16, 65536, 1536, 2048), qwen3_w2=(16, 65536, 2048, 768))
 
 
@@ -34,7 +37,11 @@ def operand(t: torch.Tensor):
 
 def probe(shape: str, kind: str) -> None:
     g, tokens, m, n = SHAPES[shape]
-    lens = routing(kind, tokens, g)
+    if kind.endswith("_aligned"):  # the same routing with every group a multiple of 128 tokens: no edge steps
+        lens = [n_ // 128 * 128 for n_ in routing(kind[:-len("_aligned")], tokens, g)]
+        lens[0] += tokens - sum(lens)
+    else:
+        lens = routing(kind, tokens, g)
     _, offs = lens_offs(lens)
     offs = offs.to(torch.int32)
     flops = 2.0 * tokens * m * n
@@ -52,34 +59,41 @@ def probe(shape: str, kind: str) -> None:
     ms = triton.testing.do_bench(run_triton, warmup=10, rep=100, return_mode="median")
     emit(**tag, impl=f"triton{triton_cfg}", ms=ms, tflops=flops / ms * 1e-9)
     base = ms
-    variants = [(cfg[:6], True) for cfg in GG.WGRAD_WS_CONFIGS] + [(GG.WGRAD_WS_CONFIGS[0][:6], False)]
-    variants.append(((256, 128, 128, 8, 3, 8), True))  # not offered (spills); timed to see what it costs
-    for cfg, smem in variants:
+    first = GG.WGRAD_WS_CONFIGS[0][:6]
+    variants = [(cfg[:6], True, True) for cfg in GG.WGRAD_WS_CONFIGS] + [(first, False, True), (first, True, False)]
+    variants.append(((256, 128, 128, 8, 3, 8), True, True))  # not offered (spills); timed to see what it costs
+    if ONLY_DEFAULT:
+        variants = variants[:1]
+    for cfg, smem, edge_barrier in variants:
         ws = torch.full((g, m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
 
         def run_ws():
-            GWW.SCALES_IN_SMEM = smem
+            GWW.SCALES_IN_SMEM, GWW.EDGE_BARRIER = smem, edge_barrier
             return GWW.fp8_blockwise_wgrad(qx, qy, ws, offs, sx, sxs, sy, sys_, cfg)
 
         try:
             err = rel(run_ws(), ref)
             if not err < 1e-3:
-                emit(**tag, impl=f"ws{cfg}", scales_smem=smem, rel=f"{err:.2e}", ok=False)
+                emit(**tag, impl=f"ws{cfg}", scales_smem=smem, edge_barrier=edge_barrier, rel=f"{err:.2e}", ok=False)
                 continue
             ms = triton.testing.do_bench(run_ws, warmup=10, rep=100, return_mode="median")
-            emit(**tag, impl=f"ws{cfg}", scales_smem=smem, ms=ms, tflops=flops / ms * 1e-9, vs_triton=base / ms,
+            emit(**tag, impl=f"ws{cfg}", scales_smem=smem, edge_barrier=edge_barrier, ms=ms, tflops=flops / ms * 1e-9, vs_triton=base / ms,
                  rel=f"{err:.2e}", ok=True)
         except Exception as exc:  # noqa: BLE001 - report and go on
-            emit(**tag, impl=f"ws{cfg}", scales_smem=smem, error=repr(exc)[:300], ok=False)
-    GWW.SCALES_IN_SMEM = True
+            emit(**tag, impl=f"ws{cfg}", scales_smem=smem, edge_barrier=edge_barrier, error=repr(exc)[:300], ok=False)
+    GWW.SCALES_IN_SMEM, GWW.EDGE_BARRIER = True, True
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--shapes", default="dsv3_w13,dsv3_w2,qwen3_w13,qwen3_w2")
-    ap.add_argument("--routings", default="balanced,skewed,empty")
+    ap.add_argument("--routings", default="balanced,skewed,empty",
+                    help="balanced, skewed, empty, or one of them + '_aligned' (groups rounded to 128 tokens)")
+    ap.add_argument("--ws-only-default", action="store_true", help="time only the default WS config")
     args = ap.parse_args()
+    global ONLY_DEFAULT
+    ONLY_DEFAULT = args.ws_only_default
     if args.out:
         OUT_FILE.append(open(args.out, "w"))
     emit(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
