@@ -1,7 +1,8 @@
 """GPU probe of the blockwise fp8 grouped training step (forward + dgrad + wgrad through the public
 op, quantisation included) with and without the step's quantisation reuse, against the bf16 op on
 torch._grouped_mm, all in one process. Usage (repo installed):
-``python3 tools/probe_grouped_step.py [--shapes dsv3_up,dsv3_down] [--out FILE]``.
+``python3 tools/probe_grouped_step.py [--shapes dsv3_up,dsv3_down] [--graphs] [--out FILE]``; ``--graphs``
+also times each step replayed from one CUDA graph (the GPU time without the host's dispatch).
 
 Checks first, each printed as PASS/FAIL:
 
@@ -144,6 +145,26 @@ def step_fn(a, w, lens, offs, cfg, grad):
     return run
 
 
+GRAPHS = False  # --graphs
+
+
+def graph_ms(run) -> float:
+    """Time of one replay of ``run`` (a whole step) captured in a CUDA graph: the GPU time alone,
+    without the host's launch and dispatch overhead that the eager time includes."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compiles and resolves outside the capture
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    ms = time_ms(graph.replay)
+    del graph
+    return ms
+
+
 def with_reuse(flag: bool, fn):
     saved = _grouped._step_reuses_quantization
     if not flag:
@@ -175,12 +196,17 @@ def probe(shape: str) -> bool:
     flops = 3 * 2.0 * t * n * k
     t_fp8 = with_reuse(True, lambda: time_ms(step_fn(a, w, lens, offs, cfg, grad)))
     t_old = with_reuse(False, lambda: time_ms(step_fn(a, w, lens, offs, cfg, grad)))
+    g_fp8 = with_reuse(True, lambda: graph_ms(step_fn(a, w, lens, offs, cfg, grad))) if GRAPHS else float("nan")
     GlobalBackendManager.set_grouped_gemm_backend(BackendType.TORCH, precision="bf16")
     t_bf16 = time_ms(step_fn(a, w, lens, offs, None, grad))
+    g_bf16 = graph_ms(step_fn(a, w, lens, offs, None, grad)) if GRAPHS else float("nan")
     GlobalBackendManager.reset()
     emit(probe="step", shape=shape, bf16_ms=t_bf16, fp8_reuse_ms=t_fp8, fp8_per_gemm_ms=t_old,
          reuse_vs_bf16=t_bf16 / t_fp8, per_gemm_vs_bf16=t_bf16 / t_old, reuse_gain=t_old / t_fp8,
          bf16_tflops=flops / t_bf16 * 1e-9, fp8_reuse_tflops=flops / t_fp8 * 1e-9)
+    if GRAPHS:
+        emit(probe="step_graph", shape=shape, bf16_ms=g_bf16, fp8_reuse_ms=g_fp8, reuse_vs_bf16=g_bf16 / g_fp8,
+             fp8_host_share=1 - g_fp8 / t_fp8, bf16_host_share=1 - g_bf16 / t_bf16)
     # The quantisers alone: what the step does now vs what the three GEMMs did.
     x2 = a.detach()
     w3 = w.detach()
@@ -198,9 +224,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="dsv3_up,dsv3_down,qwen3_up,mixtral_up")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--graphs", action="store_true", help="also time each step replayed from a CUDA graph")
     ap.add_argument("--sweep", action="store_true", help="sweep the dual quantiser's launches first (and keep "
                     "the fastest for the rest of the run)")
     args = ap.parse_args()
+    global GRAPHS
+    GRAPHS = args.graphs
     if args.out:
         OUT.append(open(args.out, "w"))
     emit(gpu=torch.cuda.get_device_name(), torch=torch.__version__)

@@ -56,9 +56,6 @@ KERNEL_REVISION = "gluon-wgrad-r2"
 #: rather than each math warpgroup loading them from global memory every step. Probes set it to
 #: compare the two.
 SCALES_IN_SMEM = True
-#: Edge steps: each math warpgroup zeroes half of y and the two meet on an mbarrier (True), or each
-#: zeroes all of y and neither waits (False). Probes set it to compare the two.
-EDGE_BARRIER = True
 
 
 def smem_bytes(cfg, out_bytes: int, tma_store: bool) -> int:
@@ -125,7 +122,7 @@ if gluon is not None:
     def _wg_load(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
                  ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
                  QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr, EDGE_BARRIER: gl.constexpr):
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr):
         """The loader: fills slot ``step % STAGES`` once both math warpgroups released it. Boxes
         past the operand's end (rows past M or N, tokens past T) are zero-filled by TMA; with
         ``SCALES_SMEM`` the step's scales follow (zeros past M and N)."""
@@ -173,7 +170,7 @@ if gluon is not None:
                  ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
                  QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                 EDGE_BARRIER: gl.constexpr, WG: gl.constexpr):
+                 WG: gl.constexpr):
         """Math warpgroup ``WG``: rows ``WG * BLOCK_M / 2`` on of every tile, BLOCK_M / 2 of them."""
         ROWS: gl.constexpr = BLOCK_M // 2
         num_m = gl.cdiv(M, BLOCK_M)
@@ -186,8 +183,7 @@ if gluon is not None:
             step, edges = _wg_tile(x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, edge, c, c_desc,
                                    c_smem.index(WG), sx_ptr, sy_ptr, step, edges, kb0, kb1, start, end, g,
                                    pid_m * BLOCK_M + WG * ROWS, pid_n * BLOCK_N, M, N, sc_m, sc_n, ssx_k, ssx_m,
-                                   ssy_k, ssy_n, QBLOCK, ROWS, BLOCK_N, BLOCK_K, STAGES, TMA_STORE, SCALES_SMEM,
-                                   EDGE_BARRIER, WG)
+                                   ssy_k, ssy_n, QBLOCK, ROWS, BLOCK_N, BLOCK_K, STAGES, TMA_STORE, SCALES_SMEM, WG)
         if TMA_STORE:
             # The staging buffer must stay valid until the last store has read it.
             tma.store_wait(0)
@@ -196,8 +192,7 @@ if gluon is not None:
     def _wg_tile(x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, edge, c, c_desc, c_buf, sx_ptr, sy_ptr, step, edges,
                  kb0, kb1, start, end, g, off_m, off_n, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n,
                  QBLOCK: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                 EDGE_BARRIER: gl.constexpr, WG: gl.constexpr):
+                 STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr, WG: gl.constexpr):
         """One math warpgroup's ``ROWS`` rows (64, or 128 as two 64-row accumulators) of one output
         tile (columns ``off_n`` on) over K steps ``[kb0, kb1)``, then stored. Returns the flattened
         step and edge count after the tile."""
@@ -217,22 +212,14 @@ if gluon is not None:
             k0 = kb * BLOCK_K
             if (k0 < start) | (k0 + BLOCK_K > end):
                 _zero_outside(x_rows, k0, start, end, BLOCK_K)
-                if EDGE_BARRIER:
-                    _zero_outside(y_tile.slice(WG * (BLOCK_N // 2), BLOCK_N // 2), k0, start, end, BLOCK_K)
-                    # Every thread's generic-proxy writes must reach the async proxy (the wgmma)
-                    # and the other warpgroup, which reads this warpgroup's half of y.
-                    fence_async_shared()
-                    _cta_barrier()
-                    mbarrier.arrive(edge, count=1)
-                    mbarrier.wait(edge, edges & 1)
-                    edges += 1
-                else:
-                    # Both warpgroups zero all of y: every byte either one writes is the value it
-                    # already holds or zero, so their writes agree whatever the order, and
-                    # neither waits for the other.
-                    _zero_outside(y_tile, k0, start, end, BLOCK_K)
-                    fence_async_shared()
-                    _cta_barrier()
+                _zero_outside(y_tile.slice(WG * (BLOCK_N // 2), BLOCK_N // 2), k0, start, end, BLOCK_K)
+                # Every thread's generic-proxy writes must reach the async proxy (the wgmma) and
+                # the other warpgroup, which reads this warpgroup's half of y.
+                fence_async_shared()
+                _cta_barrier()
+                mbarrier.arrive(edge, count=1)
+                mbarrier.wait(edge, edges & 1)
+                edges += 1
             part = warpgroup_mma(x_rows.slice(0, 64), y_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
             # The scales are read while the wgmma runs.
             kq = k0 // QBLOCK
@@ -281,29 +268,26 @@ if gluon is not None:
     def _wg_math0(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
                   ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
                   QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                  EDGE_BARRIER: gl.constexpr):
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr):
         _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
                  ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK, BLOCK_M,
-                 BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, EDGE_BARRIER, 0)
+                 BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, 0)
 
     @gluon.jit
     def _wg_math1(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
                   ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
                   QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                  EDGE_BARRIER: gl.constexpr):
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr):
         _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
                  ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK, BLOCK_M,
-                 BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, EDGE_BARRIER, 1)
+                 BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, 1)
 
     @gluon.jit
     def _fp8_blockwise_wgrad_kernel(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, G, M, N, sc_m, sc_n,
                                     ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK: gl.constexpr,
                                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-                                    SCALES_SMEM: gl.constexpr, EDGE_BARRIER: gl.constexpr, MATH_REGS: gl.constexpr,
-                                    LOAD_REGS: gl.constexpr):
+                                    SCALES_SMEM: gl.constexpr, MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
         x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
         y_bufs = gl.allocate_shared_memory(y_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], y_desc.layout)
         # Each slot's row and column scales (SCALES_SMEM; unused otherwise).
@@ -328,16 +312,13 @@ if gluon is not None:
         gl.warp_specialize([
             (_wg_math0, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs,
                          c_smem, ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK,
-                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM,
-                         EDGE_BARRIER)),
+                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM)),
             (_wg_math1, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs,
                          c_smem, ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK,
-                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM,
-                         EDGE_BARRIER)),
+                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM)),
             (_wg_load, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs,
                         c_smem, ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK,
-                        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM,
-                         EDGE_BARRIER)),
+                        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM)),
         ], [4, 1], [MATH_REGS, LOAD_REGS])
 
 
@@ -409,7 +390,7 @@ def launch_args(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock: in
     args = (x_desc, y_desc, c2, c_desc, sx, sy, offs, G, M, N, c2.stride(0), c2.stride(1), *sx_strides,
             *sy_strides, progs)
     kwargs = dict(QBLOCK=qblock, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages,
-                  TMA_STORE=tma_store, SCALES_SMEM=SCALES_IN_SMEM, EDGE_BARRIER=EDGE_BARRIER, MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)
+                  TMA_STORE=tma_store, SCALES_SMEM=SCALES_IN_SMEM, MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)
     return args, kwargs
 
 
