@@ -105,10 +105,9 @@ def _equal_nan(d, s, d_t, s_t, r, rs, c, cs) -> bool:
 
 
 def sweep_dual() -> None:
-    """Times (chunk rows, warps) launches of the dual quantiser, its passes unrolled or not and with
-    or without L2 eviction hints, on the DeepSeek-V3 up_gate activation and weight, next to the two
-    quantize_cells calls it replaces; checks each gives the first one's bits and keeps the fastest
-    per mode for the rest of the run."""
+    """Times (chunk rows, warps) launches of the dual quantiser on the DeepSeek-V3 up_gate
+    activation and weight, next to the two quantize_cells calls it replaces, and keeps the fastest
+    per mode in dual_quantize.LAUNCH for the rest of the run."""
     import turbo_dispatch.backends.triton.dual_quantize as DQ
 
     x = torch.randn(1, 32768, 7168, device="cuda", dtype=torch.bfloat16)
@@ -119,26 +118,19 @@ def sweep_dual() -> None:
     for tile in (False, True):
         src = w if tile else x
         ms_two = time_ms(two[tile])
-        best, first = None, None
-        DQ.FAST_DIV = True
-        for unroll in (False, True):
-            for evict in (False, True):
-                DQ.UNROLL, DQ.EVICT = unroll, evict
-                for chunk, warps in ((32, 4), (64, 4), (128, 8)):
-                    DQ.LAUNCH[tile] = (chunk, warps)
-                    out = dual_quantize(src, E4, 128, tile)
-                    first = first or out
-                    same = all(torch.equal(p.view(torch.uint8) if p.element_size() == 1 else p,
-                                           q.view(torch.uint8) if q.element_size() == 1 else q)
-                               for p, q in zip(out, first))
-                    ms = time_ms(lambda: dual_quantize(src, E4, 128, tile))
-                    emit(probe="dual_sweep", tiles=tile, unroll=unroll, evict=evict, chunk=chunk, warps=warps,
-                         ms=ms, two_ms=ms_two, gbs=src.numel() * 4 / ms * 1e-6, vs_two=ms_two / ms, same_bits=same)
-                    if same and (best is None or ms < best[0]):
-                        best = (ms, chunk, warps, unroll, evict)
+        best = None
+        for fast in (True, False):
+            DQ.FAST_DIV = fast
+            for chunk, warps in ((16, 4), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8)):
+                DQ.LAUNCH[tile] = (chunk, warps)
+                ms = time_ms(lambda: dual_quantize(src, E4, 128, tile))
+                emit(probe="dual_sweep", tiles=tile, fast_div=fast, chunk=chunk, warps=warps, ms=ms, two_ms=ms_two,
+                     gbs=src.numel() * 4 / ms * 1e-6, vs_two=ms_two / ms)
+                if best is None or ms < best[0]:
+                    best = (ms, chunk, warps, fast)
         DQ.LAUNCH[tile] = best[1:3]
-        DQ.UNROLL, DQ.EVICT = best[3:5]  # the last mode's best; both modes are reported
-        emit(probe="dual_best", tiles=tile, chunk=best[1], warps=best[2], unroll=best[3], evict=best[4], ms=best[0])
+        DQ.FAST_DIV = best[3]  # the last mode's best; both modes are reported
+        emit(probe="dual_best", tiles=tile, chunk=best[1], warps=best[2], fast_div=best[3], ms=best[0])
 
 
 def step_fn(a, w, lens, offs, cfg, grad):

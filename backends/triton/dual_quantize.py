@@ -80,7 +80,6 @@ def _dual_quantize_kernel(
     sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
     TILE_2D: tl.constexpr, B: tl.constexpr, CH: tl.constexpr, FP8_MAX: tl.constexpr, TINY: tl.constexpr,
     ROUND_FIRST: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, FAST_DIV: tl.constexpr,
-    UNROLL: tl.constexpr, EVICT: tl.constexpr,
 ):
     # One program owns one B x B tile and walks it in CH-row chunks twice: first for the amax of
     # each column (and of the tile), then to quantise, reloading each chunk (from L2: the tile was
@@ -97,13 +96,10 @@ def _dual_quantize_kernel(
     # amax on the float bits (abs clears the sign): integer order is float order for non-negative
     # floats, and NaN sorts above inf, so a NaN anywhere gives its cell a NaN scale.
     col_bits = tl.zeros((B,), dtype=tl.int32)
-    # EVICT: the first pass asks L2 to keep the tile and the second to drop it, so that the
-    # second pass finds it there while a wave of programs streams through.
-    for i in tl.static_range(B // CH) if UNROLL else range(B // CH):
+    for i in range(B // CH):
         rr = rb * B + i * CH + tl.arange(0, CH)
         ok = (rr < R)[:, None] & c_ok[None, :]
-        v = tl.load(x_base + rr.to(tl.int64)[:, None] * sxr, mask=ok, other=0.0,
-                    eviction_policy="evict_last" if EVICT else "").to(tl.float32)
+        v = tl.load(x_base + rr.to(tl.int64)[:, None] * sxr, mask=ok, other=0.0).to(tl.float32)
         col_bits = tl.maximum(col_bits, tl.max(tl.abs(v).to(tl.int32, bitcast=True), axis=0))
     if TILE_2D:
         scale = _scale_of(tl.max(col_bits, axis=0).to(tl.float32, bitcast=True), FP8_MAX, TINY)
@@ -111,13 +107,12 @@ def _dual_quantize_kernel(
     else:
         col_scale = _scale_of(col_bits.to(tl.float32, bitcast=True), FP8_MAX, TINY)  # [B] columns
         tl.store(st_ptr + g * stg + rb * str_ + c64 * stc, col_scale, mask=c_ok)
-    for i in tl.static_range(B // CH) if UNROLL else range(B // CH):
+    for i in range(B // CH):
         rr = rb * B + i * CH + tl.arange(0, CH)
         r_ok = rr < R
         r64 = rr.to(tl.int64)
         ok = r_ok[:, None] & c_ok[None, :]
-        v = tl.load(x_base + r64[:, None] * sxr, mask=ok, other=0.0,
-                    eviction_policy="evict_first" if EVICT else "").to(tl.float32)
+        v = tl.load(x_base + r64[:, None] * sxr, mask=ok, other=0.0).to(tl.float32)
         if TILE_2D:
             q = _to_fp8(v, scale, FP8_MAX, ROUND_FIRST, MANT_BITS, MIN_EXP, FAST_DIV)
             qt = q
@@ -141,11 +136,6 @@ LAUNCH = {False: (64, 4), True: (64, 4)}
 #: the H100 with zeros, signed zeros, subnormal-sized cells, inf and NaN). div_rn at (64, 4):
 #: 1.015 ms for x, 0.868 ms for w. The CPU interpreter always takes div_rn (its FMA is not fused).
 FAST_DIV = True
-#: Unroll the two passes over a tile's chunks (their loads may then be issued together), and give
-#: the passes' loads L2 eviction hints (keep on the first read, drop on the second); probes sweep
-#: both.
-UNROLL = False
-EVICT = False
 
 
 def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
@@ -193,6 +183,6 @@ def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
         *scale.stride(), *scale_t.stride(),
         TILE_2D=tile_2d, B=block, CH=min(chunk, block), FP8_MAX=FP8_MAX[dtype], TINY=_TINY,
         ROUND_FIRST=interpreting, MANT_BITS=_MANT_BITS[dtype], MIN_EXP=_MIN_EXP[dtype],
-        FAST_DIV=FAST_DIV and not interpreting, UNROLL=UNROLL, EVICT=EVICT, num_warps=warps,
+        FAST_DIV=FAST_DIV and not interpreting, num_warps=warps,
     )
     return data, scale, data_t, scale_t
