@@ -105,10 +105,9 @@ def _equal_nan(d, s, d_t, s_t, r, rs, c, cs) -> bool:
 
 
 def sweep_dual() -> None:
-    """Times launches of the dual quantiser (chunk rows, warps; for runs also SPLIT and MAXNREG) on
-    the DeepSeek-V3 up_gate activation and weight, next to the two quantize_cells calls it
-    replaces; checks each gives the first one's bits and keeps the fastest per mode for the rest of
-    the run."""
+    """Times (chunk rows, warps) launches of the dual quantiser on the DeepSeek-V3 up_gate
+    activation and weight, next to the two quantize_cells calls it replaces, and keeps the fastest
+    per mode in dual_quantize.LAUNCH for the rest of the run."""
     import turbo_dispatch.backends.triton.dual_quantize as DQ
 
     x = torch.randn(1, 32768, 7168, device="cuda", dtype=torch.bfloat16)
@@ -116,28 +115,22 @@ def sweep_dual() -> None:
     two = {False: lambda: (quantize_cells(x, E4, 1, 128), quantize_cells(x.transpose(1, 2), E4, 1, 128,
                                                                           scale_rows_inner=True)),
            True: lambda: (quantize_cells(w, E4, 128, 128), quantize_cells(w.transpose(1, 2), E4, 128, 128))}
-    runs = [(64, 4, False, None), (16, 4, False, 128), (16, 4, True, 128), (32, 4, True, 128), (16, 4, True, 96),
-            (32, 4, False, None), (16, 4, False, None)]
     for tile in (False, True):
         src = w if tile else x
         ms_two = time_ms(two[tile])
-        best, first = None, None
-        DQ.FAST_DIV = True
-        for chunk, warps, split, maxnreg in (runs if not tile else [(64, 4, False, None), (32, 4, False, None)]):
-            DQ.LAUNCH[tile], DQ.SPLIT, DQ.MAXNREG = (chunk, warps), split, maxnreg
-            out = dual_quantize(src, E4, 128, tile)
-            first = first or out
-            same = all(torch.equal(p.view(torch.uint8) if p.element_size() == 1 else p,
-                                   q.view(torch.uint8) if q.element_size() == 1 else q) for p, q in zip(out, first))
-            ms = time_ms(lambda: dual_quantize(src, E4, 128, tile))
-            emit(probe="dual_sweep", tiles=tile, chunk=chunk, warps=warps, split=split, maxnreg=maxnreg, ms=ms,
-                 two_ms=ms_two, gbs=src.numel() * 4 / ms * 1e-6, vs_two=ms_two / ms, same_bits=same)
-            if same and (best is None or ms < best[0]):
-                best = (ms, chunk, warps, split, maxnreg)
+        best = None
+        for fast in (True, False):
+            DQ.FAST_DIV = fast
+            for chunk, warps in ((16, 4), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8)):
+                DQ.LAUNCH[tile] = (chunk, warps)
+                ms = time_ms(lambda: dual_quantize(src, E4, 128, tile))
+                emit(probe="dual_sweep", tiles=tile, fast_div=fast, chunk=chunk, warps=warps, ms=ms, two_ms=ms_two,
+                     gbs=src.numel() * 4 / ms * 1e-6, vs_two=ms_two / ms)
+                if best is None or ms < best[0]:
+                    best = (ms, chunk, warps, fast)
         DQ.LAUNCH[tile] = best[1:3]
-        if not tile:
-            DQ.SPLIT, DQ.MAXNREG = best[3:5]
-        emit(probe="dual_best", tiles=tile, chunk=best[1], warps=best[2], split=best[3], maxnreg=best[4], ms=best[0])
+        DQ.FAST_DIV = best[3]  # the last mode's best; both modes are reported
+        emit(probe="dual_best", tiles=tile, chunk=best[1], warps=best[2], fast_div=best[3], ms=best[0])
 
 
 def step_fn(a, w, lens, offs, cfg, grad):
@@ -164,6 +157,10 @@ def graph_ms(run) -> float:
         for _ in range(2):
             run()
     torch.cuda.current_stream().wait_stream(side)
+    # Blocks cached by the eager runs are returned first: the allocator freeing them mid-capture
+    # (cudaFree syncs the legacy stream) broke the capture at DeepSeek-V3 sizes (round 27).
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()

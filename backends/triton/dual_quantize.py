@@ -80,7 +80,6 @@ def _dual_quantize_kernel(
     sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
     TILE_2D: tl.constexpr, B: tl.constexpr, CH: tl.constexpr, FP8_MAX: tl.constexpr, TINY: tl.constexpr,
     ROUND_FIRST: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, FAST_DIV: tl.constexpr,
-    SPLIT: tl.constexpr,
 ):
     # One program owns one B x B tile and walks it in CH-row chunks twice: first for the amax of
     # each column (and of the tile), then to quantise, reloading each chunk (from L2: the tile was
@@ -122,14 +121,8 @@ def _dual_quantize_kernel(
             row_scale = _scale_of(row_bits.to(tl.float32, bitcast=True), FP8_MAX, TINY)  # [CH] rows
             tl.store(s_ptr + g * ssg + r64 * ssr + cb * ssc, row_scale, mask=r_ok)
             q = _to_fp8(v, row_scale[:, None], FP8_MAX, ROUND_FIRST, MANT_BITS, MIN_EXP, FAST_DIV)
-            if SPLIT:
-                # Store this quantisation before the other one is computed, from a second read of
-                # the chunk (L2), so that one quotient's temporaries are live at a time.
-                tl.store(q_ptr + g * sqg + r64[:, None] * sqr + c64[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
-                v = tl.load(x_base + r64[:, None] * sxr, mask=ok, other=0.0).to(tl.float32)
             qt = _to_fp8(v, col_scale[None, :], FP8_MAX, ROUND_FIRST, MANT_BITS, MIN_EXP, FAST_DIV)
-        if not SPLIT or TILE_2D:
-            tl.store(q_ptr + g * sqg + r64[:, None] * sqr + c64[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(q_ptr + g * sqg + r64[:, None] * sqr + c64[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(qt_ptr + g * sqtg + c64[None, :] * sqtc + r64[:, None], qt.to(qt_ptr.dtype.element_ty), mask=ok)
 
 
@@ -139,11 +132,6 @@ def _dual_quantize_kernel(
 #: (1.27 TB/s of bf16 read + fp8 written; the two quantize_cells calls it replaces 0.880 ms) and
 #: 0.561 ms for w (1.68 TB/s; 0.747 ms); (32, 4) 0.922 / 0.616; 8 warps or 8-16 rows were slower.
 LAUNCH = {False: (64, 4), True: (64, 4)}
-#: Runs mode only: store the first quantisation before computing the second from a re-read of the
-#: chunk (SPLIT), and cap the registers per thread (MAXNREG, None: ptxas's choice, 254 at (64, 4),
-#: two programs per SM; sm_90, triton 3.6). Probes sweep both with LAUNCH.
-SPLIT = False
-MAXNREG: int | None = None
 #: Divide through ``_quotient`` (True) or div_rn per element; both give the same bits (checked on
 #: the H100 with zeros, signed zeros, subnormal-sized cells, inf and NaN). div_rn at (64, 4):
 #: 1.015 ms for x, 0.868 ms for w. The CPU interpreter always takes div_rn (its FMA is not fused).
@@ -195,7 +183,6 @@ def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
         *scale.stride(), *scale_t.stride(),
         TILE_2D=tile_2d, B=block, CH=min(chunk, block), FP8_MAX=FP8_MAX[dtype], TINY=_TINY,
         ROUND_FIRST=interpreting, MANT_BITS=_MANT_BITS[dtype], MIN_EXP=_MIN_EXP[dtype],
-        FAST_DIV=FAST_DIV and not interpreting, SPLIT=SPLIT and not tile_2d, num_warps=warps,
-        **({"maxnreg": MAXNREG} if MAXNREG and not tile_2d and not interpreting else {}),
+        FAST_DIV=FAST_DIV and not interpreting, num_warps=warps,
     )
     return data, scale, data_t, scale_t
