@@ -8,8 +8,8 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -e . --no-build-isolation --no-deps -q 2>&1 | tail -2
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,temperature.gpu --format=csv,noheader
 timeout -s TERM 200 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" \
-    tests/test_triton_grouped_gemm.py -k "wgrad or fp8_every_recipe or cuda_graph or full_op" \
-    tests/test_grouped_gemm.py -k "wgrad or fp8_every_recipe or cuda_graph or full_op or step or compiled or custom_op" \
+    tests/test_triton_grouped_gemm.py tests/test_grouped_gemm.py \
+    -k "wgrad or fp8_every_recipe or cuda_graph or full_op or step or compiled or custom_op" \
     > $OUT/pytest_grouped.log 2>&1; echo "rc=$?"
 tail -3 $OUT/pytest_grouped.log
 timeout -s TERM 150 python3 tools/probe_grouped_step.py --graphs --shapes dsv3_up,dsv3_down,qwen3_up,qwen3_down \
