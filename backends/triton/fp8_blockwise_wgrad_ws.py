@@ -50,7 +50,7 @@ if gluon is not None:
     from .fp8_blockwise_gluon_ws import _cp_async, _store_tile
 
 #: Bumped whenever the kernel's code changes, so stored tuning results are invalidated.
-KERNEL_REVISION = "gluon-wgrad-r2"
+KERNEL_REVISION = "gluon-wgrad-r3"
 #: Whether the loader copies each K step's row and column scales into its ring slot (cp.async,
 #: completed on the slot's ``ready`` barrier) for the math warpgroups to read from shared memory,
 #: rather than each math warpgroup loading them from global memory every step. Probes set it to
@@ -159,11 +159,12 @@ if gluon is not None:
         """Zero the tokens of ``buf`` ([rows, BLOCK_K] fp8 in shared memory, tokens ``k0`` on)
         outside ``[start, end)``, selecting on the bytes so that no float conversion is involved."""
         layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-        bits = buf._reinterpret(gl.int8, buf.shape, buf.layout).load(layout)
+        vals = buf.load(layout)
+        bits = vals.to(gl.int8, bitcast=True)
         tok = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
         keep = (tok >= start) & (tok < end)
         bits = gl.where(keep[None, :], bits, gl.zeros_like(bits))
-        buf._reinterpret(gl.int8, buf.shape, buf.layout).store(bits)
+        buf.store(bits.to(vals.dtype, bitcast=True))
 
     @gluon.jit
     def _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
