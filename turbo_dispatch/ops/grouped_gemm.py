@@ -27,7 +27,6 @@ formulas.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from typing import Callable, NamedTuple, Optional
 
@@ -467,40 +466,12 @@ def _step_reuses_quantization(cfg: Float8QuantConfig) -> bool:
     return cfg.granularity is ScalingGranularity.BLOCKWISE and cfg.block_size in DUAL_BLOCK_SIZES
 
 
-#: On a GPU, quantise the step's weight on a side stream while the activation is quantised on the
-#: current one: both quantisers are memory-bound well under the HBM rate (1.3-1.8 TB/s on an H100),
-#: so they can share it. False runs both on the current stream; the bits are the same either way.
-OVERLAP_STEP_QUANTISERS = True
-
-
-@functools.lru_cache(maxsize=None)
-def _side_stream(device_index: int) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device=device_index)
-
-
 def _quantize_for_step(a, b, cfg: Float8QuantConfig, need_a: bool, need_b: bool, runs_both: Callable,
                        tiles_both: Callable):
     """(forward a, forward b, a saved for the wgrad, b saved for the dgrad). Where a gradient is
     needed, its saved operand is quantised with the forward's in one read; an operand no
-    backward GEMM reads stays high precision, for the forward's backend to quantise.
-
-    With both quantised on a GPU (``OVERLAP_STEP_QUANTISERS``) the weight's runs on a side stream,
-    forked from and joined back to the current stream (CUDA graphs capture the fork and the join).
-    Its outputs are allocated on the side stream and used on the current one, so they are
-    recorded there (outside a capture, whose private pool keeps its blocks until the graph goes)."""
+    backward GEMM reads stays high precision, for the forward's backend to quantise."""
     fwd, bs = cfg.format.fwd_dtype(), cfg.block_size
-    if need_a and need_b and OVERLAP_STEP_QUANTISERS and a.is_cuda and b.device == a.device:
-        main = torch.cuda.current_stream(a.device)
-        side = _side_stream(a.device.index)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            qb, b_saved = tiles_both(b, fwd, bs)
-        qa, a_saved = runs_both(a, fwd, bs)
-        main.wait_stream(side)
-        if not torch.cuda.is_current_stream_capturing():
-            for t in (qb.data, qb.scale, b_saved.data, b_saved.scale):
-                t.record_stream(main)
-        return qa, qb, a_saved, b_saved
     qa, a_saved = runs_both(a, fwd, bs) if need_b else (a, None)
     qb, b_saved = tiles_both(b, fwd, bs) if need_a else (b, None)
     return qa, qb, a_saved, b_saved
