@@ -505,8 +505,10 @@ class TritonGroupedGemmFp8(_TritonAdapter):
         return _fp8_configs(p)
 
     def describe(self, p) -> str:
-        return (f"Triton fused quantise + {'variable-K' if p.variable_k else 'persistent M-grouped'} fp8 kernel, "
-                f"{p.granularity.value}, default config {_fp8_configs(p)[0]} (no host sync, capturable)")
+        cfg = _fp8_configs(p)[0]
+        kernel = "warp-specialised Gluon" if _is_ws(cfg) else "Triton"
+        return (f"Triton fused quantise + {kernel} {'variable-K' if p.variable_k else 'persistent M-grouped'} fp8 "
+                f"kernel, {p.granularity.value}, default config {cfg} (no host sync, capturable)")
 
     def run(self, p, x, y, group_lens, group_offs, config=None):
         cfg = _fp8_configs(p)[0] if config is None else _check_config(config)
