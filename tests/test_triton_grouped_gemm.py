@@ -840,7 +840,8 @@ def test_warp_specialised_grouped_candidates_where_it_can_run(monkeypatch):
     assert wgrad[:len(wgrad_ws)] == wgrad_ws and list(wgrad_ws) == list(GG.WGRAD_WS_CONFIGS), wgrad
     # 1-D weight scales do not matter to the wgrad, whose operands are both 1-D runs.
     assert GG._ws_refusal(problem(512, b_2d=False)._replace(variable_k=True), wgrad_ws[0]) is None
-    assert "warp-specialised Gluon variable-K" in GG.TritonGroupedGemmFp8().describe(problem(512)._replace(variable_k=True))
+    wgrad_text = GG.TritonGroupedGemmFp8().describe(problem(512)._replace(variable_k=True))
+    assert "warp-specialised Gluon variable-K" in wgrad_text
     wide_wgrad = wgrad_ws[0][:1] + (256,) + wgrad_ws[0][2:]
     assert "BLOCK_N must be" in GG._ws_refusal(problem(512)._replace(variable_k=True), wide_wgrad)
     assert not [c for c in GG._fp8_configs(problem(512, b_2d=False)) if len(c) == 9]

@@ -100,9 +100,15 @@ def tma_store_ok(c: torch.Tensor, cfg) -> bool:
     written; a TMA store drains while the next tile's wgmmas run."""
     if TMA_STORE is not None:
         return TMA_STORE
+    return tma_storable(c) and smem_bytes(cfg, c.element_size(), True) <= SMEM_PER_CTA
+
+
+def tma_storable(c: torch.Tensor) -> bool:
+    """TMA's rule for a 2-D output: row-major, 16-byte aligned rows and base, at least 16 bytes
+    per row."""
     size = c.element_size()
     return (c.dim() == 2 and c.stride(1) == 1 and (c.stride(0) * size) % 16 == 0 and c.data_ptr() % 16 == 0
-            and c.shape[1] * size >= 16 and smem_bytes(cfg, size, True) <= SMEM_PER_CTA)
+            and c.shape[1] * size >= 16)
 
 
 def scales_in_smem(sa_row_stride: int, a_group: int) -> bool:

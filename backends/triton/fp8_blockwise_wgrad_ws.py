@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from .fp8_blockwise_gluon import available, gluon, make_descriptor
-from .fp8_blockwise_gluon_ws import LOAD_REGS, MATH_REGS, MAXNREG, SMEM_PER_CTA, output_descriptor
+from .fp8_blockwise_gluon_ws import LOAD_REGS, MATH_REGS, MAXNREG, SMEM_PER_CTA, output_descriptor, tma_storable
 from .gemm_kernels import num_programs, tma_ok
 
 if gluon is not None:
@@ -323,12 +323,11 @@ if gluon is not None:
         ], [4, 1], [MATH_REGS, LOAD_REGS])
 
 
-def tma_store_ok(out: torch.Tensor, cfg) -> bool:
-    """Whether the epilogue can store ``out`` ([G, M, N], viewed [G * M, N]) by TMA: contiguous,
-    16-byte aligned rows and base, and room for the staging buffers next to the ring."""
-    size = out.element_size()
-    return (out.is_contiguous() and (out.shape[2] * size) % 16 == 0 and out.data_ptr() % 16 == 0
-            and smem_bytes(cfg, size, True) <= SMEM_PER_CTA)
+def tma_store_ok(c2: torch.Tensor, cfg) -> bool:
+    """Whether the epilogue can store the output ``c2`` (``out`` viewed [G * M, N]) by TMA: the
+    forward's layout rule (``fp8_blockwise_gluon_ws.tma_storable``) and room for the staging
+    buffers next to this kernel's ring."""
+    return tma_storable(c2) and smem_bytes(cfg, c2.element_size(), True) <= SMEM_PER_CTA
 
 
 def fp8_blockwise_wgrad(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, offs: torch.Tensor,
@@ -385,13 +384,14 @@ def launch_args(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock: in
     x_desc = make_descriptor(x.t(), [bm, bk])
     y_desc = make_descriptor(y.t(), [bn, bk])
     c2 = out.view(G * M, N)
-    tma_store = tma_store_ok(out, cfg)
+    tma_store = tma_store_ok(c2, cfg)
     # Without TMA stores the kernel never reads c_desc: x's descriptor stands in for it.
     c_desc = output_descriptor(c2, 64, bn) if tma_store else x_desc
     args = (x_desc, y_desc, c2, c_desc, sx, sy, offs, G, M, N, c2.stride(0), c2.stride(1), *sx_strides,
             *sy_strides, progs)
     kwargs = dict(QBLOCK=qblock, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages,
-                  TMA_STORE=tma_store, SCALES_SMEM=SCALES_IN_SMEM, MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)
+                  TMA_STORE=tma_store, SCALES_SMEM=SCALES_IN_SMEM, MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS,
+                  num_warps=4, maxnreg=MAXNREG)
     return args, kwargs
 
 
