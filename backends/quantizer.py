@@ -99,7 +99,7 @@ def empty_padded_rows(like: torch.Tensor, shape: tuple[int, ...], dtype: torch.d
     return like.new_empty((*lead, -(-cols // pad) * pad), dtype=dtype)[..., :cols]
 
 
-def _padded_rows(t: torch.Tensor) -> torch.Tensor:
+def padded_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` copied into ``empty_padded_rows`` storage (the dual kernel's layout)."""
     out = empty_padded_rows(t, tuple(t.shape), t.dtype)
     out.copy_(t)
@@ -118,10 +118,10 @@ def quantize_both_tensors(x3: torch.Tensor, dtype: torch.dtype, block_size: int,
     blockwise = ScalingGranularity.BLOCKWISE
     if tile_2d:
         q = _reference_quantize(x3, dtype, blockwise, axis=2, block_size=block_size, block_2d=True)
-        return _padded_rows(q.data), q.scale, _padded_rows(q.data.transpose(1, 2)), q.scale.transpose(1, 2)
+        return padded_rows(q.data), q.scale, padded_rows(q.data.transpose(1, 2)), q.scale.transpose(1, 2)
     rows = _reference_quantize(x3, dtype, blockwise, axis=2, block_size=block_size)
     cols = _reference_quantize(x3, dtype, blockwise, axis=1, block_size=block_size)
-    return _padded_rows(rows.data), rows.scale, _padded_rows(cols.data.transpose(1, 2)), cols.scale
+    return padded_rows(rows.data), rows.scale, padded_rows(cols.data.transpose(1, 2)), cols.scale
 
 
 def runs_from_tensors(data: torch.Tensor, scale: torch.Tensor, data_t: torch.Tensor, scale_t: torch.Tensor,

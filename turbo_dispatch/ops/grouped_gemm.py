@@ -339,9 +339,14 @@ def grouped_reference(p, inputs) -> torch.Tensor:
 
 
 def _kmajor(data: torch.Tensor, k_dim: int) -> torch.Tensor:
-    """``data`` with the same shape and values, stored with dim ``k_dim`` contiguous."""
+    """``data`` with the same shape and values, stored with dim ``k_dim`` contiguous and its rows
+    padded to 16 elements, as the step's quantisers store their outputs (``padded_rows``): the
+    TMA kernels need that row stride, so inputs laid out otherwise would time a refusal that the
+    step never meets."""
+    from turbo_dispatch.backends.quantizer import padded_rows
+
     last = data.dim() - 1
-    return data if k_dim == last else data.transpose(k_dim, last).contiguous().transpose(k_dim, last)
+    return padded_rows(data.transpose(k_dim, last)).transpose(k_dim, last)
 
 
 def _quantized_kmajor(t: torch.Tensor, dtype: torch.dtype, p: GroupedGemmFp8Problem, k_dim: int,
