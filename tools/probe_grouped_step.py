@@ -157,8 +157,10 @@ def graph_ms(run) -> float:
         for _ in range(2):
             run()
     torch.cuda.current_stream().wait_stream(side)
-    # Blocks cached by the eager runs are returned first: the allocator freeing them mid-capture
-    # (cudaFree syncs the legacy stream) broke the capture at DeepSeek-V3 sizes (round 27).
+    # Blocks cached by the eager runs are returned first, in case the allocator would free them
+    # mid-capture (cudaFree syncs the legacy stream). After this probe's eager runs the capture
+    # still failed at DeepSeek-V3 sizes (cudaErrorStreamCaptureImplicit, rounds 27 and 28), while a
+    # fresh process captures the same step (tools/probe_step_capture.py); the cause is not known.
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     graph = torch.cuda.CUDAGraph()
