@@ -149,8 +149,8 @@ def plain() -> None:
     turbo.GlobalBackendManager.set_auto_tune(False)
 
 
-def measure(v: Variant, row: H.Row, timer: H.Timer, x, w, grad, refs) -> H.Row:
-    """Gate first (output, dgrad, wgrad); only a PASS is timed (fwd, bwd, step)."""
+def gate(v: Variant, row: H.Row, x, w, grad, refs) -> H.Row:
+    """The correctness gate (output, dgrad, wgrad); ``H.time_rows`` then times the PASSes."""
     v.enter()
     try:
         out = v.fwd()
@@ -164,7 +164,7 @@ def measure(v: Variant, row: H.Row, timer: H.Timer, x, w, grad, refs) -> H.Row:
     row.check = H.gate([("out", out, refs[0]), ("dgrad", dx, refs[1]), ("wgrad", dw, refs[2])],
                        min_snr_db=v.gate_snr)
     del out, dx, dw
-    return H.note_and_time(row, v, timer, (x, w), grad)
+    return row
 
 
 def references(x, w, grad, device):
@@ -224,7 +224,8 @@ def run_dense(args, device, timer, shapes: list[Shape], rows: list[H.Row]) -> li
             v = variants[j]
             row = H.Row(op=label, shape=s.label, backend=v.label, model="+".join(s.models), mb=s.mb, m=s.m, n=s.n,
                         k=s.k, flops=2.0 * s.m * s.n * s.k, peer=v.peer)
-            shape_rows[j] = measure(v, row, timer, x, w, grad, refs)
+            shape_rows[j] = gate(v, row, x, w, grad, refs)
+        H.time_rows([(shape_rows[j], variants[j]) for j in H.rotated(range(len(variants)), i)], timer, (x, w), grad)
         if fp8 is not None:
             bf16 = shape_rows[-1]
             for r in shape_rows[:-1]:

@@ -211,7 +211,9 @@ def references(a, b, lens_host, grad, device):
     return out, dx, dw
 
 
-def measure(v: Variant, row: H.Row, timer: H.Timer, a, b, grad, refs) -> H.Row:
+def gate(v: Variant, row: H.Row, a, b, grad, refs) -> H.Row:
+    """The correctness gate (output, and dgrad and wgrad where the variant has them);
+    ``H.time_rows`` then times the PASSes."""
     v.enter()
     try:
         out = v.fwd()
@@ -227,7 +229,7 @@ def measure(v: Variant, row: H.Row, timer: H.Timer, a, b, grad, refs) -> H.Row:
         return row
     row.check = H.gate(pairs, min_snr_db=v.gate_snr)
     del pairs, out
-    return H.note_and_time(row, v, timer, (a, b), grad if v.grads else None)
+    return row
 
 
 def variants_for(args, device, a, b, lens, offs, lens_host) -> list[Variant]:
@@ -302,7 +304,9 @@ def run(args, device, timer, cases: list[Case], rows: list[H.Row]) -> None:
                         flops=2.0 * c.m * c.n * c.k, peer=v.peer,
                         extra={"groups": c.g, "ep": c.ep, "tokens_per_expert": c.tpe, "routing": c.routing,
                                "max_group": max(lens_host), "empty_groups": sum(1 for n in lens_host if n == 0)})
-            shape_rows[j] = measure(v, row, timer, a, b, grad, refs)
+            shape_rows[j] = gate(v, row, a, b, grad, refs)
+        H.time_rows([(shape_rows[j], variants[j]) for j in H.rotated(range(len(variants)), i)], timer, (a, b), grad,
+                    wants_grad=lambda v: v.grads)
         if args.dtype == "fp8":
             bf16 = shape_rows[-1]
             for r in shape_rows[:-1]:

@@ -126,6 +126,29 @@ class Timer:
         samples = [estimate] + [self._one(call, i + 1, setup) for i in range(repeats - 1)]
         return statistics.median(samples)
 
+    def time_interleaved(self, fns: Sequence[Callable[[], Any]],
+                         setups: Sequence[Callable[[], Any] | None] | None = None) -> list[float]:
+        """Median milliseconds of each of ``fns``, timed in turns: every repeat times each
+        function once (starting from a different one each repeat), so slow drifts of the GPU
+        (clocks falling as it heats) reach all of them alike. ``setups[j]`` runs, untimed, before
+        each call of ``fns[j]``. The repeat count comes from the slowest function's estimate."""
+        setups = list(setups) if setups is not None else [None] * len(fns)
+        calls = [(lambda i, fn=fn: fn()) for fn in fns]
+        for call, setup in zip(calls, setups):
+            for i in range(self.warmup):
+                if setup:
+                    setup()
+                call(i)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        samples = [[self._one(call, 0, setup)] for call, setup in zip(calls, setups)]
+        slowest = max(s[0] for s in samples) if samples else 0.0
+        repeats = int(min(self.max_repeats, max(self.min_repeats, self.target_ms / max(slowest, 1e-3))))
+        for i in range(1, repeats):
+            for j in rotated(range(len(calls)), i):
+                samples[j].append(self._one(calls[j], i, setups[j]))
+        return [statistics.median(s) for s in samples]
+
     def _one(self, call, i: int, setup) -> float:
         if setup:
             setup()
@@ -303,15 +326,54 @@ def rotated(items: Sequence[Any], shift: int) -> list[Any]:
 
 
 def note_and_time(row: Row, v: Any, timer: Timer, inputs: tuple, grad: torch.Tensor | None) -> Row:
-    """After the gate: the variant's explain note, then its forward, backward and step times
-    (backward and step only when ``grad`` is given). A row that failed the gate is not timed."""
-    if getattr(v, "explain", None) is not None:
-        try:
-            row.note = v.explain()
-        except Exception as exc:
-            row.note = "explain: " + error_note(exc)
-    if not row.check.ok:
-        return row
+    """``time_rows`` for one variant."""
+    time_rows([(row, v)], timer, inputs, grad)
+    return row
+
+
+def time_rows(entries: Sequence[tuple[Row, Any]], timer: Timer, inputs: tuple, grad: torch.Tensor | None,
+              wants_grad: Callable[[Any], bool] = lambda v: True) -> None:
+    """After the gate, for one shape's variants (``(row, variant)`` pairs): each variant's explain
+    note, then forward, backward and step times (backward and step where ``grad`` is given and
+    ``wants_grad(variant)``). Rows that failed the gate are not timed.
+
+    Each metric is timed *in turns* (``Timer.time_interleaved``): repeat i times every variant
+    once before repeat i + 1 starts. Timed one after another, a large shape's later variants ran
+    on a hotter, lower-clocked GPU (H100: identical torch kernels measured up to 8% apart at
+    Qwen2.5-72B gate_up when timed in blocks); in turns every variant sees the same GPU.
+    ``variant.enter`` (its backend pin), where it has one, runs before each of its calls, untimed.
+    """
+    live = []
+    for row, v in entries:
+        enter = getattr(v, "enter", None) or (lambda: None)
+        if getattr(v, "explain", None) is not None:
+            enter()
+            try:
+                row.note = v.explain()
+            except Exception as exc:
+                row.note = "explain: " + error_note(exc)
+        if row.check is not None and row.check.ok:
+            live.append((row, v, enter))
+    if not live:
+        return
+    setups = [enter for _, _, enter in live]
+    for (row, _, _), ms in zip(live, timer.time_interleaved([v.fwd for _, v, _ in live], setups)):
+        row.fwd_ms = ms
+    back = [(row, v, enter) for row, v, enter in live if grad is not None and wants_grad(v)]
+    if not back:
+        return
+    outs = []
+    for _, v, enter in back:
+        enter()
+        outs.append(v.fwd())
+    setups = [enter for _, _, enter in back]
+    bwd = timer.time_interleaved(
+        [lambda o=o: torch.autograd.grad(o, inputs, grad, retain_graph=True) for o in outs], setups)
+    del outs
+    step = timer.time_interleaved([lambda v=v: torch.autograd.grad(v.fwd(), inputs, grad) for _, v, _ in back],
+                                  setups)
+    for (row, _, _), b, st in zip(back, bwd, step):
+        row.bwd_ms, row.step_ms = b, st
     row.fwd_ms = timer.time_ms(v.fwd)
     if grad is not None:
         out = v.fwd()

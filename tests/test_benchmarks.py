@@ -68,3 +68,54 @@ def test_bench_grouped_gemm_cpu_smoke(tmp_path):
     assert {r["routing"] for r in rows} == {"balanced", "empty"}
     assert any(r["empty_groups"] not in ("", "0") for r in rows)
     assert all(r["check"] == "PASS" for r in rows if r["backend"] in ("turbo TORCH", "torch per-group mm loop"))
+
+
+def _harness():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import harness
+    finally:
+        sys.path.pop(0)
+    return harness
+
+
+def test_time_interleaved_takes_turns():
+    """Each repeat times every function once, starting from a different one, and each function's
+    setup runs right before each of its calls (warm-ups included)."""
+    import torch
+    H = _harness()
+    log: list[str] = []
+    timer = H.Timer(torch.device("cpu"), warmup=1, min_repeats=3, max_repeats=3)
+    fns = [lambda n=n: log.append(n) for n in "abc"]
+    setups = [lambda n=n: log.append(n.upper()) for n in "abc"]
+    times = timer.time_interleaved(fns, setups)
+    assert len(times) == 3 and all(t >= 0 for t in times)
+    calls = "".join(log)
+    assert calls == "AaBbCc" + "AaBbCc" + "BbCcAa" + "CcAaBb", calls
+
+
+def test_time_rows_times_only_passes_and_wanted_grads():
+    """time_rows times forward for every PASSing row, backward and step only where the variant
+    wants gradients, nothing for a FAIL or an unserved row, and runs each variant's enter first."""
+    import torch
+    from types import SimpleNamespace
+    H = _harness()
+    x = torch.randn(4, 3, requires_grad=True)
+    grad = torch.randn(4, 3)
+    entered: list[str] = []
+
+    def variant(name, grads=True):
+        return SimpleNamespace(fwd=lambda: x * 2.0, enter=lambda: entered.append(name), grads=grads,
+                               explain=lambda: f"note {name}")
+
+    ok, bad = H.Check(True), H.Check(False)
+    rows = [H.Row(op="t", shape="s", backend=n) for n in ("p", "q", "f", "u")]
+    rows[0].check, rows[1].check, rows[2].check = ok, ok, bad  # rows[3]: not served (no check)
+    vs = [variant("p"), variant("q", grads=False), variant("f"), variant("u")]
+    timer = H.Timer(torch.device("cpu"), warmup=1, min_repeats=2, max_repeats=2)
+    H.time_rows(list(zip(rows, vs)), timer, (x,), grad, wants_grad=lambda v: v.grads)
+    assert rows[0].fwd_ms is not None and rows[0].bwd_ms is not None and rows[0].step_ms is not None
+    assert rows[1].fwd_ms is not None and rows[1].bwd_ms is None and rows[1].step_ms is None
+    assert all(r.fwd_ms is None and r.step_ms is None for r in rows[2:])
+    assert [r.note for r in rows] == ["note p", "note q", "note f", "note u"]
+    assert set(entered) == {"p", "q", "f", "u"}

@@ -329,6 +329,7 @@ def _case_dual_quantize():
             q = quantize(w, dt, "blockwise", block_size=block, block_2d=True)
             assert torch.equal(s, q.scale) and torch.equal(d.float(), q.data.float())
             assert torch.equal(d_t.transpose(1, 2).float(), q.data.float()) and torch.equal(s_t.transpose(1, 2), s)
+    _dual_tma_matches_pointer_kernel()
     x = torch.randn(1, 40, 64)
     x[0, 33, 3] = float("nan")
     _, s, _, s_t = dual_quantize(x, torch.float8_e4m3fn, 32, False)
@@ -336,6 +337,40 @@ def _case_dual_quantize():
     assert int(torch.isnan(s).sum()) == 1 and int(torch.isnan(s_t).sum()) == 1
     with pytest.raises(ValueError, match="block must be one of"):
         dual_quantize(x, torch.float8_e4m3fn, 48, False)
+
+
+def _dual_tma_matches_pointer_kernel():
+    """Layouts TMA can address (16-byte row strides, contiguous rows) go to the TMA kernel, whose
+    data and scales are the pointer kernel's bits: odd row counts, columns ending inside a tile, a
+    zero run, a NaN, several groups; an unaligned row stride stays on the pointer kernel."""
+    import turbo_dispatch.backends.triton.dual_quantize as DQ
+
+    launched = []
+    real = DQ._launch_tma
+    DQ._launch_tma = lambda *a, **k: launched.append(real(*a, **k)) or launched[-1]
+    try:
+        for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
+            for g, r, c in ((2, 70, 104), (1, 200, 136)):
+                x = torch.randn(g, r, c, dtype=torch.bfloat16) * 10
+                x[-1, :, 32:64] = 0.0
+                x[0, 3, 9] = float("nan")
+                for block in (32, 64, 128):
+                    for tile in (False, True):
+                        launched.clear()
+                        tma = DQ.dual_quantize(x, dt, block, tile)
+                        DQ.USE_TMA = False
+                        try:
+                            ptr = DQ.dual_quantize(x, dt, block, tile)
+                        finally:
+                            DQ.USE_TMA = True
+                        assert launched == [True, False], launched
+                        for u, v in zip(tma, ptr):
+                            assert torch.equal(u.float().nan_to_num(-7.0), v.float().nan_to_num(-7.0)), (dt, g, block, tile)
+        launched.clear()
+        DQ.dual_quantize(torch.randn(1, 64, 100, dtype=torch.bfloat16), torch.float8_e4m3fn, 32, False)
+        assert launched == [False]  # 200-byte rows: no TMA descriptor
+    finally:
+        DQ._launch_tma = real
 
 
 def _case_fp8_step():
@@ -847,3 +882,74 @@ def test_warp_specialised_grouped_candidates_where_it_can_run(monkeypatch):
     assert not [c for c in GG._fp8_configs(problem(512, b_2d=False)) if len(c) == 9]
     assert "BK=64 must equal block_size=128" in GG._ws_refusal(problem(512), ws[0][:2] + (64,) + ws[0][3:])
     assert GG._ws_refusal(problem(512), ws[0]) is None
+
+
+def test_default_config_falls_back_for_operands_tma_cannot_take(monkeypatch):
+    """An unpinned call whose default is the warp-specialised kernel takes the first Triton config
+    when the operands cannot feed TMA: a token-major wgrad operand (``quantize(x, axis=0)``'s
+    layout), a weight that is not K-major; TMA-legal operands keep the default."""
+    from turbo_dispatch.backends.triton import fp8_blockwise_gluon_ws as GWS
+    from turbo_dispatch.backends.triton import fp8_blockwise_wgrad_ws as GWW
+    from turbo_dispatch.backends.triton import grouped_gemm as GG
+    from turbo_dispatch.backends.quantizer import empty_padded_rows
+    from turbo_dispatch.low_precision import ScalingGranularity as SG
+
+    monkeypatch.setattr(GWS, "available", lambda device_index=None: None)
+    e4 = torch.float8_e4m3fn
+    lens, offs = _lens_offs([40, 24])
+    a, b = torch.randn(64, 256, dtype=torch.bfloat16), torch.randn(2, 256, 512, dtype=torch.bfloat16)
+    p = _fp8_problem(a, b, lens, offs, False, False, torch.bfloat16, e4, e4, SG.BLOCKWISE, 128, True)
+    wgrad = p._replace(platform="cuda", variable_k=True)
+    default = GG._fp8_configs(wgrad)[0]
+    assert GG._is_ws(default)
+    token_major = torch.empty(64, 256, dtype=e4)  # [T, M] with the columns contiguous
+    token_contiguous = empty_padded_rows(token_major, (256, 64), e4).t()
+    why = GWW.operands_error(token_major, token_contiguous)
+    assert why and "x must be token-contiguous" in why
+    assert GWW.operands_error(token_contiguous, token_contiguous) is None
+    fallback = GG._default_for_operands(wgrad, default, why)
+    assert not GG._is_ws(fallback) and fallback == [c for c in GG._fp8_configs(wgrad) if not GG._is_ws(c)][0]
+    assert GG._default_for_operands(wgrad, default, None) == default
+    qa = empty_padded_rows(token_major, (64, 256), e4)
+    n_major = torch.empty(2, 256, 512, dtype=e4).transpose(1, 2)  # [G, N, K] with N contiguous
+    assert "b_gnk must be K-major" in GWS.grouped_operands_error(qa, n_major)
+    assert GWS.grouped_operands_error(qa, torch.empty(2, 512, 256, dtype=e4)) is None
+
+
+@pytest.mark.gpu
+def test_gpu_default_wgrad_takes_token_major_quantized_operands():
+    """Hand-made token-major QuantizedTensors (``quantize(x, axis=0)``: runs along the tokens, the
+    columns contiguous) given to the wgrad with no config pinned: the default warp-specialised
+    kernel cannot load them through TMA, so the first Triton config serves them, giving exactly
+    what that config gives when pinned, close to float64; pinning the WS config raises why."""
+    from turbo_dispatch.backends.triton import fp8_blockwise_wgrad_ws as GWW
+    from turbo_dispatch.backends.triton import grouped_gemm as GG
+    from turbo_dispatch.low_precision import ScalingGranularity as SG
+    from turbo_dispatch.low_precision import quantize
+
+    if GWW.available():
+        pytest.skip(GWW.available())
+    e4 = torch.float8_e4m3fn
+    lens_l = [130, 0, 77, 300]
+    lens, offs = _lens_offs(lens_l, "cuda")
+    t, m, n = sum(lens_l), 256, 384
+    x = torch.randn(t, m, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    qx, qy = (quantize(v, e4, "blockwise", axis=0, block_size=128) for v in (x, y))
+    assert qx.data.stride(1) == 1  # token-major: not what TMA can load token-contiguously
+    p = _fp8_problem(qx, qy, lens, offs, False, True, torch.bfloat16, e4, e4, SG.BLOCKWISE, 128, False)
+    adapter = GG.TritonGroupedGemmFp8()
+    cfgs = list(adapter.configs(p))
+    assert GG._is_ws(cfgs[0])
+    out = adapter.run(p, qx, qy, lens, offs)
+    first_triton = next(c for c in cfgs if not GG._is_ws(c))
+    assert torch.equal(out, adapter.run(p, qx, qy, lens, offs, config=first_triton))
+    deq = [(q.data.double() * q.scale.double().repeat_interleave(128, dim=0)[:t]) for q in (qx, qy)]
+    ref = _reference(deq[0], deq[1], lens.cpu(), False, True)
+    for i, cnt in enumerate(lens_l):
+        if cnt == 0:
+            assert torch.equal(out[i].cpu(), torch.zeros(m, n, dtype=out.dtype))
+        else:
+            assert _rel(out[i].cpu(), ref[i]) <= 8e-3, (i, _rel(out[i].cpu(), ref[i]))
+    with pytest.raises(ValueError, match="token-contiguous"):
+        adapter.run(p, qx, qy, lens, offs, config=cfgs[0])

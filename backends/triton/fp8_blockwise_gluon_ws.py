@@ -491,6 +491,16 @@ def fp8_blockwise_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: t
     return c
 
 
+def grouped_operands_error(a: torch.Tensor, b_gnk: torch.Tensor) -> str | None:
+    """Why ``a`` [M, K] and ``b_gnk`` [G, N, K] cannot feed this kernel's TMA loads, or None: both
+    K-contiguous with 16-byte aligned rows and base, the groups of ``b_gnk`` stacked row after row
+    (its rows may be padded: it is read as a strided [G * N, K] view, not copied)."""
+    G, N, K = b_gnk.shape
+    if b_gnk.stride(2) != 1 or b_gnk.stride(0) != N * b_gnk.stride(1):
+        return f"b_gnk must be K-major with its groups stacked row after row (strides {tuple(b_gnk.stride())})"
+    return operands_error(a, b_gnk.as_strided((G * N, K), (b_gnk.stride(1), 1)))
+
+
 def fp8_blockwise_grouped_gemm(a: torch.Tensor, b_gnk: torch.Tensor, out: torch.Tensor, offs: torch.Tensor,
                                sa: torch.Tensor, sa_strides, sb: torch.Tensor, sb_strides, cfg,
                                b_group: int = 128) -> torch.Tensor:
@@ -513,12 +523,7 @@ def fp8_blockwise_grouped_gemm(a: torch.Tensor, b_gnk: torch.Tensor, out: torch.
                          f"{tuple(out.shape)}; need a [M, K], b_gnk [G, N, K], out [M, N]")
     if offs.numel() != G + 1:
         raise ValueError(f"fp8_blockwise_grouped_gemm: offs must have G + 1 = {G + 1} entries, got {offs.numel()}")
-    if b_gnk.stride(2) != 1 or b_gnk.stride(0) != N * b_gnk.stride(1):
-        raise ValueError("fp8_blockwise_grouped_gemm: b_gnk must be K-major with its groups stacked row after row "
-                         f"(strides {tuple(b_gnk.stride())})")
-    # Rows may be padded (row stride > K): a strided [G * N, K] view, not a copy.
-    b_rows = b_gnk.as_strided((G * N, K), (b_gnk.stride(1), 1))
-    why = available(a.device.index) or config_error(cfg, b_group) or operands_error(a, b_rows)
+    why = available(a.device.index) or config_error(cfg, b_group) or grouped_operands_error(a, b_gnk)
     if why:
         raise ValueError(f"fp8_blockwise_grouped_gemm: {why}")
     if M == 0 or N == 0:

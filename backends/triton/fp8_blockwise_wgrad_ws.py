@@ -354,7 +354,7 @@ def fp8_blockwise_wgrad(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, off
         raise ValueError(f"fp8_blockwise_wgrad: offs must have G + 1 = {G + 1} entries, got {offs.numel()}")
     if not out.is_contiguous():
         raise ValueError("fp8_blockwise_wgrad: out must be contiguous")
-    why = available(x.device.index) or config_error(cfg, qblock) or _operand_error(x, y)
+    why = available(x.device.index) or config_error(cfg, qblock) or operands_error(x, y)
     if why:
         raise ValueError(f"fp8_blockwise_wgrad: {why}")
     if out.numel() == 0:
@@ -367,7 +367,9 @@ def fp8_blockwise_wgrad(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, off
     return out
 
 
-def _operand_error(x: torch.Tensor, y: torch.Tensor) -> str | None:
+def operands_error(x: torch.Tensor, y: torch.Tensor) -> str | None:
+    """Why the wgrad operands ``x`` [T, M] and ``y`` [T, N] cannot feed this kernel, or None: fp8,
+    token-contiguous, 16-byte aligned column stride and base (TMA)."""
     for name, t in (("x", x), ("y", y)):
         if t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
             return f"{name} must be fp8 (e4m3fn or e5m2), got {t.dtype}"

@@ -32,6 +32,7 @@ never on group_lens values.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Optional, Sequence
 
@@ -41,6 +42,8 @@ from turbo_dispatch.adapter import Adapter
 from turbo_dispatch.low_precision import QuantizedTensor, ScalingGranularity
 
 from .configs import KERNEL_GLUON_WS, MAX_OCCUPANCY
+
+log = logging.getLogger("turbo_dispatch.backends.triton.grouped_gemm")
 
 Config = tuple  # (BM, BN, BK, GROUP_M, num_stages, num_warps, tma[, occupancy])
 
@@ -531,6 +534,10 @@ class TritonGroupedGemmFp8(_TritonAdapter):
                 return out.zero_()
             qx, sx, sxs = _wgrad_operand(x, p.a_fp8, gran, bs, mode)
             qy, sy, sys_ = _wgrad_operand(y, p.b_fp8, gran, bs, mode)
+            if _is_ws(cfg) and config is None:
+                from .fp8_blockwise_wgrad_ws import operands_error
+
+                cfg = _default_for_operands(p, cfg, operands_error(qx, qy))
             if _is_ws(cfg):
                 from .fp8_blockwise_wgrad_ws import fp8_blockwise_wgrad
 
@@ -555,12 +562,30 @@ class TritonGroupedGemmFp8(_TritonAdapter):
             qb, sb = _quant_rows(y if p.trans_b else y.transpose(1, 2), p.b_fp8, gran, bs, tile_2d=p.b_2d)
         sbs = (0, 0, 0) if mode == 1 else sb.stride()
         ndiv = bs if (gran is ScalingGranularity.BLOCKWISE and p.b_2d) else 1
+        if _is_ws(cfg) and config is None:
+            from .fp8_blockwise_gluon_ws import grouped_operands_error
+
+            cfg = _default_for_operands(p, cfg, grouped_operands_error(qa, qb))
         if _is_ws(cfg):
             from .fp8_blockwise_gluon_ws import fp8_blockwise_grouped_gemm
 
             return fp8_blockwise_grouped_gemm(qa, qb, out, offs, sa, sas, sb, sbs, cfg[:6], b_group=bs)
         return launch_fixed_k(qa, qb, out, offs, cfg, scale=mode, sa=sa, sa_strides=sas, sb=sb, sb_strides=sbs,
                               qblock=qblock, sb_ndiv=ndiv, upcast=up)
+
+
+def _default_for_operands(p, cfg: Config, why: str | None) -> Config:
+    """The default config when it can take these operands, else the first offered config of the
+    Triton kernels (which read any layout). The warp-specialised kernel's TMA loads need
+    K-contiguous, 16-byte aligned operands: the step's own quantisers always lay them out so, a
+    hand-made QuantizedTensor (token-major runs from ``quantize(x, axis=0)``, say) may not. Only an
+    unpinned call lands here; a pinned WS config raises the kernel's reason instead."""
+    if why is None:
+        return cfg
+    fallback = next(c for c in _fp8_configs(p) if not _is_ws(c))
+    log.debug("TRITON grouped fp8: default config %s cannot take these operands (%s); using %s",
+              tuple(cfg), why, tuple(fallback))
+    return fallback
 
 
 def _wgrad_operand(t, dtype: torch.dtype, gran: ScalingGranularity, bs: Optional[int], mode: int):
