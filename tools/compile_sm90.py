@@ -47,7 +47,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from turbo_dispatch.backends.triton import configs as C  # noqa: E402
-from turbo_dispatch.backends.triton import dual_quantize as DQ  # noqa: E402
 from turbo_dispatch.backends.triton import fp8_blockwise_gluon as GL  # noqa: E402
 from turbo_dispatch.backends.triton import fp8_blockwise_gluon_ws as GWS  # noqa: E402
 from turbo_dispatch.backends.triton import fp8_blockwise_wgrad_ws as GWW  # noqa: E402
@@ -242,23 +241,6 @@ def _grouped_wgrad_gluon_ws(cfg: tuple):
     return GWW._fp8_blockwise_wgrad_kernel.warmup(*args, **kwargs, grid=(1,))
 
 
-def _dual_quantize_tma(cfg: tuple):
-    """The TMA dual quantiser at DeepSeek-V3 up_gate: the activation [1, 32768, 7168] in token
-    runs, or the weight [8, 4096, 7168] in tiles; ``cfg`` is (tile_2d, stages, 0, 0, 0, warps,
-    programs per SM)."""
-    tile_2d, stages, warps = cfg[0], cfg[1], cfg[5]
-    g, r, c = (8, 4096, 7168) if tile_2d else (1, 32768, 7168)
-    x = torch.empty((g, r, c), dtype=torch.bfloat16)
-    data, data_t = torch.empty((g, r, c), dtype=E4), torch.empty((g, c, r), dtype=E4)
-    descs = [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 128, 128]) for t in (x, data, data_t)]
-    scale = torch.empty((g, r // 128, c // 128)) if tile_2d else torch.empty((g, r, c // 128))
-    scale_t = scale.transpose(1, 2) if tile_2d else torch.empty((g, r // 128, c))
-    return DQ._dual_quantize_tma_kernel.warmup(
-        *descs, scale, scale_t, r, c, r // 128, c // 128, g * (r // 128) * (c // 128), *scale.stride(), *scale_t.stride(),
-        TILE_2D=tile_2d, B=128, FP8_MAX=448.0, TINY=DQ._TINY, ROUND_FIRST=False, MANT_BITS=3, MIN_EXP=-6,
-        FAST_DIV=True, STAGES=stages, num_warps=warps, grid=(1,))
-
-
 def _dense_bf16(cfg: C.TileConfig):
     M, N, K = M_DENSE, N_DENSE, 4096
     a, b = torch.empty((M, K), dtype=torch.bfloat16), torch.empty((K, N), dtype=torch.bfloat16)
@@ -352,8 +334,6 @@ def families() -> dict:
         ("grouped_wgrad_bf16", GG._half_configs(vk_half), lambda c: _grouped_variable_k(c, 0, torch.bfloat16),
          grouped),
     ]
-    table.append(("dual_quantize_tma", [(tile, *DQ.TMA_LAUNCH[tile][1:2], 0, 0, 0, DQ.TMA_LAUNCH[tile][0],
-                                         DQ.TMA_LAUNCH[tile][2]) for tile in (False, True)], _dual_quantize_tma, 6))
     return {name: (cfgs, build, occ_at) for name, cfgs, build, occ_at in table}
 
 

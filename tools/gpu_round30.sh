@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One device call: the dual quantiser's TMA kernel (bits against the pointer kernel and
-# quantize_cells, then its launches swept against the pointer kernel at the step's operand shapes),
-# the grouped GPU tests that run it (the step in a CUDA graph, full op vs TORCH, every fp8 recipe)
-# and the default wgrad's fallback for token-major operands, and the step probe on the new default.
+# One device call (record; the probe and the kernel it timed were dropped after this run and live
+# in commit 64490b7): the dual quantiser's TMA kernel against the pointer kernel
+# (tools/probe_dual_quantize.py: bits, then launches swept at the step's operand shapes), the
+# grouped GPU tests that run the step and the default wgrad's fallback for token-major operands,
+# and the step probe.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 python3 -m pip install -e . --no-build-isolation --no-deps -q 2>&1 | tail -2

@@ -126,105 +126,22 @@ def _dual_quantize_kernel(
         tl.store(qt_ptr + g * sqtg + c64[None, :] * sqtc + r64[:, None], qt.to(qt_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
-def _dual_quantize_tma_kernel(
-    x_desc, q_desc, qt_desc, s_ptr, st_ptr,
-    R, C, n_rb, n_cb, n_tiles,
-    ssg, ssr, ssc, stg, str_, stc,
-    TILE_2D: tl.constexpr, B: tl.constexpr, FP8_MAX: tl.constexpr, TINY: tl.constexpr,
-    ROUND_FIRST: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, FAST_DIV: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    # Persistent over B x B tiles. Each tile comes in by one TMA copy and is read from registers
-    # once for both amaxes and both quantisations; the pointer kernel's chunked second read and
-    # its masked, byte-wide transposed stores are what kept it near 1.3 TB/s. With no dot in the
-    # loop Triton pipelines the descriptor loads across tiles (STAGES), so the next tiles' copies
-    # are in flight while this one is quantised. Out-of-bounds elements load as zeros (no effect
-    # on an amax) and out-of-bounds stores are dropped by the copy engine.
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    out_ty: tl.constexpr = q_desc.dtype
-    for t in tl.range(pid, n_tiles, nprog, num_stages=STAGES):
-        cb = t % n_cb
-        rest = t // n_cb
-        rb = rest % n_rb
-        g = rest // n_rb
-        v = x_desc.load([g, rb * B, cb * B]).reshape(B, B).to(tl.float32)
-        bits = tl.abs(v).to(tl.int32, bitcast=True)
-        col_bits = tl.max(bits, axis=0)
-        g64 = g.to(tl.int64)
-        if TILE_2D:
-            scale = _scale_of(tl.max(col_bits, axis=0).to(tl.float32, bitcast=True), FP8_MAX, TINY)
-            tl.store(s_ptr + g64 * ssg + rb * ssr + cb * ssc, scale)
-            q = _to_fp8(v, scale, FP8_MAX, ROUND_FIRST, MANT_BITS, MIN_EXP, FAST_DIV).to(out_ty)
-            qt = q
-        else:
-            rr = rb * B + tl.arange(0, B)
-            cc = cb * B + tl.arange(0, B)
-            row_scale = _scale_of(tl.max(bits, axis=1).to(tl.float32, bitcast=True), FP8_MAX, TINY)
-            col_scale = _scale_of(col_bits.to(tl.float32, bitcast=True), FP8_MAX, TINY)
-            tl.store(s_ptr + g64 * ssg + rr.to(tl.int64) * ssr + cb * ssc, row_scale, mask=rr < R)
-            tl.store(st_ptr + g64 * stg + rb * str_ + cc.to(tl.int64) * stc, col_scale, mask=cc < C)
-            q = _to_fp8(v, row_scale[:, None], FP8_MAX, ROUND_FIRST, MANT_BITS, MIN_EXP, FAST_DIV).to(out_ty)
-            qt = _to_fp8(v, col_scale[None, :], FP8_MAX, ROUND_FIRST, MANT_BITS, MIN_EXP, FAST_DIV).to(out_ty)
-        q_desc.store([g, rb * B, cb * B], q.reshape(1, B, B))
-        qt_desc.store([g, cb * B, rb * B], tl.trans(qt).reshape(1, B, B))
-
-
 #: (rows per chunk, warps) of the one-read kernel for runs (False) and 2-D tiles (True); a module
 #: global so that tools/probe_grouped_step.py can sweep it. H100, DeepSeek-V3 up_gate operands
 #: (x [32768, 7168], w [8, 4096, 7168]), block 128, with _quotient: (64, 4) 0.737 ms for x
 #: (1.27 TB/s of bf16 read + fp8 written; the two quantize_cells calls it replaces 0.880 ms) and
 #: 0.561 ms for w (1.68 TB/s; 0.747 ms); (32, 4) 0.922 / 0.616; 8 warps or 8-16 rows were slower.
+#: Tried and dropped (H100, same run, tools/gpu_round30.sh; the kernel is in commit 64490b7): a
+#: persistent kernel that brought each 128 x 128 tile in by one TMA copy (pipelined across tiles),
+#: quantised it from registers in one pass and wrote both layouts by TMA stores. Bit-identical, but
+#: 0.68x the speed of this kernel for runs and 0.64x for tiles at its best launch (8 warps, 3
+#: stages): the whole tile in registers (200-255 per thread, spills for tiles under triton 3.6)
+#: left one program per SM, and its stores went out one tile at a time behind the arithmetic.
 LAUNCH = {False: (64, 4), True: (64, 4)}
 #: Divide through ``_quotient`` (True) or div_rn per element; both give the same bits (checked on
 #: the H100 with zeros, signed zeros, subnormal-sized cells, inf and NaN). div_rn at (64, 4):
 #: 1.015 ms for x, 0.868 ms for w. The CPU interpreter always takes div_rn (its FMA is not fused).
 FAST_DIV = True
-#: The TMA kernel's (warps, pipeline stages, programs per SM) for runs (False) and 2-D tiles
-#: (True); a module global so that tools/probe_dual_quantize.py can sweep it. ``USE_TMA`` False
-#: keeps every launch on the pointer kernel (the probe's baseline).
-TMA_LAUNCH = {False: (8, 3, 1), True: (8, 3, 1)}
-USE_TMA = True
-
-
-def _tma_strides(t: torch.Tensor) -> list[int] | None:
-    """``t``'s strides for a 3-D TMA descriptor, or None where TMA cannot address it: the last
-    dimension must be contiguous, the others 16-byte multiples, the base 16-byte aligned. A size-1
-    leading dimension's stride is never followed, so any legal value stands in for it."""
-    es = t.element_size()
-    strides = list(t.stride())
-    if t.shape[0] == 1:
-        strides[0] = t.shape[1] * strides[1]
-    if strides[2] != 1 or t.data_ptr() % 16 or any((s * es) % 16 for s in strides[:2]):
-        return None
-    return strides
-
-
-def _launch_tma(x, data, data_t, scale, scale_t, dtype, block: int, tile_2d: bool, interpreting: bool) -> bool:
-    """Runs the TMA kernel when this GPU, Triton and these layouts allow it; False otherwise."""
-    from .gemm_kernels import TensorDescriptor, num_programs, tma_supported
-
-    if not USE_TMA or TensorDescriptor is None or not tma_supported(x.device.index or 0):
-        return False
-    layouts = [_tma_strides(t) for t in (x, data, data_t)]
-    if any(s is None for s in layouts):
-        return False
-    g, r, c = x.shape
-    box = [1, block, block]
-    x_desc, q_desc, qt_desc = (TensorDescriptor(t, list(t.shape), st, box) for t, st in zip((x, data, data_t), layouts))
-    n_rb, n_cb = -(-r // block), -(-c // block)
-    n_tiles = g * n_rb * n_cb
-    warps, stages, per_sm = TMA_LAUNCH[tile_2d]
-    grid = (min(n_tiles, num_programs(x.device.index or 0) * per_sm),)
-    _dual_quantize_tma_kernel[grid](
-        x_desc, q_desc, qt_desc, scale, scale_t, r, c, n_rb, n_cb, n_tiles,
-        *scale.stride(), *scale_t.stride(),
-        TILE_2D=tile_2d, B=block, FP8_MAX=FP8_MAX[dtype], TINY=_TINY,
-        ROUND_FIRST=interpreting, MANT_BITS=_MANT_BITS[dtype], MIN_EXP=_MIN_EXP[dtype],
-        FAST_DIV=FAST_DIV and not interpreting, STAGES=stages, num_warps=min(warps, block * block // 1024),
-    )
-    return True
 
 
 def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
@@ -264,10 +181,8 @@ def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
         scale_t = torch.empty((g, n_r, c), **f32)
     if g * r * c == 0:
         return data, scale, data_t, scale_t
-    interpreting = os.environ.get("TRITON_INTERPRET", "") == "1"
-    if _launch_tma(x, data, data_t, scale, scale_t, dtype, block, tile_2d, interpreting):
-        return data, scale, data_t, scale_t
     chunk, warps = LAUNCH[tile_2d]
+    interpreting = os.environ.get("TRITON_INTERPRET", "") == "1"
     _dual_quantize_kernel[(g * n_r, n_c)](
         x, data, data_t, scale, scale_t, r, c, n_r,
         *x.stride(), data.stride(0), data.stride(1), data_t.stride(0), data_t.stride(1),

@@ -528,6 +528,7 @@ def fp8_blockwise_grouped_gemm(a: torch.Tensor, b_gnk: torch.Tensor, out: torch.
         raise ValueError(f"fp8_blockwise_grouped_gemm: {why}")
     if M == 0 or N == 0:
         return out
+    b_rows = b_gnk.as_strided((G * N, K), (b_gnk.stride(1), 1))  # rows may be padded: a view, not a copy
     _launch(a, b_rows, out, offs, G, N, sa, sa_strides, sb, sb_strides, cfg, 1, b_group)
     return out
 
