@@ -127,11 +127,15 @@ class Timer:
         return statistics.median(samples)
 
     def time_interleaved(self, fns: Sequence[Callable[[], Any]],
-                         setups: Sequence[Callable[[], Any] | None] | None = None) -> list[float]:
-        """Median milliseconds of each of ``fns``, timed in turns: every repeat times each
-        function once (starting from a different one each repeat), so slow drifts of the GPU
-        (clocks falling as it heats) reach all of them alike. ``setups[j]`` runs, untimed, before
-        each call of ``fns[j]``. The repeat count comes from the slowest function's estimate."""
+                         setups: Sequence[Callable[[], Any] | None] | None = None, per_turn: int = 2) -> list[float]:
+        """Median milliseconds of each of ``fns``, timed in turns, so that slow drifts of the GPU
+        (clocks falling as it heats) reach all of them alike. A turn of ``fns[j]`` runs
+        ``setups[j]``, one untimed call, then ``per_turn`` timed calls; the untimed call warms
+        what the setup dropped (pinning a backend starts a new settings generation, whose
+        dispatch decisions are then resolved again: host work that would otherwise show as GPU
+        idle time, and that training never pays between steps, since its settings stay put).
+        Turns rotate their starting function; the repeat count comes from the slowest function's
+        first samples."""
         setups = list(setups) if setups is not None else [None] * len(fns)
         calls = [(lambda i, fn=fn: fn()) for fn in fns]
         for call, setup in zip(calls, setups):
@@ -141,12 +145,23 @@ class Timer:
                 call(i)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        samples = [[self._one(call, 0, setup)] for call, setup in zip(calls, setups)]
-        slowest = max(s[0] for s in samples) if samples else 0.0
+        samples: list[list[float]] = [[] for _ in calls]
+
+        def turn(j: int, i: int) -> None:
+            if setups[j]:
+                setups[j]()
+            calls[j](i)
+            samples[j] += [self._one(calls[j], i + k, None) for k in range(per_turn)]
+
+        for j in range(len(calls)):
+            turn(j, 0)
+        slowest = max(statistics.median(s) for s in samples) if samples else 0.0
         repeats = int(min(self.max_repeats, max(self.min_repeats, self.target_ms / max(slowest, 1e-3))))
-        for i in range(1, repeats):
-            for j in rotated(range(len(calls)), i):
-                samples[j].append(self._one(calls[j], i, setups[j]))
+        t = 1
+        while samples and min(len(s) for s in samples) < repeats:
+            for j in rotated(range(len(calls)), t):
+                turn(j, t * per_turn)
+            t += 1
         return [statistics.median(s) for s in samples]
 
     def _one(self, call, i: int, setup) -> float:
@@ -337,8 +352,8 @@ def time_rows(entries: Sequence[tuple[Row, Any]], timer: Timer, inputs: tuple, g
     note, then forward, backward and step times (backward and step where ``grad`` is given and
     ``wants_grad(variant)``). Rows that failed the gate are not timed.
 
-    Each metric is timed *in turns* (``Timer.time_interleaved``): repeat i times every variant
-    once before repeat i + 1 starts. Timed one after another, a large shape's later variants ran
+    Each metric is timed *in turns* (``Timer.time_interleaved``): every variant gets a turn
+    (its pin, one untimed call, two timed ones) before any gets its next. Timed one after another, a large shape's later variants ran
     on a hotter, lower-clocked GPU (H100: identical torch kernels measured up to 8% apart at
     Qwen2.5-72B gate_up when timed in blocks); in turns every variant sees the same GPU.
     ``variant.enter`` (its backend pin), where it has one, runs before each of its calls, untimed.

@@ -80,18 +80,19 @@ def _harness():
 
 
 def test_time_interleaved_takes_turns():
-    """Each repeat times every function once, starting from a different one, and each function's
-    setup runs right before each of its calls (warm-ups included)."""
+    """Every function gets a turn (its setup, one untimed call, per_turn timed calls) before any
+    gets its next, turns starting from a different function each round; warm-ups run first."""
     import torch
     H = _harness()
     log: list[str] = []
     timer = H.Timer(torch.device("cpu"), warmup=1, min_repeats=3, max_repeats=3)
     fns = [lambda n=n: log.append(n) for n in "abc"]
     setups = [lambda n=n: log.append(n.upper()) for n in "abc"]
-    times = timer.time_interleaved(fns, setups)
+    times = timer.time_interleaved(fns, setups, per_turn=2)
     assert len(times) == 3 and all(t >= 0 for t in times)
     calls = "".join(log)
-    assert calls == "AaBbCc" + "AaBbCc" + "BbCcAa" + "CcAaBb", calls
+    # warm-ups, then round 0 (each: setup, untimed call, two timed), then round 1 from b
+    assert calls == "AaBbCc" + "AaaaBbbbCccc" + "BbbbCcccAaaa", calls
 
 
 def test_time_rows_times_only_passes_and_wanted_grads():
