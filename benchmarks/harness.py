@@ -340,12 +340,6 @@ def rotated(items: Sequence[Any], shift: int) -> list[Any]:
     return items[shift:] + items[:shift]
 
 
-def note_and_time(row: Row, v: Any, timer: Timer, inputs: tuple, grad: torch.Tensor | None) -> Row:
-    """``time_rows`` for one variant."""
-    time_rows([(row, v)], timer, inputs, grad)
-    return row
-
-
 def time_rows(entries: Sequence[tuple[Row, Any]], timer: Timer, inputs: tuple, grad: torch.Tensor | None,
               wants_grad: Callable[[Any], bool] = lambda v: True) -> None:
     """After the gate, for one shape's variants (``(row, variant)`` pairs): each variant's explain
@@ -389,13 +383,6 @@ def time_rows(entries: Sequence[tuple[Row, Any]], timer: Timer, inputs: tuple, g
                                   setups)
     for (row, _, _), b, st in zip(back, bwd, step):
         row.bwd_ms, row.step_ms = b, st
-    row.fwd_ms = timer.time_ms(v.fwd)
-    if grad is not None:
-        out = v.fwd()
-        row.bwd_ms = timer.time_ms(lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True))
-        del out
-        row.step_ms = timer.time_ms(lambda: torch.autograd.grad(v.fwd(), inputs, grad))
-    return row
 
 
 def assign_ratios(rows: list[Row]) -> None:

@@ -114,7 +114,12 @@ def test_time_rows_times_only_passes_and_wanted_grads():
     rows[0].check, rows[1].check, rows[2].check = ok, ok, bad  # rows[3]: not served (no check)
     vs = [variant("p"), variant("q", grads=False), variant("f"), variant("u")]
     timer = H.Timer(torch.device("cpu"), warmup=1, min_repeats=2, max_repeats=2)
+    timed = []
+    real = timer.time_interleaved
+    timer.time_interleaved = lambda fns, setups: timed.append(len(fns)) or real(fns, setups)
+    timer.time_ms = lambda *a, **k: pytest.fail("time_rows timed a variant on its own, not in turns")
     H.time_rows(list(zip(rows, vs)), timer, (x,), grad, wants_grad=lambda v: v.grads)
+    assert timed == [2, 1, 1]  # forward of both PASSes, then backward and step of the one with grads
     assert rows[0].fwd_ms is not None and rows[0].bwd_ms is not None and rows[0].step_ms is not None
     assert rows[1].fwd_ms is not None and rows[1].bwd_ms is None and rows[1].step_ms is None
     assert all(r.fwd_ms is None and r.step_ms is None for r in rows[2:])
