@@ -122,7 +122,7 @@ class Timer:
             torch.cuda.synchronize(self.device)
         # one timed call to size the number of repeats
         estimate = self._one(call, 0, setup)
-        repeats = int(min(self.max_repeats, max(self.min_repeats, self.target_ms / max(estimate, 1e-3))))
+        repeats = self._repeats(estimate)
         samples = [estimate] + [self._one(call, i + 1, setup) for i in range(repeats - 1)]
         return statistics.median(samples)
 
@@ -155,14 +155,18 @@ class Timer:
 
         for j in range(len(calls)):
             turn(j, 0)
-        slowest = max(statistics.median(s) for s in samples) if samples else 0.0
-        repeats = int(min(self.max_repeats, max(self.min_repeats, self.target_ms / max(slowest, 1e-3))))
+        repeats = self._repeats(max(statistics.median(s) for s in samples) if samples else 0.0)
         t = 1
         while samples and min(len(s) for s in samples) < repeats:
             for j in rotated(range(len(calls)), t):
                 turn(j, t * per_turn)
             t += 1
         return [statistics.median(s) for s in samples]
+
+    def _repeats(self, estimate_ms: float) -> int:
+        """Samples per measurement: ``target_ms`` worth of calls of ``estimate_ms`` each, clamped to
+        [min_repeats, max_repeats]."""
+        return int(min(self.max_repeats, max(self.min_repeats, self.target_ms / max(estimate_ms, 1e-3))))
 
     def _one(self, call, i: int, setup) -> float:
         if setup:
@@ -347,9 +351,10 @@ def time_rows(entries: Sequence[tuple[Row, Any]], timer: Timer, inputs: tuple, g
     ``wants_grad(variant)``). Rows that failed the gate are not timed.
 
     Each metric is timed *in turns* (``Timer.time_interleaved``): every variant gets a turn
-    (its pin, one untimed call, two timed ones) before any gets its next. Timed one after another, a large shape's later variants ran
-    on a hotter, lower-clocked GPU (H100: identical torch kernels measured up to 8% apart at
-    Qwen2.5-72B gate_up when timed in blocks); in turns every variant sees the same GPU.
+    (its pin, one untimed call, two timed ones) before any gets its next. Timed one after
+    another, a large shape's later variants ran on a hotter, lower-clocked GPU (H100: identical
+    torch kernels measured up to 8% apart at Qwen2.5-72B gate_up when timed in blocks); in turns
+    every variant sees the same GPU.
     ``variant.enter`` (its backend pin), where it has one, runs before each of its calls, untimed.
     """
     live = []
