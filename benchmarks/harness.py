@@ -5,11 +5,16 @@ Every benchmark script builds ``Row`` objects through ``Bench`` and calls ``writ
 * timing (``time_ms``): CUDA events around each call, an L2 flush (a write of twice the L2 size)
   before every timed call so no operand is served from cache, optional rotation over several
   input sets, a few warm-ups, then the *median* of a number of repeats chosen from a time budget
-  (more repeats for short calls, at least ``min_repeats`` for long ones). On the CPU it uses
+  (more repeats for short calls, at least ``min_repeats`` for long ones). A GPU spin before each
+  timed call, sized to the call's host issue time measured in its untimed calls, keeps the host's
+  time out of the window, so the times are GPU time. On the CPU it uses
   ``time.perf_counter`` and the reports say that CPU timings are meaningless (smoke runs only);
 * the ``check`` column: PASS/FAIL from a gate against a float64 (CPU) / float32 (GPU) reference:
   relative error for bf16/fp16 outputs, SNR for fp8 (25 dB E4M3, 20 dB with E5M2). A FAIL *voids*
   the timing: TFLOPS and ratios are left empty, so a wrong-but-fast kernel never scores;
+* ``step_host_ms``: the host's time to issue one forward+backward step (the forward's where no
+  step is timed), measured around the timed calls; where it nears ``step_ms``, the host, not the
+  GPU, would bound a training loop (on the CPU it is the wall time);
 * ``ratio_vs_best_peer``: for each shape, (best time among the PASSing peer rows) / (this row's
   time) on the headline metric (combined step when timed, else forward); > 1 means faster than
   the best plain-PyTorch peer;
@@ -42,7 +47,8 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 #: CSV columns every op writes, in order; op-specific extras (``Row.extra``) follow them.
 BASE_COLUMNS = ["op", "shape", "model", "mb", "m", "n", "k", "backend", "check", "snr_db", "rel_err", "fwd_ms",
-                "bwd_ms", "step_ms", "fwd_tflops", "step_tflops", "ratio_vs_best_peer", "peer", "note"]
+                "bwd_ms", "step_ms", "fwd_tflops", "step_tflops", "step_host_ms", "ratio_vs_best_peer", "peer",
+                "note"]
 
 REL_TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 5e-3}
 
@@ -87,13 +93,49 @@ def environment(device: torch.device) -> dict[str, str]:
 
 
 # -- timing ----------------------------------------------------------------------------------------
-#: GPU clock cycles of the spin before each timed call: ~0.5 ms at Hopper clocks (1.6-2 GHz).
+#: GPU clock cycles of the spin before each timed call, at least: ~0.5 ms at Hopper clocks
+#: (1.6-2 GHz). Calls whose host issue time is longer get a longer spin (``cover_cycles``).
 _HOST_COVER_CYCLES = 1_000_000
+#: The longest spin, in ms of GPU time: a host stall measured in the untimed calls (a collection,
+#: a compile) must not make every timed call of the function wait that long.
+_HOST_COVER_CAP_MS = 50.0
+#: The spin is sized to 1.5x the function's typical host issue time plus 0.1 ms. The typical time
+#: is a median of a few untimed calls, and a call's host time varies from call to call (Python,
+#: the allocator, the launch queue); the 0.1 ms pays for the start event's record and whatever a
+#: very short call's median misses. Too long a spin only costs the bench wall time (it runs
+#: before the start event); too short a one lets host time count as GPU time, hence the margin.
+_HOST_COVER_MARGIN = 1.5
+_HOST_COVER_SLACK_MS = 0.1
+#: Plausible GPU clocks for the ``torch.cuda._sleep`` calibration (0.1-5 GHz, in cycles per ms);
+#: outside it the measurement is taken as broken and ``_FALLBACK_CYCLES_PER_MS`` (2 GHz) is used.
+_CYCLES_PER_MS_RANGE = (1e5, 5e6)
+_FALLBACK_CYCLES_PER_MS = 2e6
+
+
+def cover_cycles(host_ms: float, cycles_per_ms: float, floor: int = _HOST_COVER_CYCLES,
+                 cap_ms: float = _HOST_COVER_CAP_MS) -> int:
+    """GPU cycles of the spin that covers a call whose typical host issue time is ``host_ms``:
+    (host_ms x margin + slack) worth of cycles, at least ``floor``, at most ``cap_ms`` worth."""
+    need = math.ceil((max(host_ms, 0.0) * _HOST_COVER_MARGIN + _HOST_COVER_SLACK_MS) * cycles_per_ms)
+    return int(min(max(floor, need), math.ceil(cap_ms * cycles_per_ms)))
+
+
+def _typical_ms(samples: Sequence[float]) -> float:
+    """Median host time of a function's untimed calls, leaving out the first where there are
+    more: a first call may compile or autotune (seconds), which no later call repeats."""
+    rest = list(samples[1:]) or list(samples)
+    return statistics.median(rest) if rest else 0.0
 
 
 class Timer:
-    """Median-of-repeats timing with CUDA events and an L2 flush before each timed call; a short
-    GPU spin before the start event hides the host's launch time, so rows compare GPU time.
+    """Median-of-repeats timing with CUDA events and an L2 flush before each timed call, so rows
+    compare GPU time. The host's time to issue a call would otherwise count as GPU time (the GPU
+    idles inside the timed window while the host enqueues the work), so a GPU spin before the
+    start event covers it: the spin is sized per function to its host issue time measured in the
+    untimed calls (see ``cover_cycles``; at least ~0.5 ms, at most 50 ms). Host time is reported
+    apart: after each ``time_ms`` / ``time_interleaved``, ``last_host_ms`` holds each function's
+    median host issue time (ms) over its timed calls, where the host, not the GPU, would bound a
+    loop of such calls. Dispatch overhead has its own benchmark (bench_dispatch_overhead.py).
 
     ``target_ms`` bounds how long one measurement takes: repeats = target / (estimated time of one
     call), clamped to [min_repeats, max_repeats]. ``quick`` cuts warm-ups and repeats for smoke runs.
@@ -103,6 +145,9 @@ class Timer:
                  target_ms: float = 150.0):
         self.device = device
         self.warmup, self.min_repeats, self.max_repeats, self.target_ms = warmup, min_repeats, max_repeats, target_ms
+        #: host issue time (ms) of each function of the last ``time_ms`` (one) / ``time_interleaved`` call
+        self.last_host_ms: list[float] = []
+        self._cycles_per_ms: float | None = None  # calibrated on the first covered call
         self._flush = None
         if device.type == "cuda":
             l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20) or (50 << 20)
@@ -111,20 +156,23 @@ class Timer:
     def time_ms(self, fn: Callable[..., Any], sets: Sequence[Any] | None = None,
                 setup: Callable[[], Any] | None = None) -> float:
         """Median milliseconds of ``fn()`` (or ``fn(sets[i % len(sets)])`` rotating input sets).
-        ``setup`` runs before each call, untimed (e.g. to drop gradients)."""
+        ``setup`` runs before each call, untimed (e.g. to drop gradients). Sets ``last_host_ms``
+        to ``[host issue time of fn]``."""
         call = (lambda i: fn()) if not sets else (lambda i: fn(sets[i % len(sets)]))
         gpu = self.device.type == "cuda"
+        untimed: list[float] = []
         for i in range(self.warmup):
             if setup:
                 setup()
-            call(i)
+            self._untimed(call, i, untimed)
         if gpu:
             torch.cuda.synchronize(self.device)
         # one timed call to size the number of repeats
-        estimate = self._one(call, 0, setup)
-        repeats = self._repeats(estimate)
-        samples = [estimate] + [self._one(call, i + 1, setup) for i in range(repeats - 1)]
-        return statistics.median(samples)
+        first = self._one(call, 0, setup, untimed)
+        repeats = self._repeats(first[0])
+        samples = [first] + [self._one(call, i + 1, setup, untimed) for i in range(repeats - 1)]
+        self.last_host_ms = [self._host_ms([h for _, h in samples], untimed)]
+        return statistics.median(ms for ms, _ in samples)
 
     def time_interleaved(self, fns: Sequence[Callable[[], Any]],
                          setups: Sequence[Callable[[], Any] | None] | None = None, per_turn: int = 2) -> list[float]:
@@ -135,59 +183,107 @@ class Timer:
         dispatch decisions are then resolved again: host work that would otherwise show as GPU
         idle time, and that training never pays between steps, since its settings stay put).
         Turns rotate their starting function; the repeat count comes from the slowest function's
-        first samples."""
+        first samples. Sets ``last_host_ms`` to each function's host issue time."""
         setups = list(setups) if setups is not None else [None] * len(fns)
         calls = [(lambda i, fn=fn: fn()) for fn in fns]
-        for call, setup in zip(calls, setups):
+        untimed: list[list[float]] = [[] for _ in calls]
+        for j, (call, setup) in enumerate(zip(calls, setups)):
             for i in range(self.warmup):
                 if setup:
                     setup()
-                call(i)
+                self._untimed(call, i, untimed[j])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        samples: list[list[float]] = [[] for _ in calls]
+        samples: list[list[tuple[float, float]]] = [[] for _ in calls]  # (GPU ms, host ms) per timed call
 
         def turn(j: int, i: int) -> None:
             if setups[j]:
                 setups[j]()
-            calls[j](i)
-            samples[j] += [self._one(calls[j], i + k, None) for k in range(per_turn)]
+            self._untimed(calls[j], i, untimed[j])
+            samples[j] += [self._one(calls[j], i + k, None, untimed[j]) for k in range(per_turn)]
 
         for j in range(len(calls)):
             turn(j, 0)
-        repeats = self._repeats(max(statistics.median(s) for s in samples) if samples else 0.0)
+        repeats = self._repeats(max(statistics.median(ms for ms, _ in s) for s in samples) if samples else 0.0)
         t = 1
         while samples and min(len(s) for s in samples) < repeats:
             for j in rotated(range(len(calls)), t):
                 turn(j, t * per_turn)
             t += 1
-        return [statistics.median(s) for s in samples]
+        self.last_host_ms = [self._host_ms([h for _, h in s], u) for s, u in zip(samples, untimed)]
+        return [statistics.median(ms for ms, _ in s) for s in samples]
 
     def _repeats(self, estimate_ms: float) -> int:
         """Samples per measurement: ``target_ms`` worth of calls of ``estimate_ms`` each, clamped to
         [min_repeats, max_repeats]."""
         return int(min(self.max_repeats, max(self.min_repeats, self.target_ms / max(estimate_ms, 1e-3))))
 
-    def _one(self, call, i: int, setup) -> float:
+    @staticmethod
+    def _host_ms(timed: Sequence[float], untimed: Sequence[float]) -> float:
+        """A function's host issue time: the median over its timed calls, the steady state (the
+        untimed calls of ``time_interleaved`` follow a backend pin and resolve dispatch decisions
+        again). A call that waits on the GPU (a host sync) would also wait out the cover's spin in
+        a timed call, which the untimed calls, started on an idle GPU, do not; the smaller of the
+        two medians is right in both cases."""
+        ms = statistics.median(timed)
+        return min(ms, _typical_ms(untimed)) if untimed else ms
+
+    def _untimed(self, call, i: int, host: list[float]) -> None:
+        """One untimed call; appends its host issue time (ms, no synchronize inside) to ``host``."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # an idle GPU: the host time holds no wait for earlier work
+        t0 = time.perf_counter()
+        call(i)
+        host.append((time.perf_counter() - t0) * 1e3)
+
+    def _cover_cycles_per_ms(self) -> float:
+        """GPU cycles per ms of ``torch.cuda._sleep``, measured once per Timer: the spin counts
+        clock cycles, and the clock differs by GPU and by power state. The larger of two
+        measurements is kept (a higher clock means more cycles per ms: a spin sized from it
+        errs long, the safe side)."""
+        if self._cycles_per_ms is None:
+            n = 10_000_000  # ~5 ms at 2 GHz: launch costs are noise against it
+            torch.cuda._sleep(_HOST_COVER_CYCLES)  # warm-up: loads the kernel, raises the clock
+            rates = []
+            for _ in range(2):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                torch.cuda._sleep(n)
+                end.record()
+                end.synchronize()
+                ms = start.elapsed_time(end)
+                rates.append(n / ms if ms > 0 else 0.0)
+            rate = max(rates)
+            lo, hi = _CYCLES_PER_MS_RANGE
+            self._cycles_per_ms = rate if lo <= rate <= hi else _FALLBACK_CYCLES_PER_MS
+        return self._cycles_per_ms
+
+    def _one(self, call, i: int, setup, untimed_host: Sequence[float] = ()) -> tuple[float, float]:
+        """(GPU ms, host issue ms) of one timed call; ``untimed_host``: the function's host times
+        from its untimed calls, which size the cover. On the CPU both are the wall time."""
         if setup:
             setup()
         if self.device.type != "cuda":
             t0 = time.perf_counter()
             call(i)
-            return (time.perf_counter() - t0) * 1e3
+            ms = (time.perf_counter() - t0) * 1e3
+            return ms, ms
         self._flush.zero_()  # evicts the operands from L2 (written after the previous call ended)
         if hasattr(torch.cuda, "_sleep"):
             # Keep the GPU busy while the host issues the call, so the events time the GPU work
-            # alone: otherwise a wrapper's host time (Python, dispatch, autograd; tens to hundreds
-            # of us) would count as GPU time on small shapes. Host overhead has its own benchmark
-            # (bench_dispatch_overhead.py).
-            torch.cuda._sleep(_HOST_COVER_CYCLES)
+            # alone: otherwise the host time (Python, dispatch, autograd: tens of us for one
+            # wrapper, 1-2 ms for an fp8 grouped training step) would count as GPU time, the GPU
+            # idling inside the window while it waits for launches. The spin is sized to this
+            # function's measured host time (a fixed ~0.5 ms left longer steps uncovered).
+            torch.cuda._sleep(cover_cycles(_typical_ms(untimed_host), self._cover_cycles_per_ms()))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         call(i)
+        host_ms = (time.perf_counter() - t0) * 1e3
         end.record()
         end.synchronize()
-        return start.elapsed_time(end)
+        return start.elapsed_time(end), host_ms
 
 
 def sync(device: torch.device) -> None:
@@ -275,7 +371,9 @@ def failed(reason: str) -> Check:
 @dataclass
 class Row:
     """One (shape, backend) measurement. ``flops`` counts the forward (2*M*N*K summed over the
-    GEMMs); a step (fwd + dgrad + wgrad) counts ``step_flops`` (3x the forward unless given)."""
+    GEMMs); a step (fwd + dgrad + wgrad) counts ``step_flops`` (3x the forward unless given).
+    ``step_host_ms``: the host's time to issue one step (the forward's where no step is timed);
+    where it nears ``step_ms`` the host, not the GPU, would bound a training loop."""
 
     op: str
     shape: str
@@ -291,6 +389,7 @@ class Row:
     fwd_ms: float | None = None
     bwd_ms: float | None = None
     step_ms: float | None = None
+    step_host_ms: float | None = None
     peer: bool = False
     note: str = ""
     extra: dict = field(default_factory=dict)
@@ -326,6 +425,7 @@ class Row:
                                                                else ""),
             "fwd_ms": num(self.fwd_ms), "bwd_ms": num(self.bwd_ms), "step_ms": num(self.step_ms),
             "fwd_tflops": num(self.tflops("fwd"), 1), "step_tflops": num(self.tflops("step"), 1),
+            "step_host_ms": num(self.step_host_ms),
             "ratio_vs_best_peer": num(self.ratio, 3), "peer": "yes" if self.peer else "",
             "note": "; ".join(filter(None, [self.note] + (c.reasons if c else []))),
         }
@@ -371,8 +471,9 @@ def time_rows(entries: Sequence[tuple[Row, Any]], timer: Timer, inputs: tuple, g
     if not live:
         return
     setups = [enter for _, _, enter in live]
-    for (row, _, _), ms in zip(live, timer.time_interleaved([v.fwd for _, v, _ in live], setups)):
-        row.fwd_ms = ms
+    fwd = timer.time_interleaved([v.fwd for _, v, _ in live], setups)
+    for (row, _, _), ms, host in zip(live, fwd, timer.last_host_ms):
+        row.fwd_ms, row.step_host_ms = ms, host  # the step's host time replaces it where a step is timed
     back = [(row, v, enter) for row, v, enter in live if grad is not None and wants_grad(v)]
     if not back:
         return
@@ -386,8 +487,8 @@ def time_rows(entries: Sequence[tuple[Row, Any]], timer: Timer, inputs: tuple, g
     del outs
     step = timer.time_interleaved([lambda v=v: torch.autograd.grad(v.fwd(), inputs, grad) for _, v, _ in back],
                                   setups)
-    for (row, _, _), b, st in zip(back, bwd, step):
-        row.bwd_ms, row.step_ms = b, st
+    for (row, _, _), b, st, host in zip(back, bwd, step, timer.last_host_ms):
+        row.bwd_ms, row.step_ms, row.step_host_ms = b, st, host
 
 
 def assign_ratios(rows: list[Row]) -> None:

@@ -38,7 +38,8 @@ def _run(script: str, args: list[str], out_dir: Path) -> list[dict]:
         assert "matplotlib is not installed" in proc.stdout
     with open(csvs[0]) as fh:
         rows = list(csv.DictReader(fh))
-    assert rows and {"check", "snr_db", "fwd_tflops", "step_tflops", "ratio_vs_best_peer"} <= set(rows[0])
+    assert rows and {"check", "snr_db", "fwd_tflops", "step_tflops", "step_host_ms",
+                     "ratio_vs_best_peer"} <= set(rows[0])
     for r in rows:
         assert r["check"] in ("PASS", "FAIL", "SKIP")
         if r["check"] != "PASS":
@@ -125,3 +126,71 @@ def test_time_rows_times_only_passes_and_wanted_grads():
     assert all(r.fwd_ms is None and r.step_ms is None for r in rows[2:])
     assert [r.note for r in rows] == ["note p", "note q", "note f", "note u"]
     assert set(entered) == {"p", "q", "f", "u"}
+
+
+def test_cover_cycles_floor_scale_cap():
+    """The spin before a timed call is the floor for short host times, grows with the host time
+    (with a margin: it must outlast the host's issue, not just match it) and stops at the cap."""
+    H = _harness()
+    cpm = 2e6  # 2 GHz
+    floor, cap_ms = 1_000_000, 50.0
+    assert H.cover_cycles(0.0, cpm, floor, cap_ms) == floor
+    assert H.cover_cycles(0.05, cpm, floor, cap_ms) == floor
+    small, large = H.cover_cycles(2.0, cpm, floor, cap_ms), H.cover_cycles(4.0, cpm, floor, cap_ms)
+    assert small > 2.0 * cpm and large > 4.0 * cpm  # longer than the host time itself
+    assert large > small > floor
+    assert H.cover_cycles(1000.0, cpm, floor, cap_ms) == int(cap_ms * cpm)
+    # a slower clock (fewer cycles per ms) needs fewer cycles for the same host time
+    assert H.cover_cycles(4.0, 1e6, floor, cap_ms) < large
+
+
+def test_time_interleaved_records_host_time_per_fn():
+    """time_interleaved and time_ms leave each function's host issue time in last_host_ms, in the
+    order of the functions: a call that sleeps 10 ms on the host shows it, a trivial one does not."""
+    import time
+    import torch
+    H = _harness()
+    timer = H.Timer(torch.device("cpu"), warmup=1, min_repeats=2, max_repeats=2)
+    times = timer.time_interleaved([lambda: None, lambda: time.sleep(0.01)])
+    assert len(times) == 2 and len(timer.last_host_ms) == 2
+    quick, slow = timer.last_host_ms
+    assert slow >= 9.5 and quick < 5.0
+    timer.time_ms(lambda: time.sleep(0.01))
+    assert len(timer.last_host_ms) == 1 and timer.last_host_ms[0] >= 9.5
+
+
+def test_time_rows_sets_step_host_ms():
+    """time_rows stores the step's host time on rows that time a step, the forward's on rows that
+    time only the forward, none on rows not timed; the CSV carries the column after step_tflops."""
+    import time
+    import torch
+    from types import SimpleNamespace
+    H = _harness()
+    x = torch.randn(4, 3, requires_grad=True)
+    grad = torch.randn(4, 3)
+
+    class SlowBackward(torch.autograd.Function):
+        """x * 2 with a backward that takes 4 ms of host time: only a step's host time has it."""
+
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2.0
+
+        @staticmethod
+        def backward(ctx, g):
+            time.sleep(0.004)
+            return g * 2.0
+
+    vs = [SimpleNamespace(fwd=lambda: SlowBackward.apply(x), grads=True),
+          SimpleNamespace(fwd=lambda: x * 2.0, grads=False), SimpleNamespace(fwd=lambda: x * 2.0, grads=True)]
+    rows = [H.Row(op="t", shape="s", backend=n) for n in ("step", "fwd", "fail")]
+    rows[0].check, rows[1].check, rows[2].check = H.Check(True), H.Check(True), H.Check(False)
+    timer = H.Timer(torch.device("cpu"), warmup=1, min_repeats=2, max_repeats=2)
+    H.time_rows(list(zip(rows, vs)), timer, (x,), grad, wants_grad=lambda v: v.grads)
+    step, fwd, fail = rows
+    assert step.step_ms is not None and step.step_host_ms is not None and step.step_host_ms >= 3.5
+    assert fwd.step_ms is None and fwd.step_host_ms is not None and fwd.step_host_ms < 3.5
+    assert fail.step_host_ms is None
+    cols = H.BASE_COLUMNS
+    assert cols.index("step_host_ms") == cols.index("step_tflops") + 1
+    assert step.as_dict()["step_host_ms"] == round(step.step_host_ms, 4) and fail.as_dict()["step_host_ms"] == ""

@@ -308,7 +308,22 @@ def _case_quantize():
 
 def _case_dual_quantize():
     """The one-read dual quantiser gives bit for bit what two quantisations give (reference
-    quantize: the same math as quantize_cells), strided inputs, odd sizes, zero runs, a NaN."""
+    quantize: the same math as quantize_cells), strided inputs, odd sizes, zero runs, a NaN, for
+    every shape of launch (chunked or unrolled amax walk; transposed copy from a second load or
+    from the row-major chunk)."""
+    import turbo_dispatch.backends.triton.dual_quantize as DQ
+
+    default = dict(DQ.LAUNCH)
+    try:
+        for runs, tiles in (((16, 4, 0, True), (64, 4, 0, False)), ((64, 4, 0, False), (32, 4, 64, False)),
+                            ((8, 4, 64, True), (16, 4, 32, False))):
+            DQ.LAUNCH.update({False: runs, True: tiles})
+            _dual_quantize_checks()
+    finally:
+        DQ.LAUNCH.update(default)
+
+
+def _dual_quantize_checks():
     from turbo_dispatch.backends.triton.dual_quantize import dual_quantize
     from turbo_dispatch.low_precision import quantize
 

@@ -61,12 +61,34 @@ def time_ms(fn, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+#: Launches (dual_quantize.LAUNCH values) the sweep times and the check covers: the launch kept
+#: before the transposed second load (64, 4, 0, False) first, for comparison.
+RUNS_LAUNCHES = [(64, 4, 0, False), (32, 4, 0, True), (32, 4, 64, True)]
+TILES_LAUNCHES = [(64, 4, 0, False), (32, 4, 64, False), (32, 4, 128, False)]
+#: dual_quantize_gluon.LAUNCH values (rows per read chunk, rows per transposed chunk, warps).
+GLUON_LAUNCHES = [(32, 32, 4), (16, 32, 4), (64, 32, 4), (32, 64, 4), (32, 32, 8), (64, 64, 8)]
+
+
 def check_dual() -> bool:
+    """Bit-exactness of every launch in RUNS_LAUNCHES / TILES_LAUNCHES and both FAST_DIV modes."""
     import turbo_dispatch.backends.triton.dual_quantize as DQ
 
-    ok, chosen = True, DQ.FAST_DIV
-    for dt, fast in ((E4, True), (E5, True), (E4, False)):
+    ok, default = True, (DQ.FAST_DIV, dict(DQ.LAUNCH))
+    import turbo_dispatch.backends.triton.dual_quantize_gluon as DG
+
+    gluon_default = DG.LAUNCH
+    # Triton kernel (GLUON off): every launch in e4m3 with FAST_DIV (each is a compile); e5m2 and
+    # div_rn at the default launch. Gluon kernel (block 128; block 64 still takes Triton): every
+    # launch in e4m3, the default in e5m2.
+    combos = [(E4, True, r, t, False, gluon_default) for r, t in zip(RUNS_LAUNCHES, TILES_LAUNCHES)]
+    combos += [(dt, fast, DQ.LAUNCH[False], DQ.LAUNCH[True], False, gluon_default)
+               for dt, fast in ((E5, True), (E4, False))]
+    combos += [(E4, True, DQ.LAUNCH[False], DQ.LAUNCH[True], True, gl) for gl in GLUON_LAUNCHES]
+    combos += [(E5, True, DQ.LAUNCH[False], DQ.LAUNCH[True], True, gluon_default)]
+    for dt, fast, runs_launch, tiles_launch, use_gluon, gluon_launch in combos:
         DQ.FAST_DIV = fast
+        DQ.LAUNCH.update({False: runs_launch, True: tiles_launch})
+        DQ.GLUON, DG.LAUNCH = use_gluon, gluon_launch
         x = torch.randn(3, 1000, 300, device="cuda", dtype=torch.bfloat16) * 7
         x[0, :, 128:256] = 0
         x[1, 517, 3] = float("nan")
@@ -89,9 +111,12 @@ def check_dual() -> bool:
             tiles = (torch.equal(d.view(torch.uint8), q.view(torch.uint8)) and _eq(s, qs)
                      and torch.equal(d_t.view(torch.uint8), qt.view(torch.uint8)))
             emit(check="dual_quantize", dtype=str(dt), fast_div=fast, block=block, runs="PASS" if same else "FAIL",
-                 tiles="PASS" if tiles else "FAIL")
+                 tiles="PASS" if tiles else "FAIL", runs_launch=runs_launch, tiles_launch=tiles_launch,
+                 gluon=use_gluon and block == 128, gluon_launch=gluon_launch)
             ok = ok and same and tiles
-    DQ.FAST_DIV = chosen
+    DQ.FAST_DIV = default[0]
+    DQ.LAUNCH.update(default[1])
+    DQ.GLUON, DG.LAUNCH = True, gluon_default
     return ok
 
 
@@ -104,33 +129,59 @@ def _equal_nan(d, s, d_t, s_t, r, rs, c, cs) -> bool:
             and torch.equal(d_t.view(torch.uint8), c.view(torch.uint8)) and _eq(s_t.transpose(1, 2), cs))
 
 
-def sweep_dual() -> None:
-    """Times (chunk rows, warps) launches of the dual quantiser on the DeepSeek-V3 up_gate
-    activation and weight, next to the two quantize_cells calls it replaces, and keeps the fastest
-    per mode in dual_quantize.LAUNCH for the rest of the run."""
-    import turbo_dispatch.backends.triton.dual_quantize as DQ
+#: Operands the sweep times: (name, tensor shape, tiles?). Runs: DeepSeek-V3 up_gate's x (hidden
+#: 7168), Qwen3-30B-A3B down's x and gradient (768 and 2048 wide), GPT-OSS-20B's (2880: a ragged
+#: last block). Tiles: the matching expert weights.
+SWEEP_OPERANDS = [("dsv3_x", (1, 32768, 7168), False), ("qwen3_down_x", (1, 65536, 768), False),
+                  ("qwen3_down_grad", (1, 65536, 2048), False), ("gptoss_x", (1, 16384, 2880), False),
+                  ("dsv3_w", (8, 4096, 7168), True), ("qwen3_down_w", (16, 2048, 768), True),
+                  ("gptoss_w", (4, 2880, 2880), True)]
 
-    x = torch.randn(1, 32768, 7168, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(8, 4096, 7168, device="cuda", dtype=torch.bfloat16)
-    two = {False: lambda: (quantize_cells(x, E4, 1, 128), quantize_cells(x.transpose(1, 2), E4, 1, 128,
-                                                                          scale_rows_inner=True)),
-           True: lambda: (quantize_cells(w, E4, 128, 128), quantize_cells(w.transpose(1, 2), E4, 128, 128))}
-    for tile in (False, True):
-        src = w if tile else x
-        ms_two = time_ms(two[tile])
+
+def sweep_dual() -> None:
+    """Times every launch in RUNS_LAUNCHES / TILES_LAUNCHES on SWEEP_OPERANDS, next to the two
+    quantize_cells calls a launch replaces, and keeps the launch with the best geomean per mode
+    in dual_quantize.LAUNCH for the rest of the run."""
+    import math
+
+    import turbo_dispatch.backends.triton.dual_quantize as DQ
+    import turbo_dispatch.backends.triton.dual_quantize_gluon as DG
+
+    gluon_default, triton_default = DG.LAUNCH, dict(DQ.LAUNCH)
+    for tile, launches in ((False, RUNS_LAUNCHES), (True, TILES_LAUNCHES)):
+        ops = [(name, torch.randn(*shape, device="cuda", dtype=torch.bfloat16))
+               for name, shape, t in SWEEP_OPERANDS if t == tile]
+        two = {}
+        for name, src in ops:
+            if tile:
+                two[name] = time_ms(lambda: (quantize_cells(src, E4, 128, 128),
+                                             quantize_cells(src.transpose(1, 2), E4, 128, 128)))
+            else:
+                two[name] = time_ms(lambda: (quantize_cells(src, E4, 1, 128),
+                                             quantize_cells(src.transpose(1, 2), E4, 1, 128, scale_rows_inner=True)))
         best = None
-        for fast in (True, False):
-            DQ.FAST_DIV = fast
-            for chunk, warps in ((16, 4), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8)):
-                DQ.LAUNCH[tile] = (chunk, warps)
+        for kernel, launch in [("triton", la) for la in launches] + [("gluon", la) for la in GLUON_LAUNCHES]:
+            DQ.GLUON = kernel == "gluon"
+            if DQ.GLUON:
+                DG.LAUNCH = launch
+            else:
+                DQ.LAUNCH[tile] = launch
+            logs = []
+            for name, src in ops:
                 ms = time_ms(lambda: dual_quantize(src, E4, 128, tile))
-                emit(probe="dual_sweep", tiles=tile, fast_div=fast, chunk=chunk, warps=warps, ms=ms, two_ms=ms_two,
-                     gbs=src.numel() * 4 / ms * 1e-6, vs_two=ms_two / ms)
-                if best is None or ms < best[0]:
-                    best = (ms, chunk, warps, fast)
-        DQ.LAUNCH[tile] = best[1:3]
-        DQ.FAST_DIV = best[3]  # the last mode's best; both modes are reported
-        emit(probe="dual_best", tiles=tile, chunk=best[1], warps=best[2], fast_div=best[3], ms=best[0])
+                logs.append(math.log(ms))
+                emit(probe="dual_sweep", tiles=tile, kernel=kernel, operand=name, launch=launch, ms=ms,
+                     two_ms=two[name], tbs=src.numel() * 4 / ms * 1e-9, vs_two=two[name] / ms)
+            geo = math.exp(sum(logs) / len(logs))
+            emit(probe="dual_sweep_geomean", tiles=tile, kernel=kernel, launch=launch, geomean_ms=geo)
+            if best is None or geo < best[0]:
+                best = (geo, kernel, launch)
+        emit(probe="dual_best", tiles=tile, kernel=best[1], launch=best[2], geomean_ms=best[0])
+        # the Gluon launch is shared by both modes: keep the defaults for the rest of the run
+        DQ.GLUON, DG.LAUNCH = True, gluon_default
+        DQ.LAUNCH.update(triton_default)
+        del ops
+        torch.cuda.empty_cache()
 
 
 def step_fn(a, w, lens, offs, cfg, grad):

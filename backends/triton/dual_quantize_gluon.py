@@ -1,0 +1,144 @@
+"""The dual blockwise fp8 quantiser (``dual_quantize``) in Gluon, for block 128 on Hopper.
+
+Same contract and the same bits as ``dual_quantize._dual_quantize_kernel``; what differs is the
+transpose. The transposed copy ``[C, R]`` needs each thread to hold consecutive *rows* of the
+tile while the coalesced load gives it consecutive *columns*. In plain Triton that exchange is a
+layout conversion the compiler places on the fp8 bytes (byte-wide shared-memory stores, 255
+registers, 2 programs per SM: 1.3-1.5 TB/s on an H100) or, given a second load laid out
+``[columns, rows]``, a third read of the tile that made L1/L2 the bound instead.
+
+Here each program reads its 128 x 128 bf16 tile from global memory once, in row chunks, and
+keeps it in shared memory (32 KiB, unswizzled: a warp stores whole 16-byte row segments and, for
+the transposed pass, reads 32 consecutive columns of one row per instruction, so neither side has
+bank conflicts). Row runs are quantised straight from registers as the chunks arrive; the column
+runs (or the 2-D tile) are quantised from the shared copy, read column-major, each thread holding
+16 consecutive rows of one column so the fp8 copy leaves in 16-byte stores, two threads filling
+each 32-byte sector.
+
+Needs Gluon (triton >= 3.6) and an sm_90 GPU; the interpreter does not run Gluon, so
+``dual_quantize`` falls back to the Triton kernel there (``available``).
+"""
+from __future__ import annotations
+
+import torch
+
+from .fp8_blockwise_gluon import available as _gluon_available
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+except ImportError:  # pragma: no cover - triton without Gluon
+    gluon = None
+
+#: The quantisation block this kernel is laid out for (its layouts cover 128 columns).
+BLOCK = 128
+#: (rows per chunk of the global read, rows per chunk of the transposed pass, warps).
+LAUNCH = (32, 32, 4)
+
+if gluon is not None:
+    from .dual_quantize import _quotient, _scale_of
+
+    _g_scale_of = gluon.jit(_scale_of.fn)
+    _g_quotient = gluon.jit(_quotient.fn)
+
+    @gluon.jit
+    def _g_to_fp8(v, scale, FP8_MAX: gl.constexpr):
+        q = _g_quotient(v, scale)
+        return gl.minimum(gl.maximum(q, -FP8_MAX), FP8_MAX)
+
+    @gluon.jit
+    def _dual_quantize_gluon_kernel(
+        x_ptr, q_ptr, qt_ptr, s_ptr, st_ptr,
+        R, C, n_rb,
+        sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
+        TILE_2D: gl.constexpr, B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
+        TINY: gl.constexpr, WARPS: gl.constexpr,
+    ):
+        # rows: 8 bf16 (16 bytes) per thread along the columns, a warp spans 2 rows of 128
+        ROW: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
+        # transposed view [columns, rows]: 16 consecutive rows of one column per thread
+        COL: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [WARPS, 1], [1, 0])
+        SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        pid = gl.program_id(0)
+        cb = gl.program_id(1)
+        g = (pid // n_rb).to(gl.int64)
+        rb = pid % n_rb
+        tile = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [B, B], SMEM)
+
+        cc = cb * B + gl.arange(0, B, layout=gl.SliceLayout(0, ROW))
+        c_ok = cc < C
+        c64 = cc.to(gl.int64)
+        col_bits = gl.zeros([B], gl.int32, layout=gl.SliceLayout(0, ROW))
+        for i in gl.static_range(B // CH):
+            rr = rb * B + i * CH + gl.arange(0, CH, layout=gl.SliceLayout(1, ROW))
+            r_ok = rr < R
+            r64 = rr.to(gl.int64)
+            ok = r_ok[:, None] & c_ok[None, :]
+            xv = gl.load(x_ptr + g * sxg + r64[:, None] * sxr + c64[None, :] * sxc, mask=ok, other=0.0)
+            tile.slice(i * CH, CH, dim=0).store(xv)
+            v = xv.to(gl.float32)
+            # amax on the float bits (abs clears the sign): integer order is float order for
+            # non-negative floats, and NaN sorts above inf, so a NaN gives its cell a NaN scale
+            bits = gl.abs(v).to(gl.int32, bitcast=True)
+            col_bits = gl.maximum(col_bits, gl.max(bits, axis=0))
+            if not TILE_2D:
+                row_scale = _g_scale_of(gl.max(bits, axis=1).to(gl.float32, bitcast=True), FP8_MAX, TINY)
+                gl.store(s_ptr + g * ssg + r64 * ssr + cb * ssc, row_scale, mask=r_ok)
+                q = _g_to_fp8(v, row_scale[:, None], FP8_MAX)
+                gl.store(q_ptr + g * sqg + r64[:, None] * sqr + c64[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
+        if TILE_2D:
+            scale = _g_scale_of(gl.max(col_bits, axis=0).to(gl.float32, bitcast=True), FP8_MAX, TINY)
+            gl.store(s_ptr + g * ssg + rb * ssr + cb * ssc, scale)
+        else:
+            col_scale = _g_scale_of(col_bits.to(gl.float32, bitcast=True), FP8_MAX, TINY)
+            gl.store(st_ptr + g * stg + rb * str_ + c64 * stc, col_scale, mask=c_ok)
+            col_scale_t = gl.convert_layout(col_scale, gl.SliceLayout(1, COL))
+        gl.thread_barrier()  # the whole tile is in shared memory before any warp reads it across
+
+        ct = cb * B + gl.arange(0, B, layout=gl.SliceLayout(1, COL))
+        ct_ok = ct < C
+        ct64 = ct.to(gl.int64)
+        for j in gl.static_range(B // TCH):
+            rt = rb * B + j * TCH + gl.arange(0, TCH, layout=gl.SliceLayout(0, COL))
+            rt_ok = rt < R
+            okt = ct_ok[:, None] & rt_ok[None, :]
+            vt = tile.slice(j * TCH, TCH, dim=0).permute([1, 0]).load(COL).to(gl.float32)
+            if TILE_2D:
+                qt = _g_to_fp8(vt, scale, FP8_MAX)
+            else:
+                qt = _g_to_fp8(vt, col_scale_t[:, None], FP8_MAX)
+            gl.store(qt_ptr + g * sqtg + ct64[:, None] * sqtc + rt.to(gl.int64)[None, :],
+                     qt.to(qt_ptr.dtype.element_ty), mask=okt)
+        if TILE_2D:  # the row-major copy shares the tile's one scale, so it waits for the amax too
+            for i in gl.static_range(B // CH):
+                rr = rb * B + i * CH + gl.arange(0, CH, layout=gl.SliceLayout(1, ROW))
+                ok = (rr < R)[:, None] & c_ok[None, :]
+                v = tile.slice(i * CH, CH, dim=0).load(ROW).to(gl.float32)
+                q = _g_to_fp8(v, scale, FP8_MAX)
+                gl.store(q_ptr + g * sqg + rr.to(gl.int64)[:, None] * sqr + c64[None, :],
+                         q.to(q_ptr.dtype.element_ty), mask=ok)
+
+
+def available(x: torch.Tensor, block: int) -> str | None:
+    """None when this kernel can quantise ``x`` with ``block``, else why not."""
+    if block != BLOCK:
+        return f"the Gluon dual quantiser is laid out for block {BLOCK} (got {block})"
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"the Gluon dual quantiser reads bfloat16 or float16 (got {x.dtype})"
+    if x.device.type != "cuda":
+        return "the Gluon dual quantiser needs a CUDA tensor"
+    return _gluon_available(x.device.index)
+
+
+def launch(x, data, data_t, scale, scale_t, tile_2d: bool, fp8_max: float, tiny: float) -> None:
+    """Fill ``data``, ``scale``, ``data_t``, ``scale_t`` (laid out by ``dual_quantize``) from ``x``."""
+    g, r, c = x.shape
+    n_r, n_c = -(-r // BLOCK), -(-c // BLOCK)
+    chunk, t_chunk, warps = LAUNCH
+    _dual_quantize_gluon_kernel[(g * n_r, n_c)](
+        x, data, data_t, scale, scale_t, r, c, n_r,
+        *x.stride(), data.stride(0), data.stride(1), data_t.stride(0), data_t.stride(1),
+        *scale.stride(), *scale_t.stride(),
+        TILE_2D=tile_2d, B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps,
+        num_warps=warps,
+    )
