@@ -308,22 +308,7 @@ def _case_quantize():
 
 def _case_dual_quantize():
     """The one-read dual quantiser gives bit for bit what two quantisations give (reference
-    quantize: the same math as quantize_cells), strided inputs, odd sizes, zero runs, a NaN, for
-    every shape of launch (chunked or unrolled amax walk; transposed copy from a second load or
-    from the row-major chunk)."""
-    import turbo_dispatch.backends.triton.dual_quantize as DQ
-
-    default = dict(DQ.LAUNCH)
-    try:
-        for runs, tiles in (((16, 4, 0, True), (64, 4, 0, False)), ((64, 4, 0, False), (32, 4, 64, False)),
-                            ((8, 4, 64, True), (16, 4, 32, False))):
-            DQ.LAUNCH.update({False: runs, True: tiles})
-            _dual_quantize_checks()
-    finally:
-        DQ.LAUNCH.update(default)
-
-
-def _dual_quantize_checks():
+    quantize: the same math as quantize_cells), strided inputs, odd sizes, zero runs, a NaN."""
     from turbo_dispatch.backends.triton.dual_quantize import dual_quantize
     from turbo_dispatch.low_precision import quantize
 
@@ -933,3 +918,44 @@ def test_gpu_default_wgrad_takes_token_major_quantized_operands():
             assert _rel(out[i].cpu(), ref[i]) <= 8e-3, (i, _rel(out[i].cpu(), ref[i]))
     with pytest.raises(ValueError, match="token-contiguous"):
         adapter.run(p, qx, qy, lens, offs, config=cfgs[0])
+
+
+def test_gluon_dual_quantizer_says_why_it_cannot_run():
+    from turbo_dispatch.backends.triton import dual_quantize_gluon as DG
+
+    x = torch.randn(1, 8, 256, dtype=torch.bfloat16)
+    assert "block 128" in DG.available(x, 64)
+    assert "bfloat16 or float16" in DG.available(x.float(), 128)
+    assert "CUDA tensor" in DG.available(x, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_gpu_gluon_dual_quantizer_matches_triton_bit_for_bit(fmt):
+    """The Gluon token-run quantiser gives the Triton kernel's bits (which the interpreter checks
+    against the reference quantize): ragged rows and columns, strided rows, zero, NaN, inf,
+    subnormal-sized and near-overflow cells, groups."""
+    import turbo_dispatch.backends.triton.dual_quantize as DQ
+    from turbo_dispatch.backends.triton import dual_quantize_gluon as DG
+
+    if DG.available(torch.empty(1, device="cuda", dtype=torch.bfloat16), 128):
+        pytest.skip(DG.available(torch.empty(1, device="cuda", dtype=torch.bfloat16), 128))
+    big = torch.randn(3, 1000, 310, device="cuda", dtype=torch.bfloat16) * 7
+    x = big[:, :, 3:303]  # 300 columns: a ragged last block, rows strided by 310
+    x[0, :, 128:256] = 0
+    x[1, 517, 3] = float("nan")
+    x[2, 0:128, 0:128] *= 1e-38
+    x[2, 200:300, :] = -0.0
+    x[2, 900, 290] = float("inf")
+    x[0, 700:800, 40:60] *= 3e37
+    outs = {}
+    for gluon in (True, False):
+        DQ.GLUON = gluon
+        try:
+            outs[gluon] = DQ.dual_quantize(x, fmt, 128, False)
+        finally:
+            DQ.GLUON = True
+    for a, b in zip(outs[True], outs[False]):
+        if a.dtype.is_floating_point and a.element_size() == 1:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(torch.nan_to_num(a.float(), nan=-1.0), torch.nan_to_num(b.float(), nan=-1.0))

@@ -61,11 +61,12 @@ def time_ms(fn, reps: int = 20) -> float:
     return statistics.median(times)
 
 
-#: Launches (dual_quantize.LAUNCH values) the sweep times and the check covers: the launch kept
-#: before the transposed second load (64, 4, 0, False) first, for comparison.
-RUNS_LAUNCHES = [(64, 4, 0, False), (32, 4, 0, True), (32, 4, 64, True)]
-TILES_LAUNCHES = [(64, 4, 0, False), (32, 4, 64, False), (32, 4, 128, False)]
-#: dual_quantize_gluon.LAUNCH values (rows per read chunk, rows per transposed chunk, warps).
+#: Launches (dual_quantize.LAUNCH values, (rows per chunk, warps)) of the Triton kernel the sweep
+#: times and the check covers.
+RUNS_LAUNCHES = [(64, 4), (32, 4)]
+TILES_LAUNCHES = [(64, 4), (32, 4)]
+#: dual_quantize_gluon.LAUNCH values (rows per read chunk, rows per transposed chunk, warps); the
+#: Gluon kernel serves token runs only.
 GLUON_LAUNCHES = [(32, 32, 4), (16, 32, 4), (64, 32, 4), (32, 64, 4), (32, 32, 8), (64, 64, 8)]
 
 
@@ -112,7 +113,7 @@ def check_dual() -> bool:
                      and torch.equal(d_t.view(torch.uint8), qt.view(torch.uint8)))
             emit(check="dual_quantize", dtype=str(dt), fast_div=fast, block=block, runs="PASS" if same else "FAIL",
                  tiles="PASS" if tiles else "FAIL", runs_launch=runs_launch, tiles_launch=tiles_launch,
-                 gluon=use_gluon and block == 128, gluon_launch=gluon_launch)
+                 gluon_runs=use_gluon and block == 128, gluon_launch=gluon_launch)
             ok = ok and same and tiles
     DQ.FAST_DIV = default[0]
     DQ.LAUNCH.update(default[1])
@@ -160,7 +161,8 @@ def sweep_dual() -> None:
                 two[name] = time_ms(lambda: (quantize_cells(src, E4, 1, 128),
                                              quantize_cells(src.transpose(1, 2), E4, 1, 128, scale_rows_inner=True)))
         best = None
-        for kernel, launch in [("triton", la) for la in launches] + [("gluon", la) for la in GLUON_LAUNCHES]:
+        gluon = [] if tile else [("gluon", la) for la in GLUON_LAUNCHES]
+        for kernel, launch in [("triton", la) for la in launches] + gluon:
             DQ.GLUON = kernel == "gluon"
             if DQ.GLUON:
                 DG.LAUNCH = launch

@@ -82,19 +82,11 @@ def _dual_quantize_kernel(
     sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
     TILE_2D: tl.constexpr, B: tl.constexpr, CH: tl.constexpr, FP8_MAX: tl.constexpr, TINY: tl.constexpr,
     ROUND_FIRST: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, FAST_DIV: tl.constexpr,
-    AMAX_CH: tl.constexpr, T_LOAD: tl.constexpr,
 ):
     # One program owns one B x B tile and walks it in CH-row chunks twice: first for the amax of
     # each column (and of the tile), then to quantise, reloading each chunk (from L2: the tile was
     # just read). A whole tile held in registers needs ~200 per thread and one program per SM,
     # which left the kernel at a quarter of the memory bandwidth (H100, 8 warps).
-    # AMAX_CH > 0 unrolls the first walk in AMAX_CH-row loads, so that all of them are in flight
-    # at once (the walk only reduces; its loads do not wait on each other).
-    # T_LOAD (runs): the transposed copy is quantised from a second load of the chunk laid out
-    # [columns, rows]. Quantised from the row-major chunk instead, the copy's transpose happens
-    # on the fp8 bytes: triton 3.6 moves them through shared memory one byte at a time and the
-    # kernel needs 255 registers (2 programs per SM); from the second load it moves 16-byte
-    # vectors, 80 registers at 16 rows and 4 warps (tools/compile_sm90.py-style offline compile).
     pid = tl.program_id(0)
     cb = tl.program_id(1)
     g = (pid // n_rb).to(tl.int64)
@@ -106,18 +98,11 @@ def _dual_quantize_kernel(
     # amax on the float bits (abs clears the sign): integer order is float order for non-negative
     # floats, and NaN sorts above inf, so a NaN anywhere gives its cell a NaN scale.
     col_bits = tl.zeros((B,), dtype=tl.int32)
-    if AMAX_CH == 0:
-        for i in range(B // CH):
-            rr = rb * B + i * CH + tl.arange(0, CH)
-            ok = (rr < R)[:, None] & c_ok[None, :]
-            v = tl.load(x_base + rr.to(tl.int64)[:, None] * sxr, mask=ok, other=0.0).to(tl.float32)
-            col_bits = tl.maximum(col_bits, tl.max(tl.abs(v).to(tl.int32, bitcast=True), axis=0))
-    else:
-        for j in tl.static_range(B // AMAX_CH):
-            ra = rb * B + j * AMAX_CH + tl.arange(0, AMAX_CH)
-            oka = (ra < R)[:, None] & c_ok[None, :]
-            va = tl.load(x_base + ra.to(tl.int64)[:, None] * sxr, mask=oka, other=0.0).to(tl.float32)
-            col_bits = tl.maximum(col_bits, tl.max(tl.abs(va).to(tl.int32, bitcast=True), axis=0))
+    for i in range(B // CH):
+        rr = rb * B + i * CH + tl.arange(0, CH)
+        ok = (rr < R)[:, None] & c_ok[None, :]
+        v = tl.load(x_base + rr.to(tl.int64)[:, None] * sxr, mask=ok, other=0.0).to(tl.float32)
+        col_bits = tl.maximum(col_bits, tl.max(tl.abs(v).to(tl.int32, bitcast=True), axis=0))
     if TILE_2D:
         scale = _scale_of(tl.max(col_bits, axis=0).to(tl.float32, bitcast=True), FP8_MAX, TINY)
         tl.store(s_ptr + g * ssg + rb * ssr + cb * ssc, scale)
@@ -138,20 +123,9 @@ def _dual_quantize_kernel(
             row_scale = _scale_of(row_bits.to(tl.float32, bitcast=True), FP8_MAX, TINY)  # [CH] rows
             tl.store(s_ptr + g * ssg + r64 * ssr + cb * ssc, row_scale, mask=r_ok)
             q = _to_fp8(v, row_scale[:, None], FP8_MAX, ROUND_FIRST, MANT_BITS, MIN_EXP, FAST_DIV)
-            if not T_LOAD:
-                qt = _to_fp8(v, col_scale[None, :], FP8_MAX, ROUND_FIRST, MANT_BITS, MIN_EXP, FAST_DIV)
+            qt = _to_fp8(v, col_scale[None, :], FP8_MAX, ROUND_FIRST, MANT_BITS, MIN_EXP, FAST_DIV)
         tl.store(q_ptr + g * sqg + r64[:, None] * sqr + c64[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
-        if TILE_2D or not T_LOAD:
-            tl.store(qt_ptr + g * sqtg + c64[None, :] * sqtc + r64[:, None], qt.to(qt_ptr.dtype.element_ty),
-                     mask=ok)
-        else:
-            ok_t = c_ok[:, None] & r_ok[None, :]
-            # .cg: the chunk was just read into L2; keep this copy out of L1
-            vt = tl.load(x_ptr + g * sxg + c64[:, None] * sxc + r64[None, :] * sxr, mask=ok_t, other=0.0,
-                         cache_modifier=".cg").to(tl.float32)
-            qt = _to_fp8(vt, col_scale[:, None], FP8_MAX, ROUND_FIRST, MANT_BITS, MIN_EXP, FAST_DIV)
-            tl.store(qt_ptr + g * sqtg + c64[:, None] * sqtc + r64[None, :], qt.to(qt_ptr.dtype.element_ty),
-                     mask=ok_t)
+        tl.store(qt_ptr + g * sqtg + c64[None, :] * sqtc + r64[:, None], qt.to(qt_ptr.dtype.element_ty), mask=ok)
 
 
 #: (rows per chunk, warps) of the one-read kernel for runs (False) and 2-D tiles (True); a module
@@ -165,15 +139,16 @@ def _dual_quantize_kernel(
 #: 0.68x the speed of this kernel for runs and 0.64x for tiles at its best launch (8 warps, 3
 #: stages): the whole tile in registers (200-255 per thread, spills for tiles under triton 3.6)
 #: left one program per SM, and its stores went out one tile at a time behind the arithmetic.
-#: A launch is (rows per chunk, warps, rows per load of the unrolled amax walk or 0 for the
-#: chunked loop, T_LOAD); T_LOAD only matters for runs.
-LAUNCH = {False: (64, 4, 0, False), True: (64, 4, 0, False)}
+LAUNCH = {False: (64, 4), True: (64, 4)}
 #: Divide through ``_quotient`` (True) or div_rn per element; both give the same bits (checked on
 #: the H100 with zeros, signed zeros, subnormal-sized cells, inf and NaN). div_rn at (64, 4):
 #: 1.015 ms for x, 0.868 ms for w. The CPU interpreter always takes div_rn (its FMA is not fused).
 FAST_DIV = True
-#: Quantise through the Gluon kernel (dual_quantize_gluon) where it can run (block 128, bf16/fp16,
-#: sm_90); False keeps every call on the Triton kernel (the probe compares the two).
+#: Quantise token runs through the Gluon kernel (dual_quantize_gluon) where it can run (block 128,
+#: bf16/fp16, sm_90); False keeps every call on the Triton kernel (the probe compares the two).
+#: Only runs: for 2-D tiles, whose transposed copy needs no second quantisation, Triton's own
+#: conversion (ldmatrix-transposed, 80 registers) was faster (H100, round 36: 0.21 vs 0.25 ms
+#: geomean over DeepSeek-V3, Qwen3 and GPT-OSS weights).
 GLUON = True
 
 
@@ -215,19 +190,19 @@ def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
     if g * r * c == 0:
         return data, scale, data_t, scale_t
     interpreting = os.environ.get("TRITON_INTERPRET", "") == "1"
-    if GLUON and not interpreting:
+    if GLUON and not tile_2d and not interpreting:
         from . import dual_quantize_gluon
 
         if dual_quantize_gluon.available(x, block) is None:
-            dual_quantize_gluon.launch(x, data, data_t, scale, scale_t, tile_2d, FP8_MAX[dtype], _TINY)
+            dual_quantize_gluon.launch(x, data, data_t, scale, scale_t, FP8_MAX[dtype], _TINY)
             return data, scale, data_t, scale_t
-    chunk, warps, amax_rows, t_load = LAUNCH[tile_2d]
+    chunk, warps = LAUNCH[tile_2d]
     _dual_quantize_kernel[(g * n_r, n_c)](
         x, data, data_t, scale, scale_t, r, c, n_r,
         *x.stride(), data.stride(0), data.stride(1), data_t.stride(0), data_t.stride(1),
         *scale.stride(), *scale_t.stride(),
         TILE_2D=tile_2d, B=block, CH=min(chunk, block), FP8_MAX=FP8_MAX[dtype], TINY=_TINY,
         ROUND_FIRST=interpreting, MANT_BITS=_MANT_BITS[dtype], MIN_EXP=_MIN_EXP[dtype],
-        FAST_DIV=FAST_DIV and not interpreting, AMAX_CH=min(amax_rows, block), T_LOAD=t_load, num_warps=warps,
+        FAST_DIV=FAST_DIV and not interpreting, num_warps=warps,
     )
     return data, scale, data_t, scale_t

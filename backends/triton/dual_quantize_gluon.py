@@ -1,7 +1,7 @@
-"""The dual blockwise fp8 quantiser (``dual_quantize``) in Gluon, for block 128 on Hopper.
+"""The dual blockwise fp8 quantiser (``dual_quantize``) for token runs, in Gluon, block 128, Hopper.
 
-Same contract and the same bits as ``dual_quantize._dual_quantize_kernel``; what differs is the
-transpose. The transposed copy ``[C, R]`` needs each thread to hold consecutive *rows* of the
+Same contract and the same bits as ``dual_quantize._dual_quantize_kernel`` with ``TILE_2D`` off;
+what differs is the transpose. The transposed copy ``[C, R]`` needs each thread to hold consecutive *rows* of the
 tile while the coalesced load gives it consecutive *columns*. In plain Triton that exchange is a
 layout conversion the compiler places on the fp8 bytes (byte-wide shared-memory stores, 255
 registers, 2 programs per SM: 1.3-1.5 TB/s on an H100) or, given a second load laid out
@@ -11,9 +11,14 @@ Here each program reads its 128 x 128 bf16 tile from global memory once, in row 
 keeps it in shared memory (32 KiB, unswizzled: a warp stores whole 16-byte row segments and, for
 the transposed pass, reads 32 consecutive columns of one row per instruction, so neither side has
 bank conflicts). Row runs are quantised straight from registers as the chunks arrive; the column
-runs (or the 2-D tile) are quantised from the shared copy, read column-major, each thread holding
-16 consecutive rows of one column so the fp8 copy leaves in 16-byte stores, two threads filling
-each 32-byte sector.
+runs are quantised from the shared copy, read column-major, each thread holding 16 consecutive
+rows of one column so the fp8 copy leaves in 16-byte stores, two threads filling each 32-byte
+sector.
+
+Measured (H100, tools/gpu_round36.sh, median of 20): DeepSeek-V3 x [32768, 7168] 0.592 ms against
+0.814 ms for the Triton kernel in the same run (1.59 TB/s of bf16 read + fp8 written); Qwen3 down
+gradient [65536, 2048] 0.404 vs 0.490 ms; geomean over four operands 0.320 vs 0.397 ms. For 2-D
+tiles this design was slower than the Triton kernel, so ``dual_quantize`` keeps tiles there.
 
 Needs Gluon (triton >= 3.6) and an sm_90 GPU; the interpreter does not run Gluon, so
 ``dual_quantize`` falls back to the Triton kernel there (``available``).
@@ -32,8 +37,9 @@ except ImportError:  # pragma: no cover - triton without Gluon
 
 #: The quantisation block this kernel is laid out for (its layouts cover 128 columns).
 BLOCK = 128
-#: (rows per chunk of the global read, rows per chunk of the transposed pass, warps).
-LAUNCH = (32, 32, 4)
+#: (rows per chunk of the global read, rows per chunk of the transposed pass, warps); the sweep's
+#: best of six (tools/probe_grouped_step.py --sweep).
+LAUNCH = (64, 32, 4)
 
 if gluon is not None:
     from .dual_quantize import _quotient, _scale_of
@@ -51,7 +57,7 @@ if gluon is not None:
         x_ptr, q_ptr, qt_ptr, s_ptr, st_ptr,
         R, C, n_rb,
         sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
-        TILE_2D: gl.constexpr, B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
+        B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
         TINY: gl.constexpr, WARPS: gl.constexpr,
     ):
         # rows: 8 bf16 (16 bytes) per thread along the columns, a warp spans 2 rows of 128
@@ -81,18 +87,13 @@ if gluon is not None:
             # non-negative floats, and NaN sorts above inf, so a NaN gives its cell a NaN scale
             bits = gl.abs(v).to(gl.int32, bitcast=True)
             col_bits = gl.maximum(col_bits, gl.max(bits, axis=0))
-            if not TILE_2D:
-                row_scale = _g_scale_of(gl.max(bits, axis=1).to(gl.float32, bitcast=True), FP8_MAX, TINY)
-                gl.store(s_ptr + g * ssg + r64 * ssr + cb * ssc, row_scale, mask=r_ok)
-                q = _g_to_fp8(v, row_scale[:, None], FP8_MAX)
-                gl.store(q_ptr + g * sqg + r64[:, None] * sqr + c64[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
-        if TILE_2D:
-            scale = _g_scale_of(gl.max(col_bits, axis=0).to(gl.float32, bitcast=True), FP8_MAX, TINY)
-            gl.store(s_ptr + g * ssg + rb * ssr + cb * ssc, scale)
-        else:
-            col_scale = _g_scale_of(col_bits.to(gl.float32, bitcast=True), FP8_MAX, TINY)
-            gl.store(st_ptr + g * stg + rb * str_ + c64 * stc, col_scale, mask=c_ok)
-            col_scale_t = gl.convert_layout(col_scale, gl.SliceLayout(1, COL))
+            row_scale = _g_scale_of(gl.max(bits, axis=1).to(gl.float32, bitcast=True), FP8_MAX, TINY)
+            gl.store(s_ptr + g * ssg + r64 * ssr + cb * ssc, row_scale, mask=r_ok)
+            q = _g_to_fp8(v, row_scale[:, None], FP8_MAX)
+            gl.store(q_ptr + g * sqg + r64[:, None] * sqr + c64[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
+        col_scale = _g_scale_of(col_bits.to(gl.float32, bitcast=True), FP8_MAX, TINY)
+        gl.store(st_ptr + g * stg + rb * str_ + c64 * stc, col_scale, mask=c_ok)
+        col_scale_t = gl.convert_layout(col_scale, gl.SliceLayout(1, COL))
         gl.thread_barrier()  # the whole tile is in shared memory before any warp reads it across
 
         ct = cb * B + gl.arange(0, B, layout=gl.SliceLayout(1, COL))
@@ -103,20 +104,9 @@ if gluon is not None:
             rt_ok = rt < R
             okt = ct_ok[:, None] & rt_ok[None, :]
             vt = tile.slice(j * TCH, TCH, dim=0).permute([1, 0]).load(COL).to(gl.float32)
-            if TILE_2D:
-                qt = _g_to_fp8(vt, scale, FP8_MAX)
-            else:
-                qt = _g_to_fp8(vt, col_scale_t[:, None], FP8_MAX)
+            qt = _g_to_fp8(vt, col_scale_t[:, None], FP8_MAX)
             gl.store(qt_ptr + g * sqtg + ct64[:, None] * sqtc + rt.to(gl.int64)[None, :],
                      qt.to(qt_ptr.dtype.element_ty), mask=okt)
-        if TILE_2D:  # the row-major copy shares the tile's one scale, so it waits for the amax too
-            for i in gl.static_range(B // CH):
-                rr = rb * B + i * CH + gl.arange(0, CH, layout=gl.SliceLayout(1, ROW))
-                ok = (rr < R)[:, None] & c_ok[None, :]
-                v = tile.slice(i * CH, CH, dim=0).load(ROW).to(gl.float32)
-                q = _g_to_fp8(v, scale, FP8_MAX)
-                gl.store(q_ptr + g * sqg + rr.to(gl.int64)[:, None] * sqr + c64[None, :],
-                         q.to(q_ptr.dtype.element_ty), mask=ok)
 
 
 def available(x: torch.Tensor, block: int) -> str | None:
@@ -130,8 +120,8 @@ def available(x: torch.Tensor, block: int) -> str | None:
     return _gluon_available(x.device.index)
 
 
-def launch(x, data, data_t, scale, scale_t, tile_2d: bool, fp8_max: float, tiny: float) -> None:
-    """Fill ``data``, ``scale``, ``data_t``, ``scale_t`` (laid out by ``dual_quantize``) from ``x``."""
+def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float) -> None:
+    """Fill ``data``, ``scale``, ``data_t``, ``scale_t`` (runs, laid out by ``dual_quantize``) from ``x``."""
     g, r, c = x.shape
     n_r, n_c = -(-r // BLOCK), -(-c // BLOCK)
     chunk, t_chunk, warps = LAUNCH
@@ -139,6 +129,6 @@ def launch(x, data, data_t, scale, scale_t, tile_2d: bool, fp8_max: float, tiny:
         x, data, data_t, scale, scale_t, r, c, n_r,
         *x.stride(), data.stride(0), data.stride(1), data_t.stride(0), data_t.stride(1),
         *scale.stride(), *scale_t.stride(),
-        TILE_2D=tile_2d, B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps,
+        B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps,
         num_warps=warps,
     )
