@@ -43,6 +43,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from turbo_dispatch import host_cover
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 #: CSV columns every op writes, in order; op-specific extras (``Row.extra``) follow them.
@@ -93,38 +95,10 @@ def environment(device: torch.device) -> dict[str, str]:
 
 
 # -- timing ----------------------------------------------------------------------------------------
-#: GPU clock cycles of the spin before each timed call, at least: ~0.5 ms at Hopper clocks
-#: (1.6-2 GHz). Calls whose host issue time is longer get a longer spin (``cover_cycles``).
-_HOST_COVER_CYCLES = 1_000_000
-#: The longest spin, in ms of GPU time: a host stall measured in the untimed calls (a collection,
-#: a compile) must not make every timed call of the function wait that long.
-_HOST_COVER_CAP_MS = 50.0
-#: The spin is sized to 1.5x the function's typical host issue time plus 0.1 ms. The typical time
-#: is a median of a few untimed calls, and a call's host time varies from call to call (Python,
-#: the allocator, the launch queue); the 0.1 ms pays for the start event's record and whatever a
-#: very short call's median misses. Too long a spin only costs the bench wall time (it runs
-#: before the start event); too short a one lets host time count as GPU time, hence the margin.
-_HOST_COVER_MARGIN = 1.5
-_HOST_COVER_SLACK_MS = 0.1
-#: Plausible GPU clocks for the ``torch.cuda._sleep`` calibration (0.1-5 GHz, in cycles per ms);
-#: outside it the measurement is taken as broken and ``_FALLBACK_CYCLES_PER_MS`` (2 GHz) is used.
-_CYCLES_PER_MS_RANGE = (1e5, 5e6)
-_FALLBACK_CYCLES_PER_MS = 2e6
-
-
-def cover_cycles(host_ms: float, cycles_per_ms: float, floor: int = _HOST_COVER_CYCLES,
-                 cap_ms: float = _HOST_COVER_CAP_MS) -> int:
-    """GPU cycles of the spin that covers a call whose typical host issue time is ``host_ms``:
-    (host_ms x margin + slack) worth of cycles, at least ``floor``, at most ``cap_ms`` worth."""
-    need = math.ceil((max(host_ms, 0.0) * _HOST_COVER_MARGIN + _HOST_COVER_SLACK_MS) * cycles_per_ms)
-    return int(min(max(floor, need), math.ceil(cap_ms * cycles_per_ms)))
-
-
-def _typical_ms(samples: Sequence[float]) -> float:
-    """Median host time of a function's untimed calls, leaving out the first where there are
-    more: a first call may compile or autotune (seconds), which no later call repeats."""
-    rest = list(samples[1:]) or list(samples)
-    return statistics.median(rest) if rest else 0.0
+# The spin before each timed call: turbo_dispatch.host_cover (shared with the autotuner).
+_HOST_COVER_CYCLES = host_cover.FLOOR_CYCLES
+cover_cycles = host_cover.cover_cycles
+_typical_ms = host_cover.typical_ms
 
 
 class Timer:
@@ -147,7 +121,6 @@ class Timer:
         self.warmup, self.min_repeats, self.max_repeats, self.target_ms = warmup, min_repeats, max_repeats, target_ms
         #: host issue time (ms) of each function of the last ``time_ms`` (one) / ``time_interleaved`` call
         self.last_host_ms: list[float] = []
-        self._cycles_per_ms: float | None = None  # calibrated on the first covered call
         self._flush = None
         if device.type == "cuda":
             l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20) or (50 << 20)
@@ -236,28 +209,6 @@ class Timer:
         call(i)
         host.append((time.perf_counter() - t0) * 1e3)
 
-    def _cover_cycles_per_ms(self) -> float:
-        """GPU cycles per ms of ``torch.cuda._sleep``, measured once per Timer: the spin counts
-        clock cycles, and the clock differs by GPU and by power state. The larger of two
-        measurements is kept (a higher clock means more cycles per ms: a spin sized from it
-        errs long, the safe side)."""
-        if self._cycles_per_ms is None:
-            n = 10_000_000  # ~5 ms at 2 GHz: launch costs are noise against it
-            torch.cuda._sleep(_HOST_COVER_CYCLES)  # warm-up: loads the kernel, raises the clock
-            rates = []
-            for _ in range(2):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                torch.cuda._sleep(n)
-                end.record()
-                end.synchronize()
-                ms = start.elapsed_time(end)
-                rates.append(n / ms if ms > 0 else 0.0)
-            rate = max(rates)
-            lo, hi = _CYCLES_PER_MS_RANGE
-            self._cycles_per_ms = rate if lo <= rate <= hi else _FALLBACK_CYCLES_PER_MS
-        return self._cycles_per_ms
-
     def _one(self, call, i: int, setup, untimed_host: Sequence[float] = ()) -> tuple[float, float]:
         """(GPU ms, host issue ms) of one timed call; ``untimed_host``: the function's host times
         from its untimed calls, which size the cover. On the CPU both are the wall time."""
@@ -275,7 +226,7 @@ class Timer:
             # wrapper, 1-2 ms for an fp8 grouped training step) would count as GPU time, the GPU
             # idling inside the window while it waits for launches. The spin is sized to this
             # function's measured host time (a fixed ~0.5 ms left longer steps uncovered).
-            torch.cuda._sleep(cover_cycles(_typical_ms(untimed_host), self._cover_cycles_per_ms()))
+            host_cover.spin(self.device, _typical_ms(untimed_host))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         t0 = time.perf_counter()

@@ -1,0 +1,82 @@
+"""Keep the GPU busy while the host issues a timed call, so CUDA events time GPU work alone.
+
+A call timed as ``start.record(); fn(); end.record()`` on an idle GPU counts the host's issue time
+(Python, dispatch, autograd, launches) as GPU time wherever the host is slower than the GPU: on
+small shapes the events then time the host, and two kernels compare by their launch paths. A GPU
+spin (``torch.cuda._sleep``) enqueued before the start event keeps the stream busy while the host
+enqueues the call; sized to the call's measured host time, the events see only GPU work. Used by
+the autotuner (``autotune._time_ms``) and the benchmark harness (``benchmarks/harness.py``).
+
+>>> cover_cycles(0.2, 2e6)  # 0.2 ms of host time at 2 GHz: the floor, 1e6 cycles (~0.5 ms)
+1000000
+"""
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+from typing import Sequence
+
+import torch
+
+#: GPU clock cycles of the spin before each timed call, at least: ~0.5 ms at Hopper clocks
+#: (1.6-2 GHz). Calls whose host issue time is longer get a longer spin (``cover_cycles``).
+FLOOR_CYCLES = 1_000_000
+#: The longest spin, in ms of GPU time: a host stall measured in the untimed calls (a collection,
+#: a compile) must not make every timed call wait that long.
+CAP_MS = 50.0
+#: The spin is sized to 1.5x the typical host issue time plus 0.1 ms. The typical time is a median
+#: of a few untimed calls, and a call's host time varies from call to call (Python, the allocator,
+#: the launch queue); the 0.1 ms pays for the start event's record and whatever a very short
+#: call's median misses. Too long a spin only costs wall time (it runs before the start event);
+#: too short a one lets host time count as GPU time, hence the margin.
+MARGIN = 1.5
+SLACK_MS = 0.1
+#: Plausible GPU clocks for the ``torch.cuda._sleep`` calibration (0.1-5 GHz, in cycles per ms);
+#: outside it the measurement is taken as broken and ``FALLBACK_CYCLES_PER_MS`` (2 GHz) is used.
+CYCLES_PER_MS_RANGE = (1e5, 5e6)
+FALLBACK_CYCLES_PER_MS = 2e6
+
+
+def cover_cycles(host_ms: float, cycles_per_ms: float, floor: int = FLOOR_CYCLES, cap_ms: float = CAP_MS) -> int:
+    """GPU cycles of the spin that covers a call whose typical host issue time is ``host_ms``:
+    (host_ms x margin + slack) worth of cycles, at least ``floor``, at most ``cap_ms`` worth."""
+    need = math.ceil((max(host_ms, 0.0) * MARGIN + SLACK_MS) * cycles_per_ms)
+    return int(min(max(floor, need), math.ceil(cap_ms * cycles_per_ms)))
+
+
+def typical_ms(samples: Sequence[float]) -> float:
+    """Median host time of a function's untimed calls, leaving out the first where there are
+    more: a first call may compile or autotune (seconds), which no later call repeats."""
+    rest = list(samples[1:]) or list(samples)
+    return statistics.median(rest) if rest else 0.0
+
+
+@functools.lru_cache(maxsize=None)
+def cycles_per_ms(device: torch.device) -> float:
+    """GPU cycles per ms of ``torch.cuda._sleep`` on ``device``, measured once per process: the
+    spin counts clock cycles, and the clock differs by GPU and by power state. The larger of two
+    measurements is kept (a higher clock means more cycles per ms: a spin sized from it errs long,
+    the safe side)."""
+    n = 10_000_000  # ~5 ms at 2 GHz: launch costs are noise against it
+    with torch.cuda.device(device):
+        torch.cuda._sleep(FLOOR_CYCLES)  # warm-up: loads the kernel, raises the clock
+        rates = []
+        for _ in range(2):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(n)
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+            rates.append(n / ms if ms > 0 else 0.0)
+    rate = max(rates)
+    lo, hi = CYCLES_PER_MS_RANGE
+    return rate if lo <= rate <= hi else FALLBACK_CYCLES_PER_MS
+
+
+def spin(device: torch.device, host_ms: float) -> None:
+    """Enqueue the spin that covers a call of typical host time ``host_ms`` on ``device``'s
+    current stream (nothing where torch has no ``cuda._sleep``)."""
+    if hasattr(torch.cuda, "_sleep"):
+        torch.cuda._sleep(cover_cycles(host_ms, cycles_per_ms(device)))
