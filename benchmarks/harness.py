@@ -95,10 +95,7 @@ def environment(device: torch.device) -> dict[str, str]:
 
 
 # -- timing ----------------------------------------------------------------------------------------
-# The spin before each timed call: turbo_dispatch.host_cover (shared with the autotuner).
-_HOST_COVER_CYCLES = host_cover.FLOOR_CYCLES
-cover_cycles = host_cover.cover_cycles
-_typical_ms = host_cover.typical_ms
+# The spin before each timed call is turbo_dispatch.host_cover's (shared with the autotuner).
 
 
 class Timer:
@@ -106,7 +103,7 @@ class Timer:
     compare GPU time. The host's time to issue a call would otherwise count as GPU time (the GPU
     idles inside the timed window while the host enqueues the work), so a GPU spin before the
     start event covers it: the spin is sized per function to its host issue time measured in the
-    untimed calls (see ``cover_cycles``; at least ~0.5 ms, at most 50 ms). Host time is reported
+    untimed calls (see ``host_cover.cover_cycles``; at least ~0.5 ms, at most 50 ms). Host time is reported
     apart: after each ``time_ms`` / ``time_interleaved``, ``last_host_ms`` holds each function's
     median host issue time (ms) over its timed calls, where the host, not the GPU, would bound a
     loop of such calls. Dispatch overhead has its own benchmark (bench_dispatch_overhead.py).
@@ -199,7 +196,7 @@ class Timer:
         a timed call, which the untimed calls, started on an idle GPU, do not; the smaller of the
         two medians is right in both cases."""
         ms = statistics.median(timed)
-        return min(ms, _typical_ms(untimed)) if untimed else ms
+        return min(ms, host_cover.typical_ms(untimed)) if untimed else ms
 
     def _untimed(self, call, i: int, host: list[float]) -> None:
         """One untimed call; appends its host issue time (ms, no synchronize inside) to ``host``."""
@@ -220,13 +217,12 @@ class Timer:
             ms = (time.perf_counter() - t0) * 1e3
             return ms, ms
         self._flush.zero_()  # evicts the operands from L2 (written after the previous call ended)
-        if hasattr(torch.cuda, "_sleep"):
-            # Keep the GPU busy while the host issues the call, so the events time the GPU work
-            # alone: otherwise the host time (Python, dispatch, autograd: tens of us for one
-            # wrapper, 1-2 ms for an fp8 grouped training step) would count as GPU time, the GPU
-            # idling inside the window while it waits for launches. The spin is sized to this
-            # function's measured host time (a fixed ~0.5 ms left longer steps uncovered).
-            host_cover.spin(self.device, _typical_ms(untimed_host))
+        # Keep the GPU busy while the host issues the call, so the events time the GPU work
+        # alone: otherwise the host time (Python, dispatch, autograd: tens of us for one wrapper,
+        # 1-2 ms for an fp8 grouped training step) would count as GPU time, the GPU idling inside
+        # the window while it waits for launches. The spin is sized to this function's measured
+        # host time (a fixed ~0.5 ms left longer steps uncovered).
+        host_cover.spin(self.device, host_cover.typical_ms(untimed_host))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         t0 = time.perf_counter()
