@@ -20,11 +20,12 @@ import argparse
 import importlib
 import json
 import statistics
+import time
 
 import torch
 
 import turbo_dispatch as turbo
-from turbo_dispatch import BackendType, GlobalBackendManager
+from turbo_dispatch import BackendType, GlobalBackendManager, host_cover
 from turbo_dispatch.backends.triton.dual_quantize import dual_quantize
 from turbo_dispatch.backends.triton.grouped_quantize import quantize_cells
 from turbo_dispatch.low_precision import Float8QuantConfig
@@ -48,10 +49,19 @@ def emit(**kw):
 
 
 def time_ms(fn, reps: int = 20) -> float:
+    """Median GPU time of ``fn`` (CUDA events), its host issue time covered by a GPU spin sized
+    from the warm-ups (``turbo_dispatch.host_cover``): without it a short kernel times its launch
+    path (the dual quantiser's small operands did, before round 39)."""
+    host = []
     for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+    host_ms = host_cover.typical_ms(host)
     times = []
     for _ in range(reps):
+        host_cover.spin(torch.device("cuda"), host_ms)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -67,7 +77,60 @@ RUNS_LAUNCHES = [(64, 4), (32, 4)]
 TILES_LAUNCHES = [(64, 4), (32, 4)]
 #: dual_quantize_gluon.LAUNCH values (rows per read chunk, rows per transposed chunk, warps); the
 #: Gluon kernel serves token runs only.
-GLUON_LAUNCHES = [(32, 32, 4), (16, 32, 4), (64, 32, 4), (32, 64, 4), (32, 32, 8), (64, 64, 8)]
+GLUON_LAUNCHES = [(64, 32, 4)]
+#: dual_quantize_gluon.PIPE_LAUNCH values the sweep times and the check covers (the pipelined
+#: kernel); keys left out take the module default.
+PIPE_LAUNCHES = [dict(CH=8, STAGES=2, PER_SM=2), dict(CH=8, MAXNREG=128, PER_SM=3),
+                 dict(CH=8, MAXNREG=128, STAGES=3, PER_SM=2), dict(CH=32, PER_SM=2),
+                 dict(CH=32, MAXNREG=168, PER_SM=3), dict(CH=16, MAXNREG=128, PER_SM=3),
+                 dict(CH=8, STAGES=4, PER_SM=1), dict(CH=8, STAGES=6, PER_SM=1),
+                 dict(CH=8, TC=1, RPT=16, TPW_C=16, WPC_C=4, PER_SM=2),
+                 dict(CH=8, TC=4, RPT=16, TPW_C=32, WPC_C=1, PER_SM=2),
+                 dict(CH=8, TC=2, RPT=32, TPW_C=32, WPC_C=2, PER_SM=2),
+                 dict(CH=16, WARPS=8, MAXNREG=128, STAGES=3, PER_SM=2)]
+
+
+def check_pipe() -> bool:
+    """The pipelined Gluon kernel, every launch in PIPE_LAUNCHES, against the Triton kernel's bits
+    (GLUON off), on operands it takes (columns a multiple of 16): ragged rows and last column
+    block, strided rows, groups, zero/NaN/inf/subnormal-sized/near-overflow cells, and a tall
+    operand whose programs loop over many tiles."""
+    import turbo_dispatch.backends.triton.dual_quantize as DQ
+    import turbo_dispatch.backends.triton.dual_quantize_gluon as DG
+
+    big = torch.randn(3, 1000, 352, device="cuda", dtype=torch.bfloat16) * 7
+    x = big[:, :, 16:336]  # 320 columns: last block 64 wide; rows strided by 352
+    x[0, :, 128:256] = 0
+    x[1, 517, 3] = float("nan")
+    x[2, 0:128, 0:128] *= 1e-38
+    x[2, 200:300, :] = -0.0
+    x[2, 900, 290] = float("inf")
+    x[0, 700:800, 40:60] *= 3e37
+    tall = torch.randn(1, 20000 + 77, 2048, device="cuda", dtype=torch.bfloat16) * 3
+    ok, default = True, dict(DG.PIPE_LAUNCH)
+    for name, src in (("ragged", x), ("tall", tall)):
+        assert DG.pipe_error(src) is None, DG.pipe_error(src)
+        for dt in (E4, E5):
+            DQ.GLUON = False
+            ref = DQ.dual_quantize(src, dt, 128, False)
+            DQ.GLUON = True
+            for la in PIPE_LAUNCHES if dt == E4 else [{}]:
+                DG.PIPE_LAUNCH.update(default)
+                DG.PIPE_LAUNCH.update(la)
+                try:
+                    got = DQ.dual_quantize(src, dt, 128, False)
+                    same = all(torch.equal(torch.nan_to_num(a.view(torch.uint8).float() if a.element_size() == 1
+                                                            else a, nan=-1.0),
+                                           torch.nan_to_num(b.view(torch.uint8).float() if b.element_size() == 1
+                                                            else b, nan=-1.0)) for a, b in zip(got, ref))
+                    err = ""
+                except Exception as exc:  # a launch that does not compile is reported, not fatal
+                    same, err = False, f"{type(exc).__name__}: {str(exc)[:300]}"
+                emit(check="dual_pipe", operand=name, dtype=str(dt), launch=la, result="PASS" if same else "FAIL",
+                     error=err)
+                ok = ok and same
+    DG.PIPE_LAUNCH.update(default)
+    return ok
 
 
 def check_dual() -> bool:
@@ -148,7 +211,7 @@ def sweep_dual() -> None:
     import turbo_dispatch.backends.triton.dual_quantize as DQ
     import turbo_dispatch.backends.triton.dual_quantize_gluon as DG
 
-    gluon_default, triton_default = DG.LAUNCH, dict(DQ.LAUNCH)
+    gluon_default, triton_default, pipe_default = DG.LAUNCH, dict(DQ.LAUNCH), dict(DG.PIPE_LAUNCH)
     for tile, launches in ((False, RUNS_LAUNCHES), (True, TILES_LAUNCHES)):
         ops = [(name, torch.randn(*shape, device="cuda", dtype=torch.bfloat16))
                for name, shape, t in SWEEP_OPERANDS if t == tile]
@@ -161,26 +224,39 @@ def sweep_dual() -> None:
                 two[name] = time_ms(lambda: (quantize_cells(src, E4, 1, 128),
                                              quantize_cells(src.transpose(1, 2), E4, 1, 128, scale_rows_inner=True)))
         best = None
-        gluon = [] if tile else [("gluon", la) for la in GLUON_LAUNCHES]
+        gluon = [] if tile else [("gluon", la) for la in GLUON_LAUNCHES] + [("pipe", la) for la in PIPE_LAUNCHES]
         for kernel, launch in [("triton", la) for la in launches] + gluon:
-            DQ.GLUON = kernel == "gluon"
-            if DQ.GLUON:
+            DQ.GLUON = kernel != "triton"
+            DG.PIPELINE = kernel == "pipe"
+            if kernel == "gluon":
                 DG.LAUNCH = launch
+            elif kernel == "pipe":
+                DG.PIPE_LAUNCH.update(pipe_default)
+                DG.PIPE_LAUNCH.update(launch)
             else:
                 DQ.LAUNCH[tile] = launch
             logs = []
             for name, src in ops:
-                ms = time_ms(lambda: dual_quantize(src, E4, 128, tile))
+                try:
+                    ms = time_ms(lambda: dual_quantize(src, E4, 128, tile))
+                except Exception as exc:
+                    emit(probe="dual_sweep", tiles=tile, kernel=kernel, operand=name, launch=launch,
+                         error=f"{type(exc).__name__}: {str(exc)[:300]}")
+                    logs = []
+                    break
                 logs.append(math.log(ms))
                 emit(probe="dual_sweep", tiles=tile, kernel=kernel, operand=name, launch=launch, ms=ms,
                      two_ms=two[name], tbs=src.numel() * 4 / ms * 1e-9, vs_two=two[name] / ms)
+            if not logs:
+                continue
             geo = math.exp(sum(logs) / len(logs))
             emit(probe="dual_sweep_geomean", tiles=tile, kernel=kernel, launch=launch, geomean_ms=geo)
             if best is None or geo < best[0]:
                 best = (geo, kernel, launch)
         emit(probe="dual_best", tiles=tile, kernel=best[1], launch=best[2], geomean_ms=best[0])
         # the Gluon launch is shared by both modes: keep the defaults for the rest of the run
-        DQ.GLUON, DG.LAUNCH = True, gluon_default
+        DQ.GLUON, DG.LAUNCH, DG.PIPELINE = True, gluon_default, True
+        DG.PIPE_LAUNCH.update(pipe_default)
         DQ.LAUNCH.update(triton_default)
         del ops
         torch.cuda.empty_cache()
@@ -279,6 +355,48 @@ def probe(shape: str) -> bool:
     return same
 
 
+def host_profile(shape: str) -> None:
+    """Where the host time of the fp8 blockwise step goes: 30 steps (TRITON pinned, no autotune)
+    under cProfile, the top functions by own time and by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    g, t, n, k = SHAPES[shape]
+    lens = torch.full((g,), t // g, dtype=torch.int64, device="cuda")
+    offs = torch.nn.functional.pad(torch.cumsum(lens, 0, dtype=torch.int32), (1, 0))
+    a = torch.randn(t, k, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    w = (torch.randn(g, n, k, device="cuda", dtype=torch.bfloat16) * 0.05).requires_grad_()
+    grad = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    cfg = Float8QuantConfig(granularity="blockwise", block_size=128)
+    GlobalBackendManager.reset()
+    GlobalBackendManager.set_grouped_gemm_backend(BackendType.TRITON, precision="fp8")
+    run = step_fn(a, w, lens, offs, cfg, grad)
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    host = []
+    for _ in range(30):
+        torch.cuda._sleep(20_000_000)  # the GPU stays busy: the host never waits on it
+        t0 = time.perf_counter()
+        run()
+        host.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    emit(probe="host_ms", shape=shape, median=statistics.median(host), min=min(host))
+    prof = cProfile.Profile()
+    for _ in range(30):
+        torch.cuda._sleep(20_000_000)
+        prof.enable()
+        run()
+        prof.disable()
+        torch.cuda.synchronize()
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(45)
+        print(buf.getvalue(), flush=True)
+    GlobalBackendManager.reset()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="dsv3_up,dsv3_down,qwen3_up,mixtral_up")
@@ -286,6 +404,8 @@ def main() -> int:
     ap.add_argument("--graphs", action="store_true", help="also time each step replayed from a CUDA graph")
     ap.add_argument("--sweep", action="store_true", help="sweep the dual quantiser's launches first (and keep "
                     "the fastest for the rest of the run)")
+    ap.add_argument("--host-profile", default=None, metavar="SHAPE",
+                    help="cProfile the host side of 30 fp8 blockwise steps at SHAPE (top functions)")
     args = ap.parse_args()
     global GRAPHS
     GRAPHS = args.graphs
@@ -296,6 +416,9 @@ def main() -> int:
         sweep_dual()
         torch.cuda.empty_cache()
     ok = check_dual()
+    ok = check_pipe() and ok
+    if args.host_profile:
+        host_profile(args.host_profile)
     for shape in args.shapes.split(","):
         ok = probe(shape) and ok
         torch.cuda.empty_cache()
