@@ -937,6 +937,53 @@ def test_gluon_dual_quantizer_says_why_it_cannot_run():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("kernel", ["triton", "gluon_one_tile", "gluon_pipelined"])
+def test_gpu_dual_quantizer_matches_quantize_cells(fmt, kernel):
+    """Every GPU path of ``dual_quantize`` (the Triton kernel with its FMA-corrected quotient, the
+    Gluon kernels with their lean quotient) against ``quantize_cells`` (one correctly rounded
+    division per element), bit for bit: token runs and 2-D tiles, blocks 128 and 64, with zero
+    cells, signed zeros, subnormal-sized cells (the rescaled quotient), inf, NaN and values near
+    the top of the format, at ragged sizes the pipelined kernel takes (320 columns)."""
+    import turbo_dispatch.backends.triton.dual_quantize as DQ
+    from turbo_dispatch.backends.triton import dual_quantize_gluon as DG
+    from turbo_dispatch.backends.triton.grouped_quantize import quantize_cells
+
+    if kernel != "triton" and DG.available(torch.empty(1, device="cuda", dtype=torch.bfloat16), 128):
+        pytest.skip(DG.available(torch.empty(1, device="cuda", dtype=torch.bfloat16), 128))
+    torch.manual_seed(3)
+    x = torch.randn(3, 1000, 320, device="cuda", dtype=torch.bfloat16) * 7
+    x[0, :, 128:256] = 0
+    x[1, 517, 3] = float("nan")
+    x[2, 0:128, 0:128] *= 1e-38
+    x[2, 200:300, :] = -0.0
+    x[1, 300:400, 200:300] *= -1e-30  # small, not subnormal: scales around 1e-32, rescaled
+    x[2, 900, 290] = float("inf")
+    x[0, 700:800, 40:60] *= 3e37
+
+    def same(a, b):
+        if a.element_size() == 1:
+            return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        return torch.equal(torch.nan_to_num(a, nan=-1.0), torch.nan_to_num(b, nan=-1.0))
+
+    saved = DQ.GLUON, DG.PIPELINE
+    DQ.GLUON, DG.PIPELINE = kernel != "triton", kernel == "gluon_pipelined"
+    try:
+        for block in (128, 64):
+            d, s, d_t, s_t = DQ.dual_quantize(x, fmt, block, False)
+            r, rs = quantize_cells(x, fmt, 1, block)
+            c, cs = quantize_cells(x.transpose(1, 2), fmt, 1, block, scale_rows_inner=True)
+            assert same(d, r) and same(s, rs) and same(d_t, c) and same(s_t.transpose(1, 2), cs), block
+            w = x.transpose(1, 2)
+            d, s, d_t, s_t = DQ.dual_quantize(w, fmt, block, True)
+            q, qs = quantize_cells(w, fmt, block, block)
+            qt, _ = quantize_cells(w.transpose(1, 2), fmt, block, block)
+            assert same(d, q) and same(s, qs) and same(d_t, qt), block
+    finally:
+        DQ.GLUON, DG.PIPELINE = saved
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("kernel", ["one_tile", "pipelined", "pipelined_looping"])
 def test_gpu_gluon_dual_quantizer_matches_triton_bit_for_bit(fmt, kernel):
     """The Gluon token-run quantisers give the Triton kernel's bits (which the interpreter checks
@@ -961,7 +1008,8 @@ def test_gpu_gluon_dual_quantizer_matches_triton_bit_for_bit(fmt, kernel):
     x[0, 700:800, 40:60] *= 3e37
     if kernel == "pipelined_looping":
         x = torch.cat([x, torch.randn(3, 9000, 320, device="cuda", dtype=torch.bfloat16)], dim=1)
-    saved = dict(DG.PIPE_LAUNCH)
+    saved = dict(DG.PIPE_LAUNCH), DG.PIPELINE
+    DG.PIPELINE = kernel != "one_tile"
     if kernel == "pipelined_looping":
         DG.PIPE_LAUNCH["PER_SM"] = 1
     outs = {}
@@ -971,7 +1019,8 @@ def test_gpu_gluon_dual_quantizer_matches_triton_bit_for_bit(fmt, kernel):
             outs[gluon] = DQ.dual_quantize(x, fmt, 128, False)
     finally:
         DQ.GLUON = True
-        DG.PIPE_LAUNCH.update(saved)
+        DG.PIPE_LAUNCH.update(saved[0])
+        DG.PIPELINE = saved[1]
     for a, b in zip(outs[True], outs[False]):
         if a.dtype.is_floating_point and a.element_size() == 1:
             a, b = a.view(torch.uint8), b.view(torch.uint8)

@@ -77,15 +77,11 @@ RUNS_LAUNCHES = [(64, 4), (32, 4)]
 TILES_LAUNCHES = [(64, 4), (32, 4)]
 #: dual_quantize_gluon.LAUNCH values (rows per read chunk, rows per transposed chunk, warps); the
 #: Gluon kernel serves token runs only.
-GLUON_LAUNCHES = [(64, 32, 4)]
+GLUON_LAUNCHES = [(64, 32, 4), (32, 32, 4), (128, 32, 4), (32, 64, 4), (64, 64, 8)]
 #: dual_quantize_gluon.PIPE_LAUNCH values the sweep times and the check covers (the pipelined
 #: kernel); keys left out take the module default.
-PIPE_LAUNCHES = [dict(CH=8, STAGES=2, PER_SM=2), dict(CH=8, MAXNREG=128, PER_SM=3),
-                 dict(CH=8, MAXNREG=128, STAGES=3, PER_SM=2), dict(CH=32, PER_SM=2),
-                 dict(CH=32, MAXNREG=168, PER_SM=3), dict(CH=16, MAXNREG=128, PER_SM=3),
-                 dict(CH=8, STAGES=4, PER_SM=1), dict(CH=8, STAGES=6, PER_SM=1),
-                 dict(CH=8, TC=1, RPT=16, TPW_C=16, WPC_C=4, PER_SM=2),
-                 dict(CH=8, TC=4, RPT=16, TPW_C=32, WPC_C=1, PER_SM=2),
+PIPE_LAUNCHES = [dict(CH=32, PER_SM=2), dict(CH=8, TC=1, RPT=16, TPW_C=16, WPC_C=4, PER_SM=2),
+                 dict(CH=8, TC=1, RPT=16, TPW_C=16, WPC_C=4, PER_SM=3),
                  dict(CH=8, TC=2, RPT=32, TPW_C=32, WPC_C=2, PER_SM=2),
                  dict(CH=16, WARPS=8, MAXNREG=128, STAGES=3, PER_SM=2)]
 
@@ -107,7 +103,8 @@ def check_pipe() -> bool:
     x[2, 900, 290] = float("inf")
     x[0, 700:800, 40:60] *= 3e37
     tall = torch.randn(1, 20000 + 77, 2048, device="cuda", dtype=torch.bfloat16) * 3
-    ok, default = True, dict(DG.PIPE_LAUNCH)
+    ok, default, pipe_on = True, dict(DG.PIPE_LAUNCH), DG.PIPELINE
+    DG.PIPELINE = True
     for name, src in (("ragged", x), ("tall", tall)):
         assert DG.pipe_error(src) is None, DG.pipe_error(src)
         for dt in (E4, E5):
@@ -130,6 +127,7 @@ def check_pipe() -> bool:
                      error=err)
                 ok = ok and same
     DG.PIPE_LAUNCH.update(default)
+    DG.PIPELINE = pipe_on
     return ok
 
 
@@ -212,6 +210,7 @@ def sweep_dual() -> None:
     import turbo_dispatch.backends.triton.dual_quantize_gluon as DG
 
     gluon_default, triton_default, pipe_default = DG.LAUNCH, dict(DQ.LAUNCH), dict(DG.PIPE_LAUNCH)
+    pipe_on = DG.PIPELINE
     for tile, launches in ((False, RUNS_LAUNCHES), (True, TILES_LAUNCHES)):
         ops = [(name, torch.randn(*shape, device="cuda", dtype=torch.bfloat16))
                for name, shape, t in SWEEP_OPERANDS if t == tile]
@@ -255,7 +254,7 @@ def sweep_dual() -> None:
                 best = (geo, kernel, launch)
         emit(probe="dual_best", tiles=tile, kernel=best[1], launch=best[2], geomean_ms=best[0])
         # the Gluon launch is shared by both modes: keep the defaults for the rest of the run
-        DQ.GLUON, DG.LAUNCH, DG.PIPELINE = True, gluon_default, True
+        DQ.GLUON, DG.LAUNCH, DG.PIPELINE = True, gluon_default, pipe_on
         DG.PIPE_LAUNCH.update(pipe_default)
         DQ.LAUNCH.update(triton_default)
         del ops

@@ -50,16 +50,21 @@ def _quotient(v, scale):
     nothing underflows. Scales below 2**-60 (amaxes of subnormal-sized data) are first multiplied,
     with the values, by 2**64, which changes no quotient and keeps the residual normal. Division
     is most of this kernel's arithmetic: div_rn per element left it below the memory bandwidth.
-    A zero quotient keeps its sign (as the division's); a non-finite scale takes the plain
-    product (x * 0 = 0 for x / inf, NaN from NaN), as the division gives."""
+
+    The step is written without a per-element select. The residual is formed negated,
+    t = q0 * s - x, and added back as q0 - t * r: for x = +-0 both FMAs then end in a sum of two
+    zeros of x's sign, so the quotient keeps the division's sign. A non-finite scale enters the
+    residual as 0 (``s_res``): for s = inf, r = 0 and q0 = x * 0, and the step adds x * 0 to it,
+    a zero of the same sign (NaN for x = inf, as inf / inf); for s = NaN, r is NaN and so is
+    everything. Negations are products by -1.0: Triton's unary minus is 0 - x, which turns -0
+    into +0 and costs an instruction, where x * -1.0 is exact and folds into the FMA."""
     k = tl.where(scale < 1.0e-18, 18446744073709551616.0, 1.0)
     s = scale * k
     r = tl.math.div_rn(tl.where(s == s, 1.0, 1.0), s)  # where(): see _scale_of
-    exact_step = s < float("inf")  # False for inf and NaN
+    s_res = tl.where(s < float("inf"), s, 0.0)  # 0 for inf and NaN
     x = v * k
     q0 = x * r
-    q1 = tl.fma(tl.fma(-q0, s, x), r, q0)
-    return tl.where(exact_step & (q0 != 0.0), q1, q0)
+    return tl.fma(tl.fma(q0, s_res, x * -1.0) * -1.0, r, q0)
 
 
 @triton.jit

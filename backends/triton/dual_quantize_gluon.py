@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton.language as tl
 
 from .fp8_blockwise_gluon import available as _gluon_available
 
@@ -45,7 +46,7 @@ BLOCK = 128
 LAUNCH = (64, 32, 4)
 #: Quantise through the pipelined kernel (``_dual_quantize_pipe_kernel``) where its operand
 #: conditions hold (``pipe_error``); False keeps the one-tile-per-program kernel (probes compare).
-PIPELINE = True
+PIPELINE = False
 #: The pipelined kernel's launch: rows per chunk of the row pass; the column pass's per-thread
 #: block (columns, rows), threads of a warp along the columns, warps along the columns; warps;
 #: tiles in flight per program (shared-memory stages); programs per SM; the register cap per
@@ -59,9 +60,37 @@ if gluon is not None:
     _g_quotient = gluon.jit(_quotient.fn)
 
     @gluon.jit
-    def _g_to_fp8(v, scale, FP8_MAX: gl.constexpr):
+    def _g_to_fp8_exact(v, scale, FP8_MAX: gl.constexpr):
         q = _g_quotient(v, scale)
         return gl.minimum(gl.maximum(q, -FP8_MAX), FP8_MAX)
+
+    @gluon.jit
+    def _g_to_fp8_lean(v, r, s_res, FP8_MAX: gl.constexpr):
+        # _quotient's correction step for scales >= 2**-60 (no rescaling), written so that it
+        # needs no per-element select: the residual is negated (q0 * s - v), which keeps a zero
+        # quotient's sign through the FMA, and an infinite scale enters the residual as 0
+        # (s_res), which leaves q0 = v * 0 as is. Same bits as _quotient (see there).
+        # (x * -1.0, not -x: Triton's unary minus is 0 - x, which loses a zero's sign and so
+        # costs an FADD; a product by -1 is an exact negation that folds into the FMA operand)
+        q0 = v * r
+        t = gl.fma(q0, s_res, v * -1.0)
+        q = gl.fma(t * -1.0, r, q0)
+        # the upper clamp is the conversion's: sm_90's cvt.rn.satfinite saturates at the format's
+        # largest finite value; max.f32 maps a NaN quotient to -FP8_MAX, as the two-sided clamp does
+        return gl.maximum(q, -FP8_MAX)
+
+    @gluon.jit
+    def _g_to_fp8(v, scale, FP8_MAX: gl.constexpr):
+        """``clamp(v / scale[:, None])`` rounded as ``_quotient`` rounds it, ``scale`` one per row
+        of ``v``: the lean form unless a scale here is below _quotient's rescaling threshold
+        (amaxes of subnormal-sized data; a NaN scale is ignored by the min and takes the lean
+        form, which gives what the exact one gives)."""
+        if gl.min(scale, axis=0) < 1.0e-18:
+            q = _g_to_fp8_exact(v, scale[:, None], FP8_MAX)
+        else:
+            r = tl.math.div_rn(gl.where(scale == scale, 1.0, 1.0), scale)
+            q = _g_to_fp8_lean(v, r[:, None], gl.where(scale < float("inf"), scale, 0.0)[:, None], FP8_MAX)
+        return q
 
     @gluon.jit
     def _dual_quantize_gluon_kernel(
@@ -100,7 +129,7 @@ if gluon is not None:
             col_bits = gl.maximum(col_bits, gl.max(bits, axis=0))
             row_scale = _g_scale_of(gl.max(bits, axis=1).to(gl.float32, bitcast=True), FP8_MAX, TINY)
             gl.store(s_ptr + g * ssg + r64 * ssr + cb * ssc, row_scale, mask=r_ok)
-            q = _g_to_fp8(v, row_scale[:, None], FP8_MAX)
+            q = _g_to_fp8(v, row_scale, FP8_MAX)
             gl.store(q_ptr + g * sqg + r64[:, None] * sqr + c64[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
         col_scale = _g_scale_of(col_bits.to(gl.float32, bitcast=True), FP8_MAX, TINY)
         gl.store(st_ptr + g * stg + rb * str_ + c64 * stc, col_scale, mask=c_ok)
@@ -115,7 +144,7 @@ if gluon is not None:
             rt_ok = rt < R
             okt = ct_ok[:, None] & rt_ok[None, :]
             vt = tile.slice(j * TCH, TCH, dim=0).permute([1, 0]).load(COL).to(gl.float32)
-            qt = _g_to_fp8(vt, col_scale_t[:, None], FP8_MAX)
+            qt = _g_to_fp8(vt, col_scale_t, FP8_MAX)
             gl.store(qt_ptr + g * sqtg + ct64[:, None] * sqtc + rt.to(gl.int64)[None, :],
                      qt.to(qt_ptr.dtype.element_ty), mask=okt)
 
@@ -194,7 +223,7 @@ if gluon is not None:
                 col_acc = gl.maximum(col_acc, bits)
                 row_scale = _g_scale_of(gl.max(bits, axis=1).to(gl.float32, bitcast=True), FP8_MAX, TINY)
                 gl.store(s_ptr + g * ssg + r64 * ssr + cb * ssc, row_scale, mask=r_ok)
-                q = _g_to_fp8(v, row_scale[:, None], FP8_MAX)
+                q = _g_to_fp8(v, row_scale, FP8_MAX)
                 gl.store(q_ptr + g * sqg + r64[:, None] * sqr + c64[None, :], q.to(q_ptr.dtype.element_ty),
                          mask=r_ok[:, None] & c_ok[None, :])
             col_bits = gl.max(col_acc, axis=0)
@@ -209,7 +238,7 @@ if gluon is not None:
                 rt = rb * B + j * TCH + gl.arange(0, TCH, layout=gl.SliceLayout(0, COL))
                 okt = ct_ok[:, None] & (rt < R)[None, :]
                 vt = tile.slice(j * TCH, TCH, dim=0).permute([1, 0]).load(COL).to(gl.float32)
-                qt = _g_to_fp8(vt, col_scale_t[:, None], FP8_MAX)
+                qt = _g_to_fp8(vt, col_scale_t, FP8_MAX)
                 gl.store(qt_ptr + g * sqtg + ct64[:, None] * sqtc + rt.to(gl.int64)[None, :],
                          qt.to(qt_ptr.dtype.element_ty), mask=okt)
             gl.thread_barrier()  # every warp is done with this slot before it is refilled
