@@ -77,13 +77,12 @@ RUNS_LAUNCHES = [(64, 4), (32, 4)]
 TILES_LAUNCHES = [(64, 4), (32, 4)]
 #: dual_quantize_gluon.LAUNCH values (rows per read chunk, rows per transposed chunk, warps); the
 #: Gluon kernel serves token runs only.
-GLUON_LAUNCHES = [(64, 32, 4), (32, 32, 4), (128, 32, 4), (32, 64, 4), (64, 64, 8)]
+GLUON_LAUNCHES = [(32, 32, 4), (64, 32, 4), (16, 32, 4), (32, 16, 4)]
+#: The one-tile kernel's launch orders the sweep also times, at dual_quantize_gluon.LAUNCH.
+GLUON_ORDERS = [True]
 #: dual_quantize_gluon.PIPE_LAUNCH values the sweep times and the check covers (the pipelined
 #: kernel); keys left out take the module default.
-PIPE_LAUNCHES = [dict(CH=32, PER_SM=2), dict(CH=8, TC=1, RPT=16, TPW_C=16, WPC_C=4, PER_SM=2),
-                 dict(CH=8, TC=1, RPT=16, TPW_C=16, WPC_C=4, PER_SM=3),
-                 dict(CH=8, TC=2, RPT=32, TPW_C=32, WPC_C=2, PER_SM=2),
-                 dict(CH=16, WARPS=8, MAXNREG=128, STAGES=3, PER_SM=2)]
+PIPE_LAUNCHES = [dict(CH=32, PER_SM=2), dict(CH=16, WARPS=8, MAXNREG=128, STAGES=3, PER_SM=2)]
 
 
 def check_pipe() -> bool:
@@ -210,7 +209,7 @@ def sweep_dual() -> None:
     import turbo_dispatch.backends.triton.dual_quantize_gluon as DG
 
     gluon_default, triton_default, pipe_default = DG.LAUNCH, dict(DQ.LAUNCH), dict(DG.PIPE_LAUNCH)
-    pipe_on = DG.PIPELINE
+    pipe_on, order_default = DG.PIPELINE, DG.COLUMN_BLOCKS_FASTEST
     for tile, launches in ((False, RUNS_LAUNCHES), (True, TILES_LAUNCHES)):
         ops = [(name, torch.randn(*shape, device="cuda", dtype=torch.bfloat16))
                for name, shape, t in SWEEP_OPERANDS if t == tile]
@@ -223,12 +222,17 @@ def sweep_dual() -> None:
                 two[name] = time_ms(lambda: (quantize_cells(src, E4, 1, 128),
                                              quantize_cells(src.transpose(1, 2), E4, 1, 128, scale_rows_inner=True)))
         best = None
-        gluon = [] if tile else [("gluon", la) for la in GLUON_LAUNCHES] + [("pipe", la) for la in PIPE_LAUNCHES]
+        gluon = [] if tile else ([("gluon", la) for la in GLUON_LAUNCHES]
+                                 + [("gluon_order", fast) for fast in GLUON_ORDERS]
+                                 + [("pipe", la) for la in PIPE_LAUNCHES])
         for kernel, launch in [("triton", la) for la in launches] + gluon:
             DQ.GLUON = kernel != "triton"
             DG.PIPELINE = kernel == "pipe"
+            DG.COLUMN_BLOCKS_FASTEST = order_default
             if kernel == "gluon":
                 DG.LAUNCH = launch
+            elif kernel == "gluon_order":
+                DG.LAUNCH, DG.COLUMN_BLOCKS_FASTEST = gluon_default, launch
             elif kernel == "pipe":
                 DG.PIPE_LAUNCH.update(pipe_default)
                 DG.PIPE_LAUNCH.update(launch)
@@ -253,8 +257,14 @@ def sweep_dual() -> None:
             if best is None or geo < best[0]:
                 best = (geo, kernel, launch)
         emit(probe="dual_best", tiles=tile, kernel=best[1], launch=best[2], geomean_ms=best[0])
+        for name, src in ops:  # what the memory system gives simpler kernels on the same operands
+            copy_ms = time_ms(lambda: src.clone())
+            cast_ms = time_ms(lambda: src.to(E4))
+            emit(probe="bandwidth_reference", tiles=tile, operand=name, clone_ms=copy_ms,
+                 clone_tbs=src.numel() * 4 / copy_ms * 1e-9, cast_ms=cast_ms, cast_tbs=src.numel() * 3 / cast_ms * 1e-9)
         # the Gluon launch is shared by both modes: keep the defaults for the rest of the run
         DQ.GLUON, DG.LAUNCH, DG.PIPELINE = True, gluon_default, pipe_on
+        DG.COLUMN_BLOCKS_FASTEST = order_default
         DG.PIPE_LAUNCH.update(pipe_default)
         DQ.LAUNCH.update(triton_default)
         del ops

@@ -41,9 +41,14 @@ except ImportError:  # pragma: no cover - triton without Gluon
 
 #: The quantisation block this kernel is laid out for (its layouts cover 128 columns).
 BLOCK = 128
-#: (rows per chunk of the global read, rows per chunk of the transposed pass, warps); the sweep's
-#: best of six (tools/probe_grouped_step.py --sweep).
-LAUNCH = (64, 32, 4)
+#: (rows per chunk of the global read, rows per chunk of the transposed pass, warps): the best
+#: geomean of five in round 40 (tools/probe_grouped_step.py --sweep, H100, lean quotient: 0.214
+#: ms against 0.221-0.250; 96 registers, 5 programs per SM). Round 36 (before the lean quotient)
+#: had preferred (64, 32, 4).
+LAUNCH = (32, 32, 4)
+#: Launch order of the one-tile kernel's programs: column blocks fastest (neighbours read one
+#: band of rows) or row blocks fastest (neighbours write one band of the transposed copy).
+COLUMN_BLOCKS_FASTEST = False
 #: Quantise through the pipelined kernel (``_dual_quantize_pipe_kernel``) where its operand
 #: conditions hold (``pipe_error``); False keeps the one-tile-per-program kernel (probes compare).
 PIPELINE = False
@@ -98,15 +103,19 @@ if gluon is not None:
         R, C, n_rb,
         sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
         B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
-        TINY: gl.constexpr, WARPS: gl.constexpr,
+        TINY: gl.constexpr, WARPS: gl.constexpr, COLUMN_BLOCKS_FASTEST: gl.constexpr,
     ):
         # rows: 8 bf16 (16 bytes) per thread along the columns, a warp spans 2 rows of 128
         ROW: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
         # transposed view [columns, rows]: 16 consecutive rows of one column per thread
         COL: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [WARPS, 1], [1, 0])
         SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        pid = gl.program_id(0)
-        cb = gl.program_id(1)
+        if COLUMN_BLOCKS_FASTEST:  # neighbouring programs read one band of rows, left to right
+            pid = gl.program_id(1)
+            cb = gl.program_id(0)
+        else:  # neighbouring programs fill one band of the transposed copy's rows
+            pid = gl.program_id(0)
+            cb = gl.program_id(1)
         g = (pid // n_rb).to(gl.int64)
         rb = pid % n_rb
         tile = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [B, B], SMEM)
@@ -290,10 +299,12 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float) -> None
         )
         return
     chunk, t_chunk, warps = LAUNCH
-    _dual_quantize_gluon_kernel[(g * n_r, n_c)](
+    grid = (n_c, g * n_r) if COLUMN_BLOCKS_FASTEST else (g * n_r, n_c)
+    _dual_quantize_gluon_kernel[grid](
         x, data, data_t, scale, scale_t, r, c, n_r,
         *x.stride(), data.stride(0), data.stride(1), data_t.stride(0), data_t.stride(1),
         *scale.stride(), *scale_t.stride(),
         B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps,
+        COLUMN_BLOCKS_FASTEST=COLUMN_BLOCKS_FASTEST,
         num_warps=warps,
     )
