@@ -937,7 +937,8 @@ def test_gluon_dual_quantizer_says_why_it_cannot_run():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize("kernel", ["triton", "gluon_one_tile", "gluon_one_tile_column_order", "gluon_pipelined"])
+@pytest.mark.parametrize("kernel", ["triton", "gluon_one_tile", "gluon_one_tile_column_order", "gluon_one_tile_async",
+                                    "gluon_pipelined"])
 def test_gpu_dual_quantizer_matches_quantize_cells(fmt, kernel):
     """Every GPU path of ``dual_quantize`` (the Triton kernel with its FMA-corrected quotient, the
     Gluon kernels with their lean quotient) against ``quantize_cells`` (one correctly rounded
@@ -965,9 +966,10 @@ def test_gpu_dual_quantizer_matches_quantize_cells(fmt, kernel):
             return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
         return torch.equal(torch.nan_to_num(a, nan=-1.0), torch.nan_to_num(b, nan=-1.0))
 
-    saved = DQ.GLUON, DG.PIPELINE, DG.COLUMN_BLOCKS_FASTEST
+    saved = DQ.GLUON, DG.PIPELINE, DG.COLUMN_BLOCKS_FASTEST, DG.ASYNC_LOAD
     DQ.GLUON, DG.PIPELINE = kernel != "triton", kernel == "gluon_pipelined"
     DG.COLUMN_BLOCKS_FASTEST = kernel == "gluon_one_tile_column_order"
+    DG.ASYNC_LOAD = kernel == "gluon_one_tile_async"
     try:
         for block in (128, 64):
             d, s, d_t, s_t = DQ.dual_quantize(x, fmt, block, False)
@@ -980,7 +982,7 @@ def test_gpu_dual_quantizer_matches_quantize_cells(fmt, kernel):
             qt, _ = quantize_cells(w.transpose(1, 2), fmt, block, block)
             assert same(d, q) and same(s, qs) and same(d_t, qt), block
     finally:
-        DQ.GLUON, DG.PIPELINE, DG.COLUMN_BLOCKS_FASTEST = saved
+        DQ.GLUON, DG.PIPELINE, DG.COLUMN_BLOCKS_FASTEST, DG.ASYNC_LOAD = saved
 
 
 @pytest.mark.gpu

@@ -80,9 +80,12 @@ TILES_LAUNCHES = [(64, 4), (32, 4)]
 GLUON_LAUNCHES = [(32, 32, 4), (64, 32, 4), (16, 32, 4), (32, 16, 4)]
 #: The one-tile kernel's launch orders the sweep also times, at dual_quantize_gluon.LAUNCH.
 GLUON_ORDERS = [True]
+#: The one-tile kernel with its tile brought in by cp.async (dual_quantize_gluon.ASYNC_LOAD):
+#: launches the sweep times.
+GLUON_ASYNC_LAUNCHES = [(32, 32, 4), (16, 32, 4), (32, 32, 8), (16, 32, 8)]
 #: dual_quantize_gluon.PIPE_LAUNCH values the sweep times and the check covers (the pipelined
 #: kernel); keys left out take the module default.
-PIPE_LAUNCHES = [dict(CH=32, PER_SM=2), dict(CH=16, WARPS=8, MAXNREG=128, STAGES=3, PER_SM=2)]
+PIPE_LAUNCHES = [dict(CH=32, PER_SM=2)]
 
 
 def check_pipe() -> bool:
@@ -209,7 +212,7 @@ def sweep_dual() -> None:
     import turbo_dispatch.backends.triton.dual_quantize_gluon as DG
 
     gluon_default, triton_default, pipe_default = DG.LAUNCH, dict(DQ.LAUNCH), dict(DG.PIPE_LAUNCH)
-    pipe_on, order_default = DG.PIPELINE, DG.COLUMN_BLOCKS_FASTEST
+    pipe_on, order_default, async_default = DG.PIPELINE, DG.COLUMN_BLOCKS_FASTEST, DG.ASYNC_LOAD
     for tile, launches in ((False, RUNS_LAUNCHES), (True, TILES_LAUNCHES)):
         ops = [(name, torch.randn(*shape, device="cuda", dtype=torch.bfloat16))
                for name, shape, t in SWEEP_OPERANDS if t == tile]
@@ -224,13 +227,16 @@ def sweep_dual() -> None:
         best = None
         gluon = [] if tile else ([("gluon", la) for la in GLUON_LAUNCHES]
                                  + [("gluon_order", fast) for fast in GLUON_ORDERS]
+                                 + [("gluon_async", la) for la in GLUON_ASYNC_LAUNCHES]
                                  + [("pipe", la) for la in PIPE_LAUNCHES])
         for kernel, launch in [("triton", la) for la in launches] + gluon:
             DQ.GLUON = kernel != "triton"
             DG.PIPELINE = kernel == "pipe"
-            DG.COLUMN_BLOCKS_FASTEST = order_default
+            DG.COLUMN_BLOCKS_FASTEST, DG.ASYNC_LOAD = order_default, async_default
             if kernel == "gluon":
                 DG.LAUNCH = launch
+            elif kernel == "gluon_async":
+                DG.LAUNCH, DG.ASYNC_LOAD = launch, True
             elif kernel == "gluon_order":
                 DG.LAUNCH, DG.COLUMN_BLOCKS_FASTEST = gluon_default, launch
             elif kernel == "pipe":
@@ -264,7 +270,7 @@ def sweep_dual() -> None:
                  clone_tbs=src.numel() * 4 / copy_ms * 1e-9, cast_ms=cast_ms, cast_tbs=src.numel() * 3 / cast_ms * 1e-9)
         # the Gluon launch is shared by both modes: keep the defaults for the rest of the run
         DQ.GLUON, DG.LAUNCH, DG.PIPELINE = True, gluon_default, pipe_on
-        DG.COLUMN_BLOCKS_FASTEST = order_default
+        DG.COLUMN_BLOCKS_FASTEST, DG.ASYNC_LOAD = order_default, async_default
         DG.PIPE_LAUNCH.update(pipe_default)
         DQ.LAUNCH.update(triton_default)
         del ops

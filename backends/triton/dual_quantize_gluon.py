@@ -49,6 +49,9 @@ LAUNCH = (32, 32, 4)
 #: Launch order of the one-tile kernel's programs: column blocks fastest (neighbours read one
 #: band of rows) or row blocks fastest (neighbours write one band of the transposed copy).
 COLUMN_BLOCKS_FASTEST = False
+#: The one-tile kernel brings its tile into shared memory by cp.async, all of it in flight at
+#: once, where ``pipe_error`` allows (False: chunk by chunk through registers).
+ASYNC_LOAD = False
 #: Quantise through the pipelined kernel (``_dual_quantize_pipe_kernel``) where its operand
 #: conditions hold (``pipe_error``); False keeps the one-tile-per-program kernel (probes compare).
 PIPELINE = False
@@ -104,6 +107,7 @@ if gluon is not None:
         sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
         B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
         TINY: gl.constexpr, WARPS: gl.constexpr, COLUMN_BLOCKS_FASTEST: gl.constexpr,
+        ASYNC_LOAD: gl.constexpr,
     ):
         # rows: 8 bf16 (16 bytes) per thread along the columns, a warp spans 2 rows of 128
         ROW: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
@@ -124,13 +128,28 @@ if gluon is not None:
         c_ok = cc < C
         c64 = cc.to(gl.int64)
         col_bits = gl.zeros([B], gl.int32, layout=gl.SliceLayout(0, ROW))
+        if ASYNC_LOAD:
+            # the whole tile in flight at once by cp.async (16-byte copies, ``pipe_error`` holds;
+            # masked copies land as zeros), holding no registers, instead of one chunk at a time
+            for i in gl.static_range(B // CH):
+                rr = rb * B + i * CH + gl.arange(0, CH, layout=gl.SliceLayout(1, ROW))
+                ok = (rr < R)[:, None] & c_ok[None, :]
+                async_copy.async_copy_global_to_shared(
+                    tile.slice(i * CH, CH, dim=0), x_ptr + g * sxg + rr.to(gl.int64)[:, None] * sxr + c64[None, :],
+                    mask=ok)
+            async_copy.commit_group()
+            async_copy.wait_group(0)
+            gl.thread_barrier()
         for i in gl.static_range(B // CH):
             rr = rb * B + i * CH + gl.arange(0, CH, layout=gl.SliceLayout(1, ROW))
             r_ok = rr < R
             r64 = rr.to(gl.int64)
             ok = r_ok[:, None] & c_ok[None, :]
-            xv = gl.load(x_ptr + g * sxg + r64[:, None] * sxr + c64[None, :] * sxc, mask=ok, other=0.0)
-            tile.slice(i * CH, CH, dim=0).store(xv)
+            if ASYNC_LOAD:
+                xv = tile.slice(i * CH, CH, dim=0).load(ROW)
+            else:
+                xv = gl.load(x_ptr + g * sxg + r64[:, None] * sxr + c64[None, :] * sxc, mask=ok, other=0.0)
+                tile.slice(i * CH, CH, dim=0).store(xv)
             v = xv.to(gl.float32)
             # amax on the float bits (abs clears the sign): integer order is float order for
             # non-negative floats, and NaN sorts above inf, so a NaN gives its cell a NaN scale
@@ -305,6 +324,6 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float) -> None
         *x.stride(), data.stride(0), data.stride(1), data_t.stride(0), data_t.stride(1),
         *scale.stride(), *scale_t.stride(),
         B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps,
-        COLUMN_BLOCKS_FASTEST=COLUMN_BLOCKS_FASTEST,
+        COLUMN_BLOCKS_FASTEST=COLUMN_BLOCKS_FASTEST, ASYNC_LOAD=ASYNC_LOAD and pipe_error(x) is None,
         num_warps=warps,
     )
