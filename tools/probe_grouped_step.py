@@ -77,22 +77,50 @@ RUNS_LAUNCHES = [(64, 4), (32, 4)]
 TILES_LAUNCHES = [(64, 4), (32, 4)]
 #: dual_quantize_gluon.LAUNCH values (rows per read chunk, rows per transposed chunk, warps); the
 #: Gluon kernel serves token runs only.
-GLUON_LAUNCHES = [(32, 32, 4), (64, 32, 4), (16, 32, 4), (32, 16, 4)]
+GLUON_LAUNCHES = [(32, 32, 4), (64, 32, 4)]
 #: The one-tile kernel's launch orders the sweep also times, at dual_quantize_gluon.LAUNCH.
 GLUON_ORDERS = [True]
 #: The one-tile kernel with its tile brought in by cp.async (dual_quantize_gluon.ASYNC_LOAD):
 #: launches the sweep times.
-GLUON_ASYNC_LAUNCHES = [(32, 32, 4), (16, 32, 4), (32, 32, 8), (16, 32, 8)]
+GLUON_ASYNC_LAUNCHES = [(32, 32, 4)]
+#: (dual_quantize_gluon.LAUNCH, COLUMN_LAYOUT) pairs the sweep times: the transposed pass reading
+#: 2, 4 or 8 columns per shared-memory load instead of one (ncu, round 42: the one-column form
+#: kept L1/shared memory 80% busy at 55% of DRAM bandwidth).
+GLUON_COLUMN_LAYOUTS = [((32, 32, 4), (2, 16, 32, 2)), ((32, 64, 4), (4, 16, 32, 1)), ((32, 32, 4), (4, 8, 32, 1)),
+                        ((32, 64, 4), (8, 8, 16, 1)), ((32, 64, 4), (2, 32, 32, 2))]
 #: dual_quantize_gluon.PIPE_LAUNCH values the sweep times and the check covers (the pipelined
 #: kernel); keys left out take the module default.
 PIPE_LAUNCHES = [dict(CH=32, PER_SM=2)]
 
 
-def check_pipe() -> bool:
-    """The pipelined Gluon kernel, every launch in PIPE_LAUNCHES, against the Triton kernel's bits
-    (GLUON off), on operands it takes (columns a multiple of 16): ragged rows and last column
-    block, strided rows, groups, zero/NaN/inf/subnormal-sized/near-overflow cells, and a tall
-    operand whose programs loop over many tiles."""
+def _gluon_setups() -> list[tuple[str, dict]]:
+    """(name, dual_quantize_gluon attributes) of every Gluon variant the sweep times."""
+    setups = [(f"pipe {la}", dict(PIPELINE=True, PIPE_LAUNCH=la)) for la in PIPE_LAUNCHES]
+    setups += [(f"one_tile {la}", dict(LAUNCH=la)) for la in GLUON_LAUNCHES]
+    setups += [(f"async {la}", dict(LAUNCH=la, ASYNC_LOAD=True)) for la in GLUON_ASYNC_LAUNCHES]
+    setups += [(f"columns {la} {col}", dict(LAUNCH=la, COLUMN_LAYOUT=col)) for la, col in GLUON_COLUMN_LAYOUTS]
+    return setups
+
+
+def _apply_gluon(setup: dict) -> dict:
+    """Sets ``setup`` on dual_quantize_gluon (PIPE_LAUNCH entries update the default launch) and
+    returns what it replaced, for ``_apply_gluon(saved)`` to restore."""
+    import turbo_dispatch.backends.triton.dual_quantize_gluon as DG
+
+    saved = {}
+    for key, value in setup.items():
+        saved[key] = getattr(DG, key)
+        if key == "PIPE_LAUNCH" and isinstance(value, dict) and len(value) < len(DG.PIPE_LAUNCH):
+            value = {**saved[key], **value}
+        setattr(DG, key, value)
+    return saved
+
+
+def check_gluon_variants() -> bool:
+    """Every Gluon variant of _gluon_setups against the Triton kernel's bits (GLUON off), e4m3
+    (the default variant also in e5m2), on operands every variant takes (columns a multiple of
+    16): ragged rows and last column block, strided rows, groups, zero/NaN/inf/subnormal-sized/
+    near-overflow cells, and a tall operand whose persistent programs loop over many tiles."""
     import turbo_dispatch.backends.triton.dual_quantize as DQ
     import turbo_dispatch.backends.triton.dual_quantize_gluon as DG
 
@@ -105,17 +133,15 @@ def check_pipe() -> bool:
     x[2, 900, 290] = float("inf")
     x[0, 700:800, 40:60] *= 3e37
     tall = torch.randn(1, 20000 + 77, 2048, device="cuda", dtype=torch.bfloat16) * 3
-    ok, default, pipe_on = True, dict(DG.PIPE_LAUNCH), DG.PIPELINE
-    DG.PIPELINE = True
+    ok = True
     for name, src in (("ragged", x), ("tall", tall)):
         assert DG.pipe_error(src) is None, DG.pipe_error(src)
         for dt in (E4, E5):
             DQ.GLUON = False
             ref = DQ.dual_quantize(src, dt, 128, False)
             DQ.GLUON = True
-            for la in PIPE_LAUNCHES if dt == E4 else [{}]:
-                DG.PIPE_LAUNCH.update(default)
-                DG.PIPE_LAUNCH.update(la)
+            for label, setup in _gluon_setups() if dt == E4 else [("default", {})]:
+                saved = _apply_gluon(setup)
                 try:
                     got = DQ.dual_quantize(src, dt, 128, False)
                     same = all(torch.equal(torch.nan_to_num(a.view(torch.uint8).float() if a.element_size() == 1
@@ -125,11 +151,11 @@ def check_pipe() -> bool:
                     err = ""
                 except Exception as exc:  # a launch that does not compile is reported, not fatal
                     same, err = False, f"{type(exc).__name__}: {str(exc)[:300]}"
-                emit(check="dual_pipe", operand=name, dtype=str(dt), launch=la, result="PASS" if same else "FAIL",
+                finally:
+                    _apply_gluon(saved)
+                emit(check="dual_gluon", operand=name, dtype=str(dt), variant=label, result="PASS" if same else "FAIL",
                      error=err)
                 ok = ok and same
-    DG.PIPE_LAUNCH.update(default)
-    DG.PIPELINE = pipe_on
     return ok
 
 
@@ -203,16 +229,15 @@ SWEEP_OPERANDS = [("dsv3_x", (1, 32768, 7168), False), ("qwen3_down_x", (1, 6553
 
 
 def sweep_dual() -> None:
-    """Times every launch in RUNS_LAUNCHES / TILES_LAUNCHES on SWEEP_OPERANDS, next to the two
-    quantize_cells calls a launch replaces, and keeps the launch with the best geomean per mode
-    in dual_quantize.LAUNCH for the rest of the run."""
+    """Times every Triton launch in RUNS_LAUNCHES / TILES_LAUNCHES and, for runs, every Gluon
+    variant (_gluon_setups, launch orders) on SWEEP_OPERANDS, next to the two quantize_cells calls
+    a launch replaces and to a clone and a cast of the same operands; names the best geomean per
+    mode and leaves the module defaults in place."""
     import math
 
     import turbo_dispatch.backends.triton.dual_quantize as DQ
-    import turbo_dispatch.backends.triton.dual_quantize_gluon as DG
 
-    gluon_default, triton_default, pipe_default = DG.LAUNCH, dict(DQ.LAUNCH), dict(DG.PIPE_LAUNCH)
-    pipe_on, order_default, async_default = DG.PIPELINE, DG.COLUMN_BLOCKS_FASTEST, DG.ASYNC_LOAD
+    triton_default = dict(DQ.LAUNCH)
     for tile, launches in ((False, RUNS_LAUNCHES), (True, TILES_LAUNCHES)):
         ops = [(name, torch.randn(*shape, device="cuda", dtype=torch.bfloat16))
                for name, shape, t in SWEEP_OPERANDS if t == tile]
@@ -225,25 +250,15 @@ def sweep_dual() -> None:
                 two[name] = time_ms(lambda: (quantize_cells(src, E4, 1, 128),
                                              quantize_cells(src.transpose(1, 2), E4, 1, 128, scale_rows_inner=True)))
         best = None
-        gluon = [] if tile else ([("gluon", la) for la in GLUON_LAUNCHES]
-                                 + [("gluon_order", fast) for fast in GLUON_ORDERS]
-                                 + [("gluon_async", la) for la in GLUON_ASYNC_LAUNCHES]
-                                 + [("pipe", la) for la in PIPE_LAUNCHES])
-        for kernel, launch in [("triton", la) for la in launches] + gluon:
+        variants = [("triton", la, {}) for la in launches]
+        if not tile:
+            variants += [("gluon", label, {"PIPELINE": False, **setup}) for label, setup in _gluon_setups()]
+            variants += [("gluon", f"order {fast}", {"COLUMN_BLOCKS_FASTEST": fast}) for fast in GLUON_ORDERS]
+        for kernel, launch, setup in variants:
             DQ.GLUON = kernel != "triton"
-            DG.PIPELINE = kernel == "pipe"
-            DG.COLUMN_BLOCKS_FASTEST, DG.ASYNC_LOAD = order_default, async_default
-            if kernel == "gluon":
-                DG.LAUNCH = launch
-            elif kernel == "gluon_async":
-                DG.LAUNCH, DG.ASYNC_LOAD = launch, True
-            elif kernel == "gluon_order":
-                DG.LAUNCH, DG.COLUMN_BLOCKS_FASTEST = gluon_default, launch
-            elif kernel == "pipe":
-                DG.PIPE_LAUNCH.update(pipe_default)
-                DG.PIPE_LAUNCH.update(launch)
-            else:
+            if kernel == "triton":
                 DQ.LAUNCH[tile] = launch
+            saved = _apply_gluon(setup)
             logs = []
             for name, src in ops:
                 try:
@@ -256,6 +271,7 @@ def sweep_dual() -> None:
                 logs.append(math.log(ms))
                 emit(probe="dual_sweep", tiles=tile, kernel=kernel, operand=name, launch=launch, ms=ms,
                      two_ms=two[name], tbs=src.numel() * 4 / ms * 1e-9, vs_two=two[name] / ms)
+            _apply_gluon(saved)
             if not logs:
                 continue
             geo = math.exp(sum(logs) / len(logs))
@@ -268,10 +284,7 @@ def sweep_dual() -> None:
             cast_ms = time_ms(lambda: src.to(E4))
             emit(probe="bandwidth_reference", tiles=tile, operand=name, clone_ms=copy_ms,
                  clone_tbs=src.numel() * 4 / copy_ms * 1e-9, cast_ms=cast_ms, cast_tbs=src.numel() * 3 / cast_ms * 1e-9)
-        # the Gluon launch is shared by both modes: keep the defaults for the rest of the run
-        DQ.GLUON, DG.LAUNCH, DG.PIPELINE = True, gluon_default, pipe_on
-        DG.COLUMN_BLOCKS_FASTEST, DG.ASYNC_LOAD = order_default, async_default
-        DG.PIPE_LAUNCH.update(pipe_default)
+        DQ.GLUON = True  # the defaults for the rest of the run
         DQ.LAUNCH.update(triton_default)
         del ops
         torch.cuda.empty_cache()
@@ -431,7 +444,7 @@ def main() -> int:
         sweep_dual()
         torch.cuda.empty_cache()
     ok = check_dual()
-    ok = check_pipe() and ok
+    ok = check_gluon_variants() and ok
     if args.host_profile:
         host_profile(args.host_profile)
     for shape in args.shapes.split(","):

@@ -49,6 +49,10 @@ LAUNCH = (32, 32, 4)
 #: Launch order of the one-tile kernel's programs: column blocks fastest (neighbours read one
 #: band of rows) or row blocks fastest (neighbours write one band of the transposed copy).
 COLUMN_BLOCKS_FASTEST = False
+#: The one-tile kernel's transposed pass: (columns, rows) per thread, threads of a warp along the
+#: columns, warps along the columns; None: one column of 16 rows per thread, 16 threads along the
+#: columns, all warps along the columns (2-byte shared-memory reads).
+COLUMN_LAYOUT: tuple[int, int, int, int] | None = None
 #: The one-tile kernel brings its tile into shared memory by cp.async, all of it in flight at
 #: once, where ``pipe_error`` allows (False: chunk by chunk through registers).
 ASYNC_LOAD = False
@@ -107,12 +111,14 @@ if gluon is not None:
         sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
         B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
         TINY: gl.constexpr, WARPS: gl.constexpr, COLUMN_BLOCKS_FASTEST: gl.constexpr,
-        ASYNC_LOAD: gl.constexpr,
+        ASYNC_LOAD: gl.constexpr, TC: gl.constexpr, RPT: gl.constexpr, TPW_C: gl.constexpr,
+        WPC_C: gl.constexpr,
     ):
         # rows: 8 bf16 (16 bytes) per thread along the columns, a warp spans 2 rows of 128
         ROW: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
-        # transposed view [columns, rows]: 16 consecutive rows of one column per thread
-        COL: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [WARPS, 1], [1, 0])
+        # transposed view [columns, rows]: RPT consecutive rows of TC columns per thread, so that
+        # each shared-memory read is TC columns wide and each fp8 store RPT bytes long
+        COL: gl.constexpr = gl.BlockedLayout([TC, RPT], [TPW_C, 32 // TPW_C], [WPC_C, WARPS // WPC_C], [1, 0])
         SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         if COLUMN_BLOCKS_FASTEST:  # neighbouring programs read one band of rows, left to right
             pid = gl.program_id(1)
@@ -325,5 +331,6 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float) -> None
         *scale.stride(), *scale_t.stride(),
         B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps,
         COLUMN_BLOCKS_FASTEST=COLUMN_BLOCKS_FASTEST, ASYNC_LOAD=ASYNC_LOAD and pipe_error(x) is None,
+        **dict(zip(("TC", "RPT", "TPW_C", "WPC_C"), COLUMN_LAYOUT or (1, 16, 16, warps))),
         num_warps=warps,
     )
