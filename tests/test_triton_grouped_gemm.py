@@ -927,24 +927,18 @@ def test_gluon_dual_quantizer_says_why_it_cannot_run():
     assert "block 128" in DG.available(x, 64)
     assert "bfloat16 or float16" in DG.available(x.float(), 128)
     assert "CUDA tensor" in DG.available(x, 128)
-    # the pipelined kernel's 16-byte copies: which operands it reads, and why not the others
-    assert DG.pipe_error(x) is None
-    assert DG.pipe_error(torch.randn(1, 8, 300, dtype=torch.bfloat16)) and "multiples of 16" in DG.pipe_error(
-        torch.randn(1, 8, 300, dtype=torch.bfloat16))
-    assert "multiples of 16" in DG.pipe_error(torch.randn(1, 8, 264, dtype=torch.bfloat16)[:, :, 8:264])
-    assert "not contiguous" in DG.pipe_error(torch.randn(1, 256, 8, dtype=torch.bfloat16).transpose(1, 2))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize("kernel", ["triton", "gluon_one_tile", "gluon_one_tile_column_order", "gluon_one_tile_async",
-                                    "gluon_pipelined"])
+@pytest.mark.parametrize("kernel", ["triton", "gluon"])
 def test_gpu_dual_quantizer_matches_quantize_cells(fmt, kernel):
-    """Every GPU path of ``dual_quantize`` (the Triton kernel with its FMA-corrected quotient, the
-    Gluon kernels with their lean quotient) against ``quantize_cells`` (one correctly rounded
-    division per element), bit for bit: token runs and 2-D tiles, blocks 128 and 64, with zero
-    cells, signed zeros, subnormal-sized cells (the rescaled quotient), inf, NaN and values near
-    the top of the format, at ragged sizes the pipelined kernel takes (320 columns)."""
+    """Every GPU path of ``dual_quantize`` (the Triton kernel with its FMA-corrected quotient; the
+    Gluon kernel, for token runs at block 128, with its lean quotient) against ``quantize_cells``
+    (one correctly rounded division per element), bit for bit: token runs and 2-D tiles, blocks
+    128 and 64, with zero cells, signed zeros, subnormal-sized cells (the rescaled quotient),
+    small cells that take the rescaled quotient without being subnormal, inf, NaN and values
+    near the top of the format, at ragged sizes."""
     import turbo_dispatch.backends.triton.dual_quantize as DQ
     from turbo_dispatch.backends.triton import dual_quantize_gluon as DG
     from turbo_dispatch.backends.triton.grouped_quantize import quantize_cells
@@ -966,10 +960,7 @@ def test_gpu_dual_quantizer_matches_quantize_cells(fmt, kernel):
             return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
         return torch.equal(torch.nan_to_num(a, nan=-1.0), torch.nan_to_num(b, nan=-1.0))
 
-    saved = DQ.GLUON, DG.PIPELINE, DG.COLUMN_BLOCKS_FASTEST, DG.ASYNC_LOAD
-    DQ.GLUON, DG.PIPELINE = kernel != "triton", kernel == "gluon_pipelined"
-    DG.COLUMN_BLOCKS_FASTEST = kernel == "gluon_one_tile_column_order"
-    DG.ASYNC_LOAD = kernel == "gluon_one_tile_async"
+    DQ.GLUON = kernel == "gluon"
     try:
         for block in (128, 64):
             d, s, d_t, s_t = DQ.dual_quantize(x, fmt, block, False)
@@ -982,48 +973,35 @@ def test_gpu_dual_quantizer_matches_quantize_cells(fmt, kernel):
             qt, _ = quantize_cells(w.transpose(1, 2), fmt, block, block)
             assert same(d, q) and same(s, qs) and same(d_t, qt), block
     finally:
-        DQ.GLUON, DG.PIPELINE, DG.COLUMN_BLOCKS_FASTEST, DG.ASYNC_LOAD = saved
+        DQ.GLUON = True
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize("kernel", ["one_tile", "pipelined", "pipelined_looping"])
-def test_gpu_gluon_dual_quantizer_matches_triton_bit_for_bit(fmt, kernel):
-    """The Gluon token-run quantisers give the Triton kernel's bits (which the interpreter checks
+def test_gpu_gluon_dual_quantizer_matches_triton_bit_for_bit(fmt):
+    """The Gluon token-run quantiser gives the Triton kernel's bits (which the interpreter checks
     against the reference quantize): ragged rows and columns, strided rows, zero, NaN, inf,
-    subnormal-sized and near-overflow cells, groups. ``one_tile``: the one-tile-per-program kernel
-    (300 columns, which the pipelined one does not take); ``pipelined``: the pipelined kernel on
-    320 columns; ``pipelined_looping``: one program per SM, so each loops over many tiles."""
+    subnormal-sized and near-overflow cells, groups."""
     import turbo_dispatch.backends.triton.dual_quantize as DQ
     from turbo_dispatch.backends.triton import dual_quantize_gluon as DG
 
     if DG.available(torch.empty(1, device="cuda", dtype=torch.bfloat16), 128):
         pytest.skip(DG.available(torch.empty(1, device="cuda", dtype=torch.bfloat16), 128))
-    width = 310 if kernel == "one_tile" else 352
-    big = torch.randn(3, 1000, width, device="cuda", dtype=torch.bfloat16) * 7
-    x = big[:, :, 3:303] if kernel == "one_tile" else big[:, :, 16:336]  # rows strided by the width
-    assert (DG.pipe_error(x) is None) == (kernel != "one_tile")
+    big = torch.randn(3, 1000, 310, device="cuda", dtype=torch.bfloat16) * 7
+    x = big[:, :, 3:303]  # 300 columns: a ragged last block, rows strided by 310
     x[0, :, 128:256] = 0
     x[1, 517, 3] = float("nan")
     x[2, 0:128, 0:128] *= 1e-38
     x[2, 200:300, :] = -0.0
     x[2, 900, 290] = float("inf")
     x[0, 700:800, 40:60] *= 3e37
-    if kernel == "pipelined_looping":
-        x = torch.cat([x, torch.randn(3, 9000, 320, device="cuda", dtype=torch.bfloat16)], dim=1)
-    saved = dict(DG.PIPE_LAUNCH), DG.PIPELINE
-    DG.PIPELINE = kernel != "one_tile"
-    if kernel == "pipelined_looping":
-        DG.PIPE_LAUNCH["PER_SM"] = 1
     outs = {}
-    try:
-        for gluon in (True, False):
-            DQ.GLUON = gluon
+    for gluon in (True, False):
+        DQ.GLUON = gluon
+        try:
             outs[gluon] = DQ.dual_quantize(x, fmt, 128, False)
-    finally:
-        DQ.GLUON = True
-        DG.PIPE_LAUNCH.update(saved[0])
-        DG.PIPELINE = saved[1]
+        finally:
+            DQ.GLUON = True
     for a, b in zip(outs[True], outs[False]):
         if a.dtype.is_floating_point and a.element_size() == 1:
             a, b = a.view(torch.uint8), b.view(torch.uint8)
