@@ -217,15 +217,24 @@ if gluon is not None:
 
 
 def available(device_index: int | None = None) -> str | None:
-    """None when this kernel can run, else why not (switched off, no Gluon, interpreter, not sm_90)."""
-    if parse_bool(os.environ.get(GLUON_ENV), GLUON_ENV) is False:
-        return f"the Gluon kernels are switched off ({GLUON_ENV}={os.environ[GLUON_ENV]})"
+    """None when this kernel can run, else why not (switched off, no Gluon, interpreter, not sm_90).
+
+    Asked on every call of the blockwise step (several times per step), so the answer is kept per
+    device and per value of the switches it reads (the env switch, the interpreter flag)."""
+    switch = os.environ.get(GLUON_ENV)
+    if parse_bool(switch, GLUON_ENV) is False:
+        return f"the Gluon kernels are switched off ({GLUON_ENV}={switch})"
     if gluon is None:
         return "triton.experimental.gluon is missing (triton >= 3.6 needed)"
     if interpreting():
         return "the Triton interpreter does not run Gluon kernels"
     if not torch.cuda.is_available() or getattr(torch.version, "hip", None):
         return "the Gluon blockwise kernel needs an NVIDIA GPU"
+    return _device_refusal(torch.cuda.current_device() if device_index is None else device_index)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_refusal(device_index: int) -> str | None:
     major, minor = torch.cuda.get_device_capability(device_index)
     if (major, minor) != (9, 0):
         return f"the Gluon blockwise kernel is written for sm_90 wgmma (this GPU is sm_{major}{minor})"
