@@ -77,17 +77,14 @@ RUNS_LAUNCHES = [(64, 4), (32, 4)]
 TILES_LAUNCHES = [(64, 4), (32, 4)]
 #: dual_quantize_gluon.LAUNCH values (rows per read chunk, rows per transposed chunk, warps); the
 #: Gluon kernel serves token runs only.
-GLUON_LAUNCHES = [(32, 64, 4), (32, 32, 4)]
-#: (dual_quantize_gluon.LAUNCH, COLUMN_THREADS) pairs the sweep also times and checks.
-GLUON_COLUMN_THREADS = [((32, 32, 4), 16), ((32, 32, 4), 32), ((64, 64, 4), 8)]
+GLUON_LAUNCHES = [(32, 32, 4), (64, 32, 4)]
 
 
 def _gluon_setups() -> list[tuple[str, dict]]:
     """(name, dual_quantize_gluon attributes) of every Gluon variant the sweep times and the
     check covers. (Rounds 39-43 also listed a pipelined kernel, a cp.async load, wider column
     reads and a launch order here; see dual_quantize_gluon's docstring.)"""
-    return ([(f"one_tile {la}", dict(LAUNCH=la)) for la in GLUON_LAUNCHES]
-            + [(f"one_tile {la} column_threads={t}", dict(LAUNCH=la, COLUMN_THREADS=t)) for la, t in GLUON_COLUMN_THREADS])
+    return [(f"one_tile {la}", dict(LAUNCH=la)) for la in GLUON_LAUNCHES]
 
 
 def _apply_gluon(setup: dict) -> dict:

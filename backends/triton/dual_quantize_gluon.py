@@ -56,12 +56,7 @@ BLOCK = 128
 #: geomean of the sweep (tools/probe_grouped_step.py --sweep, H100, lean quotient, rounds 40-43:
 #: 0.212-0.214 ms against 0.229-0.231 for (64, 32, 4); 96 registers, 5 programs per SM). Round
 #: 36, before the lean quotient, had preferred (64, 32, 4).
-LAUNCH = (32, 64, 4)
-#: Threads of a warp along the columns in the transposed pass (the rest along the rows). At 8, a
-#: warp reads 8 columns x 64 rows and the compiler reads shared memory by ldmatrix.trans (16
-#: LDSM.16.MT88.4 per thread instead of 128 two-byte LDS at 16; offline sm_90 compile, 128
-#: registers, 4 programs per SM), and each column's 64 rows leave in two full 32-byte sectors.
-COLUMN_THREADS = 8
+LAUNCH = (32, 32, 4)
 
 if gluon is not None:
     from .dual_quantize import _quotient, _scale_of
@@ -108,13 +103,12 @@ if gluon is not None:
         R, C, n_rb,
         sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
         B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
-        TINY: gl.constexpr, WARPS: gl.constexpr, TPW_C: gl.constexpr,
+        TINY: gl.constexpr, WARPS: gl.constexpr,
     ):
         # rows: 8 bf16 (16 bytes) per thread along the columns, a warp spans 2 rows of 128
         ROW: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
-        # transposed view [columns, rows]: 16 consecutive rows of one column per thread; a warp
-        # reads TPW_C consecutive columns of 32 // TPW_C rows per instruction
-        COL: gl.constexpr = gl.BlockedLayout([1, 16], [TPW_C, 32 // TPW_C], [WARPS, 1], [1, 0])
+        # transposed view [columns, rows]: 16 consecutive rows of one column per thread
+        COL: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [WARPS, 1], [1, 0])
         SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         pid = gl.program_id(0)
         cb = gl.program_id(1)
@@ -180,6 +174,6 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float) -> None
         x, data, data_t, scale, scale_t, r, c, n_r,
         *x.stride(), data.stride(0), data.stride(1), data_t.stride(0), data_t.stride(1),
         *scale.stride(), *scale_t.stride(),
-        B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, TPW_C=COLUMN_THREADS,
+        B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps,
         num_warps=warps,
     )
