@@ -32,7 +32,11 @@ GPU, the code is in commit b12bb73): a persistent kernel that keeps the next til
 cp.async (0.210-0.215 ms geomean against 0.212-0.214 for this one), this kernel with its whole
 tile brought in by cp.async (0.212), the transposed pass reading 2, 4 or 8 columns per
 shared-memory load (0.233-0.297: fewer, wider loads, but more registers and fewer programs per
-SM), and launching column blocks fastest (0.208-0.211, within noise).
+SM), and launching column blocks fastest (0.208-0.211, within noise). Round 47: 8 threads of a
+warp along the columns of the transposed pass, which the compiler turns into ldmatrix.trans
+reads (16 per thread instead of 128 two-byte loads) and full 32-byte fp8 sectors, ran at 0.246
+ms against 0.213 (128 registers, 4 programs per SM), and the EP8 whole op fell from 1.086x to
+1.067x bf16 with it; 32 threads along the columns (conflict-free two-byte reads) 0.237.
 
 Needs Gluon (triton >= 3.6) and an sm_90 GPU; the interpreter does not run Gluon, so
 ``dual_quantize`` falls back to the Triton kernel there (``available``).
