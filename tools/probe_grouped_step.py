@@ -104,6 +104,7 @@ def check_gluon_variants() -> bool:
     (the default variant also in e5m2): ragged rows and last column block, strided rows, groups,
     zero/NaN/inf/subnormal-sized/near-overflow cells, and a tall operand."""
     import turbo_dispatch.backends.triton.dual_quantize as DQ
+
     big = torch.randn(3, 1000, 352, device="cuda", dtype=torch.bfloat16) * 7
     x = big[:, :, 16:336]  # 320 columns: last block 64 wide; rows strided by 352
     x[0, :, 128:256] = 0
@@ -316,7 +317,9 @@ def with_reuse(flag: bool, fn):
         _grouped._step_reuses_quantization = saved
 
 
-def probe(shape: str) -> bool:
+def step_operands(shape: str):
+    """(tokens, N, K, lens, offs, a, w, grad, cfg) of ``shape``'s blockwise step, balanced
+    routing, random operands (seeded)."""
     g, t, n, k = SHAPES[shape]
     lens = torch.full((g,), t // g, dtype=torch.int64, device="cuda")
     offs = torch.nn.functional.pad(torch.cumsum(lens, 0, dtype=torch.int32), (1, 0))
@@ -324,7 +327,11 @@ def probe(shape: str) -> bool:
     a = torch.randn(t, k, device="cuda", dtype=torch.bfloat16).requires_grad_()
     w = (torch.randn(g, n, k, device="cuda", dtype=torch.bfloat16) * 0.05).requires_grad_()
     grad = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
-    cfg = Float8QuantConfig(granularity="blockwise", block_size=128)
+    return t, n, k, lens, offs, a, w, grad, Float8QuantConfig(granularity="blockwise", block_size=128)
+
+
+def probe(shape: str) -> bool:
+    t, n, k, lens, offs, a, w, grad, cfg = step_operands(shape)
     GlobalBackendManager.reset()
     GlobalBackendManager.set_grouped_gemm_backend(BackendType.TRITON, precision="fp8")
     results = {}
@@ -368,13 +375,7 @@ def host_profile(shape: str) -> None:
     import io
     import pstats
 
-    g, t, n, k = SHAPES[shape]
-    lens = torch.full((g,), t // g, dtype=torch.int64, device="cuda")
-    offs = torch.nn.functional.pad(torch.cumsum(lens, 0, dtype=torch.int32), (1, 0))
-    a = torch.randn(t, k, device="cuda", dtype=torch.bfloat16).requires_grad_()
-    w = (torch.randn(g, n, k, device="cuda", dtype=torch.bfloat16) * 0.05).requires_grad_()
-    grad = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
-    cfg = Float8QuantConfig(granularity="blockwise", block_size=128)
+    _, _, _, lens, offs, a, w, grad, cfg = step_operands(shape)
     GlobalBackendManager.reset()
     GlobalBackendManager.set_grouped_gemm_backend(BackendType.TRITON, precision="fp8")
     run = step_fn(a, w, lens, offs, cfg, grad)
