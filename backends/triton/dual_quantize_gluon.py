@@ -25,9 +25,9 @@ The quotient is ``_quotient``'s, in a lean form where no scale of the row or col
 below its rescaling threshold (``_g_to_fp8``): no per-element rescaling, and no upper clamp, which
 sm_90's saturating fp8 conversion already applies.
 
-Where the time goes (ncu, H100, DeepSeek-V3 x, round 42): 1.84 TB/s of DRAM traffic (55% of peak;
-torch's clone of the same tensor ran at 3.0 TB/s in round 41), L1/shared memory 80% busy, 0.42 instructions
-issued per scheduler per cycle at 20 warps per SM. Tried and not adopted (rounds 39-43, same
+Where the time goes (ncu, H100, DeepSeek-V3 x, round 42): 1.84 TB/s of DRAM traffic (55% of
+peak; torch's clone of the same tensor ran at 3.0 TB/s in round 41), L1/shared memory 80% busy,
+0.42 instructions issued per scheduler per cycle at 20 warps per SM. Tried and not adopted (rounds 39-43, same
 GPU, the code is in commit b12bb73): a persistent kernel that keeps the next tiles in flight by
 cp.async (0.210-0.215 ms geomean against 0.212-0.214 for this one), this kernel with its whole
 tile brought in by cp.async (0.212), the transposed pass reading 2, 4 or 8 columns per

@@ -219,8 +219,9 @@ if gluon is not None:
 def available(device_index: int | None = None) -> str | None:
     """None when this kernel can run, else why not (switched off, no Gluon, interpreter, not sm_90).
 
-    Asked on every call of the blockwise step (several times per step), so the answer is kept per
-    device and per value of the switches it reads (the env switch, the interpreter flag)."""
+    Asked several times per blockwise step, so the device's part of the answer (its compute
+    capability query, the costly part) is kept per device; the env switch and the interpreter
+    flag are read on every call."""
     switch = os.environ.get(GLUON_ENV)
     if parse_bool(switch, GLUON_ENV) is False:
         return f"the Gluon kernels are switched off ({GLUON_ENV}={switch})"
