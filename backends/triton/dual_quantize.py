@@ -59,10 +59,22 @@ def _quotient(v, scale):
     everything. Negations are products by -1.0: Triton's unary minus is 0 - x, which turns -0
     into +0 and costs an instruction, where x * -1.0 is exact and folds into the FMA."""
     k = tl.where(scale < 1.0e-18, 18446744073709551616.0, 1.0)
-    s = scale * k
+    r, s_res = _step_operands(scale * k)
+    return _corrected_quotient(v * k, r, s_res)
+
+
+@triton.jit
+def _step_operands(s):
+    """Per-scale operands of ``_corrected_quotient``: RN(1/s), and s with inf and NaN as 0."""
     r = tl.math.div_rn(tl.where(s == s, 1.0, 1.0), s)  # where(): see _scale_of
-    s_res = tl.where(s < float("inf"), s, 0.0)  # 0 for inf and NaN
-    x = v * k
+    return r, tl.where(s < float("inf"), s, 0.0)
+
+
+@triton.jit
+def _corrected_quotient(x, r, s_res):
+    """x * r corrected by one FMA step to x / s rounded as div_rn rounds it (``_quotient``
+    explains the step, its signs and its non-finite cases; the Gluon quantiser calls it on
+    unscaled values where no scale is tiny)."""
     q0 = x * r
     return tl.fma(tl.fma(q0, s_res, x * -1.0) * -1.0, r, q0)
 

@@ -44,7 +44,6 @@ Needs Gluon (triton >= 3.6) and an sm_90 GPU; the interpreter does not run Gluon
 from __future__ import annotations
 
 import torch
-import triton.language as tl
 
 from .fp8_blockwise_gluon import available as _gluon_available
 
@@ -63,10 +62,12 @@ BLOCK = 128
 LAUNCH = (32, 32, 4)
 
 if gluon is not None:
-    from .dual_quantize import _quotient, _scale_of
+    from .dual_quantize import _corrected_quotient, _quotient, _scale_of, _step_operands
 
     _g_scale_of = gluon.jit(_scale_of.fn)
     _g_quotient = gluon.jit(_quotient.fn)
+    _g_step_operands = gluon.jit(_step_operands.fn)
+    _g_corrected_quotient = gluon.jit(_corrected_quotient.fn)
 
     @gluon.jit
     def _g_to_fp8_exact(v, scale, FP8_MAX: gl.constexpr):
@@ -75,18 +76,10 @@ if gluon is not None:
 
     @gluon.jit
     def _g_to_fp8_lean(v, r, s_res, FP8_MAX: gl.constexpr):
-        # _quotient's correction step for scales >= 2**-60 (no rescaling), written so that it
-        # needs no per-element select: the residual is negated (q0 * s - v), which keeps a zero
-        # quotient's sign through the FMA, and an infinite scale enters the residual as 0
-        # (s_res), which leaves q0 = v * 0 as is. Same bits as _quotient (see there).
-        # (x * -1.0, not -x: Triton's unary minus is 0 - x, which loses a zero's sign and so
-        # costs an FADD; a product by -1 is an exact negation that folds into the FMA operand)
-        q0 = v * r
-        t = gl.fma(q0, s_res, v * -1.0)
-        q = gl.fma(t * -1.0, r, q0)
-        # the upper clamp is the conversion's: sm_90's cvt.rn.satfinite saturates at the format's
-        # largest finite value; max.f32 maps a NaN quotient to -FP8_MAX, as the two-sided clamp does
-        return gl.maximum(q, -FP8_MAX)
+        # _quotient's correction step without its rescaling (no scale here is tiny); the upper
+        # clamp is the conversion's: sm_90's cvt.rn.satfinite saturates at the format's largest
+        # finite value; max.f32 maps a NaN quotient to -FP8_MAX, as the two-sided clamp does
+        return gl.maximum(_g_corrected_quotient(v, r, s_res), -FP8_MAX)
 
     @gluon.jit
     def _g_to_fp8(v, scale, FP8_MAX: gl.constexpr):
@@ -97,8 +90,8 @@ if gluon is not None:
         if gl.min(scale, axis=0) < 1.0e-18:
             q = _g_to_fp8_exact(v, scale[:, None], FP8_MAX)
         else:
-            r = tl.math.div_rn(gl.where(scale == scale, 1.0, 1.0), scale)
-            q = _g_to_fp8_lean(v, r[:, None], gl.where(scale < float("inf"), scale, 0.0)[:, None], FP8_MAX)
+            r, s_res = _g_step_operands(scale)
+            q = _g_to_fp8_lean(v, r[:, None], s_res[:, None], FP8_MAX)
         return q
 
     @gluon.jit
