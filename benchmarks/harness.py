@@ -200,11 +200,7 @@ class Timer:
 
     def _untimed(self, call, i: int, host: list[float]) -> None:
         """One untimed call; appends its host issue time (ms, no synchronize inside) to ``host``."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # an idle GPU: the host time holds no wait for earlier work
-        t0 = time.perf_counter()
-        call(i)
-        host.append((time.perf_counter() - t0) * 1e3)
+        host.append(host_cover.untimed_host_ms(lambda: call(i), self.device))
 
     def _one(self, call, i: int, setup, untimed_host: Sequence[float] = ()) -> tuple[float, float]:
         """(GPU ms, host issue ms) of one timed call; ``untimed_host``: the function's host times
@@ -222,15 +218,7 @@ class Timer:
         # 1-2 ms for an fp8 grouped training step) would count as GPU time, the GPU idling inside
         # the window while it waits for launches. The spin is sized to this function's measured
         # host time (a fixed ~0.5 ms left longer steps uncovered).
-        host_cover.spin(self.device, host_cover.typical_ms(untimed_host))
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t0 = time.perf_counter()
-        call(i)
-        host_ms = (time.perf_counter() - t0) * 1e3
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end), host_ms
+        return host_cover.covered_call(lambda: call(i), self.device, host_cover.typical_ms(untimed_host))
 
 
 def sync(device: torch.device) -> None:

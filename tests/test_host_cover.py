@@ -27,3 +27,17 @@ def test_typical_ms_leaves_out_the_first_call():
     assert host_cover.typical_ms([500.0, 1.0, 2.0, 3.0]) == 2.0  # a compiling first call
     assert host_cover.typical_ms([4.0]) == 4.0
     assert host_cover.typical_ms([]) == 0.0
+
+
+def test_untimed_host_ms_times_one_call():
+    """One call, timed on the host (on the CPU nothing to synchronise); the sample grows with
+    the call's own time."""
+    import time
+
+    import torch
+
+    calls = []
+    quick = host_cover.untimed_host_ms(lambda: calls.append(1), torch.device("cpu"))
+    slow = host_cover.untimed_host_ms(lambda: (calls.append(1), time.sleep(0.02)), torch.device("cpu"))
+    assert calls == [1, 1]
+    assert 0.0 <= quick < slow and slow >= 20.0

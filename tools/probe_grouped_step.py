@@ -52,23 +52,9 @@ def time_ms(fn, reps: int = 20) -> float:
     """Median GPU time of ``fn`` (CUDA events), its host issue time covered by a GPU spin sized
     from the warm-ups (``turbo_dispatch.host_cover``): without it a short kernel times its launch
     path (the dual quantiser's small operands did, before round 39)."""
-    host = []
-    for _ in range(3):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        host.append((time.perf_counter() - t0) * 1e3)
-    host_ms = host_cover.typical_ms(host)
-    times = []
-    for _ in range(reps):
-        host_cover.spin(torch.device("cuda"), host_ms)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    cuda = torch.device("cuda")
+    host_ms = host_cover.typical_ms([host_cover.untimed_host_ms(fn, cuda) for _ in range(3)])
+    return statistics.median(host_cover.covered_call(fn, cuda, host_ms)[0] for _ in range(reps))
 
 
 #: Launches (dual_quantize.LAUNCH values, (rows per chunk, warps)) of the Triton kernel the sweep

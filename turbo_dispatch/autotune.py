@@ -159,25 +159,13 @@ def _time_ms(fn, sets: list, device: torch.device, deadline: float) -> float:
     candidate with the cheapest launch path rather than the fastest kernel. (H100, round 37,
     before the cover: at GPT-OSS-20B's down GEMM the tuned forward ran 24% slower than the
     default config's; the fp8 grouped adapters' host paths differ by more than such kernels.)"""
-    host = []
-    for i in range(_WARMUP):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn(sets[i % len(sets)])
-        host.append((time.perf_counter() - t0) * 1e3)
+    host = [host_cover.untimed_host_ms(lambda: fn(sets[i % len(sets)]), device) for i in range(_WARMUP)]
     samples = []
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         host_ms = host_cover.typical_ms(host)
         for i in range(_MAX_REPEATS):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            host_cover.spin(device, host_ms)
-            start.record()
-            fn(sets[i % len(sets)])
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
+            samples.append(host_cover.covered_call(lambda: fn(sets[i % len(sets)]), device, host_ms)[0])
             if len(samples) >= _MIN_REPEATS and time.monotonic() > deadline:
                 break
     else:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import functools
 import math
 import statistics
-from typing import Sequence
+import time
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -73,6 +74,30 @@ def cycles_per_ms(device: torch.device) -> float:
     rate = max(rates)
     lo, hi = CYCLES_PER_MS_RANGE
     return rate if lo <= rate <= hi else FALLBACK_CYCLES_PER_MS
+
+
+def untimed_host_ms(fn: Callable[[], Any], device: torch.device) -> float:
+    """Host issue time (ms) of one untimed call of ``fn``, started on an idle GPU (synchronised
+    first on CUDA, so the time holds no wait for earlier work): a sample for ``typical_ms``."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def covered_call(fn: Callable[[], Any], device: torch.device, host_ms: float) -> tuple[float, float]:
+    """(GPU ms, host issue ms) of one CUDA call of ``fn`` between two events, after the spin that
+    covers a typical host time of ``host_ms``."""
+    spin(device, host_ms)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    t0 = time.perf_counter()
+    fn()
+    host = (time.perf_counter() - t0) * 1e3
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end), host
 
 
 def spin(device: torch.device, host_ms: float) -> None:
