@@ -124,6 +124,40 @@ def quantize_both_tensors(x3: torch.Tensor, dtype: torch.dtype, block_size: int,
     return padded_rows(rows.data), rows.scale, padded_rows(cols.data.transpose(1, 2)), cols.scale
 
 
+@functools.lru_cache(maxsize=None)
+def _both_kernel() -> Callable | None:
+    fn, _ = _triton_quantizer()
+    if fn is None:
+        return None
+    from turbo_dispatch.backends.triton.quantize import quantize_fp8_both
+
+    return quantize_fp8_both
+
+
+def quantize_both_axes(x: torch.Tensor, dtype: torch.dtype, granularity: ScalingGranularity,
+                       block_size: int | None) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """``x[P, Q]`` quantised along Q (``axis=1``) and along P (``axis=0``), exactly as two
+    ``quantize`` calls give them: what a training step needs of an activation or a gradient
+    (along the features for one GEMM, along the tokens for the wgrad). The second one's data is
+    stored ``[Q, P]`` and shown as a ``[P, Q]`` view, the K-major layout the wgrad reads.
+
+    On a GPU: two reads of ``x`` under TENSORWISE / ROWWISE (``quantize_fp8_both``), one under
+    1-D BLOCKWISE (``quantize_runs_both``); elsewhere two reference calls, with the same bits.
+
+    >>> rows, cols = quantize_both_axes(torch.randn(300, 256), torch.float8_e4m3fn, ScalingGranularity.ROWWISE, None)
+    >>> rows.axis, tuple(rows.scale.shape), cols.axis, tuple(cols.scale.shape), cols.data.stride(0)
+    (1, (300, 1), 0, (1, 256), 1)
+    """
+    if granularity is ScalingGranularity.BLOCKWISE and x.is_cuda and block_size in DUAL_BLOCK_SIZES:
+        return quantize_runs_both(x, dtype, block_size)
+    fn = _both_kernel() if x.is_cuda else None
+    if fn is not None and granularity in (ScalingGranularity.TENSORWISE, ScalingGranularity.ROWWISE):
+        return fn(x, dtype, granularity)
+    rows = quantize_operand(x, dtype, granularity, 1, block_size, False)
+    cols = quantize_operand(x.t(), dtype, granularity, 1, block_size, False)
+    return rows, cols.t()
+
+
 def runs_from_tensors(data: torch.Tensor, scale: torch.Tensor, data_t: torch.Tensor, scale_t: torch.Tensor,
                       block_size: int) -> tuple[QuantizedTensor, QuantizedTensor]:
     """The two QuantizedTensors of ``quantize_runs_both`` from its 2-D tensors (a custom op's outputs)."""

@@ -102,6 +102,21 @@ def _interpreter_checks() -> None:  # pragma: no cover - runs in the subprocess
                             and torch.equal(got.scale, want.scale) and got.axis == want.axis):
                         bad.append(f"view={view} {fdt} axis={axis}")
             _emit(f"quantize[{shape}-{xdt}-{g.name}-{bs}-{b2}]", not bad, "; ".join(bad[:4]))
+        # Both quantisations of a step's activation or gradient from the fused pair of kernels.
+        for g in (G.TENSORWISE, G.ROWWISE):
+            bad = []
+            for view, fdt in itertools.product([False, True], [E4, E5]):
+                xv = x.t() if view else x
+                rows, cols = Q.quantize_fp8_both(xv, fdt, g)
+                for got, axis in ((rows, 1), (cols, 0)):
+                    want = quantize(xv, fdt, g, axis=axis)
+                    if not (got.data.shape == want.data.shape and got.scale.shape == want.scale.shape
+                            and torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+                            and torch.equal(got.scale, want.scale) and got.axis == want.axis):
+                        bad.append(f"view={view} {fdt} axis={axis}")
+                if cols.data.stride(0) != 1:
+                    bad.append(f"view={view}: the axis-0 data is not stored transposed")
+            _emit(f"quantize_both[{shape}-{xdt}-{g.name}]", not bad, "; ".join(bad[:4]))
     # The GPU form of the scale (amax * float32(1/FP8_MAX), what torch computes on CUDA), checked
     # here against the reference with its _fp_scale patched to that form.
     LQ = sys.modules["turbo_dispatch.low_precision.quantize"]  # the module (the package attr is the function)
@@ -243,6 +258,8 @@ _CPU_NAMES = (
     + [f"quantize[{s}-{d}-{g}-{bs}-{b2}]" for s, d in [((37, 70), torch.bfloat16), ((9, 40), torch.float32)]
        for g, bs, b2 in [("TENSORWISE", None, False), ("ROWWISE", None, False), ("BLOCKWISE", 32, False),
                          ("BLOCKWISE", 24, False), ("BLOCKWISE", 16, True)]]
+    + [f"quantize_both[{s}-{d}-{g}]" for s, d in [((37, 70), torch.bfloat16), ((9, 40), torch.float32)]
+       for g in ("TENSORWISE", "ROWWISE")]
     + [f"gemm_kernel[{dt}]" for dt in (torch.float16, torch.bfloat16, torch.float32)]
     + [f"fp8_adapter[{g}-{lay}-{fmt}]" for g in G_NAMES for lay in ("NN", "NT", "TN", "TT") for fmt in ("e4m3", "hybrid")
        if fmt == "e4m3" or lay == "NN"]
@@ -407,7 +424,7 @@ def _gpu_snr(out, ref) -> float:
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1000, 3000), (129, 9001), (513, 257)])
 def test_gpu_quantize_bit_exact(shape):
-    from turbo_dispatch.backends.triton.quantize import quantize_fp8, quantize_fp8_with_transpose
+    from turbo_dispatch.backends.triton.quantize import quantize_fp8, quantize_fp8_both, quantize_fp8_with_transpose
     from turbo_dispatch.low_precision import ScalingGranularity as G, quantize
 
     x = torch.randn(shape, device="cuda") * 5
@@ -423,6 +440,12 @@ def test_gpu_quantize_bit_exact(shape):
             assert torch.equal(q.data.view(torch.uint8), r.data.view(torch.uint8)), tag
             assert torch.equal(q.scale, r.scale), tag
             assert torch.equal(qt.data.view(torch.uint8), r.data.t().contiguous().view(torch.uint8)), tag
+            if g in (G.TENSORWISE, G.ROWWISE) and axis == 1:
+                both = quantize_fp8_both(xv, fdt, g)
+                for got, ax in zip(both, (1, 0)):
+                    want = quantize(xv, fdt, g, axis=ax)
+                    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), (tag, ax)
+                    assert torch.equal(got.scale, want.scale), (tag, ax)
 
 
 @pytest.mark.gpu

@@ -43,10 +43,12 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
     tl = None
 
-__all__ = ["available", "quantize_fp8", "quantize_fp8_with_transpose", "quantize_kmajor"]
+__all__ = ["available", "quantize_fp8", "quantize_fp8_both", "quantize_fp8_with_transpose", "quantize_kmajor"]
 
 #: Rows up to this length are held whole in registers (one pass); longer ones take two kernels.
 _ROW_SINGLE_MAX = 8192
+#: Programs the split amax kernel aims for: a streaming kernel of 4 warps needs several per SM.
+_AMAX_PROGRAMS = 1024
 _FP32_TINY = torch.finfo(torch.float32).tiny
 
 # Modes of the cast kernel (which group an amax covers, and where it comes from).
@@ -130,6 +132,17 @@ if triton is not None:
         return (sign | rounded).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _to_fp8(y, out_ptr, FP8_MAX_: tl.constexpr, EMULATE_CAST: tl.constexpr, MAN_BITS: tl.constexpr,
+                MIN_EXP: tl.constexpr):
+        """y (float32) saturated to +-FP8_MAX (NaN-preserving, like torch.clamp) and cast
+        round-to-nearest-even to ``out_ptr``'s fp8 dtype."""
+        y = tl.minimum(tl.maximum(y, -FP8_MAX_, propagate_nan=tl.PropagateNan.ALL), FP8_MAX_,
+                       propagate_nan=tl.PropagateNan.ALL)
+        if EMULATE_CAST:
+            y = _round_to_fp8_grid(y, MAN_BITS, MIN_EXP)
+        return y.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+
+    @triton.jit
     def _quant_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr,
                       P, Q, sx_p, sx_q, sd_p, sd_q, st_p, st_q, ss_p, ss_q, s_amax,
                       BS, MODE: tl.constexpr, WRITE_T: tl.constexpr, FP8_MAX_: tl.constexpr,
@@ -185,15 +198,78 @@ if triton is not None:
             tl.store(scale_ptr + offs_p * ss_p + pid_q * ss_q, scale, mask=mask_p)
             y = tl.math.div_rn(x, scale[:, None])
 
-        # Saturate (NaN-preserving, like torch.clamp) and cast round-to-nearest-even.
-        y = tl.minimum(tl.maximum(y, -FP8_MAX_, propagate_nan=tl.PropagateNan.ALL), FP8_MAX_,
-                       propagate_nan=tl.PropagateNan.ALL)
-        if EMULATE_CAST:
-            y = _round_to_fp8_grid(y, MAN_BITS, MIN_EXP)
-        q = y.to(data_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        q = _to_fp8(y, data_ptr, FP8_MAX_, EMULATE_CAST, MAN_BITS, MIN_EXP)
         tl.store(data_ptr + offs_p[:, None] * sd_p + offs_q[None, :] * sd_q, q, mask=mask)
         if WRITE_T:
             tl.store(data_t_ptr + offs_q[None, :] * st_q + offs_p[:, None] * st_p, q, mask=mask)
+
+    @triton.jit
+    def _amax_both_kernel(x_ptr, row_ptr, col_ptr, P, Q, sx_p, sx_q, PER_ROW: tl.constexpr,
+                          BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, P_STEPS: tl.constexpr):
+        """Abs-max of x[P, Q] per row (into row_ptr[P]) and per column (into col_ptr[Q]) from one
+        read, or with PER_ROW False the tensor's one amax (into row_ptr[0]). A program walks
+        P_STEPS tiles down one column strip, so a column's maximum leaves it once; the float
+        atomic max (see _amax_kernel) combines programs, with NaN carried explicitly."""
+        pid_p = tl.program_id(0)
+        pid_q = tl.program_id(1)
+        offs_q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        mask_q = offs_q < Q
+        col = tl.zeros((BLOCK_Q,), dtype=tl.float32)
+        col_nan = tl.zeros((BLOCK_Q,), dtype=tl.int32)
+        for step in range(P_STEPS):
+            offs_p = (pid_p * P_STEPS + step) * BLOCK_P + tl.arange(0, BLOCK_P)
+            mask_p = offs_p < P
+            x = tl.load(x_ptr + offs_p[:, None] * sx_p + offs_q[None, :] * sx_q,
+                        mask=mask_p[:, None] & mask_q[None, :], other=0.0)
+            a = tl.abs(x.to(tl.float32))
+            is_nan = (a != a).to(tl.int32)
+            col = tl.maximum(col, tl.max(a, axis=0))
+            col_nan = tl.maximum(col_nan, tl.max(is_nan, axis=0))
+            if PER_ROW:
+                row = tl.where(tl.max(is_nan, axis=1) > 0, float("nan"), tl.max(a, axis=1))
+                tl.atomic_max(row_ptr + offs_p, row, mask=mask_p)
+        if PER_ROW:
+            tl.atomic_max(col_ptr + offs_q, tl.where(col_nan > 0, float("nan"), col), mask=mask_q)
+        else:
+            total = tl.where(tl.max(col_nan, axis=0) > 0, float("nan"), tl.max(col, axis=0))
+            tl.atomic_max(row_ptr, total)
+
+    @triton.jit
+    def _cast_both_kernel(x_ptr, data_ptr, data_t_ptr, row_amax_ptr, col_amax_ptr, scale_ptr, scale_t_ptr,
+                          P, Q, sx_p, sx_q, ld, ld_t, PER_ROW: tl.constexpr, FP8_MAX_: tl.constexpr,
+                          TINY: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr,
+                          EMULATE_CAST: tl.constexpr, MAN_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
+                          RECIP: tl.constexpr):
+        """Casts a tile of x[P, Q] twice: into data[P, Q] scaled per row and into data_t[Q, P]
+        scaled per column (PER_ROW), or once with the tensor's scale into both. Writes the
+        scales from the amaxes _amax_both_kernel left (the first tile row/column of programs)."""
+        pid_p = tl.program_id(0)
+        pid_q = tl.program_id(1)
+        offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+        offs_q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        mask_p = offs_p < P
+        mask_q = offs_q < Q
+        mask = mask_p[:, None] & mask_q[None, :]
+        x = tl.load(x_ptr + offs_p[:, None] * sx_p + offs_q[None, :] * sx_q, mask=mask, other=0.0).to(tl.float32)
+        if PER_ROW:
+            row_scale = _scale_of(tl.load(row_amax_ptr + offs_p, mask=mask_p, other=0.0), FP8_MAX_, TINY, RECIP)
+            col_scale = _scale_of(tl.load(col_amax_ptr + offs_q, mask=mask_q, other=0.0), FP8_MAX_, TINY, RECIP)
+            if pid_q == 0:
+                tl.store(scale_ptr + offs_p, row_scale, mask=mask_p)
+            if pid_p == 0:
+                tl.store(scale_t_ptr + offs_q, col_scale, mask=mask_q)
+            q = _to_fp8(tl.math.div_rn(x, row_scale[:, None]), data_ptr, FP8_MAX_, EMULATE_CAST, MAN_BITS, MIN_EXP)
+            q_t = _to_fp8(tl.math.div_rn(x, col_scale[None, :]), data_ptr, FP8_MAX_, EMULATE_CAST, MAN_BITS,
+                          MIN_EXP)
+        else:
+            # One amax, loaded by every lane (stride 0) so the scale is a vector like the rows'.
+            scale = _scale_of(tl.load(row_amax_ptr + offs_p * 0), FP8_MAX_, TINY, RECIP)
+            if pid_p == 0 and pid_q == 0:
+                tl.store(scale_ptr + offs_p * 0, scale, mask=offs_p == 0)
+            q = _to_fp8(tl.math.div_rn(x, scale[:, None]), data_ptr, FP8_MAX_, EMULATE_CAST, MAN_BITS, MIN_EXP)
+            q_t = q
+        tl.store(data_ptr + offs_p[:, None] * ld + offs_q[None, :], q, mask=mask)
+        tl.store(data_t_ptr + offs_q[None, :] * ld_t + offs_p[:, None], q_t, mask=mask)
 
 
 def _f32_recip(v: float) -> float:
@@ -299,7 +375,11 @@ def _run(x, dtype, gran, axis, block_size, block_2d, want_t, row_pad: int = 1, s
                                                 block_size, MODE=_MODE_BLOCK1D, BLOCK_P=bp, BLOCK_Q=bq,
                                                 num_warps=4, **common)
         return data, data_t, scale
-    if gran is ScalingGranularity.ROWWISE and Q <= _ROW_SINGLE_MAX:
+    # A program of the one-pass row kernel reads its whole group; along a strided dim (a column
+    # of a row-major x, the transposed view a K-major copy is made from) that is one element per
+    # 32-byte sector, so such groups take the two-kernel path, whose tiles read along p.
+    along_strided = sx_q != 1 and sx_p == 1
+    if gran is ScalingGranularity.ROWWISE and Q <= _ROW_SINGLE_MAX and not along_strided:
         scale = torch.empty((rows, 1) if axis == 1 else (1, cols), dtype=torch.float32, device=x.device)
         bq = _next_pow2(Q)
         bp = max(1, min(64, 4096 // bq))
@@ -311,9 +391,9 @@ def _run(x, dtype, gran, axis, block_size, block_2d, want_t, row_pad: int = 1, s
     per_row = gran is ScalingGranularity.ROWWISE
     amax = torch.zeros(P if per_row else 1, dtype=torch.float32, device=x.device)
     s_amax = 1 if per_row else 0
-    bp_a, bq_a = 32, 128
-    # Split q so that about 256 programs run (enough to fill the GPU), at most 16384 wide each.
-    q_per_prog = max(bq_a, _next_pow2(-(-Q // max(1, 256 // triton.cdiv(P, bp_a)))))
+    # Tiles wide along the contiguous dim; q split so that about _AMAX_PROGRAMS programs run.
+    bp_a, bq_a = (128, 32) if along_strided else (32, 128)
+    q_per_prog = max(bq_a, _next_pow2(-(-Q // max(1, _AMAX_PROGRAMS // triton.cdiv(P, bp_a)))))
     q_per_prog = min(q_per_prog, 16384)
     _amax_kernel[(triton.cdiv(P, bp_a), triton.cdiv(Q, q_per_prog))](
         x, amax, P, Q, sx_p, sx_q, s_amax, BLOCK_P=bp_a, BLOCK_Q=bq_a, Q_PER_PROG=q_per_prog, num_warps=4)
@@ -326,6 +406,60 @@ def _run(x, dtype, gran, axis, block_size, block_2d, want_t, row_pad: int = 1, s
         x, data, dt, scale, amax, *strides, s_amax, 0, s_amax, 0,
         MODE=_MODE_LOADED, BLOCK_P=bp, BLOCK_Q=bq, num_warps=4, **common)
     return data, data_t, scale
+
+
+#: Launch shapes of ``quantize_fp8_both``: the amax kernel's (BLOCK_P, BLOCK_Q, P_STEPS,
+#: num_warps) and the cast kernel's (BLOCK_P, BLOCK_Q, num_warps). Module-level so that the GPU
+#: probe (tools/probe_fp8_dense_step.py) can sweep them.
+BOTH_AMAX_LAUNCH = (32, 256, 8, 4)
+BOTH_CAST_LAUNCH = (64, 64, 4)
+
+
+def quantize_fp8_both(x: torch.Tensor, dtype: torch.dtype,
+                      granularity: ScalingGranularity) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """``(quantize(x, axis=1), quantize(x, axis=0))`` for TENSORWISE or ROWWISE, bit-identical
+    to the reference, from two reads of ``x`` (one kernel takes every amax, one writes both casts).
+
+    These are the two quantisations a training step needs of an activation or a gradient: along
+    its features for one GEMM and along its tokens for the wgrad. The second one's data is
+    stored ``[Q, P]`` contiguous and shown as a ``[P, Q]`` view (``axis=0``), the K-major layout
+    the wgrad reads; both have rows padded to 16 bytes (TMA).
+
+    >>> rows, cols = quantize_fp8_both(x, torch.float8_e4m3fn, ScalingGranularity.ROWWISE)  # doctest: +SKIP
+    >>> tuple(rows.scale.shape), tuple(cols.scale.shape), cols.data.stride()  # doctest: +SKIP
+    ((300, 1), (1, 256), (1, 304))
+    """
+    gran, _ = _check(x, dtype, granularity, 1, None, False)
+    if gran not in (ScalingGranularity.TENSORWISE, ScalingGranularity.ROWWISE):
+        raise ValueError(f"quantize_fp8_both: TENSORWISE or ROWWISE only; got {gran.name}")
+    rows, cols = x.shape
+    if rows == 0 or cols == 0:
+        raise ValueError(f"quantize_fp8_both: x must be non-empty; got shape {tuple(x.shape)}")
+    per_row = gran is ScalingGranularity.ROWWISE
+    ld, ld_t = -(-cols // 16) * 16, -(-rows // 16) * 16
+    data = torch.empty((rows, ld), dtype=dtype, device=x.device)[:, :cols]
+    data_t = torch.empty((cols, ld_t), dtype=dtype, device=x.device)[:, :rows]
+    row_amax = torch.zeros(rows if per_row else 1, dtype=torch.float32, device=x.device)
+    col_amax = torch.zeros(cols, dtype=torch.float32, device=x.device) if per_row else row_amax
+    bp, bq, steps, warps = BOTH_AMAX_LAUNCH
+    _amax_both_kernel[(triton.cdiv(rows, bp * steps), triton.cdiv(cols, bq))](
+        x, row_amax, col_amax, rows, cols, x.stride(0), x.stride(1), PER_ROW=per_row, BLOCK_P=bp, BLOCK_Q=bq,
+        P_STEPS=steps, num_warps=warps)
+    if per_row:
+        scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+        scale_t = torch.empty((1, cols), dtype=torch.float32, device=x.device)
+    else:
+        scale = scale_t = torch.empty((), dtype=torch.float32, device=x.device)
+    fmax = FP8_MAX[dtype]
+    man_bits, min_exp = (3, -6) if dtype == torch.float8_e4m3fn else (2, -14)
+    bp, bq, warps = BOTH_CAST_LAUNCH
+    _cast_both_kernel[(triton.cdiv(rows, bp), triton.cdiv(cols, bq))](
+        x, data, data_t, row_amax, col_amax, scale, scale_t, rows, cols, x.stride(0), x.stride(1), ld, ld_t,
+        PER_ROW=per_row, FP8_MAX_=fmax, TINY=_FP32_TINY, BLOCK_P=bp, BLOCK_Q=bq, EMULATE_CAST=_interpreting(),
+        MAN_BITS=man_bits, MIN_EXP=min_exp, RECIP=_recip_for(fmax), num_warps=warps)
+    make = dict(granularity=gran, block_size=None, block_2d=False)
+    return (QuantizedTensor(data=data, scale=scale, axis=1, **make),
+            QuantizedTensor(data=data_t.t(), scale=scale_t, axis=0, **make))
 
 
 def quantize_kmajor(x: torch.Tensor, dtype: torch.dtype, granularity: ScalingGranularity,

@@ -268,7 +268,8 @@ def _gemm_grads(mm: Callable, a, b, grad, trans_a: bool, trans_b: bool, need_a: 
 
 def _fp8_grads(mm8: Callable, a, b, grad, trans_a: bool, trans_b: bool, fwd: torch.dtype, bwd: torch.dtype,
                granularity: ScalingGranularity, need_a: bool, need_b: bool,
-               a_dtype: Optional[torch.dtype] = None, b_dtype: Optional[torch.dtype] = None):
+               a_dtype: Optional[torch.dtype] = None, b_dtype: Optional[torch.dtype] = None,
+               grad_wgrad: Optional[Fp8Operand] = None):
     """Like _gemm_grads, with the recipe's roles: the gradient is quantised as ``bwd`` (E5M2 under
     HYBRID); under BLOCKWISE the weight keeps its 2-D tiles and the wgrad operands use 1-D runs
     along the token dimension, which is that GEMM's reduction dimension.
@@ -277,7 +278,11 @@ def _fp8_grads(mm8: Callable, a, b, grad, trans_a: bool, trans_b: bool, fwd: tor
     op(a)^T [K, M] quantised along M. The latter enters the wgrad as is, with the layout flags
     that read it as stored. ``a_dtype``/``b_dtype`` (the gradients' dtypes) default to the
     operands' own, and must be given for a quantised ``a`` (and for ``b=None`` when not need_a).
+
+    ``grad`` may arrive quantised along N (the dgrad's K) and ``grad_wgrad`` along M (the
+    wgrad's K), as ``_quantize_both`` makes them; without ``grad_wgrad`` the wgrad reads ``grad``.
     """
+    grad_w = grad if grad_wgrad is None else grad_wgrad
     a_dtype = a.dtype if a_dtype is None else a_dtype
     b_dtype = b.dtype if b_dtype is None else b_dtype
     w2d = granularity is ScalingGranularity.BLOCKWISE
@@ -290,13 +295,13 @@ def _fp8_grads(mm8: Callable, a, b, grad, trans_a: bool, trans_b: bool, fwd: tor
     if need_b:
         if isinstance(a, QuantizedTensor):  # a^T stored [K, M]: dB = a^T @ grad, or dB^T = grad^T @ a
             if trans_b:
-                grad_b = mm8(grad, a, True, True, b_dtype, bwd, fwd, False, False)
+                grad_b = mm8(grad_w, a, True, True, b_dtype, bwd, fwd, False, False)
             else:
-                grad_b = mm8(a, grad, False, False, b_dtype, fwd, bwd, False, False)
+                grad_b = mm8(a, grad_w, False, False, b_dtype, fwd, bwd, False, False)
         elif trans_b:
-            grad_b = mm8(grad, a, True, trans_a, b_dtype, bwd, fwd, False, False)
+            grad_b = mm8(grad_w, a, True, trans_a, b_dtype, bwd, fwd, False, False)
         else:
-            grad_b = mm8(a, grad, not trans_a, False, b_dtype, fwd, bwd, False, False)
+            grad_b = mm8(a, grad_w, not trans_a, False, b_dtype, fwd, bwd, False, False)
     return grad_a, grad_b
 
 
@@ -320,6 +325,22 @@ def _wgrad_operand(a: torch.Tensor, trans_a: bool, cfg: Float8QuantConfig) -> Qu
     quantise the high-precision ``a`` exactly so, hence saving this instead of ``a`` changes no
     bit of the gradient, and halves (bf16) or quarters (fp32) what is kept alive until backward."""
     return _quantize_fast(a if trans_a else a.t(), cfg.format.fwd_dtype(), cfg.granularity, cfg.block_size)
+
+
+def _quantize_both(x: torch.Tensor, dtype: torch.dtype, cfg: Float8QuantConfig
+                   ) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """``x[P, Q]`` quantised along Q and along P (a ``[P, Q]`` view stored ``[Q, P]``), the pair
+    the step needs of the activation (forward and wgrad) and of the gradient (dgrad and wgrad):
+    on a GPU from one fused quantiser that reads ``x`` once or twice instead of up to four
+    times; the same bits as two ``quantize`` calls (``backends.quantizer.quantize_both_axes``)."""
+    from turbo_dispatch.backends.quantizer import quantize_both_axes
+
+    return quantize_both_axes(x, dtype, cfg.granularity, cfg.block_size)
+
+
+def _with_prequantized_a(p: GemmFp8Problem) -> GemmFp8Problem:
+    """The forward's key once ``op(a)`` arrives quantised along K as ``[M, K]`` (no trans flag)."""
+    return p._replace(trans_a=False, a_dtype=p.a_fp8)
 
 
 def _wgrad_operand_like(a: torch.Tensor, trans_a: bool, cfg: Float8QuantConfig) -> QuantizedTensor:
@@ -360,9 +381,16 @@ class _Fp8GemmFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, problem, config):
         need_a, need_b = ctx.needs_input_grad[:2]
-        out = _run_gemm_fp8(problem, a, b)
-        # dgrad reads b and the gradient; only wgrad reads a, and only in quantised form.
-        qa = _wgrad_operand(a, problem.trans_a, config) if need_b else None
+        # dgrad reads b and the gradient; only wgrad reads a, and only in quantised form: op(a)
+        # along M, which the same quantiser makes with the forward's op(a) along K.
+        qa = None
+        if need_b and isinstance(a, torch.Tensor):
+            qa_k, qa_m = _quantize_both(a.t() if problem.trans_a else a, problem.a_fp8, config)
+            out = _run_gemm_fp8(_with_prequantized_a(problem), qa_k, b)
+            qa = qa_m.t()
+        else:
+            out = _run_gemm_fp8(problem, a, b)
+            qa = _wgrad_operand(a, problem.trans_a, config) if need_b else None
         ctx.save_for_backward(None if qa is None else qa.data, None if qa is None else qa.scale,
                               b if need_a else None)
         ctx.problem, ctx.config = problem, config
@@ -372,15 +400,19 @@ class _Fp8GemmFunction(torch.autograd.Function):
     def backward(ctx, grad):
         a_data, a_scale, b = ctx.saved_tensors
         p, cfg = ctx.problem, ctx.config
+        need_a, need_b = ctx.needs_input_grad[:2]
         qa = None if a_data is None else _saved_as_quantized(a_data, a_scale, cfg)
 
         def mm8(x, y, ta, tb, od, xf, yf, x2d, y2d):
             q = gemm_fp8_problem(x, y, ta, tb, od, xf, yf, cfg.granularity, cfg.block_size, x2d, y2d)
             return _run_gemm_fp8(q, x, y)
 
+        grad_w = None
+        if need_a and need_b:  # dgrad reads the gradient along N, wgrad along M: one quantiser
+            grad, grad_w = _quantize_both(grad, cfg.format.bwd_dtype(), cfg)
         grad_a, grad_b = _fp8_grads(mm8, qa, b, grad, p.trans_a, p.trans_b, cfg.format.fwd_dtype(),
-                                    cfg.format.bwd_dtype(), cfg.granularity, *ctx.needs_input_grad[:2],
-                                    a_dtype=p.a_dtype, b_dtype=p.b_dtype)
+                                    cfg.format.bwd_dtype(), cfg.granularity, need_a, need_b,
+                                    a_dtype=p.a_dtype, b_dtype=p.b_dtype, grad_wgrad=grad_w)
         return grad_a, grad_b, None, None
 
 
