@@ -5,7 +5,9 @@
 2. ``quant``: the step's two quantisations of one tensor (along its features and along its
    tokens), timed as two ``quantize_fp8`` calls and as ``quantize_fp8_both`` under each launch
    shape, beside a clone of the same tensor (the bandwidth reference).
-3. ``profile``: one Linear step (forward + backward) of ``gemm_fp8`` under torch.profiler, per
+3. ``weight``: a weight's quantisations along K and along N under the split amax kernel's
+   program targets and tiles.
+4. ``profile``: one Linear step (forward + backward) of ``gemm_fp8`` under torch.profiler, per
    kernel, for a backend pinned by name.
 
 Writes JSON lines to ``--out``; prints a readable summary.
@@ -31,8 +33,8 @@ from turbo_dispatch.low_precision import Float8QuantConfig, ScalingGranularity a
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 DEV = torch.device("cuda")
-AMAX_LAUNCHES = [(32, 256, 8, 4), (64, 256, 4, 8), (32, 128, 8, 4), (16, 512, 16, 4), (32, 256, 16, 4)]
-CAST_LAUNCHES = [(64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8), (64, 128, 8)]
+AMAX_LAUNCHES = [(16, 512, 16, 4), (16, 512, 32, 4), (8, 1024, 32, 4), (32, 512, 8, 8), (16, 256, 16, 4)]
+CAST_LAUNCHES = [(64, 64, 4), (32, 64, 4), (64, 32, 4), (32, 128, 4), (64, 64, 2)]
 SHAPES = [(4096, 4096), (4096, 8192), (4096, 14336), (4096, 28672), (4096, 57344), (8192, 3584)]
 
 
@@ -48,6 +50,24 @@ def same(got, want) -> bool:
             and torch.equal(got.scale, want.scale))
 
 
+def diff(got, want) -> dict:
+    """What differs, for the record: shapes, scale values, and a few differing fp8 bytes."""
+    rec = {"shapes": [list(got.data.shape), list(want.data.shape), list(got.scale.shape), list(want.scale.shape)]}
+    if got.scale.shape == want.scale.shape:
+        d = got.scale != want.scale
+        rec["scale_diffs"] = int(d.sum())
+        if d.any():
+            rec["scale_sample"] = [got.scale[d][:3].tolist(), want.scale[d][:3].tolist()]
+    if got.data.shape == want.data.shape:
+        d = got.data.view(torch.uint8) != want.data.view(torch.uint8)
+        rec["data_diffs"] = int(d.sum())
+        if d.any():
+            idx = d.nonzero()[:3].tolist()
+            rec["data_sample"] = [[i, int(got.data.view(torch.uint8)[tuple(i)]), int(want.data.view(torch.uint8)[tuple(i)])]
+                                  for i in idx]
+    return rec
+
+
 def check(out) -> bool:
     ok_all = True
     torch.manual_seed(7)
@@ -60,13 +80,14 @@ def check(out) -> bool:
                                                    [torch.bfloat16, torch.float32]):
             xv = (x.t() if view else x).to(xdt)
             rows, cols = Q.quantize_fp8_both(xv, fdt, g)
-            strided = Q.quantize_fp8(xv.t(), fdt, g, axis=1)
-            ok = (same(rows, quantize(xv, fdt, g, axis=1)) and same(cols, quantize(xv, fdt, g, axis=0))
-                  and same(strided, quantize(xv.t(), fdt, g, axis=1)))
-            if not ok:
+            pairs = {"both_rows": (rows, quantize(xv, fdt, g, axis=1)), "both_cols": (cols, quantize(xv, fdt, g, axis=0)),
+                     "strided": (Q.quantize_fp8(xv.t(), fdt, g, axis=1), quantize(xv.t(), fdt, g, axis=1)),
+                     "plain": (Q.quantize_fp8(xv, fdt, g, axis=1), quantize(xv, fdt, g, axis=1))}
+            bad = {name: diff(got, want) for name, (got, want) in pairs.items() if not same(got, want)}
+            if bad:
                 ok_all = False
                 emit(out, {"kind": "check", "shape": shape, "view": view, "fp8": str(fdt), "gran": g.name,
-                           "x": str(xdt), "ok": False})
+                           "x": str(xdt), "ok": False, "bad": bad})
     emit(out, {"kind": "check", "all": "PASS" if ok_all else "FAIL"})
     return ok_all
 
@@ -104,6 +125,28 @@ def quant(out) -> None:
         emit(out, rec)
 
 
+def weight_amax(out) -> None:
+    """A weight's two quantisations: along K (its rows) and along N (the dgrad's K^T, a strided
+    dim), under the split amax kernel's program targets and tiles."""
+    keep = (Q.AMAX_PROGRAMS, Q.AMAX_TILE, Q.AMAX_TILE_STRIDED)
+    for (n, k), g in itertools.product([(57344, 8192), (106496, 16384), (8192, 28672)], [G.ROWWISE, G.TENSORWISE]):
+        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+        rec = {"kind": "weight", "nk": [n, k], "gran": g.name, "clone_ms": time_ms(lambda: w.clone(), reps=5)}
+        try:
+            for programs, tile, strided in itertools.product([256, 1024, 4096], [(32, 128), (16, 256)],
+                                                             [(128, 32), (64, 64), (256, 16)]):
+                Q.AMAX_PROGRAMS, Q.AMAX_TILE, Q.AMAX_TILE_STRIDED = programs, tile, strided
+                rec[f"k{programs}{tile}"] = time_ms(lambda: Q.quantize_fp8(w, E4, g, axis=1), reps=5)
+                rec[f"n{programs}{strided}"] = time_ms(lambda: Q.quantize_fp8(w.t(), E4, g, axis=1), reps=5)
+        finally:
+            Q.AMAX_PROGRAMS, Q.AMAX_TILE, Q.AMAX_TILE_STRIDED = keep
+        rec["k_default"] = time_ms(lambda: Q.quantize_fp8(w, E4, g, axis=1), reps=5)
+        rec["n_default"] = time_ms(lambda: Q.quantize_fp8(w.t(), E4, g, axis=1), reps=5)
+        emit(out, rec)
+        del w
+        torch.cuda.empty_cache()
+
+
 def profile(out, backend: str, gran: G, m: int, n: int, k: int) -> None:
     cfg = Float8QuantConfig(granularity=gran)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, requires_grad=True)
@@ -139,7 +182,7 @@ def profile(out, backend: str, gran: G, m: int, n: int, k: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: check,quant,profile")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: check,quant,weight,profile")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     print(torch.cuda.get_device_name(), torch.__version__)
@@ -149,6 +192,8 @@ def main() -> int:
             ok = check(out)
         if "quant" not in skip:
             quant(out)
+        if "weight" not in skip:
+            weight_amax(out)
         if "profile" not in skip:
             for backend, gran, shape in itertools.product(["TRITON"], [G.ROWWISE, G.TENSORWISE],
                                                           [(4096, 57344, 8192), (4096, 3584, 18944)]):

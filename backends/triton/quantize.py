@@ -47,8 +47,12 @@ __all__ = ["available", "quantize_fp8", "quantize_fp8_both", "quantize_fp8_with_
 
 #: Rows up to this length are held whole in registers (one pass); longer ones take two kernels.
 _ROW_SINGLE_MAX = 8192
-#: Programs the split amax kernel aims for: a streaming kernel of 4 warps needs several per SM.
-_AMAX_PROGRAMS = 1024
+#: The split amax kernel (two-kernel path): the programs it aims for, and its (BLOCK_P, BLOCK_Q)
+#: tiles, wide along whichever dim is contiguous (q for rows, p along a strided dim).
+#: Module-level so that the GPU probe (tools/probe_fp8_dense_step.py) can sweep them.
+AMAX_PROGRAMS = 1024
+AMAX_TILE = (32, 128)
+AMAX_TILE_STRIDED = (128, 32)
 _FP32_TINY = torch.finfo(torch.float32).tiny
 
 # Modes of the cast kernel (which group an amax covers, and where it comes from).
@@ -79,10 +83,13 @@ if triton is not None:
 
     @triton.jit
     def _amax_kernel(x_ptr, amax_ptr, P, Q, sx_p, sx_q, s_amax,
-                     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, Q_PER_PROG: tl.constexpr):
+                     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, Q_PER_PROG: tl.constexpr,
+                     ONE_AMAX: tl.constexpr):
         """Per-row abs-max of x[P, Q] over q, split across programs along q and combined with a
         float atomic max (|x| >= 0, so the max of the bit patterns orders the same way; a NaN
-        is carried explicitly because tl.max drops it). ``s_amax`` = 0 gives one global amax."""
+        is carried explicitly because tl.max drops it). ``ONE_AMAX`` gives one global amax,
+        one atomic per program: atomics on one address serialise, one per row would cost
+        milliseconds on a large weight."""
         pid_p = tl.program_id(0)
         pid_q = tl.program_id(1)
         offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -97,8 +104,11 @@ if triton is not None:
             a = tl.abs(x.to(tl.float32))
             run = tl.maximum(run, tl.max(a, axis=1))
             nan = tl.maximum(nan, tl.max((a != a).to(tl.int32), axis=1))
-        run = tl.where(nan > 0, float("nan"), run)
-        tl.atomic_max(amax_ptr + offs_p * s_amax, run, mask=mask_p)
+        if ONE_AMAX:
+            total = tl.where(tl.max(nan, axis=0) > 0, float("nan"), tl.max(run, axis=0))
+            tl.atomic_max(amax_ptr, total)
+        else:
+            tl.atomic_max(amax_ptr + offs_p * s_amax, tl.where(nan > 0, float("nan"), run), mask=mask_p)
 
     @triton.jit
     def _scale_of(amax, FP8_MAX_: tl.constexpr, TINY: tl.constexpr, RECIP: tl.constexpr):
@@ -391,12 +401,13 @@ def _run(x, dtype, gran, axis, block_size, block_2d, want_t, row_pad: int = 1, s
     per_row = gran is ScalingGranularity.ROWWISE
     amax = torch.zeros(P if per_row else 1, dtype=torch.float32, device=x.device)
     s_amax = 1 if per_row else 0
-    # Tiles wide along the contiguous dim; q split so that about _AMAX_PROGRAMS programs run.
-    bp_a, bq_a = (128, 32) if along_strided else (32, 128)
-    q_per_prog = max(bq_a, _next_pow2(-(-Q // max(1, _AMAX_PROGRAMS // triton.cdiv(P, bp_a)))))
+    # Tiles wide along the contiguous dim; q split so that about AMAX_PROGRAMS programs run.
+    bp_a, bq_a = AMAX_TILE_STRIDED if along_strided else AMAX_TILE
+    q_per_prog = max(bq_a, _next_pow2(-(-Q // max(1, AMAX_PROGRAMS // triton.cdiv(P, bp_a)))))
     q_per_prog = min(q_per_prog, 16384)
     _amax_kernel[(triton.cdiv(P, bp_a), triton.cdiv(Q, q_per_prog))](
-        x, amax, P, Q, sx_p, sx_q, s_amax, BLOCK_P=bp_a, BLOCK_Q=bq_a, Q_PER_PROG=q_per_prog, num_warps=4)
+        x, amax, P, Q, sx_p, sx_q, s_amax, BLOCK_P=bp_a, BLOCK_Q=bq_a, Q_PER_PROG=q_per_prog,
+        ONE_AMAX=not per_row, num_warps=4)
     if per_row:
         scale = torch.empty((rows, 1) if axis == 1 else (1, cols), dtype=torch.float32, device=x.device)
     else:
@@ -411,7 +422,7 @@ def _run(x, dtype, gran, axis, block_size, block_2d, want_t, row_pad: int = 1, s
 #: Launch shapes of ``quantize_fp8_both``: the amax kernel's (BLOCK_P, BLOCK_Q, P_STEPS,
 #: num_warps) and the cast kernel's (BLOCK_P, BLOCK_Q, num_warps). Module-level so that the GPU
 #: probe (tools/probe_fp8_dense_step.py) can sweep them.
-BOTH_AMAX_LAUNCH = (32, 256, 8, 4)
+BOTH_AMAX_LAUNCH = (16, 512, 16, 4)
 BOTH_CAST_LAUNCH = (64, 64, 4)
 
 

@@ -7,6 +7,7 @@ fullgraph tracing never breaks. Both paths share the problem builders and the gr
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple, Optional, Union
 
 import torch
@@ -268,8 +269,7 @@ def _gemm_grads(mm: Callable, a, b, grad, trans_a: bool, trans_b: bool, need_a: 
 
 def _fp8_grads(mm8: Callable, a, b, grad, trans_a: bool, trans_b: bool, fwd: torch.dtype, bwd: torch.dtype,
                granularity: ScalingGranularity, need_a: bool, need_b: bool,
-               a_dtype: Optional[torch.dtype] = None, b_dtype: Optional[torch.dtype] = None,
-               grad_wgrad: Optional[Fp8Operand] = None):
+               a_dtype: Optional[torch.dtype] = None, b_dtype: Optional[torch.dtype] = None):
     """Like _gemm_grads, with the recipe's roles: the gradient is quantised as ``bwd`` (E5M2 under
     HYBRID); under BLOCKWISE the weight keeps its 2-D tiles and the wgrad operands use 1-D runs
     along the token dimension, which is that GEMM's reduction dimension.
@@ -279,10 +279,9 @@ def _fp8_grads(mm8: Callable, a, b, grad, trans_a: bool, trans_b: bool, fwd: tor
     that read it as stored. ``a_dtype``/``b_dtype`` (the gradients' dtypes) default to the
     operands' own, and must be given for a quantised ``a`` (and for ``b=None`` when not need_a).
 
-    ``grad`` may arrive quantised along N (the dgrad's K) and ``grad_wgrad`` along M (the
-    wgrad's K), as ``_quantize_both`` makes them; without ``grad_wgrad`` the wgrad reads ``grad``.
+    ``grad`` may arrive quantised: along N (the dgrad's K) for need_a alone, along M (the wgrad's
+    K) for need_b alone, as ``_quantize_both`` makes the pair.
     """
-    grad_w = grad if grad_wgrad is None else grad_wgrad
     a_dtype = a.dtype if a_dtype is None else a_dtype
     b_dtype = b.dtype if b_dtype is None else b_dtype
     w2d = granularity is ScalingGranularity.BLOCKWISE
@@ -295,13 +294,13 @@ def _fp8_grads(mm8: Callable, a, b, grad, trans_a: bool, trans_b: bool, fwd: tor
     if need_b:
         if isinstance(a, QuantizedTensor):  # a^T stored [K, M]: dB = a^T @ grad, or dB^T = grad^T @ a
             if trans_b:
-                grad_b = mm8(grad_w, a, True, True, b_dtype, bwd, fwd, False, False)
+                grad_b = mm8(grad, a, True, True, b_dtype, bwd, fwd, False, False)
             else:
-                grad_b = mm8(a, grad_w, False, False, b_dtype, fwd, bwd, False, False)
+                grad_b = mm8(a, grad, False, False, b_dtype, fwd, bwd, False, False)
         elif trans_b:
-            grad_b = mm8(grad_w, a, True, trans_a, b_dtype, bwd, fwd, False, False)
+            grad_b = mm8(grad, a, True, trans_a, b_dtype, bwd, fwd, False, False)
         else:
-            grad_b = mm8(a, grad_w, not trans_a, False, b_dtype, fwd, bwd, False, False)
+            grad_b = mm8(a, grad, not trans_a, False, b_dtype, fwd, bwd, False, False)
     return grad_a, grad_b
 
 
@@ -407,12 +406,16 @@ class _Fp8GemmFunction(torch.autograd.Function):
             q = gemm_fp8_problem(x, y, ta, tb, od, xf, yf, cfg.granularity, cfg.block_size, x2d, y2d)
             return _run_gemm_fp8(q, x, y)
 
-        grad_w = None
-        if need_a and need_b:  # dgrad reads the gradient along N, wgrad along M: one quantiser
-            grad, grad_w = _quantize_both(grad, cfg.format.bwd_dtype(), cfg)
-        grad_a, grad_b = _fp8_grads(mm8, qa, b, grad, p.trans_a, p.trans_b, cfg.format.fwd_dtype(),
-                                    cfg.format.bwd_dtype(), cfg.granularity, need_a, need_b,
-                                    a_dtype=p.a_dtype, b_dtype=p.b_dtype, grad_wgrad=grad_w)
+        grads = functools.partial(_fp8_grads, mm8, qa, b, trans_a=p.trans_a, trans_b=p.trans_b,
+                                  fwd=cfg.format.fwd_dtype(), bwd=cfg.format.bwd_dtype(), granularity=cfg.granularity,
+                                  a_dtype=p.a_dtype, b_dtype=p.b_dtype)
+        if not (need_a and need_b):
+            return (*grads(grad, need_a=need_a, need_b=need_b), None, None)
+        # dgrad reads the gradient along N, wgrad along M: one quantiser makes both, and each
+        # copy is dropped once its GEMM has run, so no more than one is alive with dB.
+        pending = list(_quantize_both(grad, cfg.format.bwd_dtype(), cfg))
+        grad_a, _ = grads(pending.pop(0), need_a=True, need_b=False)
+        _, grad_b = grads(pending.pop(0), need_a=False, need_b=True)
         return grad_a, grad_b, None, None
 
 
