@@ -441,11 +441,13 @@ def test_gpu_quantize_bit_exact(shape):
             assert torch.equal(q.scale, r.scale), tag
             assert torch.equal(qt.data.view(torch.uint8), r.data.t().contiguous().view(torch.uint8)), tag
             if g in (G.TENSORWISE, G.ROWWISE) and axis == 1:
-                both = quantize_fp8_both(xv, fdt, g)
-                for got, ax in zip(both, (1, 0)):
-                    want = quantize(xv, fdt, g, axis=ax)
-                    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), (tag, ax)
-                    assert torch.equal(got.scale, want.scale), (tag, ax)
+                # The two-way quantiser from bf16 and from float32 (whose tile layouts differ).
+                for xin in (xv, xv.float()):
+                    both = quantize_fp8_both(xin, fdt, g)
+                    for got, ax in zip(both, (1, 0)):
+                        want = quantize(xin, fdt, g, axis=ax)
+                        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), (tag, xin.dtype, ax)
+                        assert torch.equal(got.scale, want.scale), (tag, xin.dtype, ax)
 
 
 @pytest.mark.gpu

@@ -50,9 +50,9 @@ _ROW_SINGLE_MAX = 8192
 #: The split amax kernel (two-kernel path): the programs it aims for, and its (BLOCK_P, BLOCK_Q)
 #: tiles, wide along whichever dim is contiguous (q for rows, p along a strided dim).
 #: Module-level so that the GPU probe (tools/probe_fp8_dense_step.py) can sweep them.
-AMAX_PROGRAMS = 1024
-AMAX_TILE = (32, 128)
-AMAX_TILE_STRIDED = (128, 32)
+AMAX_PROGRAMS = 4096
+AMAX_TILE = (16, 256)
+AMAX_TILE_STRIDED = (64, 64)
 _FP32_TINY = torch.finfo(torch.float32).tiny
 
 # Modes of the cast kernel (which group an amax covers, and where it comes from).
@@ -277,7 +277,11 @@ if triton is not None:
             if pid_p == 0 and pid_q == 0:
                 tl.store(scale_ptr + offs_p * 0, scale, mask=offs_p == 0)
             q = _to_fp8(tl.math.div_rn(x, scale[:, None]), data_ptr, FP8_MAX_, EMULATE_CAST, MAN_BITS, MIN_EXP)
-            q_t = q
+            # The transposed copy is cast again, from the scale broadcast along the other dim,
+            # not stored from q: on an H100 (triton 3.6) storing q twice wrote wrong bytes into
+            # data_t for float32 inputs (bf16 was right), which the GPU probe's bit check caught.
+            scale_t = _scale_of(tl.load(row_amax_ptr + offs_q * 0), FP8_MAX_, TINY, RECIP)
+            q_t = _to_fp8(tl.math.div_rn(x, scale_t[None, :]), data_ptr, FP8_MAX_, EMULATE_CAST, MAN_BITS, MIN_EXP)
         tl.store(data_ptr + offs_p[:, None] * ld + offs_q[None, :], q, mask=mask)
         tl.store(data_t_ptr + offs_q[None, :] * ld_t + offs_p[:, None], q_t, mask=mask)
 
@@ -422,8 +426,8 @@ def _run(x, dtype, gran, axis, block_size, block_2d, want_t, row_pad: int = 1, s
 #: Launch shapes of ``quantize_fp8_both``: the amax kernel's (BLOCK_P, BLOCK_Q, P_STEPS,
 #: num_warps) and the cast kernel's (BLOCK_P, BLOCK_Q, num_warps). Module-level so that the GPU
 #: probe (tools/probe_fp8_dense_step.py) can sweep them.
-BOTH_AMAX_LAUNCH = (16, 512, 16, 4)
-BOTH_CAST_LAUNCH = (64, 64, 4)
+BOTH_AMAX_LAUNCH = (8, 1024, 32, 4)
+BOTH_CAST_LAUNCH = (32, 64, 4)
 
 
 def quantize_fp8_both(x: torch.Tensor, dtype: torch.dtype,
