@@ -537,13 +537,59 @@ def _gemm_fp8_setup(ctx, inputs, output):
     ctx.config = cfg
 
 
+@torch.library.custom_op("turbo_dispatch::fp8_quantize_both_axes", mutates_args=())
+def _fp8_quantize_both_axes_op(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: Optional[int]
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_quantize_both`` as (data [P, Q], scale, data_t [Q, P], scale_t), rows padded to 16
+    elements as the GPU quantisers store them (the CPU fallback is copied into that layout, so
+    the fake's strides hold everywhere)."""
+    from turbo_dispatch.backends.quantizer import padded_rows, quantize_both_axes
+
+    rows, cols = quantize_both_axes(x, dtype, ScalingGranularity(granularity), block_size)
+    data, data_t = rows.data, cols.data.t()
+    pad = [t if t.stride(0) % 16 == 0 and t.stride(1) == 1 else padded_rows(t) for t in (data, data_t)]
+    return pad[0], rows.scale.contiguous(), pad[1], cols.scale.contiguous()
+
+
+@_fp8_quantize_both_axes_op.register_fake
+def _fp8_quantize_both_axes_fake(x, dtype, granularity, block_size):
+    from turbo_dispatch.backends.quantizer import empty_padded_rows
+
+    rows, cols = x.shape
+    g = ScalingGranularity(granularity)
+    if g is ScalingGranularity.TENSORWISE:
+        shapes: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+    elif g is ScalingGranularity.ROWWISE:
+        shapes = ((rows, 1), (1, cols))
+    else:
+        shapes = ((rows, -(-cols // block_size)), (-(-rows // block_size), cols))
+    return (empty_padded_rows(x, (rows, cols), dtype), x.new_empty(shapes[0], dtype=torch.float32),
+            empty_padded_rows(x, (cols, rows), dtype), x.new_empty(shapes[1], dtype=torch.float32))
+
+
+def _both_from_tensors(data, scale, data_t, scale_t, cfg: Float8QuantConfig) -> list[QuantizedTensor]:
+    """The pair ``_quantize_both`` returns, from ``fp8_quantize_both_axes``'s four tensors."""
+    make = dict(granularity=cfg.granularity, block_size=cfg.block_size, block_2d=False)
+    return [QuantizedTensor(data=data, scale=scale, axis=1, **make),
+            QuantizedTensor(data=data_t.t(), scale=scale_t, axis=0, **make)]
+
+
 def _gemm_fp8_backward(ctx, grad):
     a_data, a_scale, b = ctx.saved_tensors
     cfg = ctx.config
     qa = None if a_data is None else _saved_as_quantized(a_data, a_scale, cfg)
-    grad_a, grad_b = _fp8_grads(_raw_mm8(cfg), qa, b, grad, *ctx.flags, cfg.format.fwd_dtype(),
-                                cfg.format.bwd_dtype(), cfg.granularity, *ctx.needs_input_grad[:2],
-                                a_dtype=ctx.dtypes[0], b_dtype=ctx.dtypes[1])
+    need_a, need_b = ctx.needs_input_grad[:2]
+    trans_a, trans_b = ctx.flags
+    grads = functools.partial(_fp8_grads, _raw_mm8(cfg), qa, b, trans_a=trans_a, trans_b=trans_b,
+                              fwd=cfg.format.fwd_dtype(), bwd=cfg.format.bwd_dtype(), granularity=cfg.granularity,
+                              a_dtype=ctx.dtypes[0], b_dtype=ctx.dtypes[1])
+    if need_a and need_b:  # as the eager backward: one quantiser for both copies of the gradient
+        pending = _both_from_tensors(*torch.ops.turbo_dispatch.fp8_quantize_both_axes(
+            grad, cfg.format.bwd_dtype(), cfg.granularity.value, cfg.block_size), cfg)
+        grad_a, _ = grads(pending.pop(0), need_a=True, need_b=False)
+        _, grad_b = grads(pending.pop(0), need_a=False, need_b=True)
+    else:
+        grad_a, grad_b = grads(grad, need_a=need_a, need_b=need_b)
     return grad_a, grad_b, None, None, None, None, None, None, None
 
 
