@@ -158,6 +158,23 @@ def quantize_both_axes(x: torch.Tensor, dtype: torch.dtype, granularity: Scaling
     return rows, cols.t()
 
 
+def quantize_both_axes_in_turn(x: torch.Tensor, dtype: torch.dtype, granularity: ScalingGranularity,
+                               block_size: int | None) -> tuple[Callable[[], object], Callable[[], object]]:
+    """Two callables giving ``x[P, Q]`` for a GEMM that reduces along Q, then for one that
+    reduces along P, made one at a time so that only one fp8 copy need be alive (the backward's
+    gradient: dgrad, then wgrad). Under TENSORWISE / ROWWISE on a GPU every amax comes from one
+    shared read now and each callable runs one cast (``quantize_fp8_in_turn``); otherwise both
+    give ``x`` itself, and each GEMM's backend quantises it as before (BLOCKWISE runs need no
+    shared amax: one read each either way). Same bits either way.
+    """
+    fn = _both_kernel() if x.is_cuda else None
+    if fn is not None and granularity in (ScalingGranularity.TENSORWISE, ScalingGranularity.ROWWISE):
+        from turbo_dispatch.backends.triton.quantize import quantize_fp8_in_turn
+
+        return quantize_fp8_in_turn(x, dtype, granularity)
+    return (lambda: x), (lambda: x)
+
+
 def runs_from_tensors(data: torch.Tensor, scale: torch.Tensor, data_t: torch.Tensor, scale_t: torch.Tensor,
                       block_size: int) -> tuple[QuantizedTensor, QuantizedTensor]:
     """The two QuantizedTensors of ``quantize_runs_both`` from its 2-D tensors (a custom op's outputs)."""

@@ -20,6 +20,9 @@ RECIPES = {
 @pytest.mark.parametrize("trans_a, trans_b", [(False, False), (False, True), (True, False), (True, True)])
 @pytest.mark.parametrize("fmt", [Format.E4M3, Format.HYBRID])
 def test_fast_path_is_taken_and_correct(recipe, m, n, k, trans_a, trans_b, fmt):
+    # The TORCH backend's paths: gemm_fp8's NVIDIA default is CUBLASLT since the fused quantisers
+    # (the conftest resets the pin after each test).
+    turbo.GlobalBackendManager.set_gemm_backend("TORCH", precision="fp8")
     cfg = Float8QuantConfig(format=fmt, **RECIPES[recipe])
     a = torch.randn((k, m) if trans_a else (m, k), device="cuda", dtype=torch.bfloat16, requires_grad=True)
     b = torch.randn((n, k) if trans_b else (k, n), device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -116,6 +116,13 @@ def _interpreter_checks() -> None:  # pragma: no cover - runs in the subprocess
                         bad.append(f"view={view} {fdt} axis={axis}")
                 if cols.data.stride(0) != 1:
                     bad.append(f"view={view}: the axis-0 data is not stored transposed")
+                # The same pair one at a time, from the shared amax pass (the backward's form).
+                for got, axis in zip((f() for f in Q.quantize_fp8_in_turn(xv, fdt, g)), (1, 0)):
+                    want = quantize(xv, fdt, g, axis=axis)
+                    if not (got.data.shape == want.data.shape and got.scale.shape == want.scale.shape
+                            and torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+                            and torch.equal(got.scale, want.scale) and got.axis == want.axis):
+                        bad.append(f"in turn: view={view} {fdt} axis={axis}")
             _emit(f"quantize_both[{shape}-{xdt}-{g.name}]", not bad, "; ".join(bad[:4]))
     # The GPU form of the scale (amax * float32(1/FP8_MAX), what torch computes on CUDA), checked
     # here against the reference with its _fp_scale patched to that form.
@@ -424,7 +431,8 @@ def _gpu_snr(out, ref) -> float:
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1000, 3000), (129, 9001), (513, 257)])
 def test_gpu_quantize_bit_exact(shape):
-    from turbo_dispatch.backends.triton.quantize import quantize_fp8, quantize_fp8_both, quantize_fp8_with_transpose
+    from turbo_dispatch.backends.triton.quantize import (quantize_fp8, quantize_fp8_both, quantize_fp8_in_turn,
+                                                         quantize_fp8_with_transpose)
     from turbo_dispatch.low_precision import ScalingGranularity as G, quantize
 
     x = torch.randn(shape, device="cuda") * 5
@@ -444,7 +452,8 @@ def test_gpu_quantize_bit_exact(shape):
                 # The two-way quantiser from bf16 and from float32 (whose tile layouts differ).
                 for xin in (xv, xv.float()):
                     both = quantize_fp8_both(xin, fdt, g)
-                    for got, ax in zip(both, (1, 0)):
+                    in_turn = [f() for f in quantize_fp8_in_turn(xin, fdt, g)]
+                    for got, ax in [*zip(both, (1, 0)), *zip(in_turn, (1, 0))]:
                         want = quantize(xin, fdt, g, axis=ax)
                         assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), (tag, xin.dtype, ax)
                         assert torch.equal(got.scale, want.scale), (tag, xin.dtype, ax)

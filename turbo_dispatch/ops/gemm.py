@@ -337,6 +337,21 @@ def _quantize_both(x: torch.Tensor, dtype: torch.dtype, cfg: Float8QuantConfig
     return quantize_both_axes(x, dtype, cfg.granularity, cfg.block_size)
 
 
+def _gradient_in_turn(grad: torch.Tensor, dtype: torch.dtype, cfg: Float8QuantConfig):
+    """Callables giving the gradient for dgrad (along N) and then for wgrad (along M), quantised
+    from one shared amax pass where the recipe allows (``backends.quantizer.quantize_both_axes_in_turn``),
+    else the gradient itself for the GEMM's backend to quantise."""
+    from turbo_dispatch.backends.quantizer import quantize_both_axes_in_turn
+
+    return quantize_both_axes_in_turn(grad, dtype, cfg.granularity, cfg.block_size)
+
+
+#: Recipes whose forward quantises the activation both ways at once: the ones whose groups need
+#: an amax pass of their own (one shared pass saves a read). 1-D BLOCKWISE runs take one read
+#: each anyway, so its forward keeps the backend's own quantisation.
+_BOTH_AXES_AT_ONCE = (ScalingGranularity.TENSORWISE, ScalingGranularity.ROWWISE)
+
+
 def _with_prequantized_a(p: GemmFp8Problem) -> GemmFp8Problem:
     """The forward's key once ``op(a)`` arrives quantised along K as ``[M, K]`` (no trans flag)."""
     return p._replace(trans_a=False, a_dtype=p.a_fp8)
@@ -383,7 +398,7 @@ class _Fp8GemmFunction(torch.autograd.Function):
         # dgrad reads b and the gradient; only wgrad reads a, and only in quantised form: op(a)
         # along M, which the same quantiser makes with the forward's op(a) along K.
         qa = None
-        if need_b and isinstance(a, torch.Tensor):
+        if need_b and isinstance(a, torch.Tensor) and config.granularity in _BOTH_AXES_AT_ONCE:
             qa_k, qa_m = _quantize_both(a.t() if problem.trans_a else a, problem.a_fp8, config)
             out = _run_gemm_fp8(_with_prequantized_a(problem), qa_k, b)
             qa = qa_m.t()
@@ -411,11 +426,12 @@ class _Fp8GemmFunction(torch.autograd.Function):
                                   a_dtype=p.a_dtype, b_dtype=p.b_dtype)
         if not (need_a and need_b):
             return (*grads(grad, need_a=need_a, need_b=need_b), None, None)
-        # dgrad reads the gradient along N, wgrad along M: one quantiser makes both, and each
-        # copy is dropped once its GEMM has run, so no more than one is alive with dB.
-        pending = list(_quantize_both(grad, cfg.format.bwd_dtype(), cfg))
-        grad_a, _ = grads(pending.pop(0), need_a=True, need_b=False)
-        _, grad_b = grads(pending.pop(0), need_a=False, need_b=True)
+        # dgrad reads the gradient along N, wgrad along M: both amaxes come from one read, and
+        # each copy is made just before its GEMM and dropped after it, so that no more than one
+        # fp8 copy of the gradient is alive (both at once lifted the Linear's peak above bf16's).
+        for_dgrad, for_wgrad = _gradient_in_turn(grad, cfg.format.bwd_dtype(), cfg)
+        grad_a, _ = grads(for_dgrad(), need_a=True, need_b=False)
+        _, grad_b = grads(for_wgrad(), need_a=False, need_b=True)
         return grad_a, grad_b, None, None
 
 
@@ -537,59 +553,13 @@ def _gemm_fp8_setup(ctx, inputs, output):
     ctx.config = cfg
 
 
-@torch.library.custom_op("turbo_dispatch::fp8_quantize_both_axes", mutates_args=())
-def _fp8_quantize_both_axes_op(x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: Optional[int]
-                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``_quantize_both`` as (data [P, Q], scale, data_t [Q, P], scale_t), rows padded to 16
-    elements as the GPU quantisers store them (the CPU fallback is copied into that layout, so
-    the fake's strides hold everywhere)."""
-    from turbo_dispatch.backends.quantizer import padded_rows, quantize_both_axes
-
-    rows, cols = quantize_both_axes(x, dtype, ScalingGranularity(granularity), block_size)
-    data, data_t = rows.data, cols.data.t()
-    pad = [t if t.stride(0) % 16 == 0 and t.stride(1) == 1 else padded_rows(t) for t in (data, data_t)]
-    return pad[0], rows.scale.contiguous(), pad[1], cols.scale.contiguous()
-
-
-@_fp8_quantize_both_axes_op.register_fake
-def _fp8_quantize_both_axes_fake(x, dtype, granularity, block_size):
-    from turbo_dispatch.backends.quantizer import empty_padded_rows
-
-    rows, cols = x.shape
-    g = ScalingGranularity(granularity)
-    if g is ScalingGranularity.TENSORWISE:
-        shapes: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
-    elif g is ScalingGranularity.ROWWISE:
-        shapes = ((rows, 1), (1, cols))
-    else:
-        shapes = ((rows, -(-cols // block_size)), (-(-rows // block_size), cols))
-    return (empty_padded_rows(x, (rows, cols), dtype), x.new_empty(shapes[0], dtype=torch.float32),
-            empty_padded_rows(x, (cols, rows), dtype), x.new_empty(shapes[1], dtype=torch.float32))
-
-
-def _both_from_tensors(data, scale, data_t, scale_t, cfg: Float8QuantConfig) -> list[QuantizedTensor]:
-    """The pair ``_quantize_both`` returns, from ``fp8_quantize_both_axes``'s four tensors."""
-    make = dict(granularity=cfg.granularity, block_size=cfg.block_size, block_2d=False)
-    return [QuantizedTensor(data=data, scale=scale, axis=1, **make),
-            QuantizedTensor(data=data_t.t(), scale=scale_t, axis=0, **make)]
-
-
 def _gemm_fp8_backward(ctx, grad):
     a_data, a_scale, b = ctx.saved_tensors
     cfg = ctx.config
     qa = None if a_data is None else _saved_as_quantized(a_data, a_scale, cfg)
-    need_a, need_b = ctx.needs_input_grad[:2]
-    trans_a, trans_b = ctx.flags
-    grads = functools.partial(_fp8_grads, _raw_mm8(cfg), qa, b, trans_a=trans_a, trans_b=trans_b,
-                              fwd=cfg.format.fwd_dtype(), bwd=cfg.format.bwd_dtype(), granularity=cfg.granularity,
-                              a_dtype=ctx.dtypes[0], b_dtype=ctx.dtypes[1])
-    if need_a and need_b:  # as the eager backward: one quantiser for both copies of the gradient
-        pending = _both_from_tensors(*torch.ops.turbo_dispatch.fp8_quantize_both_axes(
-            grad, cfg.format.bwd_dtype(), cfg.granularity.value, cfg.block_size), cfg)
-        grad_a, _ = grads(pending.pop(0), need_a=True, need_b=False)
-        _, grad_b = grads(pending.pop(0), need_a=False, need_b=True)
-    else:
-        grad_a, grad_b = grads(grad, need_a=need_a, need_b=need_b)
+    grad_a, grad_b = _fp8_grads(_raw_mm8(cfg), qa, b, grad, *ctx.flags, cfg.format.fwd_dtype(),
+                                cfg.format.bwd_dtype(), cfg.granularity, *ctx.needs_input_grad[:2],
+                                a_dtype=ctx.dtypes[0], b_dtype=ctx.dtypes[1])
     return grad_a, grad_b, None, None, None, None, None, None, None
 
 
