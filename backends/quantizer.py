@@ -124,42 +124,44 @@ def quantize_both_tensors(x3: torch.Tensor, dtype: torch.dtype, block_size: int,
     return padded_rows(rows.data), rows.scale, padded_rows(cols.data.transpose(1, 2)), cols.scale
 
 
-@functools.lru_cache(maxsize=None)
-def _both_kernel() -> Callable | None:
-    fn, _ = _triton_quantizer()
-    if fn is None:
-        return None
-    from turbo_dispatch.backends.triton.quantize import quantize_fp8_both
+#: Recipes whose groups need an amax pass of their own: a tensor's two quantisations can share it.
+SHARED_AMAX_GRANULARITIES = (ScalingGranularity.TENSORWISE, ScalingGranularity.ROWWISE)
 
-    return quantize_fp8_both
+
+def _fused_module(x: torch.Tensor, granularity: ScalingGranularity):
+    """The Triton quantiser module when it serves ``x`` under ``granularity`` with a shared
+    amax pass (a GPU tensor, a recipe of SHARED_AMAX_GRANULARITIES), else None."""
+    if not x.is_cuda or granularity not in SHARED_AMAX_GRANULARITIES or _triton_quantizer()[0] is None:
+        return None
+    from turbo_dispatch.backends.triton import quantize as triton_quantize
+
+    return triton_quantize
 
 
 def quantize_both_axes(x: torch.Tensor, dtype: torch.dtype, granularity: ScalingGranularity,
                        block_size: int | None) -> tuple[QuantizedTensor, QuantizedTensor]:
     """``x[P, Q]`` quantised along Q (``axis=1``) and along P (``axis=0``), exactly as two
-    ``quantize`` calls give them: what a training step needs of an activation or a gradient
-    (along the features for one GEMM, along the tokens for the wgrad). The second one's data is
-    stored ``[Q, P]`` and shown as a ``[P, Q]`` view, the K-major layout the wgrad reads.
+    ``quantize`` calls give them: what a training step needs of an activation (along the
+    features for its GEMM, along the tokens for the wgrad). The second one's data is stored
+    ``[Q, P]`` and shown as a ``[P, Q]`` view, the K-major layout the wgrad reads.
 
-    On a GPU: two reads of ``x`` under TENSORWISE / ROWWISE (``quantize_fp8_both``), one under
-    1-D BLOCKWISE (``quantize_runs_both``); elsewhere two reference calls, with the same bits.
+    On a GPU under TENSORWISE / ROWWISE: two reads of ``x`` (``quantize_fp8_both``); otherwise
+    two ``quantize_operand`` calls, with the same bits.
 
     >>> rows, cols = quantize_both_axes(torch.randn(300, 256), torch.float8_e4m3fn, ScalingGranularity.ROWWISE, None)
     >>> rows.axis, tuple(rows.scale.shape), cols.axis, tuple(cols.scale.shape), cols.data.stride(0)
     (1, (300, 1), 0, (1, 256), 1)
     """
-    if granularity is ScalingGranularity.BLOCKWISE and x.is_cuda and block_size in DUAL_BLOCK_SIZES:
-        return quantize_runs_both(x, dtype, block_size)
-    fn = _both_kernel() if x.is_cuda else None
-    if fn is not None and granularity in (ScalingGranularity.TENSORWISE, ScalingGranularity.ROWWISE):
-        return fn(x, dtype, granularity)
+    fused = _fused_module(x, granularity)
+    if fused is not None:
+        return fused.quantize_fp8_both(x, dtype, granularity)
     rows = quantize_operand(x, dtype, granularity, 1, block_size, False)
     cols = quantize_operand(x.t(), dtype, granularity, 1, block_size, False)
     return rows, cols.t()
 
 
-def quantize_both_axes_in_turn(x: torch.Tensor, dtype: torch.dtype, granularity: ScalingGranularity,
-                               block_size: int | None) -> tuple[Callable[[], object], Callable[[], object]]:
+def quantize_both_axes_in_turn(x: torch.Tensor, dtype: torch.dtype, granularity: ScalingGranularity
+                               ) -> tuple[Callable[[], object], Callable[[], object]]:
     """Two callables giving ``x[P, Q]`` for a GEMM that reduces along Q, then for one that
     reduces along P, made one at a time so that only one fp8 copy need be alive (the backward's
     gradient: dgrad, then wgrad). Under TENSORWISE / ROWWISE on a GPU every amax comes from one
@@ -167,11 +169,9 @@ def quantize_both_axes_in_turn(x: torch.Tensor, dtype: torch.dtype, granularity:
     give ``x`` itself, and each GEMM's backend quantises it as before (BLOCKWISE runs need no
     shared amax: one read each either way). Same bits either way.
     """
-    fn = _both_kernel() if x.is_cuda else None
-    if fn is not None and granularity in (ScalingGranularity.TENSORWISE, ScalingGranularity.ROWWISE):
-        from turbo_dispatch.backends.triton.quantize import quantize_fp8_in_turn
-
-        return quantize_fp8_in_turn(x, dtype, granularity)
+    fused = _fused_module(x, granularity)
+    if fused is not None:
+        return fused.quantize_fp8_in_turn(x, dtype, granularity)
     return (lambda: x), (lambda: x)
 
 

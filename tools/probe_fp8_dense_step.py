@@ -1,7 +1,7 @@
 """GPU probe for the dense fp8 step's quantisers (tensorwise / rowwise).
 
-1. ``check``: ``quantize_fp8_both`` and ``quantize_fp8`` on transposed views against the torch
-   reference, bit for bit (odd sizes, both fp8 formats, special values).
+1. ``check``: ``quantize_fp8_both``, ``quantize_fp8_in_turn`` and ``quantize_fp8`` on transposed
+   views against the torch reference, bit for bit (odd sizes, both fp8 formats, special values).
 2. ``quant``: the step's two quantisations of one tensor (along its features and along its
    tokens), timed as two ``quantize_fp8`` calls and as ``quantize_fp8_both`` under each launch
    shape, beside a clone of the same tensor (the bandwidth reference).
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import turbo_dispatch as turbo  # noqa: E402
 from turbo_dispatch.backends.triton import quantize as Q  # noqa: E402
-from turbo_dispatch.host_cover import covered_call, typical_ms, untimed_host_ms  # noqa: E402
+from turbo_dispatch.host_cover import median_gpu_ms  # noqa: E402
 from turbo_dispatch.low_precision import Float8QuantConfig, ScalingGranularity as G, quantize  # noqa: E402
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -83,6 +83,8 @@ def check(out) -> bool:
             pairs = {"both_rows": (rows, quantize(xv, fdt, g, axis=1)), "both_cols": (cols, quantize(xv, fdt, g, axis=0)),
                      "strided": (Q.quantize_fp8(xv.t(), fdt, g, axis=1), quantize(xv.t(), fdt, g, axis=1)),
                      "plain": (Q.quantize_fp8(xv, fdt, g, axis=1), quantize(xv, fdt, g, axis=1))}
+            for name, make, axis in zip(("in_turn_rows", "in_turn_cols"), Q.quantize_fp8_in_turn(xv, fdt, g), (1, 0)):
+                pairs[name] = (make(), quantize(xv, fdt, g, axis=axis))
             bad = {name: diff(got, want) for name, (got, want) in pairs.items() if not same(got, want)}
             if bad:
                 ok_all = False
@@ -93,10 +95,7 @@ def check(out) -> bool:
 
 
 def time_ms(fn, reps: int = 20) -> float:
-    fn()
-    host = typical_ms([untimed_host_ms(fn, DEV) for _ in range(3)])
-    times = sorted(covered_call(fn, DEV, host)[0] for _ in range(reps))
-    return times[len(times) // 2]
+    return median_gpu_ms(fn, DEV, reps)
 
 
 def quant(out) -> None:

@@ -49,12 +49,10 @@ def emit(**kw):
 
 
 def time_ms(fn, reps: int = 20) -> float:
-    """Median GPU time of ``fn`` (CUDA events), its host issue time covered by a GPU spin sized
-    from the warm-ups (``turbo_dispatch.host_cover``): without it a short kernel times its launch
-    path (the dual quantiser's small operands did, before round 39)."""
-    cuda = torch.device("cuda")
-    host_ms = host_cover.typical_ms([host_cover.untimed_host_ms(fn, cuda) for _ in range(3)])
-    return statistics.median(host_cover.covered_call(fn, cuda, host_ms)[0] for _ in range(reps))
+    """Median GPU time of ``fn``, its host issue time covered by a GPU spin
+    (``turbo_dispatch.host_cover``): without it a short kernel times its launch path (the dual
+    quantiser's small operands did, before round 39)."""
+    return host_cover.median_gpu_ms(fn, torch.device("cuda"), reps)
 
 
 #: Launches (dual_quantize.LAUNCH values, (rows per chunk, warps)) of the Triton kernel the sweep

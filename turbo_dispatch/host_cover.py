@@ -105,3 +105,10 @@ def spin(device: torch.device, host_ms: float) -> None:
     current stream (nothing where torch has no ``cuda._sleep``)."""
     if hasattr(torch.cuda, "_sleep"):
         torch.cuda._sleep(cover_cycles(host_ms, cycles_per_ms(device)))
+
+
+def median_gpu_ms(fn: Callable[[], Any], device: torch.device, reps: int = 20) -> float:
+    """Median GPU time (ms) of ``reps`` covered calls of ``fn``, the spin sized from the typical
+    host time of three untimed calls (which also warm it up): the probes' timing."""
+    host_ms = typical_ms([untimed_host_ms(fn, device) for _ in range(3)])
+    return statistics.median(covered_call(fn, device, host_ms)[0] for _ in range(reps))

@@ -34,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from turbo_dispatch.backends.quantizer import empty_padded_rows
 from turbo_dispatch.low_precision import FP8_MAX, QuantizedTensor, ScalingGranularity
 from turbo_dispatch.low_precision.config import _coerce_enum
 
@@ -304,6 +305,15 @@ def _recip_for(fmax: float) -> float:
     return 0.0 if divide else _f32_recip(fmax)
 
 
+def _cast_constants(dtype: torch.dtype) -> dict:
+    """The cast's constexprs for an fp8 ``dtype``: its range, the emulated cast under the
+    interpreter, its mantissa bits and smallest normal exponent, and how the scale is formed."""
+    fmax = FP8_MAX[dtype]
+    man_bits, min_exp = (3, -6) if dtype == torch.float8_e4m3fn else (2, -14)
+    return dict(FP8_MAX_=fmax, TINY=_FP32_TINY, EMULATE_CAST=_interpreting(), MAN_BITS=man_bits, MIN_EXP=min_exp,
+                RECIP=_recip_for(fmax))
+
+
 def _next_pow2(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
@@ -356,25 +366,22 @@ def _run(x, dtype, gran, axis, block_size, block_2d, want_t, row_pad: int = 1, s
 
     ``row_pad`` > 1 (internal use, axis=1 only) pads data's row stride to a multiple of it, so
     TMA (16-byte strides) can read any K; ``scale_mn_major`` stores 2-D scales transposed.
-    ``amax`` (TENSORWISE / ROWWISE) is the groups' amax already taken (``_amax_both``): the
-    two-kernel path then runs only its cast.
+    ``amax`` (TENSORWISE / ROWWISE) is the groups' amax already taken (``_amax_both``): only
+    the two-kernel path's cast runs.
     """
     rows, cols = x.shape
     if rows == 0 or cols == 0:
         raise ValueError(f"quantize_fp8: x must be non-empty; got shape {tuple(x.shape)}")
-    ld = -(-cols // row_pad) * row_pad
-    data = torch.empty((rows, ld), dtype=dtype, device=x.device)[:, :cols]
+    data = empty_padded_rows(x, (rows, cols), dtype, pad=row_pad)
+    ld = data.stride(0)
     data_t = torch.empty((cols, rows), dtype=dtype, device=x.device) if want_t else None
     # Kernel coordinates: p = the other dim, q = the reduction dim (axis).
     if axis == 1:
         P, Q, sx_p, sx_q, sd_p, sd_q, st_p, st_q = rows, cols, x.stride(0), x.stride(1), ld, 1, 1, rows
     else:
         P, Q, sx_p, sx_q, sd_p, sd_q, st_p, st_q = cols, rows, x.stride(1), x.stride(0), 1, ld, rows, 1
-    fmax = FP8_MAX[dtype]
     dt = data_t if want_t else data
-    man_bits, min_exp = (3, -6) if dtype == torch.float8_e4m3fn else (2, -14)
-    common = dict(WRITE_T=want_t, FP8_MAX_=fmax, TINY=_FP32_TINY, EMULATE_CAST=_interpreting(),
-                  MAN_BITS=man_bits, MIN_EXP=min_exp, RECIP=_recip_for(fmax))
+    common = dict(WRITE_T=want_t, **_cast_constants(dtype))
     strides = (P, Q, sx_p, sx_q, sd_p, sd_q, st_p, st_q)
 
     if gran is ScalingGranularity.BLOCKWISE and block_2d:
@@ -397,8 +404,9 @@ def _run(x, dtype, gran, axis, block_size, block_2d, want_t, row_pad: int = 1, s
     # A program of the one-pass row kernel reads its whole group; along a strided dim (a column
     # of a row-major x, the transposed view a K-major copy is made from) that is one element per
     # 32-byte sector, so such groups take the two-kernel path, whose tiles read along p.
+    # A given amax (``quantize_fp8_in_turn``) is used as is: the one-pass kernel would take it again.
     along_strided = sx_q != 1 and sx_p == 1
-    if gran is ScalingGranularity.ROWWISE and Q <= _ROW_SINGLE_MAX and not along_strided:
+    if gran is ScalingGranularity.ROWWISE and Q <= _ROW_SINGLE_MAX and not along_strided and amax is None:
         scale = torch.empty((rows, 1) if axis == 1 else (1, cols), dtype=torch.float32, device=x.device)
         bq = _next_pow2(Q)
         bp = max(1, min(64, 4096 // bq))
@@ -453,22 +461,19 @@ def quantize_fp8_both(x: torch.Tensor, dtype: torch.dtype,
     gran = _check_both(x, dtype, granularity, "quantize_fp8_both")
     rows, cols = x.shape
     per_row = gran is ScalingGranularity.ROWWISE
-    ld, ld_t = -(-cols // 16) * 16, -(-rows // 16) * 16
-    data = torch.empty((rows, ld), dtype=dtype, device=x.device)[:, :cols]
-    data_t = torch.empty((cols, ld_t), dtype=dtype, device=x.device)[:, :rows]
+    data = empty_padded_rows(x, (rows, cols), dtype)
+    data_t = empty_padded_rows(x, (cols, rows), dtype)
     row_amax, col_amax = _amax_both(x, per_row)
     if per_row:
         scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
         scale_t = torch.empty((1, cols), dtype=torch.float32, device=x.device)
     else:
         scale = scale_t = torch.empty((), dtype=torch.float32, device=x.device)
-    fmax = FP8_MAX[dtype]
-    man_bits, min_exp = (3, -6) if dtype == torch.float8_e4m3fn else (2, -14)
     bp, bq, warps = BOTH_CAST_LAUNCH
     _cast_both_kernel[(triton.cdiv(rows, bp), triton.cdiv(cols, bq))](
-        x, data, data_t, row_amax, col_amax, scale, scale_t, rows, cols, x.stride(0), x.stride(1), ld, ld_t,
-        PER_ROW=per_row, FP8_MAX_=fmax, TINY=_FP32_TINY, BLOCK_P=bp, BLOCK_Q=bq, EMULATE_CAST=_interpreting(),
-        MAN_BITS=man_bits, MIN_EXP=min_exp, RECIP=_recip_for(fmax), num_warps=warps)
+        x, data, data_t, row_amax, col_amax, scale, scale_t, rows, cols, x.stride(0), x.stride(1),
+        data.stride(0), data_t.stride(0), PER_ROW=per_row, BLOCK_P=bp, BLOCK_Q=bq, num_warps=warps,
+        **_cast_constants(dtype))
     make = dict(granularity=gran, block_size=None, block_2d=False)
     return (QuantizedTensor(data=data, scale=scale, axis=1, **make),
             QuantizedTensor(data=data_t.t(), scale=scale_t, axis=0, **make))

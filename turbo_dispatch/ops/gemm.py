@@ -280,7 +280,7 @@ def _fp8_grads(mm8: Callable, a, b, grad, trans_a: bool, trans_b: bool, fwd: tor
     operands' own, and must be given for a quantised ``a`` (and for ``b=None`` when not need_a).
 
     ``grad`` may arrive quantised: along N (the dgrad's K) for need_a alone, along M (the wgrad's
-    K) for need_b alone, as ``_quantize_both`` makes the pair.
+    K) for need_b alone, as ``_gradient_in_turn`` makes them.
     """
     a_dtype = a.dtype if a_dtype is None else a_dtype
     b_dtype = b.dtype if b_dtype is None else b_dtype
@@ -329,9 +329,9 @@ def _wgrad_operand(a: torch.Tensor, trans_a: bool, cfg: Float8QuantConfig) -> Qu
 def _quantize_both(x: torch.Tensor, dtype: torch.dtype, cfg: Float8QuantConfig
                    ) -> tuple[QuantizedTensor, QuantizedTensor]:
     """``x[P, Q]`` quantised along Q and along P (a ``[P, Q]`` view stored ``[Q, P]``), the pair
-    the step needs of the activation (forward and wgrad) and of the gradient (dgrad and wgrad):
-    on a GPU from one fused quantiser that reads ``x`` once or twice instead of up to four
-    times; the same bits as two ``quantize`` calls (``backends.quantizer.quantize_both_axes``)."""
+    the forward needs of the activation (its GEMM and the wgrad): on a GPU from one fused
+    quantiser that reads ``x`` twice instead of up to four times; the same bits as two
+    ``quantize`` calls (``backends.quantizer.quantize_both_axes``)."""
     from turbo_dispatch.backends.quantizer import quantize_both_axes
 
     return quantize_both_axes(x, dtype, cfg.granularity, cfg.block_size)
@@ -343,13 +343,7 @@ def _gradient_in_turn(grad: torch.Tensor, dtype: torch.dtype, cfg: Float8QuantCo
     else the gradient itself for the GEMM's backend to quantise."""
     from turbo_dispatch.backends.quantizer import quantize_both_axes_in_turn
 
-    return quantize_both_axes_in_turn(grad, dtype, cfg.granularity, cfg.block_size)
-
-
-#: Recipes whose forward quantises the activation both ways at once: the ones whose groups need
-#: an amax pass of their own (one shared pass saves a read). 1-D BLOCKWISE runs take one read
-#: each anyway, so its forward keeps the backend's own quantisation.
-_BOTH_AXES_AT_ONCE = (ScalingGranularity.TENSORWISE, ScalingGranularity.ROWWISE)
+    return quantize_both_axes_in_turn(grad, dtype, cfg.granularity)
 
 
 def _with_prequantized_a(p: GemmFp8Problem) -> GemmFp8Problem:
@@ -395,10 +389,13 @@ class _Fp8GemmFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, problem, config):
         need_a, need_b = ctx.needs_input_grad[:2]
+        from turbo_dispatch.backends.quantizer import SHARED_AMAX_GRANULARITIES
+
         # dgrad reads b and the gradient; only wgrad reads a, and only in quantised form: op(a)
-        # along M, which the same quantiser makes with the forward's op(a) along K.
-        qa = None
-        if need_b and isinstance(a, torch.Tensor) and config.granularity in _BOTH_AXES_AT_ONCE:
+        # along M, which the same quantiser makes with the forward's op(a) along K where the
+        # recipe's groups need an amax pass (one shared pass saves a read). 1-D BLOCKWISE runs take
+        # one read each anyway, so that forward keeps the backend's own quantisation (and its key).
+        if need_b and isinstance(a, torch.Tensor) and config.granularity in SHARED_AMAX_GRANULARITIES:
             qa_k, qa_m = _quantize_both(a.t() if problem.trans_a else a, problem.a_fp8, config)
             out = _run_gemm_fp8(_with_prequantized_a(problem), qa_k, b)
             qa = qa_m.t()
