@@ -16,7 +16,9 @@ Modes:
   timed too, and every fp8 row's ``vs_bf16_step`` column is bf16 step time / its step time.
 * ``--dtype fp8 --granularity blockwise``: GEMM only, on operands quantised beforehand (1x128
   activations, 128x128 weights): ``F.scaled_mm`` blockwise (peer) vs the TRITON blockwise kernel
-  when the Triton backend exposes one; plus the single shape M=4096, N=7168, K=16384.
+  when the Triton backend exposes one (best tile), and ``turbo_dispatch.ops.gemm_fp8`` called on
+  the same quantised operands, with its default choice and autotuned; plus the single shape
+  M=4096, N=7168, K=16384.
 
 fp8 modes add a memory line: peak GPU memory of ``turbo_dispatch.modules.Linear`` fp8 vs bf16,
 forward + backward.
@@ -311,6 +313,7 @@ def run_blockwise(args, device, timer, shapes: list[Shape], rows: list[H.Row]) -
         shapes = [extra] + shapes  # first: the target shape survives a time-limited run
     triton_fn, triton_why = triton_blockwise_gemm()
     plat = platform_of(device.type)
+    cfg = Float8QuantConfig(granularity=ScalingGranularity.BLOCKWISE, block_size=128)
     for i, s in enumerate(shapes):
         x = torch.randn(s.m, s.k, device=device, dtype=torch.bfloat16)
         w = torch.randn(s.n, s.k, device=device, dtype=torch.bfloat16)
@@ -320,12 +323,18 @@ def run_blockwise(args, device, timer, shapes: list[Shape], rows: list[H.Row]) -
         qb = quantize(w, E4M3, ScalingGranularity.BLOCKWISE, axis=1, block_size=128, block_2d=True)
         p = GemmFp8Problem(s.m, s.n, s.k, False, True, torch.bfloat16, torch.bfloat16, torch.bfloat16, E4M3, E4M3,
                            ScalingGranularity.BLOCKWISE, 128, False, True, plat)
+        dispatched = lambda: turbo.ops.gemm_fp8(qa, qb, trans_b=True, out_dtype=torch.bfloat16, config=cfg)
         candidates = [("F.scaled_mm blockwise", True, _scaled_mm_unsupported(p) if plat == "cuda"
                        else f"F.scaled_mm blockwise needs an NVIDIA GPU (platform {plat})",
-                       lambda: _scaled(p, qa, qb)),
+                       lambda: _scaled(p, qa, qb), plain),
                       ("turbo TRITON blockwise kernel (best tile)", False, None if triton_fn else triton_why,
-                       None)]
-        for label, is_peer, why_not, fn in candidates:
+                       None, plain),
+                      # The op users call, on the same pre-quantised operands: the backend the
+                      # resolver picks without tuning, and with the autotuner choosing per shape.
+                      ("turbo default", False, None, dispatched, plain),
+                      ("turbo autotune", False, None, dispatched, pin(None, auto=True))]
+        for label, is_peer, why_not, fn, enter in candidates:
+            enter()
             row = H.Row(op="gemm_fp8_blockwise_gemm_only", shape=s.label, backend=label, model="+".join(s.models),
                         mb=s.mb, m=s.m, n=s.n, k=s.k, flops=2.0 * s.m * s.n * s.k, peer=is_peer)
             if why_not:
@@ -342,11 +351,12 @@ def run_blockwise(args, device, timer, shapes: list[Shape], rows: list[H.Row]) -
                 except Exception as exc:
                     row.check = H.failed("raised " + H.error_note(exc))
             rows.append(row)
+        plain()
         del x, w, ref, qa, qb
         H.free_memory(device)
         print(f"[{i + 1}/{len(shapes)}] {s.label}: " + ", ".join(
             f"{r.backend}={r.check.status if r.check else 'SKIP'}" + (f" {r.fwd_ms:.3f}ms" if r.fwd_ms else "")
-            for r in rows[-2:]), flush=True)
+            for r in rows[-len(candidates):]), flush=True)
     return [f"TRITON blockwise kernel: {triton_why or 'found'}"]
 
 

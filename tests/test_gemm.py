@@ -275,6 +275,70 @@ def test_gemm_fp8_custom_op_matches_eager(device, trans_a, trans_b, fmt_gran):
         torch.testing.assert_close(y, x, msg=lambda s, name=name: f"{name}: {s}")
 
 
+# -- pre-quantised operands: the GEMM alone -------------------------------------------------------
+def _quantized_along_k(x, trans, is_a, cfg):
+    """``x`` quantised as gemm_fp8 would quantise it: along K, 2-D tiles for a BLOCKWISE b."""
+    from turbo_dispatch.low_precision import quantize
+    k_axis = (0 if trans else 1) if is_a else (1 if trans else 0)
+    two_d = not is_a and cfg.granularity is G.BLOCKWISE
+    return quantize(x, cfg.format.fwd_dtype(), cfg.granularity, axis=k_axis, block_size=cfg.block_size,
+                    block_2d=two_d)
+
+
+@pytest.mark.parametrize("which", ["a", "b", "both"])
+@pytest.mark.parametrize("gran_id", ["tensorwise", "rowwise", "blockwise128"])
+@pytest.mark.parametrize("trans_a,trans_b", TRANS, ids=TRANS_IDS)
+def test_gemm_fp8_prequantized_operands(device, trans_a, trans_b, gran_id, which):
+    """A QuantizedTensor operand is multiplied as given: the output matches the float64 product of
+    the dequantised operands, eager and compiled (fullgraph) alike."""
+    from turbo_dispatch.low_precision import dequantize
+    cfg = Float8QuantConfig(format=Format.E4M3, **GRANULARITIES[gran_id])
+    m, n, k = 65, 160, 256
+    a, b = operands(m, n, k, trans_a, trans_b, BF16, device, requires_grad=False)
+    qa = _quantized_along_k(a, trans_a, True, cfg) if which in ("a", "both") else a
+    qb = _quantized_along_k(b, trans_b, False, cfg) if which in ("b", "both") else b
+    out = turbo.ops.gemm_fp8(qa, qb, trans_a, trans_b, BF16, cfg)
+    assert_written("out", out, (m, n), BF16)
+    # Where an operand stays in bf16, the op quantises it; the reference does the same so the
+    # comparison is of the GEMM, not of the recipe's rounding.
+    da = dequantize(qa if which != "b" else _quantized_along_k(a, trans_a, True, cfg)).double().cpu()
+    db = dequantize(qb if which != "a" else _quantized_along_k(b, trans_b, False, cfg)).double().cpu()
+    ref = (da.t() if trans_a else da) @ (db.t() if trans_b else db)
+    assert rel_error(out, ref) < 1e-2, rel_error(out, ref)
+    torch._dynamo.reset()  # every case compiles the same lambda: keep under dynamo's recompile limit
+    compiled = torch.compile(lambda x, y: turbo.ops.gemm_fp8(x, y, trans_a, trans_b, BF16, cfg), fullgraph=True,
+                             backend="aot_eager")
+    torch.testing.assert_close(compiled(qa, qb), out, rtol=0, atol=0)
+
+
+def test_gemm_fp8_prequantized_refuses_a_gradient():
+    cfg = Float8QuantConfig(granularity=G.ROWWISE)
+    a, b = operands(16, 24, 32, False, True, BF16, "cpu", requires_grad=True)
+    qb = _quantized_along_k(b.detach(), True, False, cfg)
+    with pytest.raises(ValueError, match="a requires grad.*QuantizedTensor"):
+        turbo.ops.gemm_fp8(a, qb, trans_b=True, config=cfg)
+    with torch.no_grad():
+        assert turbo.ops.gemm_fp8(a, qb, trans_b=True, config=cfg).shape == (16, 24)
+
+
+@pytest.mark.parametrize("case", ["wrong-axis", "wrong-recipe", "no-out_dtype"])
+def test_gemm_fp8_prequantized_bad_operand(case):
+    from turbo_dispatch.low_precision import quantize
+    cfg = Float8QuantConfig(granularity=G.ROWWISE)
+    a, b = operands(16, 24, 32, False, True, BF16, "cpu", requires_grad=False)
+    qa = _quantized_along_k(a, False, True, cfg)
+    if case == "wrong-axis":
+        call, match = (lambda: gemm_fp8(a, quantize(b, E4M3, G.ROWWISE, axis=0), trans_b=True, config=cfg),
+                       "pre-quantised b has its scales along dim 0")
+    elif case == "wrong-recipe":
+        call, match = (lambda: gemm_fp8(a, quantize(b, E4M3, G.TENSORWISE), trans_b=True, config=cfg),
+                       "pre-quantised b is")
+    else:
+        call, match = lambda: gemm_fp8(qa, b, trans_b=True, config=cfg), "out_dtype is required"
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()
+
+
 opcheck = getattr(torch.library, "opcheck", None)
 
 

@@ -589,6 +589,29 @@ def _needs_grad(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.requires_grad or b.requires_grad) and torch.is_grad_enabled()
 
 
+def _prequantized_gemm_fp8(a: Fp8Operand, b: Fp8Operand, trans_a: bool, trans_b: bool,
+                           out_dtype: Optional[torch.dtype], cfg: Float8QuantConfig) -> torch.Tensor:
+    """``gemm_fp8`` where an operand arrives as a QuantizedTensor: the GEMM alone, forward only.
+
+    Why no backward: the dgrad needs the weight quantised along N and the wgrad the activation
+    along M; a copy quantised along K cannot give either bit-exactly, so a gradient request is
+    refused rather than served from re-quantised data."""
+    for name, x in (("a", a), ("b", b)):
+        if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"gemm_fp8: {name} requires grad, but the other operand is a pre-quantised "
+                             "QuantizedTensor, which has no gradient path; pass both operands in high "
+                             "precision to train, or call under torch.no_grad()")
+    if torch.compiler.is_compiling():
+        # The custom op validates when it runs; the problem key is not built while tracing (its
+        # platform lookup is an lru_cache, which dynamo warns about).
+        if out_dtype is None and isinstance(a, QuantizedTensor):
+            raise TypeError("gemm_fp8: out_dtype is required when a arrives pre-quantised")
+        fwd = cfg.format.fwd_dtype()
+        return _raw_mm8(cfg)(a, b, trans_a, trans_b, a.dtype if out_dtype is None else out_dtype, fwd, fwd, False,
+                             cfg.granularity is ScalingGranularity.BLOCKWISE)
+    return _run_gemm_fp8(_forward_fp8_problem(a, b, trans_a, trans_b, out_dtype, cfg), a, b)
+
+
 # -- public API --------------------------------------------------------------------------------------
 def gemm(a: torch.Tensor, b: torch.Tensor, trans_a: bool = False, trans_b: bool = False,
          out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -619,12 +642,18 @@ def gemm(a: torch.Tensor, b: torch.Tensor, trans_a: bool = False, trans_b: bool 
     return _run_gemm(problem, a, b)
 
 
-def gemm_fp8(a: torch.Tensor, b: torch.Tensor, trans_a: bool = False, trans_b: bool = False,
+def gemm_fp8(a: Fp8Operand, b: Fp8Operand, trans_a: bool = False, trans_b: bool = False,
              out_dtype: Optional[torch.dtype] = None, config: Optional[Float8QuantConfig] = None) -> torch.Tensor:
     """FP8 GEMM from high-precision inputs: quantise both operands per ``config``, multiply, and
     return ``out_dtype`` (default: a's dtype). The backward quantises the gradient too (as E5M2
     under Format.HYBRID). Under BLOCKWISE, ``a`` takes 1 x block_size scales and ``b`` (the
     weight) block_size x block_size scales.
+
+    Either operand may instead arrive quantised already, as a ``QuantizedTensor`` made by
+    ``low_precision.quantize`` with ``config``'s recipe along this GEMM's K (a weight quantised
+    once and reused over micro-batches, say). That call is the GEMM alone, without a backward,
+    and needs ``out_dtype`` when ``a`` is the quantised one; a recipe or axis other than the one
+    this GEMM would use raises a ValueError that names the operand.
 
     Example:
         >>> import torch, turbo_dispatch as turbo
@@ -633,10 +662,16 @@ def gemm_fp8(a: torch.Tensor, b: torch.Tensor, trans_a: bool = False, trans_b: b
         >>> a, b = torch.randn(16, 32), torch.randn(8, 32)
         >>> turbo.ops.gemm_fp8(a, b, trans_b=True, config=cfg).shape
         torch.Size([16, 8])
+        >>> from turbo_dispatch.low_precision import quantize
+        >>> qb = quantize(b, torch.float8_e4m3fn, ScalingGranularity.ROWWISE, axis=1)
+        >>> turbo.ops.gemm_fp8(a, qb, trans_b=True, config=cfg).shape
+        torch.Size([16, 8])
     """
     cfg = _DEFAULT_FP8 if config is None else config
     if not isinstance(cfg, Float8QuantConfig):
         raise TypeError(f"gemm_fp8: config must be a Float8QuantConfig or None; got {type(config).__name__}")
+    if isinstance(a, QuantizedTensor) or isinstance(b, QuantizedTensor):
+        return _prequantized_gemm_fp8(a, b, trans_a, trans_b, out_dtype, cfg)
     if torch.compiler.is_compiling():
         return torch.ops.turbo_dispatch.gemm_fp8(a, b, trans_a, trans_b, out_dtype, cfg.format.value,
                                                  cfg.granularity.value, cfg.block_size, cfg.scale_dtype.value)
