@@ -369,7 +369,8 @@ def main(argv=None) -> int:
              f"{len(cases)} cases", f"autotune budget per key: PRIMUS_TURBO_TUNE_BUDGET_MS="
              f"{os.environ.get('PRIMUS_TURBO_TUNE_BUDGET_MS')}", f"elapsed {time.time() - t0:.0f} s"] + notes
     H.write_reports(rows, name=name, device=device, out_dir=args.out_dir, notes=notes,
-                    title=f"Grouped GEMM {args.dtype}" + ("" if args.dtype == "bf16" else f" {args.granularity}"))
+                    title=f"Grouped GEMM {args.dtype}" + ("" if args.dtype == "bf16" else f" {args.granularity}"),
+                    breakdown=("routing",))
     return 0
 
 

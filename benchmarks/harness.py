@@ -454,17 +454,21 @@ def geomean(values: Iterable[float]) -> float | None:
     return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
 
 
-def summary(rows: list[Row]) -> list[dict[str, Any]]:
-    """Per (op, backend): geomean fwd/step TFLOPS and ratio over shapes, PASS/FAIL counts."""
+def summary(rows: list[Row], by: str | None = None) -> list[dict[str, Any]]:
+    """Per (op, backend): geomean fwd/step TFLOPS and ratio over shapes, PASS/FAIL counts. With
+    ``by`` (a key of the rows' ``extra``), per (op, that key's value, backend) instead, in the
+    value's first-seen order; the dict then carries the value under ``by``."""
     out = []
-    keys = list(dict.fromkeys((r.op, r.backend) for r in rows))
-    for op, backend in keys:
-        mine = [r for r in rows if r.op == op and r.backend == backend]
+    part = (lambda r: r.extra.get(by, "")) if by else (lambda r: None)
+    keys = list(dict.fromkeys((r.op, part(r), r.backend) for r in rows))
+    for op, value, backend in keys:
+        mine = [r for r in rows if r.op == op and part(r) == value and r.backend == backend]
         if all(r.check is None for r in mine):
             continue  # untimed info rows (e.g. peak memory): not part of the score
-        shapes_total = len({r.shape for r in rows if r.op == op})
+        shapes_total = len({r.shape for r in rows if r.op == op and part(r) == value})
         scored = [r for r in mine if r.ratio is not None]
         out.append({
+            **({by: value} if by else {}),
             "op": op, "backend": backend, "peer": any(r.peer for r in mine),
             "pass": sum(r.passed for r in mine), "fail": sum(r.check is not None and not r.check.ok for r in mine),
             "shapes": f"{len(scored)}/{shapes_total}",
@@ -485,8 +489,10 @@ def _fmt(v: Any, digits: int = 3) -> str:
 
 
 def write_reports(rows: list[Row], *, name: str, device: torch.device, out_dir: Path | str | None = None,
-                  title: str = "", notes: Sequence[str] = (), plot_metric: str = "step") -> dict[str, Path]:
-    """Writes <out_dir>/<gpu>_<date>_<name>.{csv,md,png}; returns the paths written."""
+                  title: str = "", notes: Sequence[str] = (), plot_metric: str = "step",
+                  breakdown: Sequence[str] = ()) -> dict[str, Path]:
+    """Writes <out_dir>/<gpu>_<date>_<name>.{csv,md,png}; returns the paths written. Each column
+    of ``breakdown`` (a key of the rows' ``extra``) adds a score table per value of it."""
     assign_ratios(rows)
     out_dir = Path(out_dir) if out_dir else RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -523,6 +529,14 @@ def write_reports(rows: list[Row], *, name: str, device: torch.device, out_dir: 
         lines.append(f"| {s['op']} | {s['backend']} | {'yes' if s['peer'] else ''} | {s['pass']} | {s['fail']} | "
                      f"{s['shapes']} | {_fmt(s['geomean_fwd_tflops'], 1)} | {_fmt(s['geomean_step_tflops'], 1)} | "
                      f"{_fmt(s['geomean_ratio'])} |")
+    for by in breakdown:
+        lines += ["", f"## Score by {by}", "",
+                  f"| op | {by} | backend | PASS | FAIL | shapes scored | fwd TFLOPS | step TFLOPS | ratio vs best peer |",
+                  "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+        for s in summary(rows, by=by):
+            lines.append(f"| {s['op']} | {s[by]} | {s['backend']} | {s['pass']} | {s['fail']} | {s['shapes']} | "
+                         f"{_fmt(s['geomean_fwd_tflops'], 1)} | {_fmt(s['geomean_step_tflops'], 1)} | "
+                         f"{_fmt(s['geomean_ratio'])} |")
     lines += ["", "## All rows", ""]
     shown = [c for c in columns if c not in ("op",) and any(d.get(c) not in ("", None) for d in dicts)]
     lines.append("| op | " + " | ".join(shown) + " |")

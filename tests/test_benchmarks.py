@@ -64,11 +64,41 @@ def test_bench_gemm_cpu_smoke(tmp_path, args):
             assert all(r["vs_bf16_step"] for r in same if r is not bf16[0] and r["check"] == "PASS")
 
 
+def test_bench_gemm_blockwise_cpu_smoke(tmp_path):
+    """GEMM only on pre-quantised operands: the dispatched op's rows (default and autotuned) pass
+    and are timed; F.scaled_mm says why it did not run on a CPU."""
+    rows = _run("bench_gemm.py", ["--dtype", "fp8", "--granularity", "blockwise"], tmp_path)
+    gemm_rows = [r for r in rows if r["op"] == "gemm_fp8_blockwise_gemm_only"]
+    for backend in ("turbo default", "turbo autotune"):
+        mine = [r for r in gemm_rows if r["backend"] == backend]
+        assert mine and all(r["check"] == "PASS" and float(r["fwd_ms"]) > 0 for r in mine), mine
+    assert all("NVIDIA GPU" in r["note"] for r in gemm_rows if r["backend"] == "F.scaled_mm blockwise")
+
+
 def test_bench_grouped_gemm_cpu_smoke(tmp_path):
     rows = _run("bench_grouped_gemm.py", ["--routings", "balanced,empty", "--models", "tiny"], tmp_path)
     assert {r["routing"] for r in rows} == {"balanced", "empty"}
     assert any(r["empty_groups"] not in ("", "0") for r in rows)
     assert all(r["check"] == "PASS" for r in rows if r["backend"] in ("turbo TORCH", "torch per-group mm loop"))
+    text = next(tmp_path.glob("cpu_*.md")).read_text()
+    by_routing = text.split("## Score by routing", 1)[1].split("## All rows", 1)[0]
+    assert "| grouped_gemm | balanced | turbo TORCH |" in by_routing
+    assert "| grouped_gemm | empty | turbo TORCH |" in by_routing
+
+
+def test_summary_by_a_column_scores_each_value_apart():
+    H = _harness()
+    rows = []
+    for routing, ratio in (("balanced", 2.0), ("balanced", 0.5), ("empty", 0.25)):
+        row = H.Row(op="g", shape=f"{routing}{ratio}", backend="mine", flops=1e9, fwd_ms=1.0,
+                    check=H.Check(True, 99.0, 0.0, []), extra={"routing": routing})
+        row.ratio = ratio
+        rows.append(row)
+    whole = H.summary(rows)
+    parts = {s["routing"]: s for s in H.summary(rows, by="routing")}
+    assert len(whole) == 1 and abs(whole[0]["geomean_ratio"] - 0.25 ** (1 / 3)) < 1e-12
+    assert abs(parts["balanced"]["geomean_ratio"] - 1.0) < 1e-12 and parts["balanced"]["shapes"] == "2/2"
+    assert abs(parts["empty"]["geomean_ratio"] - 0.25) < 1e-12 and parts["empty"]["shapes"] == "1/1"
 
 
 def _harness():
