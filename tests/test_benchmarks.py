@@ -208,3 +208,27 @@ def test_time_rows_sets_step_host_ms():
     cols = H.BASE_COLUMNS
     assert cols.index("step_host_ms") == cols.index("step_tflops") + 1
     assert step.as_dict()["step_host_ms"] == round(step.step_host_ms, 4) and fail.as_dict()["step_host_ms"] == ""
+
+
+def test_fp8_grouped_bound_arithmetic(tmp_path):
+    """The bound tool's step time is the three GEMMs at the given rate plus the quantisation bytes
+    (4 per x and gradient element, 3 per weight element) at the given bandwidth."""
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import fp8_grouped_bound as B
+    finally:
+        sys.path.pop(0)
+    m, n, k, g = 4096, 2048, 1024, 4
+    flops_ms = 1e3 * 3 * 2.0 * m * n * k / 1e15
+    bytes_ms = 1e3 * (4.0 * m * k + 4.0 * m * n + 3.0 * g * n * k) / 2e12
+    assert abs(B.step_bound_ms(m, n, k, g, 1000.0, 2.0) - (flops_ms + bytes_ms)) < 1e-12
+    path = tmp_path / "r.csv"
+    path.write_text("shape,m,n,k,groups,backend,step_ms\n"
+                    f"s,{m},{n},{k},{g},turbo autotune,1.0\n"
+                    f"s,{m},{n},{k},{g},bf16 torch._grouped_mm,0.8\n"
+                    f"t,{m},{n},{k},{g},turbo autotune,1.0\n")  # no bf16 row: skipped
+    with open(path) as fh:
+        rows = list(csv.DictReader(fh))
+    (only,) = B.bounds(rows, 1000.0, 2.0, "turbo autotune", "bf16 ")
+    assert only["shape"] == "s" and abs(only["measured_ratio"] - 0.8) < 1e-12
+    assert abs(only["bound_ratio"] - 0.8 / (flops_ms + bytes_ms)) < 1e-12
