@@ -283,8 +283,10 @@ def triton_blockwise_gemm():
     return fn, ""
 
 
-def _best_tile(fn, qa, qb, ref, s, timer) -> tuple[H.Check, float | None, str]:
-    """Gates every candidate tile, times the passing ones; returns the fastest."""
+def _best_tile(fn, qa, qb, ref, s, timer) -> tuple[H.Check, object, str]:
+    """Gates every candidate tile and times the passing ones one after another; returns the
+    fastest tile (None if none passed). The caller times it again, in turns with the other rows,
+    so that neither the order nor the pick of a lucky sample favours it."""
     best, worst_check = None, None
     for tile in fn.tiles(s.m, s.n, s.k):
         try:
@@ -298,11 +300,11 @@ def _best_tile(fn, qa, qb, ref, s, timer) -> tuple[H.Check, float | None, str]:
             continue
         ms = timer.time_ms(lambda: fn(qa, qb, torch.bfloat16, tile))
         if best is None or ms < best[1]:
-            best = (check, ms, f"tile {tuple(tile)}")
+            best = (check, ms, tile)
     if best is None:
         return worst_check or H.failed("no candidate tile"), None, ""
     failed = f"; {worst_check.reasons[0]} on another tile" if worst_check else ""
-    return best[0], best[1], best[2] + failed
+    return best[0], best[2], f"tile {tuple(best[2])}" + failed
 
 
 def run_blockwise(args, device, timer, shapes: list[Shape], rows: list[H.Row]) -> list[str]:
@@ -341,29 +343,36 @@ def run_blockwise(args, device, timer, shapes: list[Shape], rows: list[H.Row]) -
                       # resolver picks without tuning, and with the autotuner choosing per shape.
                       ("turbo default", False, None, dispatched, plain),
                       ("turbo autotune", False, None, dispatched, pin(None, auto=True))]
+        live = []  # (row, fn, enter) of the rows that passed their gate, timed below in turns
         for label, is_peer, why_not, fn, enter in candidates:
             enter()
             row = H.Row(op="gemm_fp8_blockwise_gemm_only", shape=s.label, backend=label, model="+".join(s.models),
                         mb=s.mb, m=s.m, n=s.n, k=s.k, flops=2.0 * s.m * s.n * s.k, peer=is_peer)
+            rows.append(row)
             if why_not:
                 row.note = f"not run: {why_not}"
-            elif fn is None:
-                row.check, row.fwd_ms, row.note = _best_tile(triton_fn, qa, qb, ref, s, timer)
+                continue
+            if fn is None:
+                row.check, tile, row.note = _best_tile(triton_fn, qa, qb, ref, s, timer)
+                fn = None if tile is None else (lambda tile=tile: triton_fn(qa, qb, torch.bfloat16, tile))
             else:
                 try:
                     out = fn()
                     row.check = H.gate([("out", out, ref)], min_snr_db=25.0)
                     del out
-                    if row.check.ok:
-                        row.fwd_ms = timer.time_ms(fn)
                     if fn is dispatched:
                         d = turbo.explain("gemm_fp8", qa, qb, trans_b=True, out_dtype=torch.bfloat16, config=cfg)
                         row.note = f"-> {d.backend}" + ("" if d.config is None else f"[{d.config}]") + f" ({d.source})"
                 except Exception as exc:
                     row.check = H.failed("raised " + H.error_note(exc))
-            rows.append(row)
+            if row.check is not None and row.check.ok and fn is not None:
+                live.append((row, fn, enter))
+        if live:
+            for (row, _, _), ms in zip(live, timer.time_interleaved([f for _, f, _ in live],
+                                                                      setups=[e for _, _, e in live])):
+                row.fwd_ms = ms
         plain()
-        del x, w, ref, qa, qb, peer, peer_args
+        del x, w, ref, qa, qb, peer, peer_args, live
         H.free_memory(device)
         print(f"[{i + 1}/{len(shapes)}] {s.label}: " + ", ".join(
             f"{r.backend}={r.check.status if r.check else 'SKIP'}" + (f" {r.fwd_ms:.3f}ms" if r.fwd_ms else "")
