@@ -17,8 +17,9 @@ Modes:
 * ``--dtype fp8 --granularity blockwise``: GEMM only, on operands quantised beforehand (1x128
   activations, 128x128 weights): ``F.scaled_mm`` blockwise (peer) vs the TRITON blockwise kernel
   when the Triton backend exposes one (best tile), and ``turbo_dispatch.ops.gemm_fp8`` called on
-  the same quantised operands, with its default choice and autotuned; plus the single shape
-  M=4096, N=7168, K=16384.
+  the same quantised operands, pinned to each backend and autotuned; plus the single shape
+  M=4096, N=7168, K=16384. The activation's scales are stored M-major for every candidate (the
+  layout our quantiser writes and cuBLASLt reads) and the passing rows are timed in turns.
 
 fp8 modes add a memory line: peak GPU memory of ``turbo_dispatch.modules.Linear`` fp8 vs bf16,
 forward + backward.
@@ -317,6 +318,7 @@ def run_blockwise(args, device, timer, shapes: list[Shape], rows: list[H.Row]) -
     triton_fn, triton_why = triton_blockwise_gemm()
     plat = platform_of(device.type)
     cfg = Float8QuantConfig(granularity=ScalingGranularity.BLOCKWISE, block_size=128)
+    fp8_backends = registered("gemm_fp8", device)
     for i, s in enumerate(shapes):
         x = torch.randn(s.m, s.k, device=device, dtype=torch.bfloat16)
         w = torch.randn(s.n, s.k, device=device, dtype=torch.bfloat16)
@@ -339,9 +341,11 @@ def run_blockwise(args, device, timer, shapes: list[Shape], rows: list[H.Row]) -
         candidates = [("F.scaled_mm blockwise", True, peer_why, peer, plain),
                       ("turbo TRITON blockwise kernel (best tile)", False, None if triton_fn else triton_why,
                        None, plain),
-                      # The op users call, on the same pre-quantised operands: the backend the
-                      # resolver picks without tuning, and with the autotuner choosing per shape.
-                      ("turbo default", False, None, dispatched, plain),
+                      # The op users call, on the same pre-quantised operands: pinned to each
+                      # backend (its default config), and with the autotuner choosing per shape.
+                      # Pinned, not left to the default: once the autotuned row has stored its
+                      # pick, an unpinned call resolves to that pick too.
+                      *[(f"turbo {name}", False, None, dispatched, pin(name)) for name in fp8_backends],
                       ("turbo autotune", False, None, dispatched, pin(None, auto=True))]
         live = []  # (row, fn, enter) of the rows that passed their gate, timed below in turns
         for label, is_peer, why_not, fn, enter in candidates:
@@ -363,6 +367,8 @@ def run_blockwise(args, device, timer, shapes: list[Shape], rows: list[H.Row]) -
                     if fn is dispatched:
                         d = turbo.explain("gemm_fp8", qa, qb, trans_b=True, out_dtype=torch.bfloat16, config=cfg)
                         row.note = f"-> {d.backend}" + ("" if d.config is None else f"[{d.config}]") + f" ({d.source})"
+                except NOT_SERVED as exc:
+                    row.note = "not served: " + H.error_note(exc)
                 except Exception as exc:
                     row.check = H.failed("raised " + H.error_note(exc))
             if row.check is not None and row.check.ok and fn is not None:

@@ -69,7 +69,7 @@ def test_bench_gemm_blockwise_cpu_smoke(tmp_path):
     and are timed; F.scaled_mm says why it did not run on a CPU."""
     rows = _run("bench_gemm.py", ["--dtype", "fp8", "--granularity", "blockwise"], tmp_path)
     gemm_rows = [r for r in rows if r["op"] == "gemm_fp8_blockwise_gemm_only"]
-    for backend in ("turbo default", "turbo autotune"):
+    for backend in ("turbo TORCH", "turbo autotune"):
         mine = [r for r in gemm_rows if r["backend"] == backend]
         assert mine and all(r["check"] == "PASS" and float(r["fwd_ms"]) > 0 for r in mine), mine
     assert all("NVIDIA GPU" in r["note"] for r in gemm_rows if r["backend"] == "F.scaled_mm blockwise")
