@@ -336,7 +336,7 @@ def run_blockwise(args, device, timer, shapes: list[Shape], rows: list[H.Row]) -
         peer = peer_args = None
         if peer_why is None:  # the peer's operands and scales laid out once: its timing is the GEMM alone
             peer_args = (_row_major(qa.data), _row_major(qb.data).t(), *blockwise_scales(p, qa, qb))
-            peer = lambda: _f_scaled_mm()[0](*peer_args, output_dtype=torch.bfloat16)
+            peer = lambda scaled_mm=_f_scaled_mm()[0]: scaled_mm(*peer_args, output_dtype=torch.bfloat16)
         dispatched = lambda: turbo.ops.gemm_fp8(qa, qb, trans_b=True, out_dtype=torch.bfloat16, config=cfg)
         candidates = [("F.scaled_mm blockwise", True, peer_why, peer, plain),
                       ("turbo TRITON blockwise kernel (best tile)", False, None if triton_fn else triton_why,

@@ -523,3 +523,12 @@ def test_linear_state_dict_round_trip(device, bias, fp8):
         assert snr_db(float(want.double().pow(2).sum()), float((got - want).double().pow(2).sum())) >= 25.0
     else:
         assert rel_error(got, want) <= rel_tol(FP32, device)
+
+
+def test_doctests():
+    """The public API's docstring examples run (gemm, gemm_fp8, pre-quantised operands included)."""
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module("turbo_dispatch.ops.gemm"))
+    assert result.attempted >= 3 and result.failed == 0, result
