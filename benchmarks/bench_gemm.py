@@ -365,8 +365,7 @@ def run_blockwise(args, device, timer, shapes: list[Shape], rows: list[H.Row]) -
                     row.check = H.gate([("out", out, ref)], min_snr_db=25.0)
                     del out
                     if fn is dispatched:
-                        d = turbo.explain("gemm_fp8", qa, qb, trans_b=True, out_dtype=torch.bfloat16, config=cfg)
-                        row.note = f"-> {d.backend}" + ("" if d.config is None else f"[{d.config}]") + f" ({d.source})"
+                        row.note = _explain_fwd("gemm_fp8", qa, qb, out_dtype=torch.bfloat16, config=cfg)()
                 except NOT_SERVED as exc:
                     row.note = "not served: " + H.error_note(exc)
                 except Exception as exc:

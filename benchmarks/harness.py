@@ -488,6 +488,12 @@ def _fmt(v: Any, digits: int = 3) -> str:
     return str(v)
 
 
+def _score_cells(s: dict[str, Any]) -> str:
+    """The counts and geomeans of one ``summary`` entry, as markdown table cells."""
+    return (f"{s['pass']} | {s['fail']} | {s['shapes']} | {_fmt(s['geomean_fwd_tflops'], 1)} | "
+            f"{_fmt(s['geomean_step_tflops'], 1)} | {_fmt(s['geomean_ratio'])}")
+
+
 def write_reports(rows: list[Row], *, name: str, device: torch.device, out_dir: Path | str | None = None,
                   title: str = "", notes: Sequence[str] = (), plot_metric: str = "step",
                   breakdown: Sequence[str] = ()) -> dict[str, Path]:
@@ -526,17 +532,13 @@ def write_reports(rows: list[Row], *, name: str, device: torch.device, out_dir: 
               "| op | backend | peer | PASS | FAIL | shapes scored | fwd TFLOPS | step TFLOPS | ratio vs best peer |",
               "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for s in summary(rows):
-        lines.append(f"| {s['op']} | {s['backend']} | {'yes' if s['peer'] else ''} | {s['pass']} | {s['fail']} | "
-                     f"{s['shapes']} | {_fmt(s['geomean_fwd_tflops'], 1)} | {_fmt(s['geomean_step_tflops'], 1)} | "
-                     f"{_fmt(s['geomean_ratio'])} |")
+        lines.append(f"| {s['op']} | {s['backend']} | {'yes' if s['peer'] else ''} | {_score_cells(s)} |")
     for by in breakdown:
         lines += ["", f"## Score by {by}", "",
                   f"| op | {by} | backend | PASS | FAIL | shapes scored | fwd TFLOPS | step TFLOPS | ratio vs best peer |",
                   "|---|---|---|---:|---:|---:|---:|---:|---:|"]
         for s in summary(rows, by=by):
-            lines.append(f"| {s['op']} | {s[by]} | {s['backend']} | {s['pass']} | {s['fail']} | {s['shapes']} | "
-                         f"{_fmt(s['geomean_fwd_tflops'], 1)} | {_fmt(s['geomean_step_tflops'], 1)} | "
-                         f"{_fmt(s['geomean_ratio'])} |")
+            lines.append(f"| {s['op']} | {s[by]} | {s['backend']} | {_score_cells(s)} |")
     lines += ["", "## All rows", ""]
     shown = [c for c in columns if c not in ("op",) and any(d.get(c) not in ("", None) for d in dicts)]
     lines.append("| op | " + " | ".join(shown) + " |")

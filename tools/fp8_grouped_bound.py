@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 import sys
 from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from harness import geomean  # noqa: E402  (the reports' one geomean)
 
 
 def step_bound_ms(m: int, n: int, k: int, groups: int, tflops: float, tbps: float) -> float:
@@ -51,11 +54,6 @@ def bounds(rows: list[dict], tflops: float, tbps: float, fp8_backend: str, bf16_
     return out
 
 
-def _geomean(values) -> float:
-    values = list(values)
-    return math.exp(sum(math.log(v) for v in values) / len(values))
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("csv", help="a bench_grouped_gemm.py --dtype fp8 CSV with a bf16 peer row per shape")
@@ -74,8 +72,8 @@ def main(argv=None) -> int:
     for r in result:
         print(f"| {r['shape']} | {r['bf16_ms']:.3f} | {r['fp8_ms']:.3f} | {r['bound_ms']:.3f} | "
               f"{r['measured_ratio']:.3f} | {r['bound_ratio']:.3f} |")
-    print(f"\ngeomean over {len(result)} cases: measured {_geomean(r['measured_ratio'] for r in result):.3f}x, "
-          f"bound {_geomean(r['bound_ratio'] for r in result):.3f}x (GEMMs at {args.tflops:g} TFLOPS, "
+    print(f"\ngeomean over {len(result)} cases: measured {geomean(r['measured_ratio'] for r in result):.3f}x, "
+          f"bound {geomean(r['bound_ratio'] for r in result):.3f}x (GEMMs at {args.tflops:g} TFLOPS, "
           f"quantisation bytes at {args.tbps:g} TB/s); "
           f"{sum(r['bound_ratio'] < 1.3 for r in result)} cases have a bound below 1.3x")
     return 0
