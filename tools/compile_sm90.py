@@ -114,13 +114,16 @@ def mma_loop_spills(sass: str) -> int:
     """The most spill loads and stores (LDL/STL) inside any one innermost loop that issues wgmmas
     (HGMMA/QGMMA).
 
-    A loop is a backward branch's range in the SASS. Spills there cost every K step; spills
+    A loop is a predicated backward branch's range in the SASS. Spills there cost every K step; spills
     outside (a per-tile index table LLVM hoisted out of the persistent loop, say) cost once per
     tile, which is why ``stack`` alone does not decide."""
     code = [(int(a, 16), text) for a, text in _SASS_LINE.findall(sass)]
     loops = []
     for addr, text in code:
-        m = re.search(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", text)
+        # Only a predicated branch closes a loop: an mbarrier wait's out-of-line retry stub jumps
+        # back into the middle of the K loop unconditionally, and taken as a loop it would span
+        # the epilogue's spills (triton 3.9, the wgrad's 256-row tile).
+        m = re.search(r"@!?U?P\d\s+BRA\s+(?:`\()?0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
             loops.append((int(m.group(1), 16), addr))
     mma_loops = set()
