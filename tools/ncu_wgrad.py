@@ -1,0 +1,24 @@
+"""Kernels for an ncu look at the warp-specialised blockwise wgrad at DeepSeek-V3 up_gate
+(8 experts x 4096 tokens, balanced; operands as the step quantises them), run under ncu
+(tools/gpu_round61.sh shows the command): the 128 x 128 tile at 4 stages (the default) and the
+256 x 128 tile in 64 x 64 pieces at 3 stages, each launched twice (the first also compiles)."""
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from probe_wgrad_ws import SHAPES, operand  # noqa: E402 - sibling in tools/
+from probe_triton_grouped import lens_offs, routing  # noqa: E402
+
+from turbo_dispatch.backends.triton import fp8_blockwise_wgrad_ws as GWW  # noqa: E402
+
+g, tokens, m, n = SHAPES["dsv3_w13"]
+_, offs = lens_offs(routing("balanced", tokens, g))
+offs = offs.to(torch.int32)
+qx, sx, sxs = operand(torch.randn(tokens, m, device="cuda", dtype=torch.bfloat16))
+qy, sy, sys_ = operand(torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16))
+out = torch.empty((g, m, n), device="cuda", dtype=torch.bfloat16)
+for cfg in ((128, 128, 128, 8, 4, 8), (256, 128, 128, 8, 3, 8)):
+    for _ in range(2):
+        GWW.fp8_blockwise_wgrad(qx, qy, out, offs, sx, sxs, sy, sys_, cfg)
+torch.cuda.synchronize()
