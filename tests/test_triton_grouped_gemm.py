@@ -581,8 +581,7 @@ def _token_runs(t: torch.Tensor, dtype: torch.dtype):
 @pytest.mark.parametrize("offs_dtype", [torch.int32, torch.int64])
 def test_gpu_wgrad_warp_specialised_vs_float64(out_dtype, fmt, offs_dtype, monkeypatch):
     """The warp-specialised blockwise wgrad kernel against a float64 product of the dequantised
-    operands, every config it offers, the 256-row tile (64 x 64 pieces, one at a time and
-    overlapped, TMA and pointer stores, 64 and 128 columns) and the scales read from global memory:
+    operands, every config it offers, the 256-row tile and the scales read from global memory:
     group bounds off the 128-token grid, groups shorter than a
     step and inside one step, empty groups first, in the middle and last, M and N that end inside
     a tile (masked stores) and N whose rows TMA cannot store (333, pointer stores); NaN bytes put
@@ -605,13 +604,9 @@ def test_gpu_wgrad_warp_specialised_vs_float64(out_dtype, fmt, offs_dtype, monke
     ref = _reference(dx.nan_to_num(0.0), dy.nan_to_num(0.0), lens.cpu(), False, True)
     tol = 1e-3 if out_dtype == torch.float32 else 8e-3
     first = WGRAD_WS_CONFIGS[0][:6]
-    # (config, scales in shared memory, 256-row tile's pieces overlapped)
-    variants = [(c[:6], True, False) for c in WGRAD_WS_CONFIGS] + [(first, False, False)]
-    variants += [((256, 128, 128, 8, 3, 8), True, overlap) for overlap in (False, True)]
-    variants += [((256, 128, 128, 8, 4, 8), True, False), ((256, 64, 128, 8, 4, 8), False, True)]
-    for cfg, smem, overlap in variants:
+    variants = [(c[:6], True) for c in WGRAD_WS_CONFIGS] + [((256, 128, 128, 8, 3, 8), True), (first, False)]
+    for cfg, smem in variants:
         monkeypatch.setattr(GWW, "SCALES_IN_SMEM", smem)
-        monkeypatch.setattr(GWW, "OVERLAP_PIECES", overlap)
         out = torch.full((len(lens_l), m, n), float("nan"), device="cuda", dtype=out_dtype)
         GWW.fp8_blockwise_wgrad(qx, qy, out, offs, sx, (sx.stride(1), sx.stride(0)), sy,
                                 (sy.stride(1), sy.stride(0)), cfg)

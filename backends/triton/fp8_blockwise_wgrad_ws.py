@@ -47,24 +47,15 @@ if gluon is not None:
                                                                    warpgroup_mma_wait)
 
     from .fp8_blockwise_gluon import _cta_barrier, _promote, _tile_coords, _tma_load
-    from .fp8_blockwise_gluon_ws import _cp_async, _masked_store_tile, _store_tile, _tma_store
+    from .fp8_blockwise_gluon_ws import _cp_async, _store_tile
 
 #: Bumped whenever the kernel's code changes, so stored tuning results are invalidated.
-KERNEL_REVISION = "gluon-wgrad-r4"
+KERNEL_REVISION = "gluon-wgrad-r3"
 #: Whether the loader copies each K step's row and column scales into its ring slot (cp.async,
 #: completed on the slot's ``ready`` barrier) for the math warpgroups to read from shared memory,
 #: rather than each math warpgroup loading them from global memory every step. Probes set it to
 #: compare the two.
 SCALES_IN_SMEM = True
-#: Whether a 256-row tile's math warpgroup issues its next 64 x 64 piece's wgmma before promoting
-#: the previous piece (``_wg_tile``) rather than one piece at a time. Probes set it to compare.
-OVERLAP_PIECES = False
-
-
-def piece_columns(block_m: int, block_n: int) -> int:
-    """Columns of one accumulator piece: a 256-row tile is worked in 64 x 64 pieces, a 128-row
-    tile in one 64 x ``block_n`` piece per math warpgroup (``_wg_tile`` says why)."""
-    return 64 if block_m == 256 else block_n
 
 
 def smem_bytes(cfg, out_bytes: int, tma_store: bool) -> int:
@@ -83,10 +74,11 @@ def config_error(cfg, qblock: int) -> str | None:
     for token runs of ``qblock``, or None.
 
     The tile is two math warpgroups (8 math warps) of 64 or 128 rows each (BLOCK_M 128 or 256; a
-    128-row warpgroup works in 64 x 64 pieces, ``_wg_tile``), at most 128 columns; a K step must
-    lie in one scale run. No 256-column tile (two accumulators along N, as the forward has): with a
+    128-row warpgroup keeps two 64-row accumulators), at most 128 columns; a K step must lie in
+    one scale run. No 256-column tile (two accumulators along N, as the forward has): with a
     column-scale vector per thread next to them it spilled 146 loads/stores inside the wgmma loop
-    (sm_90, triton 3.6, tools/compile_sm90.py)."""
+    (sm_90, triton 3.6, tools/compile_sm90.py). The 256-row tile shares one column-scale vector
+    between its accumulators."""
     bm, bn, bk, _, stages, warps = cfg[:6]
     occupancy = cfg[6] if len(cfg) > 6 and cfg[6] is not None else 1
     if bm not in (128, 256) or warps != 8:
@@ -94,8 +86,6 @@ def config_error(cfg, qblock: int) -> str | None:
                 f"{warps} warps")
     if bn % 32 or not 32 <= bn <= 128:
         return f"BLOCK_N must be a multiple of 32 in [32, 128] (one accumulator wide), got {bn}"
-    if bm == 256 and bn % 64:
-        return f"a 256-row tile is worked in 64 x 64 pieces: BLOCK_N must be 64 or 128, got {bn}"
     if bk % 32 or bk < 32 or qblock % bk:
         return f"BLOCK_K must be a multiple of 32 (the fp8 wgmma K) dividing the scale block {qblock}, got {bk}"
     if stages < 2:
@@ -132,8 +122,7 @@ if gluon is not None:
     def _wg_load(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
                  ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
                  QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                 OVERLAP: gl.constexpr):
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr):
         """The loader: fills slot ``step % STAGES`` once both math warpgroups released it. Boxes
         past the operand's end (rows past M or N, tokens past T) are zero-filled by TMA; with
         ``SCALES_SMEM`` the step's scales follow (zeros past M and N)."""
@@ -182,7 +171,7 @@ if gluon is not None:
                  ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
                  QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                 OVERLAP: gl.constexpr, WG: gl.constexpr):
+                 WG: gl.constexpr):
         """Math warpgroup ``WG``: rows ``WG * BLOCK_M / 2`` on of every tile, BLOCK_M / 2 of them."""
         ROWS: gl.constexpr = BLOCK_M // 2
         num_m = gl.cdiv(M, BLOCK_M)
@@ -193,44 +182,29 @@ if gluon is not None:
             g, pid_m, pid_n = _work_item(t, num_m, num_n, GROUP_M)
             start, end, kb0, kb1 = _token_steps(offs_ptr, g, BLOCK_K)
             step, edges = _wg_tile(x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, edge, c, c_desc,
-                                   c_smem, sx_ptr, sy_ptr, step, edges, kb0, kb1, start, end, g,
+                                   c_smem.index(WG), sx_ptr, sy_ptr, step, edges, kb0, kb1, start, end, g,
                                    pid_m * BLOCK_M + WG * ROWS, pid_n * BLOCK_N, M, N, sc_m, sc_n, ssx_k, ssx_m,
-                                   ssy_k, ssy_n, QBLOCK, ROWS, BLOCK_N, BLOCK_K, STAGES, TMA_STORE, SCALES_SMEM,
-                                   OVERLAP, WG)
+                                   ssy_k, ssy_n, QBLOCK, ROWS, BLOCK_N, BLOCK_K, STAGES, TMA_STORE, SCALES_SMEM, WG)
         if TMA_STORE:
             # The staging buffer must stay valid until the last store has read it.
             tma.store_wait(0)
 
     @gluon.jit
-    def _wg_tile(x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, edge, c, c_desc, c_bufs, sx_ptr, sy_ptr, step, edges,
+    def _wg_tile(x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, edge, c, c_desc, c_buf, sx_ptr, sy_ptr, step, edges,
                  kb0, kb1, start, end, g, off_m, off_n, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n,
                  QBLOCK: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr, OVERLAP: gl.constexpr,
-                 WG: gl.constexpr):
-        """One math warpgroup's ``ROWS`` rows (64, or 128 as two 64-row parts) of one output tile
-        (columns ``off_n`` on) over K steps ``[kb0, kb1)``, then stored. Returns the flattened
-        step and edge count after the tile.
-
-        A 128-row part is worked in 64 x 64 pieces (``SUB_N`` 64), each its own accumulator: with
-        64 x 128 accumulators the two parts, the partial and the column-scale vector (32
-        registers) spilled ~90 loads/stores inside the K loop (sm_90). A 64-column piece's
-        partial is 32 registers and its column scales 16, so four accumulators fit. With
-        ``OVERLAP`` the next piece's wgmma is issued before the previous piece is promoted (two
-        partials in flight within the step, none across steps), so that this warpgroup's own
-        promotion hides behind its tensor-core work, not only behind the other warpgroup's."""
-        SUB_N: gl.constexpr = 64 if ROWS == 128 else BLOCK_N
-        NCOL: gl.constexpr = BLOCK_N // SUB_N
-        PARTS: gl.constexpr = ROWS // 64
+                 STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr, WG: gl.constexpr):
+        """One math warpgroup's ``ROWS`` rows (64, or 128 as two 64-row accumulators) of one output
+        tile (columns ``off_n`` on) over K steps ``[kb0, kb1)``, then stored. Returns the flattened
+        step and edge count after the tile."""
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, SUB_N, 32])
+                                                             instr_shape=[16, BLOCK_N, 32])
         rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
         cols_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-        zero = gl.zeros((64, SUB_N), dtype=gl.float32, layout=mma_layout)
-        # acc<part><column piece>
-        acc00 = zero
-        acc01 = zero
-        acc10 = zero
-        acc11 = zero
+        PARTS: gl.constexpr = ROWS // 64
+        zero = gl.zeros((64, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+        acc = zero
+        acc1 = zero
         for kb in range(kb0, kb1):
             slot = step % STAGES
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
@@ -238,9 +212,7 @@ if gluon is not None:
             y_tile = y_bufs.index(slot)
             k0 = kb * BLOCK_K
             if (k0 < start) | (k0 + BLOCK_K > end):
-                # 64 rows at a time: a 128-row slice held whole sits next to four accumulators.
-                for part in gl.static_range(PARTS):
-                    _zero_outside(x_rows.slice(part * 64, 64), k0, start, end, BLOCK_K)
+                _zero_outside(x_rows, k0, start, end, BLOCK_K)
                 _zero_outside(y_tile.slice(WG * (BLOCK_N // 2), BLOCK_N // 2), k0, start, end, BLOCK_K)
                 # Every thread's generic-proxy writes must reach the async proxy (the wgmma) and
                 # the other warpgroup, which reads this warpgroup's half of y.
@@ -249,138 +221,36 @@ if gluon is not None:
                 mbarrier.arrive(edge, count=1)
                 mbarrier.wait(edge, edges & 1)
                 edges += 1
+            part = warpgroup_mma(x_rows.slice(0, 64), y_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+            # The scales are read while the wgmma runs.
             kq = k0 // QBLOCK
-            if PARTS * NCOL == 1:
-                part = warpgroup_mma(x_rows, y_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
-                # The scales are read while the wgmma runs.
-                sx = _row_scales(sx_bufs, slot, sx_ptr, kq, ssx_k, ssx_m, off_m, M, WG * ROWS, 64, rows_layout,
-                                 SCALES_SMEM)
-                sy = _row_scales(sy_bufs, slot, sy_ptr, kq, ssy_k, ssy_n, off_n, N, 0, BLOCK_N, cols_layout,
-                                 SCALES_SMEM)
-                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+            sx = _row_scales(sx_bufs, slot, sx_ptr, kq, ssx_k, ssx_m, off_m, M, WG * ROWS, 64, rows_layout,
+                             SCALES_SMEM)
+            sy = _row_scales(sy_bufs, slot, sy_ptr, kq, ssy_k, ssy_n, off_n, N, 0, BLOCK_N, cols_layout,
+                             SCALES_SMEM)
+            part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+            if PARTS == 1:
                 # The slot is read: hand it back before promoting, so the next load starts now.
                 mbarrier.arrive(empty.index(slot), count=1)
-                acc00 = _promote(acc00, part, sx, sy, False, False)
-            else:
-                sx0 = _row_scales(sx_bufs, slot, sx_ptr, kq, ssx_k, ssx_m, off_m, M, WG * ROWS, 64, rows_layout,
-                                  SCALES_SMEM)
-                p00 = _piece_mma(x_rows, y_tile, zero, 0, 0, SUB_N)
-                if OVERLAP:
-                    # Pieces in issue order; each promotion waits for its own wgmma only.
-                    if NCOL == 2:
-                        p01 = _piece_mma(x_rows, y_tile, zero, 0, 1, SUB_N)
-                        acc00 = _promote_piece(acc00, p00, sx0, sy_bufs, slot, sy_ptr, kq, ssy_k, ssy_n, off_n, N,
-                                               0, SUB_N, cols_layout, SCALES_SMEM, 1)
-                        if PARTS == 2:
-                            p10 = _piece_mma(x_rows, y_tile, zero, 1, 0, SUB_N)
-                            acc01 = _promote_piece(acc01, p01, sx0, sy_bufs, slot, sy_ptr, kq, ssy_k, ssy_n, off_n,
-                                                   N, 1, SUB_N, cols_layout, SCALES_SMEM, 1)
-                            p11 = _piece_mma(x_rows, y_tile, zero, 1, 1, SUB_N)
-                            sx1 = _row_scales(sx_bufs, slot, sx_ptr, kq, ssx_k, ssx_m, off_m + 64, M,
-                                              WG * ROWS + 64, 64, rows_layout, SCALES_SMEM)
-                            acc10 = _promote_piece(acc10, p10, sx1, sy_bufs, slot, sy_ptr, kq, ssy_k, ssy_n, off_n,
-                                                   N, 0, SUB_N, cols_layout, SCALES_SMEM, 1)
-                            p11 = warpgroup_mma_wait(num_outstanding=0, deps=(p11,))
-                            mbarrier.arrive(empty.index(slot), count=1)
-                            acc11 = _promote_piece(acc11, p11, sx1, sy_bufs, slot, sy_ptr, kq, ssy_k, ssy_n, off_n,
-                                                   N, 1, SUB_N, cols_layout, SCALES_SMEM, 0)
-                        else:
-                            p01 = warpgroup_mma_wait(num_outstanding=0, deps=(p01,))
-                            mbarrier.arrive(empty.index(slot), count=1)
-                            acc01 = _promote_piece(acc01, p01, sx0, sy_bufs, slot, sy_ptr, kq, ssy_k, ssy_n, off_n,
-                                                   N, 1, SUB_N, cols_layout, SCALES_SMEM, 0)
-                    else:
-                        p10 = _piece_mma(x_rows, y_tile, zero, 1, 0, SUB_N)
-                        acc00 = _promote_piece(acc00, p00, sx0, sy_bufs, slot, sy_ptr, kq, ssy_k, ssy_n, off_n, N,
-                                               0, SUB_N, cols_layout, SCALES_SMEM, 1)
-                        sx1 = _row_scales(sx_bufs, slot, sx_ptr, kq, ssx_k, ssx_m, off_m + 64, M, WG * ROWS + 64,
-                                          64, rows_layout, SCALES_SMEM)
-                        p10 = warpgroup_mma_wait(num_outstanding=0, deps=(p10,))
-                        mbarrier.arrive(empty.index(slot), count=1)
-                        acc10 = _promote_piece(acc10, p10, sx1, sy_bufs, slot, sy_ptr, kq, ssy_k, ssy_n, off_n, N,
-                                               0, SUB_N, cols_layout, SCALES_SMEM, 0)
-                else:
-                    # One piece at a time: wgmma, its column scales loaded meanwhile, wait, promote.
-                    acc00 = _promote_piece(acc00, p00, sx0, sy_bufs, slot, sy_ptr, kq, ssy_k, ssy_n, off_n, N, 0,
-                                           SUB_N, cols_layout, SCALES_SMEM, 0)
-                    if NCOL == 2:
-                        p01 = _piece_mma(x_rows, y_tile, zero, 0, 1, SUB_N)
-                        acc01 = _promote_piece(acc01, p01, sx0, sy_bufs, slot, sy_ptr, kq, ssy_k, ssy_n, off_n, N,
-                                               1, SUB_N, cols_layout, SCALES_SMEM, 0)
-                    if PARTS == 2:
-                        sx1 = _row_scales(sx_bufs, slot, sx_ptr, kq, ssx_k, ssx_m, off_m + 64, M, WG * ROWS + 64,
-                                          64, rows_layout, SCALES_SMEM)
-                        p10 = _piece_mma(x_rows, y_tile, zero, 1, 0, SUB_N)
-                        acc10 = _promote_piece(acc10, p10, sx1, sy_bufs, slot, sy_ptr, kq, ssy_k, ssy_n, off_n, N,
-                                               0, SUB_N, cols_layout, SCALES_SMEM, 0)
-                        if NCOL == 2:
-                            p11 = _piece_mma(x_rows, y_tile, zero, 1, 1, SUB_N)
-                            acc11 = _promote_piece(acc11, p11, sx1, sy_bufs, slot, sy_ptr, kq, ssy_k, ssy_n, off_n,
-                                                   N, 1, SUB_N, cols_layout, SCALES_SMEM, 0)
-                    mbarrier.arrive(empty.index(slot), count=1)
-            step += 1
-        # The output is viewed [G * M, N]: this group's rows end at (g + 1) * M. Every piece is
-        # narrowed before any is stored (fp32 pieces plus addresses would not fit).
-        row_end = g * M + M
-        out00 = acc00.to(c.dtype.element_ty)
-        if NCOL == 2:
-            out01 = acc01.to(c.dtype.element_ty)
-        if PARTS == 2:
-            out10 = acc10.to(c.dtype.element_ty)
-            if NCOL == 2:
-                out11 = acc11.to(c.dtype.element_ty)
-        if PARTS * NCOL == 1:
-            _store_tile(c, c_desc, c_bufs.index(WG), out00, g * M + off_m, off_n, row_end, N, sc_m, sc_n, TMA_STORE)
-        else:
-            # Each piece has its own staging buffer, so one wait covers them all.
-            if TMA_STORE:
-                tma.store_wait(0)
-                _cta_barrier()
-            B0: gl.constexpr = WG * PARTS * NCOL
-            _store_piece(c, c_desc, c_bufs.index(B0), out00, g * M + off_m, off_n, row_end, N, sc_m, sc_n, TMA_STORE)
-            if NCOL == 2:
-                _store_piece(c, c_desc, c_bufs.index(B0 + 1), out01, g * M + off_m, off_n + SUB_N, row_end, N, sc_m,
-                             sc_n, TMA_STORE)
+            acc = _promote(acc, part, sx, sy, False, False)
             if PARTS == 2:
-                _store_piece(c, c_desc, c_bufs.index(B0 + NCOL), out10, g * M + off_m + 64, off_n, row_end, N, sc_m,
-                             sc_n, TMA_STORE)
-                if NCOL == 2:
-                    _store_piece(c, c_desc, c_bufs.index(B0 + 3), out11, g * M + off_m + 64, off_n + SUB_N, row_end,
-                                 N, sc_m, sc_n, TMA_STORE)
+                part = warpgroup_mma(x_rows.slice(64, 64), y_tile.permute((1, 0)), zero, use_acc=False,
+                                     is_async=True)
+                sx = _row_scales(sx_bufs, slot, sx_ptr, kq, ssx_k, ssx_m, off_m + 64, M, WG * ROWS + 64, 64,
+                                 rows_layout, SCALES_SMEM)
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                mbarrier.arrive(empty.index(slot), count=1)
+                acc1 = _promote(acc1, part, sx, sy, False, False)
+            step += 1
+        # The output is viewed [G * M, N]: this group's rows end at (g + 1) * M. Both halves are
+        # narrowed before either is stored (two fp32 halves plus addresses would not fit).
+        out0 = acc.to(c.dtype.element_ty)
+        if PARTS == 2:
+            out1 = acc1.to(c.dtype.element_ty)
+        _store_tile(c, c_desc, c_buf, out0, g * M + off_m, off_n, g * M + M, N, sc_m, sc_n, TMA_STORE)
+        if PARTS == 2:
+            _store_tile(c, c_desc, c_buf, out1, g * M + off_m + 64, off_n, g * M + M, N, sc_m, sc_n, TMA_STORE)
         return step, edges
-
-    @gluon.jit
-    def _piece_mma(x_rows, y_tile, zero, PART: gl.constexpr, COL: gl.constexpr, SUB_N: gl.constexpr):
-        """Start the wgmma of piece (``PART``, ``COL``): 64 rows of x against ``SUB_N`` columns of
-        y, a fresh fp32 partial, not awaited."""
-        return warpgroup_mma(x_rows.slice(PART * 64, 64), y_tile.slice(COL * SUB_N, SUB_N).permute((1, 0)), zero,
-                             use_acc=False, is_async=True)
-
-    @gluon.jit
-    def _promote_piece(acc, part, sx, sy_bufs, slot, sy_ptr, kq, ssy_k, ssy_n, off_n, N, COL: gl.constexpr,
-                       SUB_N: gl.constexpr, cols_layout: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                       OUTSTANDING: gl.constexpr):
-        """Load piece ``COL``'s column scales, wait until ``part``'s wgmma is done (leaving
-        ``OUTSTANDING`` newer ones in flight) and promote it into ``acc``."""
-        sy = _row_scales(sy_bufs, slot, sy_ptr, kq, ssy_k, ssy_n, off_n + COL * SUB_N, N, COL * SUB_N, SUB_N,
-                         cols_layout, SCALES_SMEM)
-        part = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(part,))
-        return _promote(acc, part, sx, sy, False, False)
-
-    @gluon.jit
-    def _store_piece(c, c_desc, c_buf, vals, off_m, off_n, end, N, sc_m, sc_n, TMA_STORE: gl.constexpr):
-        """Store one piece through its own staging buffer and a TMA store (the caller has waited for
-        the buffers' previous stores), or by masked pointer stores where TMA cannot clip the rows."""
-        if TMA_STORE:
-            if off_m + vals.shape[0] <= end:
-                c_buf.store(vals)
-                fence_async_shared()
-                _cta_barrier()
-                _tma_store(c_desc, [off_m, off_n], c_buf)
-            else:
-                _masked_store_tile(c, vals, off_m, off_n, end, N, sc_m, sc_n)
-        else:
-            _masked_store_tile(c, vals, off_m, off_n, end, N, sc_m, sc_n)
 
     @gluon.jit
     def _row_scales(bufs, slot, s_ptr, kq, s_k, s_r, off, n_valid, first, COUNT: gl.constexpr,
@@ -399,38 +269,33 @@ if gluon is not None:
     def _wg_math0(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
                   ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
                   QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                 OVERLAP: gl.constexpr):
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr):
         _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
                  ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK, BLOCK_M,
-                 BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, OVERLAP, 0)
+                 BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, 0)
 
     @gluon.jit
     def _wg_math1(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
                   ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
                   QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                 OVERLAP: gl.constexpr):
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr):
         _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
                  ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK, BLOCK_M,
-                 BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, OVERLAP, 1)
+                 BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, 1)
 
     @gluon.jit
     def _fp8_blockwise_wgrad_kernel(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, G, M, N, sc_m, sc_n,
                                     ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK: gl.constexpr,
                                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-                                    SCALES_SMEM: gl.constexpr, OVERLAP: gl.constexpr, MATH_REGS: gl.constexpr,
-                                    LOAD_REGS: gl.constexpr):
+                                    SCALES_SMEM: gl.constexpr, MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
         x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
         y_bufs = gl.allocate_shared_memory(y_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], y_desc.layout)
         # Each slot's row and column scales (SCALES_SMEM; unused otherwise).
         sx_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         sy_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         if TMA_STORE:
-            # One staging buffer per math warpgroup and piece (``_wg_tile``): [64, SUB_N] each.
-            PIECES: gl.constexpr = (BLOCK_M // 128) * (BLOCK_N // c_desc.block_type.shape[1])
-            c_shape: gl.constexpr = [2 * PIECES, c_desc.block_type.shape[0], c_desc.block_type.shape[1]]
+            c_shape: gl.constexpr = [2, c_desc.block_type.shape[0], c_desc.block_type.shape[1]]
             c_smem = gl.allocate_shared_memory(c_desc.dtype, c_shape, c_desc.layout)
         else:
             # Pointer stores: c_desc is a placeholder and the buffer is never touched.
@@ -448,13 +313,13 @@ if gluon is not None:
         gl.warp_specialize([
             (_wg_math0, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs,
                          c_smem, ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK,
-                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, OVERLAP)),
+                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM)),
             (_wg_math1, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs,
                          c_smem, ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK,
-                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, OVERLAP)),
+                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM)),
             (_wg_load, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs,
                         c_smem, ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK,
-                        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, OVERLAP)),
+                        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM)),
         ], [4, 1], [MATH_REGS, LOAD_REGS])
 
 
@@ -523,12 +388,12 @@ def launch_args(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock: in
     c2 = out.view(G * M, N)
     tma_store = tma_store_ok(c2, cfg)
     # Without TMA stores the kernel never reads c_desc: x's descriptor stands in for it.
-    c_desc = output_descriptor(c2, 64, piece_columns(bm, bn)) if tma_store else x_desc
+    c_desc = output_descriptor(c2, 64, bn) if tma_store else x_desc
     args = (x_desc, y_desc, c2, c_desc, sx, sy, offs, G, M, N, c2.stride(0), c2.stride(1), *sx_strides,
             *sy_strides, progs)
     kwargs = dict(QBLOCK=qblock, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages,
-                  TMA_STORE=tma_store, SCALES_SMEM=SCALES_IN_SMEM, OVERLAP=OVERLAP_PIECES, MATH_REGS=MATH_REGS,
-                  LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)
+                  TMA_STORE=tma_store, SCALES_SMEM=SCALES_IN_SMEM, MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS,
+                  num_warps=4, maxnreg=MAXNREG)
     return args, kwargs
 
 

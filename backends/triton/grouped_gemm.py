@@ -332,12 +332,9 @@ WS_CONFIGS = ((128, 256, 128, 8, 4, 8, 1, 1, KERNEL_GLUON_WS), (128, 256, 128, 8
 #: 881 / 763 (5), against the Triton variable-K kernel's 691 / 601; down 869 / 778, 823 / 760
 #: against 647 / 598; Qwen3-30B-A3B up_gate 940 / 734, 891 / 737 against 652 / 592. The wider tiles
 #: spill inside the wgmma loop because both scales are vectors (sm_90, triton 3.6,
-#: tools/compile_sm90.py): 128 x 256 146 LDL/STL, 256 x 128 with two 64 x 128 accumulators per
-#: warpgroup 88 (838 / 744 at DeepSeek-V3 up_gate). Since gluon-wgrad-r4 the 256 x 128 tile is
-#: worked in 64 x 64 pieces and keeps its registers (one reload per K step, triton 3.9); it loads
-#: a quarter fewer bytes per FLOP than the 128 x 128 tile, and is offered to the autotuner.
-WGRAD_WS_CONFIGS = ((128, 128, 128, 8, 4, 8, 1, 1, KERNEL_GLUON_WS), (128, 128, 128, 8, 5, 8, 1, 1, KERNEL_GLUON_WS),
-                    (256, 128, 128, 8, 3, 8, 1, 1, KERNEL_GLUON_WS))
+#: tools/compile_sm90.py): 128 x 256 146 LDL/STL, 256 x 128 (two accumulators per warpgroup) 88;
+#: the latter measured 838 / 744 at DeepSeek-V3 up_gate, so neither is offered.
+WGRAD_WS_CONFIGS = ((128, 128, 128, 8, 4, 8, 1, 1, KERNEL_GLUON_WS), (128, 128, 128, 8, 5, 8, 1, 1, KERNEL_GLUON_WS))
 
 
 def _ws_configs(p, bk: int) -> list[Config]:
