@@ -3,16 +3,14 @@
 (tools/gpu_round61.sh shows the command): the 128 x 128 tile at 4 stages (the default), launched
 twice (the first also compiles). Round 61 also profiled the 256 x 128 tile worked in 64 x 64
 pieces (gluon-wgrad-r4, commit 0333a41, reverted: no faster, and its float64 test failed
-intermittently); the figures are in benchmarks/results/h100_2026-11-23_summary.md (thirteenth session)."""
-import sys
-
+intermittently); the figures are in benchmarks/results/h100_2026-11-23_summary.md, thirteenth
+session."""
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from probe_wgrad_ws import SHAPES, operand  # noqa: E402 - sibling in tools/
-from probe_triton_grouped import lens_offs, routing  # noqa: E402
+from turbo_dispatch.backends.triton import fp8_blockwise_wgrad_ws as GWW
 
-from turbo_dispatch.backends.triton import fp8_blockwise_wgrad_ws as GWW  # noqa: E402
+from probe_triton_grouped import lens_offs, routing  # siblings in tools/, as the probes import them
+from probe_wgrad_ws import SHAPES, operand
 
 g, tokens, m, n = SHAPES["dsv3_w13"]
 _, offs = lens_offs(routing("balanced", tokens, g))
