@@ -604,11 +604,9 @@ def test_gpu_wgrad_warp_specialised_vs_float64(out_dtype, fmt, offs_dtype, monke
     ref = _reference(dx.nan_to_num(0.0), dy.nan_to_num(0.0), lens.cpu(), False, True)
     tol = 1e-3 if out_dtype == torch.float32 else 8e-3
     first = WGRAD_WS_CONFIGS[0][:6]
-    variants = [(c[:6], True, True) for c in WGRAD_WS_CONFIGS]
-    variants += [((256, 128, 128, 8, 3, 8), True, True), (first, False, True), (first, True, False)]
-    for cfg, smem, overlap in variants:
+    variants = [(c[:6], True) for c in WGRAD_WS_CONFIGS] + [((256, 128, 128, 8, 3, 8), True), (first, False)]
+    for cfg, smem in variants:
         monkeypatch.setattr(GWW, "SCALES_IN_SMEM", smem)
-        monkeypatch.setattr(GWW, "OVERLAP_PROMOTION", overlap)
         out = torch.full((len(lens_l), m, n), float("nan"), device="cuda", dtype=out_dtype)
         GWW.fp8_blockwise_wgrad(qx, qy, out, offs, sx, (sx.stride(1), sx.stride(0)), sy,
                                 (sy.stride(1), sy.stride(0)), cfg)

@@ -13,6 +13,9 @@ Checks first, each printed as PASS/FAIL:
 
 Then times, per shape: each variant's fwd+bwd step (CUDA events, median), and the quantisers
 alone (dual vs the two separate quantisations it replaces), as GB/s of bf16 read + fp8 written.
+
+``--kernels dsv3_up,qwen3_down`` does only this: the GPU time of each kernel one fp8 step runs
+(and one bf16 step), from torch.profiler.
 """
 from __future__ import annotations
 
@@ -388,6 +391,42 @@ def host_profile(shape: str) -> None:
     GlobalBackendManager.reset()
 
 
+def kernel_profile(shape: str, steps: int = 10) -> None:
+    """Which GPU kernels one step runs and for how long: ``steps`` steps of the fp8 blockwise op
+    (TRITON pinned) and of the bf16 op (TORCH) under torch.profiler, each kernel's GPU time per
+    step, largest first, one line each (``probe=kernels``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _, _, _, lens, offs, a, w, grad, cfg = step_operands(shape)
+    for label, backend, precision, c in (("fp8", BackendType.TRITON, "fp8", cfg), ("bf16", BackendType.TORCH, "bf16", None)):
+        GlobalBackendManager.reset()
+        GlobalBackendManager.set_grouped_gemm_backend(backend, precision=precision)
+        run = step_fn(a, w, lens, offs, c, grad)
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                torch.cuda._sleep(20_000_000)  # the host runs ahead: kernels back to back
+                run()
+            torch.cuda.synchronize()
+        rows = []
+        for evt in prof.key_averages():
+            us = getattr(evt, "self_device_time_total", None)
+            if us is None:
+                us = evt.self_cuda_time_total
+            # The GPU spin that lets the host run ahead (torch.cuda._sleep) is no part of the step.
+            if us > 0 and "sleep" not in evt.key and "spin_kernel" not in evt.key:
+                rows.append((us / steps / 1e3, evt.count // steps, evt.key))
+        rows.sort(reverse=True)
+        total = sum(r[0] for r in rows)
+        emit(probe="kernels_total", shape=shape, variant=label, gpu_ms_per_step=total)
+        for ms, count, name in rows[:14]:
+            emit(probe="kernels", shape=shape, variant=label, ms=ms, per_step=count, share=ms / total,
+                 kernel=name[:110])
+    GlobalBackendManager.reset()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="dsv3_up,dsv3_down,qwen3_up,mixtral_up")
@@ -397,12 +436,19 @@ def main() -> int:
                     "the fastest for the rest of the run)")
     ap.add_argument("--host-profile", default=None, metavar="SHAPE",
                     help="cProfile the host side of 30 fp8 blockwise steps at SHAPE (top functions)")
+    ap.add_argument("--kernels", default=None, metavar="SHAPES",
+                    help="only profile the GPU kernels of one step at these shapes (fp8 and bf16) and stop")
     args = ap.parse_args()
     global GRAPHS
     GRAPHS = args.graphs
     if args.out:
         OUT.append(open(args.out, "w"))
     emit(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+    if args.kernels:
+        for shape in args.kernels.split(","):
+            kernel_profile(shape)
+            torch.cuda.empty_cache()
+        return 0
     if args.sweep:
         sweep_dual()
         torch.cuda.empty_cache()

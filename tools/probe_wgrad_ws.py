@@ -8,18 +8,11 @@ warp-specialised config with the scales copied into shared memory, the default w
 from global memory, and the 256-row tile. A routing name ending in ``_aligned`` rounds every group to
 a multiple of 128 tokens, so that no step is an edge step. One JSON line per row in ``--out``.
 
-``--diagnose`` times instead, for the default config: the kernel as shipped, the same without
-the overlapped promotion, with a promotion by the row scales only and with none (``PROMOTE`` 1
-and 0: wrong results, timed to see what the promotion costs, their error reported but not
-gated), and, with ``--compare-module NAME``, the default config of another revision of the
-kernel loaded from ``turbo_dispatch.backends.triton.NAME`` (a same-run A/B of a restructure).
-
 Usage (on an sm_90 GPU): ``python tools/probe_wgrad_ws.py --out wgrad.jsonl [--shapes dsv3_w13,dsv3_w2]``.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 
 import torch
 import triton.testing
@@ -32,8 +25,6 @@ from probe_triton_grouped import OUT_FILE, WGRAD_SHAPES, emit, lens_offs, rel, r
 
 E4 = torch.float8_e4m3fn
 ONLY_DEFAULT = False
-DIAGNOSE = False
-COMPARE_MODULE = None
 SHAPES = dict(WGRAD_SHAPES, qwen3_w13=(16, 65536, 1536, 2048), qwen3_w2=(16, 65536, 2048, 768))
 
 
@@ -68,41 +59,28 @@ def probe(shape: str, kind: str) -> None:
     emit(**tag, impl=f"triton{triton_cfg}", ms=ms, tflops=flops / ms * 1e-9)
     base = ms
     first = GG.WGRAD_WS_CONFIGS[0][:6]
-    # (config, scales in shared memory, PROMOTE, OVERLAP_PROMOTION, kernel module, checked against the reference)
-    variants = [(cfg[:6], True, 2, True, GWW, True) for cfg in GG.WGRAD_WS_CONFIGS]
-    variants += [(first, False, 2, True, GWW, True), (first, True, 2, False, GWW, True)]
-    variants.append(((256, 128, 128, 8, 3, 8), True, 2, True, GWW, True))  # not offered (spills); timed to see what it costs
+    variants = [(cfg[:6], True) for cfg in GG.WGRAD_WS_CONFIGS] + [(first, False)]
+    variants.append(((256, 128, 128, 8, 3, 8), True))  # not offered (spills); timed to see what it costs
     if ONLY_DEFAULT:
         variants = variants[:1]
-    if DIAGNOSE:
-        variants = [(first, True, 2, True, GWW, True), (first, True, 2, False, GWW, True),
-                    (first, True, 1, False, GWW, False), (first, True, 0, False, GWW, False)]
-        if COMPARE_MODULE is not None:
-            variants.append((first, True, 2, True, COMPARE_MODULE, True))
-    for cfg, smem, promote, overlap, mod, gate in variants:
+    for cfg, smem in variants:
         ws = torch.full((g, m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
 
         def run_ws():
-            mod.SCALES_IN_SMEM = smem
-            if hasattr(mod, "PROMOTE"):
-                mod.PROMOTE, mod.OVERLAP_PROMOTION = promote, overlap
-            return mod.fp8_blockwise_wgrad(qx, qy, ws, offs, sx, sxs, sy, sys_, cfg)
+            GWW.SCALES_IN_SMEM = smem
+            return GWW.fp8_blockwise_wgrad(qx, qy, ws, offs, sx, sxs, sy, sys_, cfg)
 
-        label = dict(impl=f"ws{cfg}", scales_smem=smem, promote=promote, overlap=overlap, revision=mod.KERNEL_REVISION)
         try:
             err = rel(run_ws(), ref)
-            if gate and not err < 1e-3:
-                emit(**tag, **label, rel=f"{err:.2e}", ok=False)
+            if not err < 1e-3:
+                emit(**tag, impl=f"ws{cfg}", scales_smem=smem, rel=f"{err:.2e}", ok=False)
                 continue
             ms = triton.testing.do_bench(run_ws, warmup=10, rep=100, return_mode="median")
-            emit(**tag, **label, ms=ms, tflops=flops / ms * 1e-9, vs_triton=base / ms, rel=f"{err:.2e}",
-                 ok=err < 1e-3)
+            emit(**tag, impl=f"ws{cfg}", scales_smem=smem, ms=ms, tflops=flops / ms * 1e-9, vs_triton=base / ms,
+                 rel=f"{err:.2e}", ok=True)
         except Exception as exc:  # noqa: BLE001 - report and go on
-            emit(**tag, **label, error=repr(exc)[:300], ok=False)
-        finally:
-            mod.SCALES_IN_SMEM = True
-            if hasattr(mod, "PROMOTE"):
-                mod.PROMOTE, mod.OVERLAP_PROMOTION = 2, True
+            emit(**tag, impl=f"ws{cfg}", scales_smem=smem, error=repr(exc)[:300], ok=False)
+    GWW.SCALES_IN_SMEM = True
 
 
 def main() -> int:
@@ -112,16 +90,9 @@ def main() -> int:
     ap.add_argument("--routings", default="balanced,skewed,empty",
                     help="balanced, skewed, empty, or one of them + '_aligned' (groups rounded to 128 tokens)")
     ap.add_argument("--ws-only-default", action="store_true", help="time only the default WS config")
-    ap.add_argument("--diagnose", action="store_true",
-                    help="the default config with and without the overlapped promotion, and with the promotion cut down (timing only)")
-    ap.add_argument("--compare-module", default=None,
-                    help="with --diagnose: another revision of the kernel, a module of turbo_dispatch.backends.triton")
     args = ap.parse_args()
-    global ONLY_DEFAULT, DIAGNOSE, COMPARE_MODULE
+    global ONLY_DEFAULT
     ONLY_DEFAULT = args.ws_only_default
-    DIAGNOSE = args.diagnose
-    if args.compare_module:
-        COMPARE_MODULE = importlib.import_module(f"turbo_dispatch.backends.triton.{args.compare_module}")
     if args.out:
         OUT_FILE.append(open(args.out, "w"))
     emit(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)

@@ -50,25 +50,12 @@ if gluon is not None:
     from .fp8_blockwise_gluon_ws import _cp_async, _store_tile
 
 #: Bumped whenever the kernel's code changes, so stored tuning results are invalidated.
-KERNEL_REVISION = "gluon-wgrad-r5"
+KERNEL_REVISION = "gluon-wgrad-r3"
 #: Whether the loader copies each K step's row and column scales into its ring slot (cp.async,
 #: completed on the slot's ``ready`` barrier) for the math warpgroups to read from shared memory,
 #: rather than each math warpgroup loading them from global memory every step. Probes set it to
 #: compare the two.
 SCALES_IN_SMEM = True
-#: What each K step adds to the accumulator: 2 promotes the partial product with both scale
-#: vectors (the kernel's contract); 1 with the row scales only and 0 accumulates the raw fp8
-#: products in the wgmma itself. 1 and 0 give wrong results: probes set them to measure what
-#: the promotion costs, nothing else may.
-PROMOTE = 2
-#: Whether a 64-row math warpgroup keeps its next K step's wgmma in flight while it promotes the
-#: previous one (two partial products, ``_overlapped_steps``) rather than waiting for each wgmma
-#: before it promotes. Probes set it to compare the two.
-OVERLAP_PROMOTION = True
-#: The two-warpgroup tile with ``OVERLAP_PROMOTION``: two partial products next to the accumulator
-#: need 240 registers per math thread, the loader makes do with 24 (3 * 168 - 240 - 24 = 240).
-MATH2_OVERLAP_REGS, LOAD2_OVERLAP_REGS = 240, 24
-
 
 
 def smem_bytes(cfg, out_bytes: int, tma_store: bool) -> int:
@@ -135,14 +122,11 @@ if gluon is not None:
     def _wg_load(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
                  ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
                  QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                 PROMOTE: gl.constexpr, OVERLAP: gl.constexpr):
-        """The loader: fills slot ``step % STAGES`` once both math warpgroups released it, ``x``'s
-        rows as 64-row pieces (``BLOCK_M / 64`` per slot, one per 64-row accumulator). Boxes past
-        the operand's end (rows past M or N, tokens past T) are zero-filled by TMA; with
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr):
+        """The loader: fills slot ``step % STAGES`` once both math warpgroups released it. Boxes
+        past the operand's end (rows past M or N, tokens past T) are zero-filled by TMA; with
         ``SCALES_SMEM`` the step's scales follow (zeros past M and N)."""
-        PIECES: gl.constexpr = BLOCK_M // 64
-        sx_layout: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
+        sx_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
         sy_layout: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
         num_m = gl.cdiv(M, BLOCK_M)
         num_n = gl.cdiv(N, BLOCK_N)
@@ -160,16 +144,13 @@ if gluon is not None:
                     # Every thread's copies hold the slot's phase open until they land (the arrive
                     # adds one pending arrival and completes it), so they go before the TMA bytes.
                     kq = (kb * BLOCK_K) // QBLOCK
-                    for p in gl.static_range(PIECES):
-                        rows = pid_m * BLOCK_M + p * 64 + gl.arange(0, 64, layout=sx_layout)
-                        _cp_async(sx_bufs.index(slot * PIECES + p), sx_ptr + kq * ssx_k + rows * ssx_m,
-                                  mask=rows < M)
+                    rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=sx_layout)
+                    _cp_async(sx_bufs.index(slot), sx_ptr + kq * ssx_k + rows * ssx_m, mask=rows < M)
                     cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=sy_layout)
                     _cp_async(sy_bufs.index(slot), sy_ptr + kq * ssy_k + cols * ssy_n, mask=cols < N)
                     async_copy.mbarrier_arrive(bar, increment_count=True)
-                mbarrier.expect(bar, PIECES * x_desc.block_type.nbytes + y_desc.block_type.nbytes)
-                for p in gl.static_range(PIECES):
-                    _tma_load(x_desc, [pid_m * BLOCK_M + p * 64, kb * BLOCK_K], bar, x_bufs.index(slot * PIECES + p))
+                mbarrier.expect(bar, x_desc.block_type.nbytes + y_desc.block_type.nbytes)
+                _tma_load(x_desc, [pid_m * BLOCK_M, kb * BLOCK_K], bar, x_bufs.index(slot))
                 _tma_load(y_desc, [pid_n * BLOCK_N, kb * BLOCK_K], bar, y_bufs.index(slot))
                 step += 1
 
@@ -190,9 +171,8 @@ if gluon is not None:
                  ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
                  QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                 PROMOTE: gl.constexpr, OVERLAP: gl.constexpr, WG: gl.constexpr):
-        """Math warpgroup ``WG``: rows ``WG * BLOCK_M / 2`` on of every tile, BLOCK_M / 2
-        of them."""
+                 WG: gl.constexpr):
+        """Math warpgroup ``WG``: rows ``WG * BLOCK_M / 2`` on of every tile, BLOCK_M / 2 of them."""
         ROWS: gl.constexpr = BLOCK_M // 2
         num_m = gl.cdiv(M, BLOCK_M)
         num_n = gl.cdiv(N, BLOCK_N)
@@ -204,8 +184,7 @@ if gluon is not None:
             step, edges = _wg_tile(x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, edge, c, c_desc,
                                    c_smem.index(WG), sx_ptr, sy_ptr, step, edges, kb0, kb1, start, end, g,
                                    pid_m * BLOCK_M + WG * ROWS, pid_n * BLOCK_N, M, N, sc_m, sc_n, ssx_k, ssx_m,
-                                   ssy_k, ssy_n, QBLOCK, ROWS, BLOCK_M // 64, BLOCK_N, BLOCK_K, STAGES, TMA_STORE,
-                                   SCALES_SMEM, PROMOTE, OVERLAP, WG)
+                                   ssy_k, ssy_n, QBLOCK, ROWS, BLOCK_N, BLOCK_K, STAGES, TMA_STORE, SCALES_SMEM, WG)
         if TMA_STORE:
             # The staging buffer must stay valid until the last store has read it.
             tma.store_wait(0)
@@ -213,9 +192,8 @@ if gluon is not None:
     @gluon.jit
     def _wg_tile(x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, edge, c, c_desc, c_buf, sx_ptr, sy_ptr, step, edges,
                  kb0, kb1, start, end, g, off_m, off_n, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n,
-                 QBLOCK: gl.constexpr, ROWS: gl.constexpr, PIECES: gl.constexpr, BLOCK_N: gl.constexpr,
-                 BLOCK_K: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                 PROMOTE: gl.constexpr, OVERLAP: gl.constexpr, WG: gl.constexpr):
+                 QBLOCK: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                 STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr, WG: gl.constexpr):
         """One math warpgroup's ``ROWS`` rows (64, or 128 as two 64-row accumulators) of one output
         tile (columns ``off_n`` on) over K steps ``[kb0, kb1)``, then stored. Returns the flattened
         step and edge count after the tile."""
@@ -227,58 +205,43 @@ if gluon is not None:
         zero = gl.zeros((64, BLOCK_N), dtype=gl.float32, layout=mma_layout)
         acc = zero
         acc1 = zero
-        if OVERLAP and PARTS == 1 and PROMOTE == 2:
-            if kb1 > kb0:
-                acc, edges = _overlapped_steps(x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, edge, sx_ptr, sy_ptr,
-                                               step, edges, kb0, kb1, start, end, off_m, off_n, M, N, ssx_k, ssx_m,
-                                               ssy_k, ssy_n, QBLOCK, PIECES, BLOCK_N, BLOCK_K, STAGES, SCALES_SMEM, WG)
-                step += kb1 - kb0
-        else:
-            for kb in range(kb0, kb1):
-                slot = step % STAGES
-                piece = slot * PIECES + WG * PARTS
-                mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-                y_tile = y_bufs.index(slot)
-                k0 = kb * BLOCK_K
-                edges = _zero_edge_step(x_bufs, piece, y_tile, edge, edges, k0, start, end, PARTS, BLOCK_N, BLOCK_K, WG)
-                kq = k0 // QBLOCK
-                if PROMOTE == 0:
-                    acc = warpgroup_mma(x_bufs.index(piece), y_tile.permute((1, 0)), acc, use_acc=True,
-                                        is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                    if PARTS == 2:
-                        acc1 = warpgroup_mma(x_bufs.index(piece + 1), y_tile.permute((1, 0)), acc1, use_acc=True,
-                                             is_async=True)
-                        acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1,))
-                    mbarrier.arrive(empty.index(slot), count=1)
-                else:
-                    part = warpgroup_mma(x_bufs.index(piece), y_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
-                    # The scales are read while the wgmma runs.
-                    sx = _row_scales(sx_bufs.index(piece), 0, sx_ptr, kq, ssx_k, ssx_m, off_m, M, 64, rows_layout,
-                                     SCALES_SMEM)
-                    if PROMOTE == 2:
-                        sy = _row_scales(sy_bufs.index(slot), 0, sy_ptr, kq, ssy_k, ssy_n, off_n, N, BLOCK_N,
-                                         cols_layout, SCALES_SMEM)
-                    part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                    if PARTS == 1:
-                        # The slot is read: hand it back before promoting, so the next load starts now.
-                        mbarrier.arrive(empty.index(slot), count=1)
-                    if PROMOTE == 2:
-                        acc = _promote(acc, part, sx, sy, False, False)
-                    else:
-                        acc = acc + part * sx[:, None]
-                    if PARTS == 2:
-                        part = warpgroup_mma(x_bufs.index(piece + 1), y_tile.permute((1, 0)), zero, use_acc=False,
-                                             is_async=True)
-                        sx = _row_scales(sx_bufs.index(piece + 1), 0, sx_ptr, kq, ssx_k, ssx_m, off_m + 64, M, 64,
-                                         rows_layout, SCALES_SMEM)
-                        part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                        mbarrier.arrive(empty.index(slot), count=1)
-                        if PROMOTE == 2:
-                            acc1 = _promote(acc1, part, sx, sy, False, False)
-                        else:
-                            acc1 = acc1 + part * sx[:, None]
-                step += 1
+        for kb in range(kb0, kb1):
+            slot = step % STAGES
+            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+            x_rows = x_bufs.index(slot).slice(WG * ROWS, ROWS)
+            y_tile = y_bufs.index(slot)
+            k0 = kb * BLOCK_K
+            if (k0 < start) | (k0 + BLOCK_K > end):
+                _zero_outside(x_rows, k0, start, end, BLOCK_K)
+                _zero_outside(y_tile.slice(WG * (BLOCK_N // 2), BLOCK_N // 2), k0, start, end, BLOCK_K)
+                # Every thread's generic-proxy writes must reach the async proxy (the wgmma) and
+                # the other warpgroup, which reads this warpgroup's half of y.
+                fence_async_shared()
+                _cta_barrier()
+                mbarrier.arrive(edge, count=1)
+                mbarrier.wait(edge, edges & 1)
+                edges += 1
+            part = warpgroup_mma(x_rows.slice(0, 64), y_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+            # The scales are read while the wgmma runs.
+            kq = k0 // QBLOCK
+            sx = _row_scales(sx_bufs, slot, sx_ptr, kq, ssx_k, ssx_m, off_m, M, WG * ROWS, 64, rows_layout,
+                             SCALES_SMEM)
+            sy = _row_scales(sy_bufs, slot, sy_ptr, kq, ssy_k, ssy_n, off_n, N, 0, BLOCK_N, cols_layout,
+                             SCALES_SMEM)
+            part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+            if PARTS == 1:
+                # The slot is read: hand it back before promoting, so the next load starts now.
+                mbarrier.arrive(empty.index(slot), count=1)
+            acc = _promote(acc, part, sx, sy, False, False)
+            if PARTS == 2:
+                part = warpgroup_mma(x_rows.slice(64, 64), y_tile.permute((1, 0)), zero, use_acc=False,
+                                     is_async=True)
+                sx = _row_scales(sx_bufs, slot, sx_ptr, kq, ssx_k, ssx_m, off_m + 64, M, WG * ROWS + 64, 64,
+                                 rows_layout, SCALES_SMEM)
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                mbarrier.arrive(empty.index(slot), count=1)
+                acc1 = _promote(acc1, part, sx, sy, False, False)
+            step += 1
         # The output is viewed [G * M, N]: this group's rows end at (g + 1) * M. Both halves are
         # narrowed before either is stored (two fp32 halves plus addresses would not fit).
         out0 = acc.to(c.dtype.element_ty)
@@ -290,122 +253,12 @@ if gluon is not None:
         return step, edges
 
     @gluon.jit
-    def _zero_edge_step(x_bufs, piece, y_tile, edge, edges, k0, start, end, PARTS: gl.constexpr,
-                        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, WG: gl.constexpr):
-        """On an edge step (tokens of a neighbouring group in ``[k0, k0 + BLOCK_K)``), zero them in
-        this warpgroup's x pieces and in its half of y, then meet the other warpgroup on ``edge``.
-        Returns the edge count."""
-        if (k0 < start) | (k0 + BLOCK_K > end):
-            _zero_outside(x_bufs.index(piece), k0, start, end, BLOCK_K)
-            if PARTS == 2:
-                _zero_outside(x_bufs.index(piece + 1), k0, start, end, BLOCK_K)
-            _zero_outside(y_tile.slice(WG * (BLOCK_N // 2), BLOCK_N // 2), k0, start, end, BLOCK_K)
-            # Every thread's generic-proxy writes must reach the async proxy (the wgmma) and
-            # the other warpgroup, which reads this warpgroup's half of y.
-            fence_async_shared()
-            _cta_barrier()
-            mbarrier.arrive(edge, count=1)
-            mbarrier.wait(edge, edges & 1)
-            edges += 1
-        return edges
-
-    @gluon.jit
-    def _issue_step(x_bufs, y_bufs, ready, edge, step, edges, kb, start, end, PIECES: gl.constexpr,
-                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
-        """Flattened step ``step`` (K step ``kb``) of a 64-row warpgroup: waits for its slot, zeroes
-        an edge step's outside tokens and issues the wgmma, not waited for. Returns the partial
-        product in flight and the edge count."""
-        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BLOCK_N, 32])
-        slot = step % STAGES
-        piece = slot * PIECES + WG
-        mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-        y_tile = y_bufs.index(slot)
-        edges = _zero_edge_step(x_bufs, piece, y_tile, edge, edges, kb * BLOCK_K, start, end, 1, BLOCK_N, BLOCK_K, WG)
-        part = warpgroup_mma(x_bufs.index(piece), y_tile.permute((1, 0)),
-                             gl.zeros((64, BLOCK_N), dtype=gl.float32, layout=mma_layout), use_acc=False,
-                             is_async=True)
-        return part, edges
-
-    @gluon.jit
-    def _retire_step(acc, part, sx_bufs, sy_bufs, empty, sx_ptr, sy_ptr, step, kb, off_m, off_n, M, N, ssx_k, ssx_m,
-                     ssy_k, ssy_n, QBLOCK: gl.constexpr, PIECES: gl.constexpr, BLOCK_N: gl.constexpr,
-                     BLOCK_K: gl.constexpr, STAGES: gl.constexpr, SCALES_SMEM: gl.constexpr, WG: gl.constexpr,
-                     IN_FLIGHT: gl.constexpr):
-        """Waits for flattened step ``step``'s wgmma (``IN_FLIGHT`` later ones may stay in flight),
-        hands its slot back and promotes its partial product into ``acc``."""
-        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BLOCK_N, 32])
-        slot = step % STAGES
-        kq = (kb * BLOCK_K) // QBLOCK
-        part = warpgroup_mma_wait(num_outstanding=IN_FLIGHT, deps=(part,))
-        # The scales are read after the wait: read before it, the 32 column scales per thread
-        # stay live next to two partial products and the accumulator, and spill.
-        sx = _row_scales(sx_bufs.index(slot * PIECES + WG), 0, sx_ptr, kq, ssx_k, ssx_m, off_m, M, 64,
-                         gl.SliceLayout(1, mma_layout), SCALES_SMEM)
-        sy = _row_scales(sy_bufs.index(slot), 0, sy_ptr, kq, ssy_k, ssy_n, off_n, N, BLOCK_N,
-                         gl.SliceLayout(0, mma_layout), SCALES_SMEM)
-        mbarrier.arrive(empty.index(slot), count=1)
-        return _promote(acc, part, sx, sy, False, False)
-
-    @gluon.jit
-    def _overlapped_steps(x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, edge, sx_ptr, sy_ptr, step, edges, kb0, kb1,
-                          start, end, off_m, off_n, M, N, ssx_k, ssx_m, ssy_k, ssy_n, QBLOCK: gl.constexpr,
-                          PIECES: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                          SCALES_SMEM: gl.constexpr, WG: gl.constexpr):
-        """A 64-row warpgroup's K steps ``[kb0, kb1)`` (at least one), flattened steps ``step`` on,
-        with the next step's wgmma in flight while the previous one is promoted. Returns the
-        promoted accumulator and the edge count.
-
-        Why: the promotion (two multiplies per element, both scales being vectors) is the wgrad's
-        bottleneck: without it the kernel ran at ~1330 TFLOPS, with it ~880 (H100, round 63).
-        Waiting for each wgmma before promoting leaves this warpgroup's share of the tensor
-        cores idle during its promotion; with one wgmma in flight they are not.
-
-        The two partial products keep fixed registers (``pa`` for steps kb0, kb0 + 2, ...; ``pb``
-        for the others): the loop is unrolled by two, since handing an in-flight wgmma's result
-        from one variable to another would make ptxas wait for it."""
-        z = gl.zeros((64, BLOCK_N), dtype=gl.float32,
-                     layout=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, BLOCK_N, 32]))
-        acc = z
-        pa, edges = _issue_step(x_bufs, y_bufs, ready, edge, step, edges, kb0, start, end, PIECES, BLOCK_N, BLOCK_K,
-                                STAGES, WG)
-        # Whole pairs of further steps, then the odd one left, if any: an in-loop branch that issued
-        # ``pa`` on one side only made ptxas serialise every wgmma (triton 3.9, sm_90).
-        for i in range(0, (kb1 - kb0 - 1) // 2):
-            kb = kb0 + 1 + 2 * i
-            s = step + 1 + 2 * i
-            pb, edges = _issue_step(x_bufs, y_bufs, ready, edge, s, edges, kb, start, end, PIECES, BLOCK_N, BLOCK_K,
-                                    STAGES, WG)
-            acc = _retire_step(acc, pa, sx_bufs, sy_bufs, empty, sx_ptr, sy_ptr, s - 1, kb - 1, off_m, off_n, M, N,
-                               ssx_k, ssx_m, ssy_k, ssy_n, QBLOCK, PIECES, BLOCK_N, BLOCK_K, STAGES, SCALES_SMEM, WG, 1)
-            pa, edges = _issue_step(x_bufs, y_bufs, ready, edge, s + 1, edges, kb + 1, start, end, PIECES, BLOCK_N,
-                                    BLOCK_K, STAGES, WG)
-            acc = _retire_step(acc, pb, sx_bufs, sy_bufs, empty, sx_ptr, sy_ptr, s, kb, off_m, off_n, M, N, ssx_k,
-                               ssx_m, ssy_k, ssy_n, QBLOCK, PIECES, BLOCK_N, BLOCK_K, STAGES, SCALES_SMEM, WG, 1)
-        last = step + (kb1 - kb0) - 1
-        if (kb1 - kb0) % 2 == 0:
-            pb, edges = _issue_step(x_bufs, y_bufs, ready, edge, last, edges, kb1 - 1, start, end, PIECES, BLOCK_N,
-                                    BLOCK_K, STAGES, WG)
-            acc = _retire_step(acc, pa, sx_bufs, sy_bufs, empty, sx_ptr, sy_ptr, last - 1, kb1 - 2, off_m, off_n, M,
-                               N, ssx_k, ssx_m, ssy_k, ssy_n, QBLOCK, PIECES, BLOCK_N, BLOCK_K, STAGES, SCALES_SMEM,
-                               WG, 1)
-            acc = _retire_step(acc, pb, sx_bufs, sy_bufs, empty, sx_ptr, sy_ptr, last, kb1 - 1, off_m, off_n, M, N,
-                               ssx_k, ssx_m, ssy_k, ssy_n, QBLOCK, PIECES, BLOCK_N, BLOCK_K, STAGES, SCALES_SMEM, WG, 0)
-        else:
-            acc = _retire_step(acc, pa, sx_bufs, sy_bufs, empty, sx_ptr, sy_ptr, last, kb1 - 1, off_m, off_n, M, N,
-                               ssx_k, ssx_m, ssy_k, ssy_n, QBLOCK, PIECES, BLOCK_N, BLOCK_K, STAGES, SCALES_SMEM, WG, 0)
-        return acc, edges
-
-    @gluon.jit
-    def _row_scales(buf, first, s_ptr, kq, s_k, s_r, off, n_valid, COUNT: gl.constexpr, layout: gl.constexpr,
-                    SCALES_SMEM: gl.constexpr):
-        """The step's ``COUNT`` scales from row (or column) ``off``: from the slot's copy ``buf``
-        (entries ``first`` on) when the loader made one, else from global memory (zeros past
-        ``n_valid``)."""
+    def _row_scales(bufs, slot, s_ptr, kq, s_k, s_r, off, n_valid, first, COUNT: gl.constexpr,
+                    layout: gl.constexpr, SCALES_SMEM: gl.constexpr):
+        """The step's ``COUNT`` scales from row (or column) ``off``: from the slot's copy (entries
+        ``first`` on) when the loader made one, else from global memory (zeros past ``n_valid``)."""
         if SCALES_SMEM:
-            return buf.slice(first, COUNT).load(layout)
+            return bufs.index(slot).slice(first, COUNT).load(layout)
         else:
             offs = off + gl.arange(0, COUNT, layout=layout)
             return gl.load(s_ptr + kq * s_k + offs * s_r, mask=offs < n_valid, other=0.0)
@@ -416,34 +269,30 @@ if gluon is not None:
     def _wg_math0(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
                   ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
                   QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                  PROMOTE: gl.constexpr, OVERLAP: gl.constexpr):
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr):
         _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
                  ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK, BLOCK_M,
-                 BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, PROMOTE, OVERLAP, 0)
+                 BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, 0)
 
     @gluon.jit
     def _wg_math1(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
                   ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
                   QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                  PROMOTE: gl.constexpr, OVERLAP: gl.constexpr):
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr):
         _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
                  ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK, BLOCK_M,
-                 BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, PROMOTE, OVERLAP, 1)
+                 BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, 1)
 
     @gluon.jit
     def _fp8_blockwise_wgrad_kernel(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, G, M, N, sc_m, sc_n,
                                     ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK: gl.constexpr,
                                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-                                    SCALES_SMEM: gl.constexpr, MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
-                                    PROMOTE: gl.constexpr, OVERLAP: gl.constexpr):
-        PIECES: gl.constexpr = BLOCK_M // 64
-        x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES * PIECES, 64, BLOCK_K], x_desc.layout)
+                                    SCALES_SMEM: gl.constexpr, MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+        x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
         y_bufs = gl.allocate_shared_memory(y_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], y_desc.layout)
-        # Each slot's row and column scales (SCALES_SMEM; unused otherwise), the rows per x piece.
-        sx_bufs = gl.allocate_shared_memory(gl.float32, [STAGES * PIECES, 64], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        # Each slot's row and column scales (SCALES_SMEM; unused otherwise).
+        sx_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         sy_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         if TMA_STORE:
             c_shape: gl.constexpr = [2, c_desc.block_type.shape[0], c_desc.block_type.shape[1]]
@@ -463,14 +312,14 @@ if gluon is not None:
         # entries would become tensors (triton 3.6).
         gl.warp_specialize([
             (_wg_math0, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs,
-                     c_smem, ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK,
-                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, PROMOTE, OVERLAP)),
+                         c_smem, ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK,
+                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM)),
             (_wg_math1, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs,
-                     c_smem, ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK,
-                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, PROMOTE, OVERLAP)),
+                         c_smem, ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK,
+                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM)),
             (_wg_load, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs,
-                     c_smem, ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK,
-                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, PROMOTE, OVERLAP)),
+                        c_smem, ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK,
+                        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM)),
         ], [4, 1], [MATH_REGS, LOAD_REGS])
 
 
@@ -534,7 +383,7 @@ def launch_args(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock: in
     as ``fp8_blockwise_wgrad``); tools/compile_sm90.py compiles with them."""
     G, M, N = out.shape
     bm, bn, bk, group_m, stages = cfg[:5]
-    x_desc = make_descriptor(x.t(), [64, bk])
+    x_desc = make_descriptor(x.t(), [bm, bk])
     y_desc = make_descriptor(y.t(), [bn, bk])
     c2 = out.view(G * M, N)
     tma_store = tma_store_ok(c2, cfg)
@@ -542,13 +391,9 @@ def launch_args(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock: in
     c_desc = output_descriptor(c2, 64, bn) if tma_store else x_desc
     args = (x_desc, y_desc, c2, c_desc, sx, sy, offs, G, M, N, c2.stride(0), c2.stride(1), *sx_strides,
             *sy_strides, progs)
-    if OVERLAP_PROMOTION and bm == 128:
-        math_regs, load_regs, maxnreg = MATH2_OVERLAP_REGS, LOAD2_OVERLAP_REGS, MAXNREG
-    else:
-        math_regs, load_regs, maxnreg = MATH_REGS, LOAD_REGS, MAXNREG
     kwargs = dict(QBLOCK=qblock, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages,
-                  TMA_STORE=tma_store, SCALES_SMEM=SCALES_IN_SMEM, MATH_REGS=math_regs, LOAD_REGS=load_regs,
-                  PROMOTE=PROMOTE, OVERLAP=OVERLAP_PROMOTION, num_warps=4, maxnreg=maxnreg)
+                  TMA_STORE=tma_store, SCALES_SMEM=SCALES_IN_SMEM, MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS,
+                  num_warps=4, maxnreg=MAXNREG)
     return args, kwargs
 
 

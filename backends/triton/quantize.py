@@ -114,6 +114,12 @@ if triton is not None:
             tl.atomic_max(amax_ptr + offs_p * s_amax, tl.where(nan > 0, float("nan"), run), mask=mask_p)
 
     @triton.jit
+    def _nan_max(a, AXIS: tl.constexpr):
+        """Max of ``a`` (abs values) along ``AXIS`` that is NaN where the reduced run holds one:
+        ``tl.max`` drops NaN, and a NaN amax must reach the scale (as torch's amax does)."""
+        return tl.where(tl.max((a != a).to(tl.int32), axis=AXIS) > 0, float("nan"), tl.max(a, axis=AXIS))
+
+    @triton.jit
     def _scale_of(amax, FP8_MAX_: tl.constexpr, TINY: tl.constexpr, RECIP: tl.constexpr):
         # Same IEEE steps as low_precision._fp_scale: amax / FP8_MAX, clamp_min (keeps NaN), 1
         # for zero. torch on CUDA/ROCm divides by a Python scalar as a multiply by its float32
@@ -195,18 +201,12 @@ if triton is not None:
                 tl.store(scale_ptr + offs_p * ss_p, scale, mask=mask_p & ((offs_p == 0) | (offs_p * ss_p > 0)))
             y = tl.math.div_rn(x, scale[:, None])
         elif MODE == 2:
-            a = tl.abs(x)
-            amax = tl.max(tl.max(a, axis=1), axis=0)
-            has_nan = tl.max(tl.max((a != a).to(tl.int32), axis=1), axis=0)
-            amax = tl.where(has_nan > 0, float("nan"), amax)
+            amax = _nan_max(_nan_max(tl.abs(x), 1), 0)
             scale = _scale_of(amax, FP8_MAX_, TINY, RECIP)
             tl.store(scale_ptr + pid_p * ss_p + pid_q * ss_q, scale)
             y = tl.math.div_rn(x, tl.full(x.shape, 1.0, tl.float32) * scale)
         else:
-            a = tl.abs(x)
-            amax = tl.max(a, axis=1)
-            has_nan = tl.max((a != a).to(tl.int32), axis=1)
-            amax = tl.where(has_nan > 0, float("nan"), amax)
+            amax = _nan_max(tl.abs(x), 1)
             scale = _scale_of(amax, FP8_MAX_, TINY, RECIP)
             tl.store(scale_ptr + offs_p * ss_p + pid_q * ss_q, scale, mask=mask_p)
             y = tl.math.div_rn(x, scale[:, None])
@@ -239,8 +239,7 @@ if triton is not None:
             col = tl.maximum(col, tl.max(a, axis=0))
             col_nan = tl.maximum(col_nan, tl.max(is_nan, axis=0))
             if PER_ROW:
-                row = tl.where(tl.max(is_nan, axis=1) > 0, float("nan"), tl.max(a, axis=1))
-                tl.atomic_max(row_ptr + offs_p, row, mask=mask_p)
+                tl.atomic_max(row_ptr + offs_p, _nan_max(a, 1), mask=mask_p)
         if PER_ROW:
             tl.atomic_max(col_ptr + offs_q, tl.where(col_nan > 0, float("nan"), col), mask=mask_q)
         else:
