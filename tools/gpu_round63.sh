@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran at commit 5020bde: its probe options (--diagnose, --compare-module) and kernel knobs were
+# reverted in the next commit; this script is kept as the record of what ran.
 # Fourteenth session, first call. (1) The wgrad kernel restructured (gluon-wgrad-r5: x's rows in
 # 64-row pieces, an optional third math warpgroup for a 192-row tile): its triton 3.6 compile and
 # the float64 wgrad tests. (2) What the promotion costs: the default config as shipped, with the

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran at commit 5020bde: its probe options (--diagnose, --compare-module) and kernel knobs were
+# reverted in the next commit; this script is kept as the record of what ran.
 # Fourteenth session, second call. The wgrad's overlapped promotion (gluon-wgrad-r5: a 64-row math
 # warpgroup keeps its next K step's wgmma in flight while it promotes the previous one).
 # (1) Its triton 3.6 compile. (2) The float64 wgrad tests (overlapped and not). (3) The wgrad probe:
