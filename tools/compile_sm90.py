@@ -103,17 +103,16 @@ def _nvidia_tool(name: str) -> str:
 _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 
 
-#: Spill instructions a wgmma loop may hold per wgmma group (one K step) and still PASS: one.
-#: Triton 3.9 keeps the thread index that elects the warpgroup's mbarrier arrive in local memory
-#: in the warp-specialised kernels' loops (the forward's 256-column loop, the wgrad's overlapped
-#: steps): one 4-byte L1 reload per K step, next to ~300 instructions of wgmma issue and
-#: promotion. triton 3.6 keeps it in a register.
+#: Spill instructions a wgmma loop may hold and still PASS: one. Triton 3.9 keeps the thread
+#: index that elects the warpgroup's mbarrier arrive in local memory in the warp-specialised
+#: kernel's 256-column loop: one 4-byte L1 reload per K step, next to ~300 instructions of
+#: wgmma issue and promotion. triton 3.6 keeps it in a register.
 LOOP_SPILL_ALLOWANCE = 1
 
 
 def mma_loop_spills(sass: str) -> int:
-    """The most spill loads and stores (LDL/STL) per wgmma group (rounded up) inside any one
-    innermost loop that issues wgmmas (HGMMA/QGMMA): one that holds no other such loop.
+    """The most spill loads and stores (LDL/STL) inside any one innermost loop that issues wgmmas
+    (HGMMA/QGMMA).
 
     A loop is a predicated backward branch's range in the SASS. Spills there cost every K step; spills
     outside (a per-tile index table LLVM hoisted out of the persistent loop, say) cost once per
@@ -133,16 +132,8 @@ def mma_loop_spills(sass: str) -> int:
             around = [lp for lp in loops if lp[0] <= addr <= lp[1]]
             if around:
                 mma_loops.add(min(around, key=lambda lp: lp[1] - lp[0]))
-    # A loop around an MMA loop is a tile loop even where it issues wgmmas itself (the wgrad's
-    # overlapped steps issue a tile's first and last wgmma outside their K loop): its spills
-    # cost once per tile.
-    innermost = [lp for lp in mma_loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in mma_loops)]
     spills = [addr for addr, text in code if re.search(r"\b(LDL|STL)\b", text)]
-    # Per wgmma group (the QGMMAs up to one that commits, ``gsb0``): a loop unrolled over two K
-    # steps may hold twice one step's spills.
-    groups = [addr for addr, text in code if "GMMA." in text and "gsb0" in text]
-    return max((-(-sum(1 for a in spills if lo <= a <= hi) // max(1, sum(1 for a in groups if lo <= a <= hi)))
-                for lo, hi in innermost), default=0)
+    return max((sum(1 for a in spills if lo <= a <= hi) for lo, hi in mma_loops), default=0)
 
 
 def serialisation_notes(ptx: str, arch: str) -> list[str]:
