@@ -931,10 +931,11 @@ def test_gluon_dual_quantizer_says_why_it_cannot_run():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize("kernel", ["triton", "gluon"])
+@pytest.mark.parametrize("kernel", ["triton", "gluon", "gluon_regs"])
 def test_gpu_dual_quantizer_matches_quantize_cells(fmt, kernel):
     """Every GPU path of ``dual_quantize`` (the Triton kernel with its FMA-corrected quotient; the
-    Gluon kernel, for token runs at block 128, with its lean quotient) against ``quantize_cells``
+    Gluon kernels at block 128: the shared-memory one for token runs with its lean quotient, the
+    register one for runs and 2-D tiles with its branch-free quotient) against ``quantize_cells``
     (one correctly rounded division per element), bit for bit: token runs and 2-D tiles, blocks
     128 and 64, with zero cells, signed zeros, subnormal-sized cells (the rescaled quotient),
     small cells that take the rescaled quotient without being subnormal, inf, NaN and values
@@ -960,7 +961,10 @@ def test_gpu_dual_quantizer_matches_quantize_cells(fmt, kernel):
             return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
         return torch.equal(torch.nan_to_num(a, nan=-1.0), torch.nan_to_num(b, nan=-1.0))
 
-    DQ.GLUON = kernel == "gluon"
+    DQ.GLUON = kernel != "triton"
+    saved = DG.KERNEL, DG.SERVES_TILES
+    if kernel == "gluon_regs":
+        DG.KERNEL, DG.SERVES_TILES = "regs", True
     try:
         for block in (128, 64):
             d, s, d_t, s_t = DQ.dual_quantize(x, fmt, block, False)
@@ -974,14 +978,17 @@ def test_gpu_dual_quantizer_matches_quantize_cells(fmt, kernel):
             assert same(d, q) and same(s, qs) and same(d_t, qt), block
     finally:
         DQ.GLUON = True
+        DG.KERNEL, DG.SERVES_TILES = saved
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_gpu_gluon_dual_quantizer_matches_triton_bit_for_bit(fmt):
-    """The Gluon token-run quantiser gives the Triton kernel's bits (which the interpreter checks
-    against the reference quantize): ragged rows and columns, strided rows, zero, NaN, inf,
-    subnormal-sized and near-overflow cells, groups."""
+@pytest.mark.parametrize("kernel", ["smem", "regs"])
+def test_gpu_gluon_dual_quantizer_matches_triton_bit_for_bit(fmt, kernel):
+    """The Gluon quantisers give the Triton kernel's bits (which the interpreter checks against
+    the reference quantize): token runs (both kernels) and 2-D tiles (the register kernel) at
+    ragged rows and columns, strided rows, zero, NaN, inf, subnormal-sized and near-overflow
+    cells, groups."""
     import turbo_dispatch.backends.triton.dual_quantize as DQ
     from turbo_dispatch.backends.triton import dual_quantize_gluon as DG
 
@@ -995,14 +1002,19 @@ def test_gpu_gluon_dual_quantizer_matches_triton_bit_for_bit(fmt):
     x[2, 200:300, :] = -0.0
     x[2, 900, 290] = float("inf")
     x[0, 700:800, 40:60] *= 3e37
+    x[1, 300:400, 200:300] *= -1e-30
     outs = {}
+    saved = DG.KERNEL, DG.SERVES_TILES
     for gluon in (True, False):
         DQ.GLUON = gluon
+        DG.KERNEL, DG.SERVES_TILES = kernel, kernel == "regs"
         try:
             outs[gluon] = DQ.dual_quantize(x, fmt, 128, False)
+            outs[gluon] += DQ.dual_quantize(x, fmt, 128, True) if kernel == "regs" else ()
         finally:
             DQ.GLUON = True
-    for a, b in zip(outs[True], outs[False]):
+            DG.KERNEL, DG.SERVES_TILES = saved
+    for a, b in zip(outs[True], outs[False], strict=True):
         if a.dtype.is_floating_point and a.element_size() == 1:
             a, b = a.view(torch.uint8), b.view(torch.uint8)
         assert torch.equal(torch.nan_to_num(a.float(), nan=-1.0), torch.nan_to_num(b.float(), nan=-1.0))

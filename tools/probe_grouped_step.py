@@ -62,16 +62,27 @@ def time_ms(fn, reps: int = 20) -> float:
 #: times and the check covers.
 RUNS_LAUNCHES = [(64, 4), (32, 4)]
 TILES_LAUNCHES = [(64, 4), (32, 4)]
-#: dual_quantize_gluon.LAUNCH values (rows per read chunk, rows per transposed chunk, warps); the
-#: Gluon kernel serves token runs only.
-GLUON_LAUNCHES = [(32, 32, 4), (64, 32, 4)]
+#: dual_quantize_gluon.LAUNCH values (rows per read chunk, rows per transposed chunk, warps) of
+#: its shared-memory kernel, which serves token runs only.
+GLUON_LAUNCHES = [(32, 32, 4)]
+#: dual_quantize_gluon.REGS_LAUNCH values (rows per thread, warps, maxnreg or 0) of its register
+#: kernel, for runs and for 2-D tiles.
+REGS_LAUNCHES = [(16, 4, 0), (8, 8, 0), (8, 8, 128), (4, 16, 0), (16, 4, 168)]
 
 
-def _gluon_setups() -> list[tuple[str, dict]]:
+def _gluon_setups(tile: bool = False) -> list[tuple[str, dict]]:
     """(name, dual_quantize_gluon attributes) of every Gluon variant the sweep times and the
-    check covers. (Rounds 39-43 also listed a pipelined kernel, a cp.async load, wider column
-    reads and a launch order here; see dual_quantize_gluon's docstring.)"""
-    return [(f"one_tile {la}", dict(LAUNCH=la)) for la in GLUON_LAUNCHES]
+    check covers, for token runs or (``tile``) 2-D tiles. (Rounds 39-43 also listed a pipelined
+    kernel, a cp.async load, wider column reads and a launch order here; see
+    dual_quantize_gluon's docstring.)"""
+    import turbo_dispatch.backends.triton.dual_quantize_gluon as DG
+
+    if tile:
+        return [(f"regs {la}", dict(SERVES_TILES=True, REGS_LAUNCH={False: DG.REGS_LAUNCH[False], True: la}))
+                for la in REGS_LAUNCHES]
+    return ([(f"smem {la}", dict(KERNEL="smem", LAUNCH=la)) for la in GLUON_LAUNCHES]
+            + [(f"regs {la}", dict(KERNEL="regs", REGS_LAUNCH={False: la, True: DG.REGS_LAUNCH[True]}))
+               for la in REGS_LAUNCHES])
 
 
 def _apply_gluon(setup: dict) -> dict:
@@ -98,19 +109,22 @@ def check_gluon_variants() -> bool:
     x[1, 517, 3] = float("nan")
     x[2, 0:128, 0:128] *= 1e-38
     x[2, 200:300, :] = -0.0
+    x[1, 300:400, 200:300] *= -1e-30  # small, not subnormal: scales around 1e-32, rescaled
     x[2, 900, 290] = float("inf")
     x[0, 700:800, 40:60] *= 3e37
     tall = torch.randn(1, 20000 + 77, 2048, device="cuda", dtype=torch.bfloat16) * 3
     ok = True
-    for name, src in (("ragged", x), ("tall", tall)):
+    cases = [(name, src, tile) for name, src in (("ragged", x), ("tall", tall)) for tile in (False, True)]
+    for name, src, tile in cases:
         for dt in (E4, E5):
             DQ.GLUON = False
-            ref = DQ.dual_quantize(src, dt, 128, False)
+            ref = DQ.dual_quantize(src, dt, 128, tile)
             DQ.GLUON = True
-            for label, setup in _gluon_setups() if dt == E4 else [("default", {})]:
+            setups = _gluon_setups(tile)
+            for label, setup in setups if dt == E4 else [("default", {})] + [v for v in setups if "(8, 8, 0)" in v[0]]:
                 saved = _apply_gluon(setup)
                 try:
-                    got = DQ.dual_quantize(src, dt, 128, False)
+                    got = DQ.dual_quantize(src, dt, 128, tile)
                     same = all(torch.equal(torch.nan_to_num(a.view(torch.uint8).float() if a.element_size() == 1
                                                             else a, nan=-1.0),
                                            torch.nan_to_num(b.view(torch.uint8).float() if b.element_size() == 1
@@ -120,7 +134,8 @@ def check_gluon_variants() -> bool:
                     same, err = False, f"{type(exc).__name__}: {str(exc)[:300]}"
                 finally:
                     _apply_gluon(saved)
-                emit(check="dual_gluon", operand=name, dtype=str(dt), variant=label, result="PASS" if same else "FAIL",
+                emit(check="dual_gluon", operand=name, tiles=tile, dtype=str(dt), variant=label,
+                     result="PASS" if same else "FAIL",
                      error=err)
                 ok = ok and same
     return ok
@@ -218,8 +233,7 @@ def sweep_dual() -> None:
                                              quantize_cells(src.transpose(1, 2), E4, 1, 128, scale_rows_inner=True)))
         best = None
         variants = [("triton", la, {}) for la in launches]
-        if not tile:
-            variants += [("gluon", label, setup) for label, setup in _gluon_setups()]
+        variants += [("gluon", label, setup) for label, setup in _gluon_setups(tile)]
         for kernel, launch, setup in variants:
             DQ.GLUON = kernel != "triton"
             if kernel == "triton":

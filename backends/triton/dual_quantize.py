@@ -207,11 +207,11 @@ def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
     if g * r * c == 0:
         return data, scale, data_t, scale_t
     interpreting = os.environ.get("TRITON_INTERPRET", "") == "1"
-    if GLUON and not tile_2d:
+    if GLUON:
         from . import dual_quantize_gluon  # its available() also says no under the interpreter
 
-        if dual_quantize_gluon.available(x, block) is None:
-            dual_quantize_gluon.launch(x, data, data_t, scale, scale_t, FP8_MAX[dtype], _TINY)
+        if (not tile_2d or dual_quantize_gluon.SERVES_TILES) and dual_quantize_gluon.available(x, block) is None:
+            dual_quantize_gluon.launch(x, data, data_t, scale, scale_t, FP8_MAX[dtype], _TINY, tile_2d)
             return data, scale, data_t, scale_t
     chunk, warps = LAUNCH[tile_2d]
     _dual_quantize_kernel[(g * n_r, n_c)](

@@ -43,6 +43,8 @@ Needs Gluon (triton >= 3.6) and an sm_90 GPU; the interpreter does not run Gluon
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .fp8_blockwise_gluon import available as _gluon_available
@@ -60,6 +62,14 @@ BLOCK = 128
 #: 0.212-0.214 ms against 0.229-0.231 for (64, 32, 4); 96 registers, 5 programs per SM). Round
 #: 36, before the lean quotient, had preferred (64, 32, 4).
 LAUNCH = (32, 32, 4)
+#: Which kernel quantises token runs: "smem" (``_dual_quantize_gluon_kernel``, the tile staged in
+#: shared memory) or "regs" (``_dual_quantize_regs_kernel``, transposed in registers).
+KERNEL = "smem"
+#: (rows per thread, warps, maxnreg or 0) of ``_dual_quantize_regs_kernel`` for runs (False) and
+#: 2-D tiles (True); rows x 2 x warps = 128.
+REGS_LAUNCH = {False: (8, 8, 0), True: (8, 8, 0)}
+#: Whether ``dual_quantize`` sends 2-D tiles here (the register kernel) rather than to Triton.
+SERVES_TILES = False
 
 if gluon is not None:
     from .dual_quantize import _corrected_quotient, _quotient, _scale_of, _step_operands
@@ -150,6 +160,120 @@ if gluon is not None:
             gl.store(qt_ptr + g * sqtg + ct64[:, None] * sqtc + rt.to(gl.int64)[None, :],
                      qt.to(qt_ptr.dtype.element_ty), mask=okt)
 
+    @gluon.jit
+    def _g_magnitude_bits(x):
+        """The magnitudes of 16-bit floats ``x`` as int32 bit patterns: integer order is magnitude
+        order, and a NaN sorts above inf, so the max of these names a NaN. Read off the 16-bit
+        bits, the amax needs no float32 copy of the tile next to the one the quotients use."""
+        return x.to(gl.int16, bitcast=True).to(gl.int32) & 0x7FFF
+
+    @gluon.jit
+    def _g_amax_of_bits(bits, like):
+        """The float32 value of ``_g_magnitude_bits`` patterns of ``like``'s 16-bit format."""
+        return bits.to(gl.int16).to(like.dtype, bitcast=True).to(gl.float32)
+
+    @gluon.jit
+    def _g_step_of(scale):
+        """``_quotient``'s per-scale operands, formed once per row or column before any value is
+        touched: (-k, k r, r, scale * k with inf and NaN as 0), where k = 2**64 for a scale below
+        the rescaling threshold, else 1, and r = RN(1 / (scale * k)). The products by k are exact
+        (powers of two, far from the range's ends), which ``_g_quotient_of`` relies on."""
+        k = gl.where(scale < 1.0e-18, 18446744073709551616.0, 1.0)
+        r, s_res = _g_step_operands(scale * k)
+        return k * -1.0, r * k, r, s_res
+
+    @gluon.jit
+    def _g_quotient_of(v, neg_k, kr, r, s_res, FP8_MAX: gl.constexpr):
+        """``max(v / scale, -FP8_MAX)`` rounded as ``_quotient`` rounds it, from
+        ``_g_step_of(scale)`` (broadcast to ``v``), without a branch on tiny scales.
+        ``_quotient`` forms q0 = (v k) r, the residual t = q0 (s k) - v k and q0 - t r; here
+        q0 = v (k r), the same product since both scalings are exact, and v k is one more
+        multiply, which for k = 1 leaves the lean form's arithmetic. The upper clamp is the
+        conversion's (sm_90's cvt.rn.satfinite), and max maps a NaN quotient to -FP8_MAX, as the
+        two-sided clamp does."""
+        q0 = v * kr
+        q = gl.fma(gl.fma(q0, s_res, v * neg_k) * -1.0, r, q0)
+        return gl.maximum(q, -FP8_MAX)
+
+    @gluon.jit
+    def _g_runs_step(amax_bits, like, s_base, idx, s_stride, n, S: gl.constexpr, V: gl.constexpr,
+                     FP8_MAX: gl.constexpr, TINY: gl.constexpr):
+        """Scales of one side's runs from their amax bits (layout ``S``), formed and stored in the
+        compact layout ``V`` (``idx``: their row or column indices, below ``n``), and
+        ``_g_step_of`` of them back in ``S``."""
+        amax = _g_amax_of_bits(gl.convert_layout(amax_bits, V), like)
+        scale = _g_scale_of(amax, FP8_MAX, TINY)
+        gl.store(s_base + idx.to(gl.int64) * s_stride, scale, mask=idx < n)
+        neg_k, kr, r, s_res = _g_step_of(scale)
+        return (gl.convert_layout(neg_k, S), gl.convert_layout(kr, S), gl.convert_layout(r, S),
+                gl.convert_layout(s_res, S))
+
+    @gluon.jit
+    def _dual_quantize_regs_kernel(
+        x_ptr, q_ptr, qt_ptr, s_ptr, st_ptr,
+        R, C, n_rb,
+        sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
+        TILE_2D: gl.constexpr, B: gl.constexpr, L: gl.constexpr, LT: gl.constexpr, V: gl.constexpr,
+        FP8_MAX: gl.constexpr, TINY: gl.constexpr,
+    ):
+        # L and LT (register_layouts): each thread holds a few consecutive rows x 8 consecutive
+        # columns of the B x B tile. Its 16-byte row pieces load coalesced, and each of its
+        # columns is one vector store of the transposed copy. LT names the same elements with the
+        # rows fastest in the registers, so moving there renames registers; nothing crosses threads.
+        # V spreads B values over the program's threads: the row and column scales are formed
+        # there, once each, where L would have every thread divide for each of its rows and columns.
+        pid = gl.program_id(0)
+        cb = gl.program_id(1)
+        g = (pid // n_rb).to(gl.int64)
+        rb = pid % n_rb
+        rr = rb * B + gl.arange(0, B, layout=gl.SliceLayout(1, L))
+        cc = cb * B + gl.arange(0, B, layout=gl.SliceLayout(0, L))
+        r_ok = rr < R
+        c_ok = cc < C
+        r64 = rr.to(gl.int64)
+        c64 = cc.to(gl.int64)
+        ok = r_ok[:, None] & c_ok[None, :]
+        xv = gl.load(x_ptr + g * sxg + r64[:, None] * sxr + c64[None, :] * sxc, mask=ok, other=0.0)
+        bits = _g_magnitude_bits(xv)
+        if TILE_2D:
+            scale = _g_scale_of(_g_amax_of_bits(gl.max(gl.max(bits, axis=1), axis=0), xv), FP8_MAX, TINY)
+            gl.store(s_ptr + g * ssg + rb * ssr + cb * ssc, scale)
+            neg_k, kr, r, s_res = _g_step_of(scale)
+            v = xv.to(gl.float32)  # after the divisions: not held across their slow-path branches
+            q8 = _g_quotient_of(v, neg_k, kr, r, s_res, FP8_MAX).to(q_ptr.dtype.element_ty)
+            qt8 = gl.convert_layout(q8, LT)
+        else:
+            idx = gl.arange(0, B, layout=V)
+            neg_k, kr, r, s_res = _g_runs_step(gl.max(bits, axis=1), xv, s_ptr + g * ssg + cb * ssc, rb * B + idx,
+                                            ssr, R, gl.SliceLayout(1, L), V, FP8_MAX, TINY)
+            neg_k_t, kr_t, r_t, s_res_t = _g_runs_step(gl.max(bits, axis=0), xv, st_ptr + g * stg + rb * str_,
+                                                  cb * B + idx, stc, C, gl.SliceLayout(0, L), V, FP8_MAX, TINY)
+            v = xv.to(gl.float32)
+            q8 = _g_quotient_of(v, neg_k[:, None], kr[:, None], r[:, None], s_res[:, None], FP8_MAX).to(q_ptr.dtype.element_ty)
+            qt = _g_quotient_of(v, neg_k_t[None, :], kr_t[None, :], r_t[None, :], s_res_t[None, :], FP8_MAX)
+            qt8 = gl.convert_layout(qt.to(qt_ptr.dtype.element_ty), LT)
+        gl.store(q_ptr + g * sqg + r64[:, None] * sqr + c64[None, :], q8, mask=ok)
+        rt = rb * B + gl.arange(0, B, layout=gl.SliceLayout(1, LT))
+        ct = cb * B + gl.arange(0, B, layout=gl.SliceLayout(0, LT))
+        okt = (rt < R)[:, None] & (ct < C)[None, :]
+        gl.store(qt_ptr + g * sqtg + ct.to(gl.int64)[None, :] * sqtc + rt.to(gl.int64)[:, None], qt8, mask=okt)
+
+def register_layouts(rows: int, warps: int, block: int = BLOCK):
+    """The three layouts of ``_dual_quantize_regs_kernel`` over a ``block`` x ``block`` tile, each
+    thread holding ``rows`` consecutive rows x 8 consecutive columns: ``L`` with the columns
+    fastest in its registers (the load and the row copy's store), and ``LT``, the same elements on
+    the same threads with the rows fastest (the transposed copy's store). A blocked layout with the
+    rows fastest would also lay the lanes along the rows, and the conversion would cross threads.
+    ``V`` spreads ``block`` values (a side's scales) over the program's threads."""
+    if rows * 2 * warps != block or rows & (rows - 1) or warps & (warps - 1):
+        raise ValueError(f"register_layouts: rows x 2 x warps must be {block}, powers of two (got {rows}, {warps})")
+    lay = gl.BlockedLayout([rows, 8], [2, 16], [warps, 1], [1, 0])
+    regs = [[1 << i, 0] for i in range(rows.bit_length() - 1)] + [[0, 1], [0, 2], [0, 4]]
+    lanes = [[0, 8], [0, 16], [0, 32], [0, 64], [rows, 0]]
+    warp_bases = [[2 * rows << i, 0] for i in range(warps.bit_length() - 1)]
+    compact = gl.BlockedLayout([1], [32], [warps], [0])
+    return lay, gl.DistributedLinearLayout(regs, lanes, warp_bases, [], [block, block]), compact
+
 
 def available(x: torch.Tensor, block: int) -> str | None:
     """None when this kernel can quantise ``x`` with ``block``, else why not."""
@@ -162,15 +286,27 @@ def available(x: torch.Tensor, block: int) -> str | None:
     return _gluon_available(x.device.index)
 
 
-def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float) -> None:
-    """Fill ``data``, ``scale``, ``data_t``, ``scale_t`` (runs, laid out by ``dual_quantize``) from ``x``."""
+@functools.lru_cache(maxsize=None)
+def _layouts(rows: int, warps: int):
+    return register_layouts(rows, warps)
+
+
+def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d: bool = False) -> None:
+    """Fill ``data``, ``scale``, ``data_t``, ``scale_t`` (laid out by ``dual_quantize``) from ``x``:
+    token runs (``tile_2d`` False) by the kernel ``KERNEL`` names, 2-D tiles by the register kernel."""
     g, r, c = x.shape
     n_r, n_c = -(-r // BLOCK), -(-c // BLOCK)
+    args = (x, data, data_t, scale, scale_t, r, c, n_r,
+            *x.stride(), data.stride(0), data.stride(1), data_t.stride(0), data_t.stride(1),
+            *scale.stride(), *scale_t.stride())
+    if tile_2d or KERNEL == "regs":
+        rows, warps, maxnreg = REGS_LAUNCH[tile_2d]
+        lay, lay_t, compact = _layouts(rows, warps)
+        extra = {"maxnreg": maxnreg} if maxnreg else {}
+        _dual_quantize_regs_kernel[(g * n_r, n_c)](
+            *args, TILE_2D=tile_2d, B=BLOCK, L=lay, LT=lay_t, V=compact, FP8_MAX=fp8_max, TINY=tiny,
+            num_warps=warps, **extra)
+        return
     chunk, t_chunk, warps = LAUNCH
     _dual_quantize_gluon_kernel[(g * n_r, n_c)](
-        x, data, data_t, scale, scale_t, r, c, n_r,
-        *x.stride(), data.stride(0), data.stride(1), data_t.stride(0), data_t.stride(1),
-        *scale.stride(), *scale_t.stride(),
-        B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps,
-        num_warps=warps,
-    )
+        *args, B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, num_warps=warps)
