@@ -65,11 +65,11 @@ LAUNCH = (32, 32, 4)
 #: Which kernel quantises token runs: "smem" (``_dual_quantize_gluon_kernel``, the tile staged in
 #: shared memory) or "regs" (``_dual_quantize_regs_kernel``, transposed in registers).
 KERNEL = "smem"
-#: (rows per thread, warps, maxnreg or 0) of ``_dual_quantize_regs_kernel`` for runs (False) and
-#: 2-D tiles (True); rows x 2 x warps = 128.
-REGS_LAUNCH = {False: (8, 8, 0), True: (8, 8, 0)}
+#: (rows per thread, warps, maxnreg or 0, column pieces) of ``_dual_quantize_regs_kernel`` for
+#: runs (False) and 2-D tiles (True, always one piece); see ``register_layouts`` for which fit.
+REGS_LAUNCH = {False: (8, 8, 0, 1), True: (16, 4, 0, 1)}
 #: Whether ``dual_quantize`` sends 2-D tiles here (the register kernel) rather than to Triton.
-SERVES_TILES = False
+SERVES_TILES = True
 
 if gluon is not None:
     from .dual_quantize import _corrected_quotient, _quotient, _scale_of, _step_operands
@@ -199,41 +199,80 @@ if gluon is not None:
     def _g_runs_step(amax_bits, like, s_base, idx, s_stride, n, S: gl.constexpr, V: gl.constexpr,
                      FP8_MAX: gl.constexpr, TINY: gl.constexpr):
         """Scales of one side's runs from their amax bits (layout ``S``), formed and stored in the
-        compact layout ``V`` (``idx``: their row or column indices, below ``n``), and
-        ``_g_step_of`` of them back in ``S``."""
+        compact layout ``V`` (``idx``: their row or column indices, below ``n``): their smallest,
+        and ``_g_step_of`` of them back in ``S``."""
         amax = _g_amax_of_bits(gl.convert_layout(amax_bits, V), like)
         scale = _g_scale_of(amax, FP8_MAX, TINY)
         gl.store(s_base + idx.to(gl.int64) * s_stride, scale, mask=idx < n)
-        neg_k, kr, r, s_res = _g_step_of(scale)
-        return (gl.convert_layout(neg_k, S), gl.convert_layout(kr, S), gl.convert_layout(r, S),
-                gl.convert_layout(s_res, S))
+        k = gl.where(scale < 1.0e-18, 18446744073709551616.0, 1.0)
+        r, _ = _g_step_operands(scale * k)
+        # only the scale and the division's result cross back; the rest is a select or a product
+        s = gl.convert_layout(scale, S)
+        r = gl.convert_layout(r, S)
+        k = gl.where(s < 1.0e-18, 18446744073709551616.0, 1.0)
+        s_res = gl.where(s * k < float("inf"), s * k, 0.0)
+        return gl.min(scale, axis=0), (k * -1.0, r * k, r, s_res)
+
+    @gluon.jit
+    def _g_store_t(qt8, base, r0, c0, R, C, sqtc, ROWS_: gl.constexpr, COLS_: gl.constexpr, LT: gl.constexpr):
+        """Stores ``qt8`` (layout LT; rows r0.. x columns c0.. of the tile) transposed at ``base``."""
+        rt = r0 + gl.arange(0, ROWS_, layout=gl.SliceLayout(1, LT))
+        ct = c0 + gl.arange(0, COLS_, layout=gl.SliceLayout(0, LT))
+        okt = (rt < R)[:, None] & (ct < C)[None, :]
+        gl.store(base + ct.to(gl.int64)[None, :] * sqtc + rt.to(gl.int64)[:, None], qt8, mask=okt)
+
+    @gluon.jit
+    def _g_store_piece(xv, rows, cols, c0, q_rows, qt_base, r0, R, C, sqtc, r_ok,
+                       B: gl.constexpr, W: gl.constexpr, L: gl.constexpr, LT: gl.constexpr, LEAN: gl.constexpr,
+                       FP8_MAX: gl.constexpr):
+        """Both copies of one column piece ``xv`` (columns c0 .. c0 + W of a runs tile) quantised
+        and stored; ``rows``, ``cols``: ``_g_step_of`` of its row and column scales. LEAN: no
+        scale of the tile is below the rescaling threshold (every k is 1), so the quotient takes
+        ``_g_to_fp8_lean``'s arithmetic, one multiply less per value and copy."""
+        neg_k, kr, r, s_res = rows
+        neg_k_t, kr_t, r_t, s_res_t = cols
+        v = xv.to(gl.float32)
+        if LEAN:
+            q = _g_to_fp8_lean(v, r[:, None], s_res[:, None], FP8_MAX)
+        else:
+            q = _g_quotient_of(v, neg_k[:, None], kr[:, None], r[:, None], s_res[:, None], FP8_MAX)
+        cc = c0 + gl.arange(0, W, layout=gl.SliceLayout(0, L))
+        gl.store(q_rows + cc.to(gl.int64)[None, :], q.to(q_rows.dtype.element_ty),
+                 mask=r_ok[:, None] & (cc < C)[None, :])
+        if LEAN:
+            qt = _g_to_fp8_lean(v, r_t[None, :], s_res_t[None, :], FP8_MAX)
+        else:
+            qt = _g_quotient_of(v, neg_k_t[None, :], kr_t[None, :], r_t[None, :], s_res_t[None, :], FP8_MAX)
+        _g_store_t(gl.convert_layout(qt.to(qt_base.dtype.element_ty), LT), qt_base, r0, c0, R, C, sqtc, B, W, LT)
 
     @gluon.jit
     def _dual_quantize_regs_kernel(
         x_ptr, q_ptr, qt_ptr, s_ptr, st_ptr,
         R, C, n_rb,
         sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
-        TILE_2D: gl.constexpr, B: gl.constexpr, L: gl.constexpr, LT: gl.constexpr, V: gl.constexpr,
-        FP8_MAX: gl.constexpr, TINY: gl.constexpr,
+        TILE_2D: gl.constexpr, B: gl.constexpr, PIECES: gl.constexpr, L: gl.constexpr, LT: gl.constexpr,
+        V: gl.constexpr, FP8_MAX: gl.constexpr, TINY: gl.constexpr,
     ):
-        # L and LT (register_layouts): each thread holds a few consecutive rows x 8 consecutive
-        # columns of the B x B tile. Its 16-byte row pieces load coalesced, and each of its
-        # columns is one vector store of the transposed copy. LT names the same elements with the
-        # rows fastest in the registers, so moving there renames registers; nothing crosses threads.
-        # V spreads B values over the program's threads: the row and column scales are formed
-        # there, once each, where L would have every thread divide for each of its rows and columns.
+        # L and LT (register_layouts) cover B rows x B // PIECES columns: each thread holds a few
+        # consecutive rows x 8 consecutive columns. Its 16-byte row pieces load coalesced, and each
+        # of its columns is one vector store of the transposed copy. LT names the same elements
+        # with the rows fastest in the registers, so moving there renames registers; nothing
+        # crosses threads. V spreads a side's scales over the program's threads: they are formed
+        # there, once each, where L would have every thread divide for each of its rows and
+        # columns. Token runs may come in two column pieces (PIECES), each quantised and stored
+        # in turn.
+        W: gl.constexpr = B // PIECES
         pid = gl.program_id(0)
         cb = gl.program_id(1)
         g = (pid // n_rb).to(gl.int64)
         rb = pid % n_rb
         rr = rb * B + gl.arange(0, B, layout=gl.SliceLayout(1, L))
-        cc = cb * B + gl.arange(0, B, layout=gl.SliceLayout(0, L))
+        cc = cb * B + gl.arange(0, W, layout=gl.SliceLayout(0, L))
         r_ok = rr < R
-        c_ok = cc < C
         r64 = rr.to(gl.int64)
-        c64 = cc.to(gl.int64)
-        ok = r_ok[:, None] & c_ok[None, :]
-        xv = gl.load(x_ptr + g * sxg + r64[:, None] * sxr + c64[None, :] * sxc, mask=ok, other=0.0)
+        x_rows = x_ptr + g * sxg + r64[:, None] * sxr
+        ok = r_ok[:, None] & (cc < C)[None, :]
+        xv = gl.load(x_rows + cc.to(gl.int64)[None, :] * sxc, mask=ok, other=0.0)
         bits = _g_magnitude_bits(xv)
         if TILE_2D:
             scale = _g_scale_of(_g_amax_of_bits(gl.max(gl.max(bits, axis=1), axis=0), xv), FP8_MAX, TINY)
@@ -241,38 +280,69 @@ if gluon is not None:
             neg_k, kr, r, s_res = _g_step_of(scale)
             v = xv.to(gl.float32)  # after the divisions: not held across their slow-path branches
             q8 = _g_quotient_of(v, neg_k, kr, r, s_res, FP8_MAX).to(q_ptr.dtype.element_ty)
-            qt8 = gl.convert_layout(q8, LT)
+            gl.store(q_ptr + g * sqg + r64[:, None] * sqr + cc.to(gl.int64)[None, :], q8, mask=ok)
+            _g_store_t(gl.convert_layout(q8, LT), qt_ptr + g * sqtg, rb * B, cb * B, R, C, sqtc, B, B, LT)
         else:
-            idx = gl.arange(0, B, layout=V)
-            neg_k, kr, r, s_res = _g_runs_step(gl.max(bits, axis=1), xv, s_ptr + g * ssg + cb * ssc, rb * B + idx,
-                                            ssr, R, gl.SliceLayout(1, L), V, FP8_MAX, TINY)
-            neg_k_t, kr_t, r_t, s_res_t = _g_runs_step(gl.max(bits, axis=0), xv, st_ptr + g * stg + rb * str_,
-                                                  cb * B + idx, stc, C, gl.SliceLayout(0, L), V, FP8_MAX, TINY)
-            v = xv.to(gl.float32)
-            q8 = _g_quotient_of(v, neg_k[:, None], kr[:, None], r[:, None], s_res[:, None], FP8_MAX).to(q_ptr.dtype.element_ty)
-            qt = _g_quotient_of(v, neg_k_t[None, :], kr_t[None, :], r_t[None, :], s_res_t[None, :], FP8_MAX)
-            qt8 = gl.convert_layout(qt.to(qt_ptr.dtype.element_ty), LT)
-        gl.store(q_ptr + g * sqg + r64[:, None] * sqr + c64[None, :], q8, mask=ok)
-        rt = rb * B + gl.arange(0, B, layout=gl.SliceLayout(1, LT))
-        ct = cb * B + gl.arange(0, B, layout=gl.SliceLayout(0, LT))
-        okt = (rt < R)[:, None] & (ct < C)[None, :]
-        gl.store(qt_ptr + g * sqtg + ct.to(gl.int64)[None, :] * sqtc + rt.to(gl.int64)[:, None], qt8, mask=okt)
+            row_bits = gl.max(bits, axis=1)
+            cc1 = cc + W
+            ok1 = r_ok[:, None] & (cc1 < C)[None, :]
+            if PIECES == 2:
+                xv1 = gl.load(x_rows + cc1.to(gl.int64)[None, :] * sxc, mask=ok1, other=0.0)
+                bits1 = _g_magnitude_bits(xv1)
+                row_bits = gl.maximum(row_bits, gl.max(bits1, axis=1))
+            idx = gl.arange(0, W, layout=V)
+            st_base = st_ptr + g * stg + rb * str_
+            least, rows = _g_runs_step(row_bits, xv, s_ptr + g * ssg + cb * ssc, rb * B + gl.arange(0, B, layout=V),
+                                       ssr, R, gl.SliceLayout(1, L), V, FP8_MAX, TINY)
+            least_c, cols = _g_runs_step(gl.max(bits, axis=0), xv, st_base, cb * B + idx, stc, C,
+                                         gl.SliceLayout(0, L), V, FP8_MAX, TINY)
+            least = gl.minimum(least, least_c)
+            if PIECES == 2:
+                least_c, cols1 = _g_runs_step(gl.max(bits1, axis=0), xv, st_base, cb * B + W + idx, stc, C,
+                                              gl.SliceLayout(0, L), V, FP8_MAX, TINY)
+                least = gl.minimum(least, least_c)
+            q_rows = q_ptr + g * sqg + r64[:, None] * sqr
+            qt_base = qt_ptr + g * sqtg
+            # One branch per tile. The rare arm (a scale below the rescaling threshold somewhere in
+            # the tile) reads the tile again rather than sharing the registers' copy: with the same
+            # first operations in both arms, the compiler hoists the float32 conversion above the
+            # branch and holds the whole tile's float32 values. A NaN scale is ignored by the min
+            # and takes the lean form, which gives what the exact one gives.
+            if least < 1.0e-18:
+                xe = gl.load(x_rows + cc.to(gl.int64)[None, :] * sxc, mask=ok, other=0.0)
+                _g_store_piece(xe, rows, cols, cb * B, q_rows, qt_base, rb * B, R, C, sqtc, r_ok,
+                               B, W, L, LT, False, FP8_MAX)
+                if PIECES == 2:
+                    xe1 = gl.load(x_rows + cc1.to(gl.int64)[None, :] * sxc, mask=ok1, other=0.0)
+                    _g_store_piece(xe1, rows, cols1, cb * B + W, q_rows, qt_base, rb * B, R, C, sqtc, r_ok,
+                                   B, W, L, LT, False, FP8_MAX)
+            else:
+                _g_store_piece(xv, rows, cols, cb * B, q_rows, qt_base, rb * B, R, C, sqtc, r_ok,
+                               B, W, L, LT, True, FP8_MAX)
+                if PIECES == 2:
+                    _g_store_piece(xv1, rows, cols1, cb * B + W, q_rows, qt_base, rb * B, R, C, sqtc, r_ok,
+                                   B, W, L, LT, True, FP8_MAX)
 
-def register_layouts(rows: int, warps: int, block: int = BLOCK):
-    """The three layouts of ``_dual_quantize_regs_kernel`` over a ``block`` x ``block`` tile, each
-    thread holding ``rows`` consecutive rows x 8 consecutive columns: ``L`` with the columns
-    fastest in its registers (the load and the row copy's store), and ``LT``, the same elements on
-    the same threads with the rows fastest (the transposed copy's store). A blocked layout with the
-    rows fastest would also lay the lanes along the rows, and the conversion would cross threads.
-    ``V`` spreads ``block`` values (a side's scales) over the program's threads."""
-    if rows * 2 * warps != block or rows & (rows - 1) or warps & (warps - 1):
-        raise ValueError(f"register_layouts: rows x 2 x warps must be {block}, powers of two (got {rows}, {warps})")
-    lay = gl.BlockedLayout([rows, 8], [2, 16], [warps, 1], [1, 0])
+def register_layouts(rows: int, warps: int, cols: int = BLOCK, block: int = BLOCK):
+    """The three layouts of ``_dual_quantize_regs_kernel`` over a ``block`` x ``cols`` piece of a
+    tile, each thread holding ``rows`` consecutive rows x 8 consecutive columns: ``L`` with the
+    columns fastest in its registers (the load and the row copy's store), and ``LT``, the same
+    elements on the same threads with the rows fastest (the transposed copy's store). A blocked
+    layout with the rows fastest would also lay the lanes along the rows, and the conversion
+    would cross threads. ``V`` spreads a side's scales over the program's threads."""
+    lanes_c = cols // 8
+    lanes_r = 32 // max(lanes_c, 1)
+    if (rows * lanes_r * warps != block or lanes_c * lanes_r != 32
+            or any(n & (n - 1) for n in (rows, warps, cols))):
+        raise ValueError(f"register_layouts: rows x lanes along rows x warps must be {block} with 8-column "
+                         f"pieces, powers of two (got rows {rows}, warps {warps}, cols {cols})")
+    lay = gl.BlockedLayout([rows, 8], [lanes_r, lanes_c], [warps, 1], [1, 0])
     regs = [[1 << i, 0] for i in range(rows.bit_length() - 1)] + [[0, 1], [0, 2], [0, 4]]
-    lanes = [[0, 8], [0, 16], [0, 32], [0, 64], [rows, 0]]
-    warp_bases = [[2 * rows << i, 0] for i in range(warps.bit_length() - 1)]
+    lanes = [[0, 8 << i] for i in range(lanes_c.bit_length() - 1)]
+    lanes += [[rows << i, 0] for i in range(lanes_r.bit_length() - 1)]
+    warp_bases = [[rows * lanes_r << i, 0] for i in range(warps.bit_length() - 1)]
     compact = gl.BlockedLayout([1], [32], [warps], [0])
-    return lay, gl.DistributedLinearLayout(regs, lanes, warp_bases, [], [block, block]), compact
+    return lay, gl.DistributedLinearLayout(regs, lanes, warp_bases, [], [block, cols]), compact
 
 
 def available(x: torch.Tensor, block: int) -> str | None:
@@ -287,8 +357,8 @@ def available(x: torch.Tensor, block: int) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _layouts(rows: int, warps: int):
-    return register_layouts(rows, warps)
+def _layouts(rows: int, warps: int, cols: int):
+    return register_layouts(rows, warps, cols)
 
 
 def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d: bool = False) -> None:
@@ -300,12 +370,13 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
             *x.stride(), data.stride(0), data.stride(1), data_t.stride(0), data_t.stride(1),
             *scale.stride(), *scale_t.stride())
     if tile_2d or KERNEL == "regs":
-        rows, warps, maxnreg = REGS_LAUNCH[tile_2d]
-        lay, lay_t, compact = _layouts(rows, warps)
+        rows, warps, maxnreg, pieces = REGS_LAUNCH[tile_2d]
+        pieces = 1 if tile_2d else pieces
+        lay, lay_t, compact = _layouts(rows, warps, BLOCK // pieces)
         extra = {"maxnreg": maxnreg} if maxnreg else {}
         _dual_quantize_regs_kernel[(g * n_r, n_c)](
-            *args, TILE_2D=tile_2d, B=BLOCK, L=lay, LT=lay_t, V=compact, FP8_MAX=fp8_max, TINY=tiny,
-            num_warps=warps, **extra)
+            *args, TILE_2D=tile_2d, B=BLOCK, PIECES=pieces, L=lay, LT=lay_t, V=compact, FP8_MAX=fp8_max,
+            TINY=tiny, num_warps=warps, **extra)
         return
     chunk, t_chunk, warps = LAUNCH
     _dual_quantize_gluon_kernel[(g * n_r, n_c)](

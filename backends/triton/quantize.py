@@ -85,6 +85,18 @@ def available() -> str | None:
 if triton is not None:
 
     @triton.jit
+    def _flagged_max(values, flags, AXIS: tl.constexpr):
+        """Max of ``values`` along ``AXIS``, NaN where the reduced ``flags`` (int32, nonzero for a
+        NaN) hold one: ``tl.max`` drops NaN, and a NaN amax must reach the scale (as torch's
+        amax does)."""
+        return tl.where(tl.max(flags, axis=AXIS) > 0, float("nan"), tl.max(values, axis=AXIS))
+
+    @triton.jit
+    def _nan_max(a, AXIS: tl.constexpr):
+        """``_flagged_max`` of ``a`` (abs values) with its own NaNs as the flags."""
+        return _flagged_max(a, (a != a).to(tl.int32), AXIS)
+
+    @triton.jit
     def _amax_kernel(x_ptr, amax_ptr, P, Q, sx_p, sx_q, s_amax,
                      BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, Q_PER_PROG: tl.constexpr,
                      ONE_AMAX: tl.constexpr):
@@ -108,16 +120,9 @@ if triton is not None:
             run = tl.maximum(run, tl.max(a, axis=1))
             nan = tl.maximum(nan, tl.max((a != a).to(tl.int32), axis=1))
         if ONE_AMAX:
-            total = tl.where(tl.max(nan, axis=0) > 0, float("nan"), tl.max(run, axis=0))
-            tl.atomic_max(amax_ptr, total)
+            tl.atomic_max(amax_ptr, _flagged_max(run, nan, 0))
         else:
             tl.atomic_max(amax_ptr + offs_p * s_amax, tl.where(nan > 0, float("nan"), run), mask=mask_p)
-
-    @triton.jit
-    def _nan_max(a, AXIS: tl.constexpr):
-        """Max of ``a`` (abs values) along ``AXIS`` that is NaN where the reduced run holds one:
-        ``tl.max`` drops NaN, and a NaN amax must reach the scale (as torch's amax does)."""
-        return tl.where(tl.max((a != a).to(tl.int32), axis=AXIS) > 0, float("nan"), tl.max(a, axis=AXIS))
 
     @triton.jit
     def _scale_of(amax, FP8_MAX_: tl.constexpr, TINY: tl.constexpr, RECIP: tl.constexpr):
@@ -243,8 +248,7 @@ if triton is not None:
         if PER_ROW:
             tl.atomic_max(col_ptr + offs_q, tl.where(col_nan > 0, float("nan"), col), mask=mask_q)
         else:
-            total = tl.where(tl.max(col_nan, axis=0) > 0, float("nan"), tl.max(col, axis=0))
-            tl.atomic_max(row_ptr, total)
+            tl.atomic_max(row_ptr, _flagged_max(col, col_nan, 0))
 
     @triton.jit
     def _cast_both_kernel(x_ptr, data_ptr, data_t_ptr, row_amax_ptr, col_amax_ptr, scale_ptr, scale_t_ptr,
