@@ -1014,6 +1014,18 @@ def test_gpu_gluon_dual_quantizer_matches_triton_bit_for_bit(fmt, kernel):
         finally:
             DQ.GLUON = True
             DG.KERNEL, DG.SERVES_TILES = saved
+    # contiguous rows whose count is a multiple of 16: vector loads and 16-byte transposed stores
+    # together (round 67's step found a mismatch no ragged or strided operand had shown)
+    even = torch.randn(2, 256, 384, device="cuda", dtype=torch.bfloat16)
+    for gluon in (True, False):
+        DQ.GLUON = gluon
+        DG.KERNEL, DG.SERVES_TILES = kernel, kernel == "regs"
+        try:
+            outs[gluon] += DQ.dual_quantize(even, fmt, 128, False)
+            outs[gluon] += DQ.dual_quantize(even, fmt, 128, True) if kernel == "regs" else ()
+        finally:
+            DQ.GLUON = True
+            DG.KERNEL, DG.SERVES_TILES = saved
     for a, b in zip(outs[True], outs[False], strict=True):
         if a.dtype.is_floating_point and a.element_size() == 1:
             a, b = a.view(torch.uint8), b.view(torch.uint8)

@@ -243,7 +243,7 @@ if gluon is not None:
             qt = _g_to_fp8_lean(v, r_t[None, :], s_res_t[None, :], FP8_MAX)
         else:
             qt = _g_quotient_of(v, neg_k_t[None, :], kr_t[None, :], r_t[None, :], s_res_t[None, :], FP8_MAX)
-        _g_store_t(gl.convert_layout(qt.to(qt_base.dtype.element_ty), LT), qt_base, r0, c0, R, C, sqtc, B, W, LT)
+        _g_store_t(gl.convert_layout(qt, LT).to(qt_base.dtype.element_ty), qt_base, r0, c0, R, C, sqtc, B, W, LT)
 
     @gluon.jit
     def _dual_quantize_regs_kernel(
@@ -279,9 +279,12 @@ if gluon is not None:
             gl.store(s_ptr + g * ssg + rb * ssr + cb * ssc, scale)
             neg_k, kr, r, s_res = _g_step_of(scale)
             v = xv.to(gl.float32)  # after the divisions: not held across their slow-path branches
-            q8 = _g_quotient_of(v, neg_k, kr, r, s_res, FP8_MAX).to(q_ptr.dtype.element_ty)
-            gl.store(q_ptr + g * sqg + r64[:, None] * sqr + cc.to(gl.int64)[None, :], q8, mask=ok)
-            _g_store_t(gl.convert_layout(q8, LT), qt_ptr + g * sqtg, rb * B, cb * B, R, C, sqtc, B, B, LT)
+            q = _g_quotient_of(v, neg_k, kr, r, s_res, FP8_MAX)
+            gl.store(q_ptr + g * sqg + r64[:, None] * sqr + cc.to(gl.int64)[None, :], q.to(q_ptr.dtype.element_ty),
+                     mask=ok)
+            # the renaming moves the float32 values; the fp8 bytes are packed after it
+            qt8 = gl.convert_layout(q, LT).to(qt_ptr.dtype.element_ty)
+            _g_store_t(qt8, qt_ptr + g * sqtg, rb * B, cb * B, R, C, sqtc, B, B, LT)
         else:
             row_bits = gl.max(bits, axis=1)
             cc1 = cc + W
