@@ -161,11 +161,11 @@ LAUNCH = {False: (64, 4), True: (64, 4)}
 #: the H100 with zeros, signed zeros, subnormal-sized cells, inf and NaN). div_rn at (64, 4):
 #: 1.015 ms for x, 0.868 ms for w. The CPU interpreter always takes div_rn (its FMA is not fused).
 FAST_DIV = True
-#: Quantise token runs through the Gluon kernel (dual_quantize_gluon) where it can run (block 128,
-#: bf16/fp16, sm_90); False keeps every call on the Triton kernel (the probe compares the two).
-#: Only runs: for 2-D tiles, whose transposed copy needs no second quantisation, Triton's own
-#: conversion (ldmatrix-transposed, 80 registers) was faster (H100, round 36: 0.21 vs 0.25 ms
-#: geomean over DeepSeek-V3, Qwen3 and GPT-OSS weights).
+#: Quantise through the Gluon kernels (dual_quantize_gluon) where they can run (block 128,
+#: bf16/fp16, sm_90): token runs by its shared-memory kernel, 2-D tiles by its register-transposed
+#: one (``dual_quantize_gluon.SERVES_TILES``; H100, round 67: 0.097 against 0.119 ms geomean for
+#: this module's Triton kernel over DeepSeek-V3, Qwen3 and GPT-OSS weights, 2.66 TB/s at
+#: DeepSeek-V3's). False keeps every call on the Triton kernel (the probe compares them).
 GLUON = True
 
 

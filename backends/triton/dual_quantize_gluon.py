@@ -1,4 +1,22 @@
-"""The dual blockwise fp8 quantiser (``dual_quantize``) for token runs, in Gluon, block 128, Hopper.
+"""The dual blockwise fp8 quantiser (``dual_quantize``) in Gluon, block 128, Hopper: two kernels.
+
+``_dual_quantize_regs_kernel`` (2-D tiles, the default there; token runs as an option) keeps the
+whole 128 x 128 tile in registers, each thread holding 16 consecutive rows x 8 columns: the
+16-byte row pieces load coalesced and each of its columns leaves the transposed copy as one
+16-byte store, so no shared-memory tile at all. Moving the values to the rows-first register
+order is a renaming (a linear layout with the same lanes and warps, ``register_layouts``); the
+float32 values are renamed and the fp8 bytes packed after it, because renaming the packed fp8
+bytes gave a wrong transposed copy under triton 3.6 at contiguous, 16-row-aligned operands
+(round 67; the GPU test now covers that case). Its quotient is ``_quotient``'s without a branch
+on tiny scales (``_g_quotient_of``). H100 (rounds 66-67, with the fp8 bytes renamed, i.e. before
+that fix; the fixed kernel has not been timed alone): 2-D tiles 0.097 ms geomean against 0.119 for
+the Triton kernel (DeepSeek-V3's weight 0.351 vs 0.464 ms, 2.67 TB/s). For token runs
+it needs the row and column scales of the tile in every thread and more registers (157-255,
+one or two programs per SM); its best runs launch, two 64-column pieces at (8, 4), measured 0.205
+against 0.212 ms for the shared-memory kernel in the same run (round 67), inside run-to-run
+noise, so runs stay on the shared-memory kernel below.
+
+``_dual_quantize_gluon_kernel``, the token-run default:
 
 Same contract and the same bits as ``dual_quantize._dual_quantize_kernel`` with ``TILE_2D`` off;
 what differs is the transpose. The transposed copy ``[C, R]`` needs each thread to hold consecutive *rows* of the
