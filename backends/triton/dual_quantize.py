@@ -169,6 +169,15 @@ FAST_DIV = True
 GLUON = True
 
 
+def kernel_args(x, data, data_t, scale, scale_t, block: int) -> tuple:
+    """The runtime arguments every dual-quantiser kernel takes (this module's and
+    dual_quantize_gluon's), in their order: pointers, ``R, C``, row blocks, then the strides."""
+    g, r, c = x.shape
+    return (x, data, data_t, scale, scale_t, r, c, -(-r // block),
+            *x.stride(), data.stride(0), data.stride(1), data_t.stride(0), data_t.stride(1),
+            *scale.stride(), *scale_t.stride())
+
+
 def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantise ``x[G, R, C]`` (any strides) both ways in one pass; see the module docstring.
@@ -215,9 +224,7 @@ def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
             return data, scale, data_t, scale_t
     chunk, warps = LAUNCH[tile_2d]
     _dual_quantize_kernel[(g * n_r, n_c)](
-        x, data, data_t, scale, scale_t, r, c, n_r,
-        *x.stride(), data.stride(0), data.stride(1), data_t.stride(0), data_t.stride(1),
-        *scale.stride(), *scale_t.stride(),
+        *kernel_args(x, data, data_t, scale, scale_t, block),
         TILE_2D=tile_2d, B=block, CH=min(chunk, block), FP8_MAX=FP8_MAX[dtype], TINY=_TINY,
         ROUND_FIRST=interpreting, MANT_BITS=_MANT_BITS[dtype], MIN_EXP=_MIN_EXP[dtype],
         FAST_DIV=FAST_DIV and not interpreting, num_warps=warps,

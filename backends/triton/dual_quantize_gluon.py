@@ -65,6 +65,7 @@ import functools
 
 import torch
 
+from .dual_quantize import kernel_args
 from .fp8_blockwise_gluon import available as _gluon_available
 
 try:
@@ -191,14 +192,31 @@ if gluon is not None:
         return bits.to(gl.int16).to(like.dtype, bitcast=True).to(gl.float32)
 
     @gluon.jit
-    def _g_step_of(scale):
+    def _g_rescale(scale):
+        """``_quotient``'s k: 2**64 for a scale below its rescaling threshold, else 1."""
+        return gl.where(scale < 1.0e-18, 18446744073709551616.0, 1.0)
+
+    @gluon.jit
+    def _g_reciprocal(scale):
+        """RN(1 / (scale * k)), the one division ``_g_step_with`` needs per scale."""
+        r, _ = _g_step_operands(scale * _g_rescale(scale))
+        return r
+
+    @gluon.jit
+    def _g_step_with(scale, r):
         """``_quotient``'s per-scale operands, formed once per row or column before any value is
-        touched: (-k, k r, r, scale * k with inf and NaN as 0), where k = 2**64 for a scale below
-        the rescaling threshold, else 1, and r = RN(1 / (scale * k)). The products by k are exact
-        (powers of two, far from the range's ends), which ``_g_quotient_of`` relies on."""
-        k = gl.where(scale < 1.0e-18, 18446744073709551616.0, 1.0)
-        r, s_res = _g_step_operands(scale * k)
+        touched, given ``r = _g_reciprocal(scale)`` (which a caller may form in another layout):
+        (-k, k r, r, scale * k with inf and NaN as 0). The products by k are exact (powers of
+        two, far from the range's ends), which ``_g_quotient_of`` relies on. The division of
+        ``_g_step_operands`` is unused here, and the compiler drops it."""
+        k = _g_rescale(scale)
+        _, s_res = _g_step_operands(scale * k)
         return k * -1.0, r * k, r, s_res
+
+    @gluon.jit
+    def _g_step_of(scale):
+        """``_g_step_with`` of ``scale`` and its reciprocal."""
+        return _g_step_with(scale, _g_reciprocal(scale))
 
     @gluon.jit
     def _g_quotient_of(v, neg_k, kr, r, s_res, FP8_MAX: gl.constexpr):
@@ -222,14 +240,9 @@ if gluon is not None:
         amax = _g_amax_of_bits(gl.convert_layout(amax_bits, V), like)
         scale = _g_scale_of(amax, FP8_MAX, TINY)
         gl.store(s_base + idx.to(gl.int64) * s_stride, scale, mask=idx < n)
-        k = gl.where(scale < 1.0e-18, 18446744073709551616.0, 1.0)
-        r, _ = _g_step_operands(scale * k)
         # only the scale and the division's result cross back; the rest is a select or a product
-        s = gl.convert_layout(scale, S)
-        r = gl.convert_layout(r, S)
-        k = gl.where(s < 1.0e-18, 18446744073709551616.0, 1.0)
-        s_res = gl.where(s * k < float("inf"), s * k, 0.0)
-        return gl.min(scale, axis=0), (k * -1.0, r * k, r, s_res)
+        r = gl.convert_layout(_g_reciprocal(scale), S)
+        return gl.min(scale, axis=0), _g_step_with(gl.convert_layout(scale, S), r)
 
     @gluon.jit
     def _g_store_t(qt8, base, r0, c0, R, C, sqtc, ROWS_: gl.constexpr, COLS_: gl.constexpr, LT: gl.constexpr):
@@ -387,9 +400,7 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
     token runs (``tile_2d`` False) by the kernel ``KERNEL`` names, 2-D tiles by the register kernel."""
     g, r, c = x.shape
     n_r, n_c = -(-r // BLOCK), -(-c // BLOCK)
-    args = (x, data, data_t, scale, scale_t, r, c, n_r,
-            *x.stride(), data.stride(0), data.stride(1), data_t.stride(0), data_t.stride(1),
-            *scale.stride(), *scale_t.stride())
+    args = kernel_args(x, data, data_t, scale, scale_t, BLOCK)
     if tile_2d or KERNEL == "regs":
         rows, warps, maxnreg, pieces = REGS_LAUNCH[tile_2d]
         pieces = 1 if tile_2d else pieces
