@@ -67,8 +67,11 @@ TILES_LAUNCHES = [(64, 4), (32, 4)]
 GLUON_LAUNCHES = [(32, 32, 4)]
 #: dual_quantize_gluon.REGS_LAUNCH values (rows per thread, warps, maxnreg or 0, column pieces) of
 #: its register kernel, for runs and for 2-D tiles.
-REGS_RUNS_LAUNCHES = [(8, 8, 0, 1), (8, 8, 128, 1), (8, 4, 0, 2), (4, 8, 0, 2), (4, 8, 128, 2)]
+REGS_RUNS_LAUNCHES = [(8, 4, 0, 2)]
 REGS_TILES_LAUNCHES = [(16, 4, 0, 1), (16, 4, 168, 1), (8, 8, 0, 1)]
+#: dual_quantize_gluon.STAGED_LAUNCH values (rows per read chunk, rows per transposed chunk, warps,
+#: maxnreg or 0) of its staged kernel (token runs).
+STAGED_LAUNCHES = [(32, 32, 4, 0), (32, 32, 4, 96), (16, 32, 4, 0), (32, 32, 8, 0), (64, 32, 8, 0), (32, 16, 4, 0)]
 
 
 def _gluon_setups(tile: bool = False) -> list[tuple[str, dict]]:
@@ -82,6 +85,7 @@ def _gluon_setups(tile: bool = False) -> list[tuple[str, dict]]:
         return [(f"regs {la}", dict(SERVES_TILES=True, REGS_LAUNCH={False: DG.REGS_LAUNCH[False], True: la}))
                 for la in REGS_TILES_LAUNCHES]
     return ([(f"smem {la}", dict(KERNEL="smem", LAUNCH=la)) for la in GLUON_LAUNCHES]
+            + [(f"staged {la}", dict(KERNEL="staged", STAGED_LAUNCH=la)) for la in STAGED_LAUNCHES]
             + [(f"regs {la}", dict(KERNEL="regs", REGS_LAUNCH={False: la, True: DG.REGS_LAUNCH[True]}))
                for la in REGS_RUNS_LAUNCHES])
 

@@ -87,6 +87,9 @@ KERNEL = "smem"
 #: (rows per thread, warps, maxnreg or 0, column pieces) of ``_dual_quantize_regs_kernel`` for
 #: runs (False) and 2-D tiles (True, always one piece); see ``register_layouts`` for which fit.
 REGS_LAUNCH = {False: (8, 8, 0, 1), True: (16, 4, 0, 1)}
+#: (rows per read chunk, rows per transposed chunk, warps, maxnreg or 0) of
+#: ``_dual_quantize_staged_kernel`` (``KERNEL="staged"``).
+STAGED_LAUNCH = (32, 32, 4, 0)
 #: Whether ``dual_quantize`` sends 2-D tiles here (the register kernel) rather than to Triton.
 SERVES_TILES = True
 
@@ -178,6 +181,81 @@ if gluon is not None:
             qt = _g_to_fp8(vt, col_scale_t, FP8_MAX)
             gl.store(qt_ptr + g * sqtg + ct64[:, None] * sqtc + rt.to(gl.int64)[None, :],
                      qt.to(qt_ptr.dtype.element_ty), mask=okt)
+
+    @gluon.jit
+    def _dual_quantize_staged_kernel(
+        x_ptr, q_ptr, qt_ptr, s_ptr, st_ptr,
+        R, C, n_rb,
+        sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
+        B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
+        TINY: gl.constexpr, WARPS: gl.constexpr,
+    ):
+        # The shared-memory kernel's data path with two cross-warp exchanges per tile instead of
+        # 28 barriers (its SASS under triton 3.6): a chunk is [REPS, WR, B] with a thread's
+        # rows of the chunk along the first axis, so the column amax accumulates inside each
+        # thread across the chunks and crosses warps once, after the last; the row quotient has
+        # no branch on tiny scales (_g_quotient_of; the branch's min crossed warps each chunk);
+        # the column pass decides its branch once per tile from scales every warp holds.
+        WR: gl.constexpr = 2 * WARPS  # rows one load instruction of the program covers
+        REPS: gl.constexpr = CH // WR
+        L3: gl.constexpr = gl.BlockedLayout([REPS, 1, 8], [1, 2, 16], [1, WARPS, 1], [2, 1, 0])
+        RS: gl.constexpr = gl.SliceLayout(2, L3)
+        CS: gl.constexpr = gl.SliceLayout(0, L3)
+        COL: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [WARPS, 1], [1, 0])
+        pid = gl.program_id(0)
+        cb = gl.program_id(1)
+        g = (pid // n_rb).to(gl.int64)
+        rb = pid % n_rb
+        tile = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [B // CH, REPS, WR, B],
+                                         gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+
+        cc = cb * B + gl.arange(0, B, layout=gl.SliceLayout(0, CS))
+        c_ok = cc < C
+        c3 = gl.expand_dims(gl.expand_dims(cc.to(gl.int64), 0), 0)
+        c_ok3 = gl.expand_dims(gl.expand_dims(c_ok, 0), 0)
+        rows = (gl.arange(0, REPS, layout=gl.SliceLayout(1, RS))[:, None] * WR
+                + gl.arange(0, WR, layout=gl.SliceLayout(0, RS))[None, :])
+        col_acc = gl.zeros([WR, B], gl.int32, layout=CS)
+        for i in range(B // CH):
+            rr = rb * B + i * CH + rows
+            r_ok = rr < R
+            r64 = rr.to(gl.int64)
+            ok = r_ok[:, :, None] & c_ok3
+            xv = gl.load(x_ptr + g * sxg + r64[:, :, None] * sxr + c3 * sxc, mask=ok, other=0.0)
+            tile.index(i).store(xv)
+            v = xv.to(gl.float32)
+            bits = gl.abs(v).to(gl.int32, bitcast=True)  # amax on the bits: see the kernel above
+            col_acc = gl.maximum(col_acc, gl.max(bits, axis=0))
+            row_scale = _g_scale_of(gl.max(bits, axis=2).to(gl.float32, bitcast=True), FP8_MAX, TINY)
+            gl.store(s_ptr + g * ssg + r64 * ssr + cb * ssc, row_scale, mask=r_ok)
+            neg_k, kr, r, s_res = _g_step_of(row_scale)
+            q = _g_quotient_of(v, neg_k[:, :, None], kr[:, :, None], r[:, :, None], s_res[:, :, None], FP8_MAX)
+            gl.store(q_ptr + g * sqg + r64[:, :, None] * sqr + c3, q.to(q_ptr.dtype.element_ty), mask=ok)
+        col_scale = _g_scale_of(gl.max(col_acc, axis=0).to(gl.float32, bitcast=True), FP8_MAX, TINY)
+        gl.store(st_ptr + g * stg + rb * str_ + cc.to(gl.int64) * stc, col_scale, mask=c_ok)
+        tiny = gl.min(col_scale, axis=0) < 1.0e-18
+        col_scale_t = gl.convert_layout(col_scale, gl.SliceLayout(1, COL))
+        gl.thread_barrier()  # the whole tile is in shared memory before any warp reads it across
+
+        flat = tile._reinterpret(x_ptr.dtype.element_ty, [B // TCH, TCH, B], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        ct = cb * B + gl.arange(0, B, layout=gl.SliceLayout(1, COL))
+        ct_ok = ct < C
+        qt_cols = qt_ptr + g * sqtg + ct.to(gl.int64)[:, None] * sqtc
+        if tiny:
+            for j in range(B // TCH):
+                rt = rb * B + j * TCH + gl.arange(0, TCH, layout=gl.SliceLayout(0, COL))
+                vt = flat.index(j).permute([1, 0]).load(COL).to(gl.float32)
+                qt = _g_to_fp8_exact(vt, col_scale_t[:, None], FP8_MAX)
+                gl.store(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
+                         mask=ct_ok[:, None] & (rt < R)[None, :])
+        else:
+            r_t, s_res_t = _g_step_operands(col_scale_t)
+            for j in range(B // TCH):
+                rt = rb * B + j * TCH + gl.arange(0, TCH, layout=gl.SliceLayout(0, COL))
+                vt = flat.index(j).permute([1, 0]).load(COL).to(gl.float32)
+                qt = _g_to_fp8_lean(vt, r_t[:, None], s_res_t[:, None], FP8_MAX)
+                gl.store(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
+                         mask=ct_ok[:, None] & (rt < R)[None, :])
 
     @gluon.jit
     def _g_magnitude_bits(x):
@@ -409,6 +487,13 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
         _dual_quantize_regs_kernel[(g * n_r, n_c)](
             *args, TILE_2D=tile_2d, B=BLOCK, PIECES=pieces, L=lay, LT=lay_t, V=compact, FP8_MAX=fp8_max,
             TINY=tiny, num_warps=warps, **extra)
+        return
+    if KERNEL == "staged":
+        chunk, t_chunk, warps, maxnreg = STAGED_LAUNCH
+        extra = {"maxnreg": maxnreg} if maxnreg else {}
+        _dual_quantize_staged_kernel[(g * n_r, n_c)](
+            *args, B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, num_warps=warps,
+            **extra)
         return
     chunk, t_chunk, warps = LAUNCH
     _dual_quantize_gluon_kernel[(g * n_r, n_c)](
