@@ -43,6 +43,22 @@ def _scale_of(amax, FP8_MAX: tl.constexpr, TINY: tl.constexpr):
 
 
 @triton.jit
+def _scale_of_16bit(amax, FP8_MAX: tl.constexpr, TINY: tl.constexpr):
+    """``_scale_of`` for an ``amax`` that is a 16-bit float's magnitude (bf16 or fp16 data)
+    without a division: q0 = amax * RN(1 / FP8_MAX) and one correction step, q0 - RN(q0 FP8_MAX -
+    amax) RN(1 / FP8_MAX), equal RN(amax / FP8_MAX) after the clamp to TINY for every finite
+    amax of both formats and both fp8 maxima (checked exhaustively, exact arithmetic:
+    tests/test_dual_quantize_scale.py). An infinite amax gives q0 = inf and keeps it (the step
+    would make NaN), a NaN stays NaN. Needs fused multiply-adds (not the CPU interpreter)."""
+    RECIP: tl.constexpr = 1.0 / FP8_MAX
+    q0 = amax * RECIP
+    q = tl.fma(tl.fma(q0, FP8_MAX, amax * -1.0) * -1.0, RECIP, q0)
+    scale = tl.where(q0 < float("inf"), q, q0)
+    scale = tl.maximum(scale, TINY, propagate_nan=tl.PropagateNan.ALL)
+    return tl.where(amax == 0.0, 1.0, scale)
+
+
+@triton.jit
 def _quotient(v, scale):
     """``v / scale`` rounded exactly as ``div_rn`` rounds it, for ``scale`` of shape [n, 1], [1, n]
     or a scalar (one reciprocal each): q0 = v * RN(1/s) is within an ulp of the quotient, and one

@@ -83,20 +83,21 @@ BLOCK = 128
 LAUNCH = (32, 32, 4)
 #: Which kernel quantises token runs: "smem" (``_dual_quantize_gluon_kernel``, the tile staged in
 #: shared memory) or "regs" (``_dual_quantize_regs_kernel``, transposed in registers).
-KERNEL = "smem"
+KERNEL = "staged"
 #: (rows per thread, warps, maxnreg or 0, column pieces) of ``_dual_quantize_regs_kernel`` for
 #: runs (False) and 2-D tiles (True, always one piece); see ``register_layouts`` for which fit.
 REGS_LAUNCH = {False: (8, 8, 0, 1), True: (16, 4, 0, 1)}
-#: (rows per read chunk, rows per transposed chunk, warps, maxnreg or 0) of
+#: (rows per read chunk, rows per transposed chunk, warps, maxnreg or 0, prefetch, fast scale) of
 #: ``_dual_quantize_staged_kernel`` (``KERNEL="staged"``).
-STAGED_LAUNCH = (32, 32, 4, 0)
+STAGED_LAUNCH = (32, 32, 4, 96, False, True)
 #: Whether ``dual_quantize`` sends 2-D tiles here (the register kernel) rather than to Triton.
 SERVES_TILES = True
 
 if gluon is not None:
-    from .dual_quantize import _corrected_quotient, _quotient, _scale_of, _step_operands
+    from .dual_quantize import _corrected_quotient, _quotient, _scale_of, _scale_of_16bit, _step_operands
 
     _g_scale_of = gluon.jit(_scale_of.fn)
+    _g_scale_of_16bit = gluon.jit(_scale_of_16bit.fn)
     _g_quotient = gluon.jit(_quotient.fn)
     _g_step_operands = gluon.jit(_step_operands.fn)
     _g_corrected_quotient = gluon.jit(_corrected_quotient.fn)
@@ -188,7 +189,7 @@ if gluon is not None:
         R, C, n_rb,
         sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
         B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
-        TINY: gl.constexpr, WARPS: gl.constexpr,
+        TINY: gl.constexpr, WARPS: gl.constexpr, PREFETCH: gl.constexpr, FAST_SCALE: gl.constexpr,
     ):
         # The shared-memory kernel's data path with two cross-warp exchanges per tile instead of
         # 28 barriers (its SASS under triton 3.6): a chunk is [REPS, WR, B] with a thread's
@@ -216,22 +217,38 @@ if gluon is not None:
         rows = (gl.arange(0, REPS, layout=gl.SliceLayout(1, RS))[:, None] * WR
                 + gl.arange(0, WR, layout=gl.SliceLayout(0, RS))[None, :])
         col_acc = gl.zeros([WR, B], gl.int32, layout=CS)
+        x_cols = x_ptr + g * sxg + c3 * sxc
+        if PREFETCH:
+            xn = gl.load(x_cols + (rb * B + rows).to(gl.int64)[:, :, None] * sxr,
+                         mask=(rb * B + rows < R)[:, :, None] & c_ok3, other=0.0)
         for i in range(B // CH):
             rr = rb * B + i * CH + rows
             r_ok = rr < R
             r64 = rr.to(gl.int64)
             ok = r_ok[:, :, None] & c_ok3
-            xv = gl.load(x_ptr + g * sxg + r64[:, :, None] * sxr + c3 * sxc, mask=ok, other=0.0)
+            if PREFETCH:
+                xv = xn
+                rn = rr + CH
+                xn = gl.load(x_cols + rn.to(gl.int64)[:, :, None] * sxr,
+                             mask=((rn < R) & (i + 1 < B // CH))[:, :, None] & c_ok3, other=0.0)
+            else:
+                xv = gl.load(x_cols + r64[:, :, None] * sxr, mask=ok, other=0.0)
             tile.index(i).store(xv)
             v = xv.to(gl.float32)
             bits = gl.abs(v).to(gl.int32, bitcast=True)  # amax on the bits: see the kernel above
             col_acc = gl.maximum(col_acc, gl.max(bits, axis=0))
-            row_scale = _g_scale_of(gl.max(bits, axis=2).to(gl.float32, bitcast=True), FP8_MAX, TINY)
+            if FAST_SCALE:
+                row_scale = _g_scale_of_16bit(gl.max(bits, axis=2).to(gl.float32, bitcast=True), FP8_MAX, TINY)
+            else:
+                row_scale = _g_scale_of(gl.max(bits, axis=2).to(gl.float32, bitcast=True), FP8_MAX, TINY)
             gl.store(s_ptr + g * ssg + r64 * ssr + cb * ssc, row_scale, mask=r_ok)
             neg_k, kr, r, s_res = _g_step_of(row_scale)
             q = _g_quotient_of(v, neg_k[:, :, None], kr[:, :, None], r[:, :, None], s_res[:, :, None], FP8_MAX)
             gl.store(q_ptr + g * sqg + r64[:, :, None] * sqr + c3, q.to(q_ptr.dtype.element_ty), mask=ok)
-        col_scale = _g_scale_of(gl.max(col_acc, axis=0).to(gl.float32, bitcast=True), FP8_MAX, TINY)
+        if FAST_SCALE:
+            col_scale = _g_scale_of_16bit(gl.max(col_acc, axis=0).to(gl.float32, bitcast=True), FP8_MAX, TINY)
+        else:
+            col_scale = _g_scale_of(gl.max(col_acc, axis=0).to(gl.float32, bitcast=True), FP8_MAX, TINY)
         gl.store(st_ptr + g * stg + rb * str_ + cc.to(gl.int64) * stc, col_scale, mask=c_ok)
         tiny = gl.min(col_scale, axis=0) < 1.0e-18
         col_scale_t = gl.convert_layout(col_scale, gl.SliceLayout(1, COL))
@@ -489,11 +506,11 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
             TINY=tiny, num_warps=warps, **extra)
         return
     if KERNEL == "staged":
-        chunk, t_chunk, warps, maxnreg = STAGED_LAUNCH
+        chunk, t_chunk, warps, maxnreg, prefetch, fast_scale = STAGED_LAUNCH
         extra = {"maxnreg": maxnreg} if maxnreg else {}
         _dual_quantize_staged_kernel[(g * n_r, n_c)](
             *args, B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, num_warps=warps,
-            **extra)
+            PREFETCH=prefetch, FAST_SCALE=fast_scale, **extra)
         return
     chunk, t_chunk, warps = LAUNCH
     _dual_quantize_gluon_kernel[(g * n_r, n_c)](
