@@ -71,8 +71,8 @@ REGS_RUNS_LAUNCHES = [(8, 4, 0, 2)]
 REGS_TILES_LAUNCHES = [(16, 4, 0, 1), (16, 4, 168, 1), (8, 8, 0, 1)]
 #: dual_quantize_gluon.STAGED_LAUNCH values (rows per read chunk, rows per transposed chunk, warps,
 #: maxnreg or 0, prefetch, fast scale) of its staged kernel (token runs).
-STAGED_LAUNCHES = [(32, 32, 4, 96, False, False), (32, 32, 4, 96, False, True), (32, 32, 4, 0, False, True),
-                   (32, 32, 4, 128, True, True), (16, 32, 4, 0, True, True), (16, 32, 4, 0, False, True)]
+STAGED_LAUNCHES = [(32, 32, 4, 96, False, True), (32, 16, 4, 96, False, True), (64, 32, 4, 128, False, True),
+                   (32, 32, 8, 0, False, True), (32, 32, 4, 80, False, True)]
 
 
 def _gluon_setups(tile: bool = False) -> list[tuple[str, dict]]:
