@@ -70,9 +70,11 @@ GLUON_LAUNCHES = [(32, 32, 4)]
 REGS_RUNS_LAUNCHES = [(8, 4, 0, 2)]
 REGS_TILES_LAUNCHES = [(16, 4, 0, 1), (16, 4, 168, 1), (8, 8, 0, 1)]
 #: dual_quantize_gluon.STAGED_LAUNCH values (rows per read chunk, rows per transposed chunk, warps,
-#: maxnreg or 0, prefetch, fast scale) of its staged kernel (token runs).
-STAGED_LAUNCHES = [(32, 32, 4, 96, False, True), (32, 16, 4, 96, False, True), (64, 32, 4, 128, False, True),
-                   (32, 32, 8, 0, False, True), (32, 32, 4, 80, False, True)]
+#: maxnreg or 0, prefetch, fast scale, fast reciprocal) of its staged kernel (token runs).
+STAGED_LAUNCHES = [(32, 32, 4, 96, False, True, False), (32, 32, 4, 96, False, True, True)]
+#: dual_quantize_gluon.THREE_PASS_LAUNCH values (rows per chunk, rows per transposed chunk, warps,
+#: maxnreg or 0, fast reciprocal) of its three-pass kernel (token runs).
+THREE_PASS_LAUNCHES = [(32, 32, 4, 0, True), (32, 32, 4, 0, False), (16, 32, 4, 0, True), (32, 32, 8, 0, True)]
 
 
 def _gluon_setups(tile: bool = False) -> list[tuple[str, dict]]:
@@ -87,6 +89,7 @@ def _gluon_setups(tile: bool = False) -> list[tuple[str, dict]]:
                 for la in REGS_TILES_LAUNCHES]
     return ([(f"smem {la}", dict(KERNEL="smem", LAUNCH=la)) for la in GLUON_LAUNCHES]
             + [(f"staged {la}", dict(KERNEL="staged", STAGED_LAUNCH=la)) for la in STAGED_LAUNCHES]
+            + [(f"three_pass {la}", dict(KERNEL="three_pass", THREE_PASS_LAUNCH=la)) for la in THREE_PASS_LAUNCHES]
             + [(f"regs {la}", dict(KERNEL="regs", REGS_LAUNCH={False: la, True: DG.REGS_LAUNCH[True]}))
                for la in REGS_RUNS_LAUNCHES])
 

@@ -89,7 +89,10 @@ KERNEL = "staged"
 REGS_LAUNCH = {False: (8, 8, 0, 1), True: (16, 4, 0, 1)}
 #: (rows per read chunk, rows per transposed chunk, warps, maxnreg or 0, prefetch, fast scale) of
 #: ``_dual_quantize_staged_kernel`` (``KERNEL="staged"``).
-STAGED_LAUNCH = (32, 32, 4, 96, False, True)
+STAGED_LAUNCH = (32, 32, 4, 96, False, True, False)
+#: (rows per chunk, rows per transposed chunk, warps, maxnreg or 0, fast reciprocal) of
+#: ``_dual_quantize_three_pass_kernel`` (``KERNEL="three_pass"``).
+THREE_PASS_LAUNCH = (32, 32, 4, 0, True)
 #: Whether ``dual_quantize`` sends 2-D tiles here (the register kernel) rather than to Triton.
 SERVES_TILES = True
 
@@ -190,6 +193,7 @@ if gluon is not None:
         sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
         B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
         TINY: gl.constexpr, WARPS: gl.constexpr, PREFETCH: gl.constexpr, FAST_SCALE: gl.constexpr,
+        FAST_RCP: gl.constexpr,
     ):
         # The shared-memory kernel's data path with two cross-warp exchanges per tile instead of
         # 28 barriers (its SASS under triton 3.6): a chunk is [REPS, WR, B] with a thread's
@@ -242,7 +246,10 @@ if gluon is not None:
             else:
                 row_scale = _g_scale_of(gl.max(bits, axis=2).to(gl.float32, bitcast=True), FP8_MAX, TINY)
             gl.store(s_ptr + g * ssg + r64 * ssr + cb * ssc, row_scale, mask=r_ok)
-            neg_k, kr, r, s_res = _g_step_of(row_scale)
+            if FAST_RCP:
+                neg_k, kr, r, s_res = _g_step_with(row_scale, _g_scale_reciprocal(row_scale * _g_rescale(row_scale)))
+            else:
+                neg_k, kr, r, s_res = _g_step_of(row_scale)
             q = _g_quotient_of(v, neg_k[:, :, None], kr[:, :, None], r[:, :, None], s_res[:, :, None], FP8_MAX)
             gl.store(q_ptr + g * sqg + r64[:, :, None] * sqr + c3, q.to(q_ptr.dtype.element_ty), mask=ok)
         if FAST_SCALE:
@@ -267,6 +274,109 @@ if gluon is not None:
                          mask=ct_ok[:, None] & (rt < R)[None, :])
         else:
             r_t, s_res_t = _g_step_operands(col_scale_t)
+            if FAST_RCP:
+                r_t = _g_scale_reciprocal(col_scale_t)
+            for j in range(B // TCH):
+                rt = rb * B + j * TCH + gl.arange(0, TCH, layout=gl.SliceLayout(0, COL))
+                vt = flat.index(j).permute([1, 0]).load(COL).to(gl.float32)
+                qt = _g_to_fp8_lean(vt, r_t[:, None], s_res_t[:, None], FP8_MAX)
+                gl.store(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
+                         mask=ct_ok[:, None] & (rt < R)[None, :])
+
+    @gluon.jit
+    def _g_lean_operands(scale, FAST_RCP: gl.constexpr):
+        """``_g_to_fp8_lean``'s (r, s_res) for scales none of which is below the rescaling
+        threshold: RN(1 / scale) by ``_g_scale_reciprocal`` (FAST_RCP) or div_rn."""
+        r, s_res = _g_step_operands(scale)
+        if FAST_RCP:
+            r = _g_scale_reciprocal(scale)
+        return r, s_res
+
+    @gluon.jit
+    def _dual_quantize_three_pass_kernel(
+        x_ptr, q_ptr, qt_ptr, s_ptr, st_ptr,
+        R, C, n_rb,
+        sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
+        B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
+        TINY: gl.constexpr, WARPS: gl.constexpr, FAST_RCP: gl.constexpr,
+    ):
+        # The staged kernel with the row copy moved out of the read pass: the read pass keeps the
+        # tile and its row scales in shared memory and only takes amaxes; the row pass reads the
+        # tile back in the read pass's layout and, like the column pass, picks its quotient once
+        # per tile (no per-element rescaling in the common case).
+        WR: gl.constexpr = 2 * WARPS
+        REPS: gl.constexpr = CH // WR
+        L3: gl.constexpr = gl.BlockedLayout([REPS, 1, 8], [1, 2, 16], [1, WARPS, 1], [2, 1, 0])
+        RS: gl.constexpr = gl.SliceLayout(2, L3)
+        CS: gl.constexpr = gl.SliceLayout(0, L3)
+        COL: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [WARPS, 1], [1, 0])
+        pid = gl.program_id(0)
+        cb = gl.program_id(1)
+        g = (pid // n_rb).to(gl.int64)
+        rb = pid % n_rb
+        tile = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [B // CH, REPS, WR, B],
+                                         gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        row_scales = gl.allocate_shared_memory(gl.float32, [B // CH, REPS, WR], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+
+        cc = cb * B + gl.arange(0, B, layout=gl.SliceLayout(0, CS))
+        c_ok = cc < C
+        c3 = gl.expand_dims(gl.expand_dims(cc.to(gl.int64), 0), 0)
+        c_ok3 = gl.expand_dims(gl.expand_dims(c_ok, 0), 0)
+        rows = (gl.arange(0, REPS, layout=gl.SliceLayout(1, RS))[:, None] * WR
+                + gl.arange(0, WR, layout=gl.SliceLayout(0, RS))[None, :])
+        col_acc = gl.zeros([WR, B], gl.int32, layout=CS)
+        row_min = gl.full([REPS, WR], float("inf"), gl.float32, layout=RS)
+        x_cols = x_ptr + g * sxg + c3 * sxc
+        for i in range(B // CH):
+            rr = rb * B + i * CH + rows
+            r_ok = rr < R
+            xv = gl.load(x_cols + rr.to(gl.int64)[:, :, None] * sxr, mask=r_ok[:, :, None] & c_ok3, other=0.0)
+            tile.index(i).store(xv)
+            bits = gl.abs(xv.to(gl.float32)).to(gl.int32, bitcast=True)
+            col_acc = gl.maximum(col_acc, gl.max(bits, axis=0))
+            row_scale = _g_scale_of_16bit(gl.max(bits, axis=2).to(gl.float32, bitcast=True), FP8_MAX, TINY)
+            gl.store(s_ptr + g * ssg + rr.to(gl.int64) * ssr + cb * ssc, row_scale, mask=r_ok)
+            row_scales.index(i).store(row_scale)
+            row_min = gl.minimum(row_min, row_scale)
+        col_scale = _g_scale_of_16bit(gl.max(col_acc, axis=0).to(gl.float32, bitcast=True), FP8_MAX, TINY)
+        gl.store(st_ptr + g * stg + rb * str_ + cc.to(gl.int64) * stc, col_scale, mask=c_ok)
+        # a NaN scale is ignored by the mins and takes the lean form, which gives what the exact one gives
+        tiny_rows = gl.min(gl.min(row_min, axis=1), axis=0) < 1.0e-18
+        tiny_cols = gl.min(col_scale, axis=0) < 1.0e-18
+        col_scale_t = gl.convert_layout(col_scale, gl.SliceLayout(1, COL))
+        gl.thread_barrier()  # the whole tile and its row scales are in shared memory
+
+        q_cols = q_ptr + g * sqg + c3
+        if tiny_rows:
+            for i in range(B // CH):
+                rr = rb * B + i * CH + rows
+                v = tile.index(i).load(L3).to(gl.float32)
+                neg_k, kr, r, s_res = _g_step_of(row_scales.index(i).load(RS))
+                q = _g_quotient_of(v, neg_k[:, :, None], kr[:, :, None], r[:, :, None], s_res[:, :, None], FP8_MAX)
+                gl.store(q_cols + rr.to(gl.int64)[:, :, None] * sqr, q.to(q_ptr.dtype.element_ty),
+                         mask=(rr < R)[:, :, None] & c_ok3)
+        else:
+            for i in range(B // CH):
+                rr = rb * B + i * CH + rows
+                v = tile.index(i).load(L3).to(gl.float32)
+                r, s_res = _g_lean_operands(row_scales.index(i).load(RS), FAST_RCP)
+                q = _g_to_fp8_lean(v, r[:, :, None], s_res[:, :, None], FP8_MAX)
+                gl.store(q_cols + rr.to(gl.int64)[:, :, None] * sqr, q.to(q_ptr.dtype.element_ty),
+                         mask=(rr < R)[:, :, None] & c_ok3)
+
+        flat = tile._reinterpret(x_ptr.dtype.element_ty, [B // TCH, TCH, B], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        ct = cb * B + gl.arange(0, B, layout=gl.SliceLayout(1, COL))
+        ct_ok = ct < C
+        qt_cols = qt_ptr + g * sqtg + ct.to(gl.int64)[:, None] * sqtc
+        if tiny_cols:
+            for j in range(B // TCH):
+                rt = rb * B + j * TCH + gl.arange(0, TCH, layout=gl.SliceLayout(0, COL))
+                vt = flat.index(j).permute([1, 0]).load(COL).to(gl.float32)
+                qt = _g_to_fp8_exact(vt, col_scale_t[:, None], FP8_MAX)
+                gl.store(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
+                         mask=ct_ok[:, None] & (rt < R)[None, :])
+        else:
+            r_t, s_res_t = _g_lean_operands(col_scale_t, FAST_RCP)
             for j in range(B // TCH):
                 rt = rb * B + j * TCH + gl.arange(0, TCH, layout=gl.SliceLayout(0, COL))
                 vt = flat.index(j).permute([1, 0]).load(COL).to(gl.float32)
@@ -296,6 +406,19 @@ if gluon is not None:
         """RN(1 / (scale * k)), the one division ``_g_step_with`` needs per scale."""
         r, _ = _g_step_operands(scale * _g_rescale(scale))
         return r
+
+    @gluon.jit
+    def _g_scale_reciprocal(s):
+        """RN(1 / s) for a quantisation scale (``_scale_of_16bit`` of a 16-bit amax, or one
+        times 2**64 below the rescaling threshold) without div_rn's checks and slow path:
+        rcp.approx and one Newton step with fused multiply-adds, which gives RN(1 / s) for every
+        such scale from any start within 2 ulp of it (exhaustive, exact arithmetic:
+        tests/test_dual_quantize_scale.py). inf gives rcp's 0 (the step would make NaN), NaN
+        stays NaN."""
+        y = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [s], dtype=gl.float32,
+                                      is_pure=True, pack=1)
+        r = gl.fma(gl.fma(s * -1.0, y, 1.0), y, y)
+        return gl.where(s < float("inf"), r, y)
 
     @gluon.jit
     def _g_step_with(scale, r):
@@ -505,12 +628,19 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
             *args, TILE_2D=tile_2d, B=BLOCK, PIECES=pieces, L=lay, LT=lay_t, V=compact, FP8_MAX=fp8_max,
             TINY=tiny, num_warps=warps, **extra)
         return
+    if KERNEL == "three_pass":
+        chunk, t_chunk, warps, maxnreg, fast_rcp = THREE_PASS_LAUNCH
+        extra = {"maxnreg": maxnreg} if maxnreg else {}
+        _dual_quantize_three_pass_kernel[(g * n_r, n_c)](
+            *args, B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, num_warps=warps,
+            FAST_RCP=fast_rcp, **extra)
+        return
     if KERNEL == "staged":
-        chunk, t_chunk, warps, maxnreg, prefetch, fast_scale = STAGED_LAUNCH
+        chunk, t_chunk, warps, maxnreg, prefetch, fast_scale, fast_rcp = STAGED_LAUNCH
         extra = {"maxnreg": maxnreg} if maxnreg else {}
         _dual_quantize_staged_kernel[(g * n_r, n_c)](
             *args, B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, num_warps=warps,
-            PREFETCH=prefetch, FAST_SCALE=fast_scale, **extra)
+            PREFETCH=prefetch, FAST_SCALE=fast_scale, FAST_RCP=fast_rcp, **extra)
         return
     chunk, t_chunk, warps = LAUNCH
     _dual_quantize_gluon_kernel[(g * n_r, n_c)](
