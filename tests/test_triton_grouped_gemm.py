@@ -931,11 +931,11 @@ def test_gluon_dual_quantizer_says_why_it_cannot_run():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize("kernel", ["triton", "gluon", "gluon_regs"])
+@pytest.mark.parametrize("kernel", ["triton", "gluon"])
 def test_gpu_dual_quantizer_matches_quantize_cells(fmt, kernel):
     """Every GPU path of ``dual_quantize`` (the Triton kernel with its FMA-corrected quotient; the
-    Gluon kernels at block 128: the shared-memory one for token runs with its lean quotient, the
-    register one for runs and 2-D tiles with its branch-free quotient) against ``quantize_cells``
+    Gluon kernels at block 128: the runs kernel with its branch-free row and once-per-tile column
+    quotients, the register tiles kernel with its branch-free quotient) against ``quantize_cells``
     (one correctly rounded division per element), bit for bit: token runs and 2-D tiles, blocks
     128 and 64, with zero cells, signed zeros, subnormal-sized cells (the rescaled quotient),
     small cells that take the rescaled quotient without being subnormal, inf, NaN and values
@@ -962,9 +962,6 @@ def test_gpu_dual_quantizer_matches_quantize_cells(fmt, kernel):
         return torch.equal(torch.nan_to_num(a, nan=-1.0), torch.nan_to_num(b, nan=-1.0))
 
     DQ.GLUON = kernel != "triton"
-    saved = DG.KERNEL, DG.SERVES_TILES
-    if kernel == "gluon_regs":
-        DG.KERNEL, DG.SERVES_TILES = "regs", True
     try:
         for block in (128, 64):
             d, s, d_t, s_t = DQ.dual_quantize(x, fmt, block, False)
@@ -978,15 +975,13 @@ def test_gpu_dual_quantizer_matches_quantize_cells(fmt, kernel):
             assert same(d, q) and same(s, qs) and same(d_t, qt), block
     finally:
         DQ.GLUON = True
-        DG.KERNEL, DG.SERVES_TILES = saved
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize("kernel", ["smem", "regs"])
-def test_gpu_gluon_dual_quantizer_matches_triton_bit_for_bit(fmt, kernel):
+def test_gpu_gluon_dual_quantizer_matches_triton_bit_for_bit(fmt):
     """The Gluon quantisers give the Triton kernel's bits (which the interpreter checks against
-    the reference quantize): token runs (both kernels) and 2-D tiles (the register kernel) at
+    the reference quantize): token runs (the runs kernel) and 2-D tiles (the tiles kernel) at
     ragged rows and columns, strided rows, zero, NaN, inf, subnormal-sized and near-overflow
     cells, groups."""
     import turbo_dispatch.backends.triton.dual_quantize as DQ
@@ -1007,18 +1002,14 @@ def test_gpu_gluon_dual_quantizer_matches_triton_bit_for_bit(fmt, kernel):
     # together (round 67's step found a mismatch no ragged or strided operand had shown)
     even = torch.randn(2, 256, 384, device="cuda", dtype=torch.bfloat16)
     outs = {}
-    saved = DG.KERNEL, DG.SERVES_TILES
     for gluon in (True, False):
         DQ.GLUON = gluon
-        DG.KERNEL, DG.SERVES_TILES = kernel, kernel == "regs"
         try:
             outs[gluon] = ()
             for src in (x, even):
-                outs[gluon] += DQ.dual_quantize(src, fmt, 128, False)
-                outs[gluon] += DQ.dual_quantize(src, fmt, 128, True) if kernel == "regs" else ()
+                outs[gluon] += DQ.dual_quantize(src, fmt, 128, False) + DQ.dual_quantize(src, fmt, 128, True)
         finally:
             DQ.GLUON = True
-            DG.KERNEL, DG.SERVES_TILES = saved
     for a, b in zip(outs[True], outs[False], strict=True):
         if a.dtype.is_floating_point and a.element_size() == 1:
             a, b = a.view(torch.uint8), b.view(torch.uint8)

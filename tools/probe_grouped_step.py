@@ -62,36 +62,20 @@ def time_ms(fn, reps: int = 20) -> float:
 #: times and the check covers.
 RUNS_LAUNCHES = [(64, 4), (32, 4)]
 TILES_LAUNCHES = [(64, 4), (32, 4)]
-#: dual_quantize_gluon.LAUNCH values (rows per read chunk, rows per transposed chunk, warps) of
-#: its shared-memory kernel, which serves token runs only.
-GLUON_LAUNCHES = [(32, 32, 4)]
-#: dual_quantize_gluon.REGS_LAUNCH values (rows per thread, warps, maxnreg or 0, column pieces) of
-#: its register kernel, for runs and for 2-D tiles.
-REGS_RUNS_LAUNCHES = [(8, 4, 0, 2)]
-REGS_TILES_LAUNCHES = [(16, 4, 0, 1), (16, 4, 168, 1), (8, 8, 0, 1)]
-#: dual_quantize_gluon.STAGED_LAUNCH values (rows per read chunk, rows per transposed chunk, warps,
-#: maxnreg or 0, prefetch, fast scale, fast reciprocal) of its staged kernel (token runs).
-STAGED_LAUNCHES = [(32, 32, 4, 96, False, True, False), (32, 32, 4, 96, False, True, True)]
-#: dual_quantize_gluon.THREE_PASS_LAUNCH values (rows per chunk, rows per transposed chunk, warps,
-#: maxnreg or 0, fast reciprocal) of its three-pass kernel (token runs).
-THREE_PASS_LAUNCHES = [(32, 32, 4, 0, True), (32, 32, 4, 0, False), (16, 32, 4, 0, True), (32, 32, 8, 0, True)]
+#: dual_quantize_gluon.LAUNCH values (rows per read chunk, rows per transposed chunk, warps,
+#: maxnreg or 0) of its runs kernel, and TILES_LAUNCH values (rows per thread, warps, maxnreg or 0)
+#: of its tiles kernel.
+GLUON_LAUNCHES = [(32, 32, 4, 96), (32, 32, 4, 0)]
+GLUON_TILES_LAUNCHES = [(16, 4, 0), (16, 4, 168), (8, 8, 0)]
 
 
 def _gluon_setups(tile: bool = False) -> list[tuple[str, dict]]:
     """(name, dual_quantize_gluon attributes) of every Gluon variant the sweep times and the
-    check covers, for token runs or (``tile``) 2-D tiles. (Rounds 39-43 also listed a pipelined
-    kernel, a cp.async load, wider column reads and a launch order here; see
-    dual_quantize_gluon's docstring.)"""
-    import turbo_dispatch.backends.triton.dual_quantize_gluon as DG
-
+    check covers, for token runs or (``tile``) 2-D tiles. (Earlier rounds also listed kernels and
+    options since dropped; dual_quantize_gluon's docstring names them and what they measured.)"""
     if tile:
-        return [(f"regs {la}", dict(SERVES_TILES=True, REGS_LAUNCH={False: DG.REGS_LAUNCH[False], True: la}))
-                for la in REGS_TILES_LAUNCHES]
-    return ([(f"smem {la}", dict(KERNEL="smem", LAUNCH=la)) for la in GLUON_LAUNCHES]
-            + [(f"staged {la}", dict(KERNEL="staged", STAGED_LAUNCH=la)) for la in STAGED_LAUNCHES]
-            + [(f"three_pass {la}", dict(KERNEL="three_pass", THREE_PASS_LAUNCH=la)) for la in THREE_PASS_LAUNCHES]
-            + [(f"regs {la}", dict(KERNEL="regs", REGS_LAUNCH={False: la, True: DG.REGS_LAUNCH[True]}))
-               for la in REGS_RUNS_LAUNCHES])
+        return [(f"tiles {la}", dict(SERVES_TILES=True, TILES_LAUNCH=la)) for la in GLUON_TILES_LAUNCHES]
+    return [(f"runs {la}", dict(LAUNCH=la)) for la in GLUON_LAUNCHES]
 
 
 def _apply_gluon(setup: dict) -> dict:
