@@ -67,6 +67,8 @@ TILES_LAUNCHES = [(64, 4), (32, 4)]
 #: of its tiles kernel.
 GLUON_LAUNCHES = [(32, 32, 4, 96), (32, 32, 4, 0)]
 GLUON_TILES_LAUNCHES = [(16, 4, 0), (16, 4, 168), (8, 8, 0)]
+#: dual_quantize_gluon.TMA_RUNS values (ring stages, programs per SM) of its persistent TMA runs kernel.
+GLUON_TMA_RUNS = [(2, 3), (1, 4), (3, 2), (2, 2)]
 
 
 def _gluon_setups(tile: bool = False) -> list[tuple[str, dict]]:
@@ -75,7 +77,8 @@ def _gluon_setups(tile: bool = False) -> list[tuple[str, dict]]:
     options since dropped; dual_quantize_gluon's docstring names them and what they measured.)"""
     if tile:
         return [(f"tiles {la}", dict(SERVES_TILES=True, TILES_LAUNCH=la)) for la in GLUON_TILES_LAUNCHES]
-    return [(f"runs {la}", dict(LAUNCH=la)) for la in GLUON_LAUNCHES]
+    return ([(f"runs {la}", dict(LAUNCH=la, TMA_RUNS=None)) for la in GLUON_LAUNCHES]
+            + [(f"runs tma {tma}", dict(TMA_RUNS=tma)) for tma in GLUON_TMA_RUNS])
 
 
 def _apply_gluon(setup: dict) -> dict:

@@ -65,6 +65,9 @@ BLOCK = 128
 #: ``_dual_quantize_runs_kernel``: the best of the sweeps (tools/probe_grouped_step.py --sweep,
 #: H100, rounds 69-72): 96 registers, 5 programs per SM.
 LAUNCH = (32, 32, 4, 96)
+#: (ring stages, programs per SM) of ``_dual_quantize_runs_tma_kernel``, the persistent TMA form
+#: of the runs kernel for operands TMA can read, or None for one program per tile.
+TMA_RUNS = None
 #: (rows per thread, warps, maxnreg or 0) of ``_dual_quantize_tiles_kernel``; see
 #: ``register_layouts`` for which fit.
 TILES_LAUNCH = (16, 4, 0)
@@ -78,6 +81,9 @@ if gluon is not None:
     _g_quotient = gluon.jit(_quotient.fn)
     _g_step_operands = gluon.jit(_step_operands.fn)
     _g_corrected_quotient = gluon.jit(_corrected_quotient.fn)
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+
+    from .fp8_blockwise_gluon import GluonDescriptor, _cta_barrier, _tma_load
 
     @gluon.jit
     def _g_to_fp8_exact(v, scale, FP8_MAX: gl.constexpr):
@@ -92,14 +98,16 @@ if gluon is not None:
         return gl.maximum(_g_corrected_quotient(v, r, s_res), -FP8_MAX)
 
     @gluon.jit
-    def _dual_quantize_runs_kernel(
-        x_ptr, q_ptr, qt_ptr, s_ptr, st_ptr,
-        R, C, n_rb,
-        sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
-        B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
-        TINY: gl.constexpr, WARPS: gl.constexpr,
-    ):
-        # The module docstring explains the layout and the two cross-warp exchanges per tile.
+    def _g_runs_tile(x_rows, sxr, sxc, chunks, chunk0, slices, slice0, q_ptr, qt_ptr, s_ptr, st_ptr, g, rb, cb,
+                     R, C, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
+                     B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
+                     TINY: gl.constexpr, WARPS: gl.constexpr, IN_SMEM: gl.constexpr):
+        """Both copies and both scale sets of tile (g, rb, cb) of a token-run operand. The tile is
+        read as ``chunks.index(chunk0 + i)`` ([REPS, 2 * WARPS, B] each) and, transposed, as
+        ``slices.index(slice0 + j)`` ([TCH, B] each), two views of the same shared memory; it is
+        already there (IN_SMEM, a TMA copy) or is read from ``x_rows`` (x at group g, strides
+        ``sxr``, ``sxc``) into it here. The module docstring explains the layout and the two
+        cross-warp exchanges."""
         WR: gl.constexpr = 2 * WARPS  # rows one load instruction of the program covers
         REPS: gl.constexpr = CH // WR  # a thread's rows per chunk
         L3: gl.constexpr = gl.BlockedLayout([REPS, 1, 8], [1, 2, 16], [1, WARPS, 1], [2, 1, 0])
@@ -107,13 +115,6 @@ if gluon is not None:
         CS: gl.constexpr = gl.SliceLayout(0, L3)  # a thread's column partials
         # transposed view [columns, rows]: 16 consecutive rows of one column per thread
         COL: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [WARPS, 1], [1, 0])
-        pid = gl.program_id(0)
-        cb = gl.program_id(1)
-        g = (pid // n_rb).to(gl.int64)
-        rb = pid % n_rb
-        tile = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [B // CH, REPS, WR, B],
-                                         gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-
         cc = cb * B + gl.arange(0, B, layout=gl.SliceLayout(0, CS))
         c_ok = cc < C
         c3 = gl.expand_dims(gl.expand_dims(cc.to(gl.int64), 0), 0)
@@ -126,8 +127,11 @@ if gluon is not None:
             r_ok = rr < R
             r64 = rr.to(gl.int64)
             ok = r_ok[:, :, None] & c_ok3
-            xv = gl.load(x_ptr + g * sxg + r64[:, :, None] * sxr + c3 * sxc, mask=ok, other=0.0)
-            tile.index(i).store(xv)
+            if IN_SMEM:
+                xv = chunks.index(chunk0 + i).load(L3)
+            else:
+                xv = gl.load(x_rows + r64[:, :, None] * sxr + c3 * sxc, mask=ok, other=0.0)
+                chunks.index(chunk0 + i).store(xv)
             v = xv.to(gl.float32)
             # amax on the float bits (abs clears the sign): integer order is float order for
             # non-negative floats, and NaN sorts above inf, so a NaN gives its cell a NaN scale
@@ -144,17 +148,16 @@ if gluon is not None:
         # is ignored by it and takes the lean form, which gives what the exact one gives
         tiny = gl.min(col_scale, axis=0) < 1.0e-18
         col_scale_t = gl.convert_layout(col_scale, gl.SliceLayout(1, COL))
-        gl.thread_barrier()  # the whole tile is in shared memory before any warp reads it across
+        if not IN_SMEM:
+            _cta_barrier()  # the whole tile is in shared memory before any warp reads it across
 
-        flat = tile._reinterpret(x_ptr.dtype.element_ty, [B // TCH, TCH, B],
-                                 gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         ct = cb * B + gl.arange(0, B, layout=gl.SliceLayout(1, COL))
         ct_ok = ct < C
         qt_cols = qt_ptr + g * sqtg + ct.to(gl.int64)[:, None] * sqtc
         if tiny:
             for j in range(B // TCH):
                 rt = rb * B + j * TCH + gl.arange(0, TCH, layout=gl.SliceLayout(0, COL))
-                vt = flat.index(j).permute([1, 0]).load(COL).to(gl.float32)
+                vt = slices.index(slice0 + j).permute([1, 0]).load(COL).to(gl.float32)
                 qt = _g_to_fp8_exact(vt, col_scale_t[:, None], FP8_MAX)
                 gl.store(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
                          mask=ct_ok[:, None] & (rt < R)[None, :])
@@ -162,10 +165,73 @@ if gluon is not None:
             r_t, s_res_t = _g_step_operands(col_scale_t)
             for j in range(B // TCH):
                 rt = rb * B + j * TCH + gl.arange(0, TCH, layout=gl.SliceLayout(0, COL))
-                vt = flat.index(j).permute([1, 0]).load(COL).to(gl.float32)
+                vt = slices.index(slice0 + j).permute([1, 0]).load(COL).to(gl.float32)
                 qt = _g_to_fp8_lean(vt, r_t[:, None], s_res_t[:, None], FP8_MAX)
                 gl.store(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
                          mask=ct_ok[:, None] & (rt < R)[None, :])
+
+    @gluon.jit
+    def _dual_quantize_runs_kernel(
+        x_ptr, q_ptr, qt_ptr, s_ptr, st_ptr,
+        R, C, n_rb,
+        sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
+        B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
+        TINY: gl.constexpr, WARPS: gl.constexpr,
+    ):
+        # One program per tile, the tile read into shared memory by its own loads.
+        pid = gl.program_id(0)
+        g = (pid // n_rb).to(gl.int64)
+        chunks = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [B // CH, CH // (2 * WARPS), 2 * WARPS, B],
+                                           gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        slices = chunks._reinterpret(x_ptr.dtype.element_ty, [B // TCH, TCH, B], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        _g_runs_tile(x_ptr + g * sxg, sxr, sxc, chunks, 0, slices, 0, q_ptr, qt_ptr, s_ptr, st_ptr, g, pid % n_rb,
+                     gl.program_id(1), R, C, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
+                     B, CH, TCH, FP8_MAX, TINY, WARPS, False)
+
+    @gluon.jit
+    def _dual_quantize_runs_tma_kernel(
+        x_desc, q_ptr, qt_ptr, s_ptr, st_ptr,
+        R, C, n_rb, n_cb, n_tiles,
+        sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
+        B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
+        TINY: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr,
+    ):
+        # Persistent: a ring of STAGES tiles filled by TMA copies, so the next tiles stream in
+        # while this one is quantised (the one-program-per-tile kernel waits on its own loads).
+        ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES, 1, B, B], x_desc.layout)
+        chunks = ring._reinterpret(x_desc.dtype, [STAGES * (B // CH), CH // (2 * WARPS), 2 * WARPS, B],
+                                   gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        slices = ring._reinterpret(x_desc.dtype, [STAGES * (B // TCH), TCH, B], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+        pid = gl.program_id(0)
+        progs = gl.num_programs(0)
+        per_group = n_rb * n_cb
+        for s in gl.static_range(STAGES):
+            t = pid + s * progs
+            live = t < n_tiles
+            mbarrier.expect(ready.index(s), B * B * 2, pred=live)
+            _tma_load(x_desc, [t // per_group, (t % per_group) // n_cb * B, t % n_cb * B], ready.index(s),
+                      ring.index(s), pred=live)
+        it = 0
+        for t in range(pid, n_tiles, progs):
+            slot = it % STAGES
+            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+            g = (t // per_group).to(gl.int64)
+            _g_runs_tile(q_ptr, 0, 0, chunks, slot * (B // CH), slices, slot * (B // TCH), q_ptr, qt_ptr, s_ptr,
+                         st_ptr, g, (t % per_group) // n_cb, t % n_cb, R, C, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc,
+                         stg, str_, stc, B, CH, TCH, FP8_MAX, TINY, WARPS, True)
+            _cta_barrier()  # every warp is done with the slot before the copy that refills it
+            fence_async_shared()
+            nxt = t + STAGES * progs
+            live = nxt < n_tiles
+            mbarrier.expect(ready.index(slot), B * B * 2, pred=live)
+            _tma_load(x_desc, [nxt // per_group, (nxt % per_group) // n_cb * B, nxt % n_cb * B], ready.index(slot),
+                      ring.index(slot), pred=live)
+            it += 1
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(s))
 
     @gluon.jit
     def _g_magnitude_bits(x):
@@ -299,6 +365,24 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
             **({"maxnreg": maxnreg} if maxnreg else {}))
         return
     chunk, t_chunk, warps, maxnreg = LAUNCH
+    extra = {"maxnreg": maxnreg} if maxnreg else {}
+    if TMA_RUNS and _tma_readable(x):
+        stages, per_sm = TMA_RUNS
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
+        desc = GluonDescriptor(x, list(x.shape), list(x.stride()), [1, BLOCK, BLOCK], layout)
+        n_tiles = g * n_r * n_c
+        grid = min(n_tiles, per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count)
+        _dual_quantize_runs_tma_kernel[(grid,)](
+            desc, *args[1:5], r, c, n_r, n_c, n_tiles, *args[11:], B=BLOCK, CH=chunk, TCH=t_chunk,
+            FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, STAGES=stages, num_warps=warps, **extra)
+        return
     _dual_quantize_runs_kernel[(g * n_r, n_c)](
-        *args, B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, num_warps=warps,
-        **({"maxnreg": maxnreg} if maxnreg else {}))
+        *args, B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, num_warps=warps, **extra)
+
+
+def _tma_readable(x: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can read ``x[G, R, C]``: unit column stride, 16-byte aligned base
+    and row and group strides."""
+    es = x.element_size()
+    return (x.stride(2) == 1 and x.data_ptr() % 16 == 0
+            and all((st * es) % 16 == 0 for st in x.stride()[:2]))
