@@ -67,8 +67,9 @@ TILES_LAUNCHES = [(64, 4), (32, 4)]
 #: of its tiles kernel.
 GLUON_LAUNCHES = [(32, 32, 4, 96), (32, 32, 4, 0)]
 GLUON_TILES_LAUNCHES = [(16, 4, 0), (16, 4, 168), (8, 8, 0)]
-#: dual_quantize_gluon.TMA_RUNS values (ring stages, programs per SM) of its persistent TMA runs kernel.
-GLUON_TMA_RUNS = [(2, 3), (1, 4), (3, 2), (2, 2)]
+#: dual_quantize_gluon.TMA_RUNS values (ring stages, programs per SM, maxnreg or 0) of its persistent
+#: TMA runs kernel.
+GLUON_TMA_RUNS = [(1, 4, 96), (1, 5, 96), (1, 6, 80), (2, 3, 96)]
 
 
 def _gluon_setups(tile: bool = False) -> list[tuple[str, dict]]:

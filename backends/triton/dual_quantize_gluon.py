@@ -65,9 +65,11 @@ BLOCK = 128
 #: ``_dual_quantize_runs_kernel``: the best of the sweeps (tools/probe_grouped_step.py --sweep,
 #: H100, rounds 69-72): 96 registers, 5 programs per SM.
 LAUNCH = (32, 32, 4, 96)
-#: (ring stages, programs per SM) of ``_dual_quantize_runs_tma_kernel``, the persistent TMA form
-#: of the runs kernel for operands TMA can read, or None for one program per tile.
-TMA_RUNS = None
+#: (ring stages, programs per SM, maxnreg or 0) of ``_dual_quantize_runs_tma_kernel``, the
+#: persistent TMA form of the runs kernel, taken for operands TMA can read; None: one program per
+#: tile always. H100, round 75: (1, 4) with maxnreg 96 0.160 ms geomean against 0.168 for one
+#: program per tile; (2, 3) 0.165, (2, 2) 0.173, (3, 2) 0.178 (more stages cost programs per SM).
+TMA_RUNS = (1, 4, 96)
 #: (rows per thread, warps, maxnreg or 0) of ``_dual_quantize_tiles_kernel``; see
 #: ``register_layouts`` for which fit.
 TILES_LAUNCH = (16, 4, 0)
@@ -367,7 +369,8 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
     chunk, t_chunk, warps, maxnreg = LAUNCH
     extra = {"maxnreg": maxnreg} if maxnreg else {}
     if TMA_RUNS and _tma_readable(x):
-        stages, per_sm = TMA_RUNS
+        stages, per_sm, tma_maxnreg = TMA_RUNS
+        extra = {"maxnreg": tma_maxnreg} if tma_maxnreg else {}
         layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
         desc = GluonDescriptor(x, list(x.shape), list(x.stride()), [1, BLOCK, BLOCK], layout)
         n_tiles = g * n_r * n_c
