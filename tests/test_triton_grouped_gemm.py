@@ -1014,3 +1014,42 @@ def test_gpu_gluon_dual_quantizer_matches_triton_bit_for_bit(fmt):
         if a.dtype.is_floating_point and a.element_size() == 1:
             a, b = a.view(torch.uint8), b.view(torch.uint8)
         assert torch.equal(torch.nan_to_num(a.float(), nan=-1.0), torch.nan_to_num(b.float(), nan=-1.0))
+
+
+@pytest.mark.gpu
+def test_gpu_tma_launch_as_first_cuda_work_of_a_fresh_thread():
+    """A thread whose first CUDA work is a TMA launch, as the autograd engine's backward thread
+    when a TMA kernel opens its backward: Triton encodes the descriptor before its launcher binds
+    a context, which failed with "invalid device context" until ``bind_cuda_context`` (H100,
+    round 76). The token-run quantiser's TMA form is that launch here; its bits must match the
+    main thread's."""
+    import threading
+
+    import turbo_dispatch.backends.triton.dual_quantize as DQ
+    from turbo_dispatch.backends.triton import dual_quantize_gluon as DG
+
+    x = torch.randn(1, 512, 384, device="cuda", dtype=torch.bfloat16) * 5
+    if DG.available(x, 128):
+        pytest.skip(DG.available(x, 128))
+    if DG.TMA_RUNS is None:
+        pytest.skip("the token-run quantiser's TMA form is off (dual_quantize_gluon.TMA_RUNS)")
+    ref = DQ.dual_quantize(x, torch.float8_e4m3fn, 128, False)
+    spare = DQ.dual_quantize(x, torch.float8_e4m3fn, 128, False)
+    del spare  # its blocks stay cached: the thread allocates without a cudaMalloc, which binds a context
+    torch.cuda.synchronize()
+    got, errors = [], []
+
+    def first_cuda_work():
+        try:
+            got.extend(DQ.dual_quantize(x, torch.float8_e4m3fn, 128, False))
+            torch.cuda.synchronize()
+        except Exception as exc:  # reported below with the thread's error
+            errors.append(exc)
+
+    worker = threading.Thread(target=first_cuda_work)
+    worker.start()
+    worker.join()
+    assert not errors, errors
+    for a, b in zip(got, ref, strict=True):
+        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                           b.view(torch.uint8) if b.element_size() == 1 else b)

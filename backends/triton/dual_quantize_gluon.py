@@ -52,6 +52,7 @@ import torch
 
 from .dual_quantize import kernel_args
 from .fp8_blockwise_gluon import available as _gluon_available
+from .gemm_kernels import bind_cuda_context
 
 try:
     from triton.experimental import gluon
@@ -372,6 +373,7 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
         stages, per_sm, tma_maxnreg = TMA_RUNS
         extra = {"maxnreg": tma_maxnreg} if tma_maxnreg else {}
         layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
+        bind_cuda_context(x)
         desc = GluonDescriptor(x, list(x.shape), list(x.stride()), [1, BLOCK, BLOCK], layout)
         n_tiles = g * n_r * n_c
         grid = min(n_tiles, per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count)

@@ -34,7 +34,7 @@ import torch
 
 from turbo_dispatch.env import parse_bool
 
-from .gemm_kernels import interpreting, num_programs, tile_coords, tma_ok
+from .gemm_kernels import bind_cuda_context, interpreting, num_programs, tile_coords, tma_ok
 
 try:
     from triton.experimental import gluon
@@ -339,6 +339,7 @@ def shared_layout(block: tuple[int, ...], dtype_name: str):
 def make_descriptor(t: torch.Tensor, block: list[int]):
     """A Gluon TMA descriptor over 2-D K-major fp8 ``t`` with the default swizzle for ``block``."""
     layout = shared_layout(tuple(block), "float8e4nv" if t.dtype == torch.float8_e4m3fn else "float8e5")
+    bind_cuda_context(t)
     return GluonDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 

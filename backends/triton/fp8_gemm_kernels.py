@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .gemm_kernels import (TensorDescriptor, interpreting, num_programs, tile_coords, tma_ok,
+from .gemm_kernels import (TensorDescriptor, bind_cuda_context, interpreting, num_programs, tile_coords, tma_ok,
                            tma_supported)
 
 try:
@@ -128,6 +128,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
     elif use_tma and not can_tma:
         raise ValueError("fp8_gemm: TMA requested but the operands or device do not allow it")
     if use_tma:
+        bind_cuda_context(a)
         a_arg = TensorDescriptor(a, [M, K], list(a.stride()), [bm, bk])
         b_arg = TensorDescriptor(b, [N, K], list(b.stride()), [bn, bk])
     else:

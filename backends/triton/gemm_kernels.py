@@ -21,8 +21,10 @@ tiles to fp32 before the dot. fp16 and fp8 dots are right in the interpreter.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
+import threading
 
 import torch
 
@@ -44,6 +46,36 @@ KERNEL_REVISION = "gemm-r1"
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+_BOUND = threading.local()
+
+
+def bind_cuda_context(t: torch.Tensor) -> None:
+    """Make the primary CUDA context of ``t``'s device current on this thread if none is.
+
+    Triton encodes a TMA descriptor argument before its launcher binds a context, so a launch
+    that is a thread's first CUDA work fails there with "invalid device context": the autograd
+    engine's backward thread when a TMA kernel opens its backward (H100, round 76), or any fresh
+    thread. Call it before launching with descriptors; it checks the driver once per thread."""
+    if not t.is_cuda or interpreting() or getattr(_BOUND, "done", False):
+        return
+    cuda = _libcuda()
+    ctx = ctypes.c_void_p()
+    if cuda.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and not ctx.value:
+        dev = ctypes.c_int()
+        for name, call in (("cuDeviceGet", lambda: cuda.cuDeviceGet(ctypes.byref(dev), t.device.index)),
+                           ("cuDevicePrimaryCtxRetain", lambda: cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)),
+                           ("cuCtxSetCurrent", lambda: cuda.cuCtxSetCurrent(ctx))):
+            status = call()
+            if status != 0:
+                raise RuntimeError(f"bind_cuda_context: {name} failed with CUDA error {status}")
+    _BOUND.done = True
+
+
+@functools.lru_cache(maxsize=None)
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
 
 
 @functools.lru_cache(maxsize=None)
@@ -162,6 +194,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool, out_dty
     elif use_tma and not can_tma:
         raise ValueError("gemm: TMA requested but the operands or device do not allow it")
     if use_tma:
+        bind_cuda_context(a_st)
         a_arg = TensorDescriptor(a_st, list(a_st.shape), list(a_st.stride()), [bk, bm] if a_km else [bm, bk])
         b_arg = TensorDescriptor(b_st, list(b_st.shape), list(b_st.stride()), [bn, bk] if b_nk else [bk, bn])
     else:
