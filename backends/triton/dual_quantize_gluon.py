@@ -14,7 +14,14 @@ chunk along the first axis, so the column amax accumulates inside each thread ac
 and meets the other warps once, after the last chunk; the row quotient has no branch on tiny
 scales (``_g_quotient_of``), and the column pass picks its quotient once per tile from scales
 every warp holds. Both loops are real loops: unrolled, ptxas hoisted the transposed pass's 128
-shared-memory loads above it (210 registers, two programs per SM).
+shared-memory loads above it (210 registers, two programs per SM). The tile's body is
+``_g_runs_tile``; ``_dual_quantize_runs_tma_kernel`` runs it persistently on tiles that a TMA copy
+brought into shared memory (``TMA_RUNS``; taken where TMA can read the operand: unit column
+stride, 16-byte aligned base and strides), ``_dual_quantize_runs_kernel`` one program per tile
+with its own loads. H100, rounds 75-76: the TMA form at (1 stage, 4 programs per SM, maxnreg 96)
+0.160 ms geomean against 0.168 (2.44 TB/s at DeepSeek-V3's x against 2.31); more stages cost
+programs per SM and were slower ((2, 3) 0.165, (2, 2) 0.173, (3, 2) 0.178), as were 5 or 6
+programs per SM (0.163, 0.187 at maxnreg 80).
 
 The shared-memory kernel it replaced (round 43, sessions 10-15) did the same work with a
 CTA-wide reduction per chunk for the column amax and another for each chunk's quotient branch:
