@@ -59,7 +59,7 @@ import torch
 
 from .dual_quantize import kernel_args
 from .fp8_blockwise_gluon import available as _gluon_available
-from .gemm_kernels import bind_cuda_context
+from .gemm_kernels import bind_cuda_context, num_programs
 
 try:
     from triton.experimental import gluon
@@ -193,7 +193,8 @@ if gluon is not None:
         g = (pid // n_rb).to(gl.int64)
         chunks = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [B // CH, CH // (2 * WARPS), 2 * WARPS, B],
                                            gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-        slices = chunks._reinterpret(x_ptr.dtype.element_ty, [B // TCH, TCH, B], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        slices = chunks._reinterpret(x_ptr.dtype.element_ty, [B // TCH, TCH, B],
+                                     gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         _g_runs_tile(x_ptr + g * sxg, sxr, sxc, chunks, 0, slices, 0, q_ptr, qt_ptr, s_ptr, st_ptr, g, pid % n_rb,
                      gl.program_id(1), R, C, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
                      B, CH, TCH, FP8_MAX, TINY, WARPS, False)
@@ -211,7 +212,8 @@ if gluon is not None:
         ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES, 1, B, B], x_desc.layout)
         chunks = ring._reinterpret(x_desc.dtype, [STAGES * (B // CH), CH // (2 * WARPS), 2 * WARPS, B],
                                    gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-        slices = ring._reinterpret(x_desc.dtype, [STAGES * (B // TCH), TCH, B], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        slices = ring._reinterpret(x_desc.dtype, [STAGES * (B // TCH), TCH, B],
+                                   gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
@@ -221,7 +223,7 @@ if gluon is not None:
         for s in gl.static_range(STAGES):
             t = pid + s * progs
             live = t < n_tiles
-            mbarrier.expect(ready.index(s), B * B * 2, pred=live)
+            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes, pred=live)
             _tma_load(x_desc, [t // per_group, (t % per_group) // n_cb * B, t % n_cb * B], ready.index(s),
                       ring.index(s), pred=live)
         it = 0
@@ -229,6 +231,7 @@ if gluon is not None:
             slot = it % STAGES
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
             g = (t // per_group).to(gl.int64)
+            # the tile is in shared memory already (IN_SMEM), so no x pointer: q_ptr stands in
             _g_runs_tile(q_ptr, 0, 0, chunks, slot * (B // CH), slices, slot * (B // TCH), q_ptr, qt_ptr, s_ptr,
                          st_ptr, g, (t % per_group) // n_cb, t % n_cb, R, C, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc,
                          stg, str_, stc, B, CH, TCH, FP8_MAX, TINY, WARPS, True)
@@ -236,7 +239,7 @@ if gluon is not None:
             fence_async_shared()
             nxt = t + STAGES * progs
             live = nxt < n_tiles
-            mbarrier.expect(ready.index(slot), B * B * 2, pred=live)
+            mbarrier.expect(ready.index(slot), x_desc.block_type.nbytes, pred=live)
             _tma_load(x_desc, [nxt // per_group, (nxt % per_group) // n_cb * B, nxt % n_cb * B], ready.index(slot),
                       ring.index(slot), pred=live)
             it += 1
@@ -383,7 +386,7 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
         bind_cuda_context(x)
         desc = GluonDescriptor(x, list(x.shape), list(x.stride()), [1, BLOCK, BLOCK], layout)
         n_tiles = g * n_r * n_c
-        grid = min(n_tiles, per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count)
+        grid = min(n_tiles, per_sm * num_programs(x.device.index))
         _dual_quantize_runs_tma_kernel[(grid,)](
             desc, *args[1:5], r, c, n_r, n_c, n_tiles, *args[11:], B=BLOCK, CH=chunk, TCH=t_chunk,
             FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, STAGES=stages, num_warps=warps, **extra)
