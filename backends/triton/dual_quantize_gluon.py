@@ -59,7 +59,7 @@ import torch
 
 from .dual_quantize import kernel_args
 from .fp8_blockwise_gluon import available as _gluon_available
-from .gemm_kernels import bind_cuda_context, num_programs
+from .gemm_kernels import bind_cuda_context, num_programs, tma_ok
 
 try:
     from triton.experimental import gluon
@@ -378,10 +378,8 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
             **({"maxnreg": maxnreg} if maxnreg else {}))
         return
     chunk, t_chunk, warps, maxnreg = LAUNCH
-    extra = {"maxnreg": maxnreg} if maxnreg else {}
-    if TMA_RUNS and _tma_readable(x):
-        stages, per_sm, tma_maxnreg = TMA_RUNS
-        extra = {"maxnreg": tma_maxnreg} if tma_maxnreg else {}
+    if TMA_RUNS and tma_ok(x):
+        stages, per_sm, maxnreg = TMA_RUNS  # the TMA form's own register cap
         layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
         bind_cuda_context(x)
         desc = GluonDescriptor(x, list(x.shape), list(x.stride()), [1, BLOCK, BLOCK], layout)
@@ -389,15 +387,10 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
         grid = min(n_tiles, per_sm * num_programs(x.device.index))
         _dual_quantize_runs_tma_kernel[(grid,)](
             desc, *args[1:5], r, c, n_r, n_c, n_tiles, *args[11:], B=BLOCK, CH=chunk, TCH=t_chunk,
-            FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, STAGES=stages, num_warps=warps, **extra)
+            FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, STAGES=stages, num_warps=warps,
+            **({"maxnreg": maxnreg} if maxnreg else {}))
         return
     _dual_quantize_runs_kernel[(g * n_r, n_c)](
-        *args, B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, num_warps=warps, **extra)
+        *args, B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, num_warps=warps,
+        **({"maxnreg": maxnreg} if maxnreg else {}))
 
-
-def _tma_readable(x: torch.Tensor) -> bool:
-    """Whether a TMA descriptor can read ``x[G, R, C]``: unit column stride, 16-byte aligned base
-    and row and group strides."""
-    es = x.element_size()
-    return (x.stride(2) == 1 and x.data_ptr() % 16 == 0
-            and all((st * es) % 16 == 0 for st in x.stride()[:2]))

@@ -100,9 +100,11 @@ def tma_supported(device_index: int) -> bool:
 
 
 def tma_ok(t: torch.Tensor) -> bool:
-    """Whether ``t`` (2-D, last stride 1) meets TMA's 16-byte base and stride alignment."""
+    """Whether a TMA descriptor can read ``t`` (any rank): a unit last stride, and the base and
+    every other stride 16-byte aligned."""
     es = t.element_size()
-    return t.stride(1) == 1 and (t.stride(0) * es) % 16 == 0 and t.data_ptr() % 16 == 0
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all((st * es) % 16 == 0 for st in t.stride()[:-1]))
 
 
 if triton is not None:
