@@ -49,6 +49,9 @@ if gluon is not None:
     from .fp8_blockwise_gluon import _cta_barrier, _promote, _tile_coords, _tma_load
     from .fp8_blockwise_gluon_ws import _cp_async, _store_tile
 
+    # triton 3.6 names the shared-memory view cast _reinterpret; later ones reinterpret.
+    _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+
 #: Bumped whenever the kernel's code changes, so stored tuning results are invalidated.
 KERNEL_REVISION = "gluon-wgrad-r6"
 #: Whether the loader copies each K step's row and column scales into its ring slot (cp.async,
@@ -59,6 +62,15 @@ SCALES_IN_SMEM = True
 #: Whether an edge step zeroes the neighbouring groups' tokens 32-bit word by word (a byte mask
 #: per word) rather than byte by byte; probes set it to compare the two.
 ZERO_WORDS = True
+#: Whether programs take work items from a device counter as they free up (in order, so that
+#: concurrent programs still share operand tiles in L2) rather than every NUM_PROGS-th item: with
+#: the static order a program's share of tokens follows the routing, and at skewed routings one
+#: program could get several of the largest group's tiles (a CPU replay of the static order at
+#: Qwen3-30B-A3B down, 16 experts, gave the busiest program 1.16x the mean work). Probes set it
+#: to compare the two.
+DYNAMIC = True
+#: Slots of the ring of work-item ids the loader hands the math warpgroups (DYNAMIC).
+TILE_SLOTS = 4
 
 
 def smem_bytes(cfg, out_bytes: int, tma_store: bool) -> int:
@@ -67,7 +79,8 @@ def smem_bytes(cfg, out_bytes: int, tma_store: bool) -> int:
     barrier and, with TMA stores, one [64, BLOCK_N] staging buffer of ``out_bytes`` elements per
     math warpgroup, each allocation rounded up to 1 KiB (a 128-byte swizzle's alignment)."""
     bm, bn, bk, _, stages = cfg[:5]
-    parts = [stages * bm * bk, stages * bn * bk, stages * bm * 4, stages * bn * 4, 2 * stages * 8 + 8]
+    parts = [stages * bm * bk, stages * bn * bk, stages * bm * 4, stages * bn * 4, 2 * stages * 8 + 8,
+             TILE_SLOTS * 4, 2 * TILE_SLOTS * 8]
     parts.append(2 * (bm // 2) * bn * out_bytes if tma_store else 8)
     return sum(-(-p // 1024) * 1024 for p in parts)
 
@@ -122,41 +135,89 @@ if gluon is not None:
         return g, pid_m, pid_n
 
     @gluon.jit
+    def _put_tile(tiles, tready, tfree, i, t):
+        """The loader hands work item ``t`` to the math warpgroups in slot ``i`` of the id ring."""
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        NT: gl.constexpr = tiles.shape[0]
+        slot = i % NT
+        mbarrier.wait(tfree.index(slot), ((i // NT) & 1) ^ 1)
+        tiles.index(slot).store(gl.full([1], t, gl.int32, one))
+        mbarrier.arrive(tready.index(slot), count=1)
+
+    @gluon.jit
+    def _take_tile(tiles, tready, tfree, i):
+        """A math warpgroup's ``i``-th work item from the id ring (its slot freed once read)."""
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        NT: gl.constexpr = tiles.shape[0]
+        slot = i % NT
+        mbarrier.wait(tready.index(slot), (i // NT) & 1)
+        t = gl.max(tiles.index(slot).load(one), 0)
+        mbarrier.arrive(tfree.index(slot), count=1)
+        return t
+
+    @gluon.jit
     def _wg_load(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
-                 ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
+                 ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
                  QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                 ZERO_WORDS: gl.constexpr):
+                 ZERO_WORDS: gl.constexpr, DYNAMIC: gl.constexpr):
         """The loader: fills slot ``step % STAGES`` once both math warpgroups released it. Boxes
         past the operand's end (rows past M or N, tokens past T) are zero-filled by TMA; with
         ``SCALES_SMEM`` the step's scales follow (zeros past M and N)."""
-        sx_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-        sy_layout: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
         num_m = gl.cdiv(M, BLOCK_M)
         num_n = gl.cdiv(N, BLOCK_N)
+        total = G * num_m * num_n
         step = 0
-        for t in range(gl.program_id(0), G * num_m * num_n, NUM_PROGS):
-            g, pid_m, pid_n = _work_item(t, num_m, num_n, GROUP_M)
-            start, end, kb0, kb1 = _token_steps(offs_ptr, g, BLOCK_K)
-            for kb in range(kb0, kb1):
-                slot = step % STAGES
-                # A fresh mbarrier counts as having completed the phase before phase 0, so the
-                # first pass over the ring does not wait.
-                mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
-                bar = ready.index(slot)
-                if SCALES_SMEM:
-                    # Every thread's copies hold the slot's phase open until they land (the arrive
-                    # adds one pending arrival and completes it), so they go before the TMA bytes.
-                    kq = (kb * BLOCK_K) // QBLOCK
-                    rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=sx_layout)
-                    _cp_async(sx_bufs.index(slot), sx_ptr + kq * ssx_k + rows * ssx_m, mask=rows < M)
-                    cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=sy_layout)
-                    _cp_async(sy_bufs.index(slot), sy_ptr + kq * ssy_k + cols * ssy_n, mask=cols < N)
-                    async_copy.mbarrier_arrive(bar, increment_count=True)
-                mbarrier.expect(bar, x_desc.block_type.nbytes + y_desc.block_type.nbytes)
-                _tma_load(x_desc, [pid_m * BLOCK_M, kb * BLOCK_K], bar, x_bufs.index(slot))
-                _tma_load(y_desc, [pid_n * BLOCK_N, kb * BLOCK_K], bar, y_bufs.index(slot))
-                step += 1
+        if DYNAMIC:
+            # Work items in order, each taken by whichever program is free first (the counter is
+            # zero at launch); then one id past the end tells the math warpgroups to stop.
+            i = 0
+            t = gl.atomic_add(counter_ptr, 1, sem="relaxed")
+            while t < total:
+                _put_tile(tiles, tready, tfree, i, t)
+                step = _load_tile(x_desc, y_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, ready,
+                                  empty, t, step, M, N, num_m, num_n, ssx_k, ssx_m, ssy_k, ssy_n, QBLOCK, BLOCK_M,
+                                  BLOCK_N, BLOCK_K, GROUP_M, STAGES, SCALES_SMEM)
+                i += 1
+                t = gl.atomic_add(counter_ptr, 1, sem="relaxed")
+            _put_tile(tiles, tready, tfree, i, total)
+        else:
+            for t in range(gl.program_id(0), total, NUM_PROGS):
+                step = _load_tile(x_desc, y_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, ready,
+                                  empty, t, step, M, N, num_m, num_n, ssx_k, ssx_m, ssy_k, ssy_n, QBLOCK, BLOCK_M,
+                                  BLOCK_N, BLOCK_K, GROUP_M, STAGES, SCALES_SMEM)
+
+    @gluon.jit
+    def _load_tile(x_desc, y_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, t, step,
+                   M, N, num_m, num_n, ssx_k, ssx_m, ssy_k, ssy_n, QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                   SCALES_SMEM: gl.constexpr):
+        """The loader's K steps of work item ``t``, from the flattened step ``step``; returns the
+        step after them."""
+        sx_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+        sy_layout: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
+        g, pid_m, pid_n = _work_item(t, num_m, num_n, GROUP_M)
+        start, end, kb0, kb1 = _token_steps(offs_ptr, g, BLOCK_K)
+        for kb in range(kb0, kb1):
+            slot = step % STAGES
+            # A fresh mbarrier counts as having completed the phase before phase 0, so the
+            # first pass over the ring does not wait.
+            mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            if SCALES_SMEM:
+                # Every thread's copies hold the slot's phase open until they land (the arrive
+                # adds one pending arrival and completes it), so they go before the TMA bytes.
+                kq = (kb * BLOCK_K) // QBLOCK
+                rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=sx_layout)
+                _cp_async(sx_bufs.index(slot), sx_ptr + kq * ssx_k + rows * ssx_m, mask=rows < M)
+                cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=sy_layout)
+                _cp_async(sy_bufs.index(slot), sy_ptr + kq * ssy_k + cols * ssy_n, mask=cols < N)
+                async_copy.mbarrier_arrive(bar, increment_count=True)
+            mbarrier.expect(bar, x_desc.block_type.nbytes + y_desc.block_type.nbytes)
+            _tma_load(x_desc, [pid_m * BLOCK_M, kb * BLOCK_K], bar, x_bufs.index(slot))
+            _tma_load(y_desc, [pid_n * BLOCK_N, kb * BLOCK_K], bar, y_bufs.index(slot))
+            step += 1
+        return step
 
     @gluon.jit
     def _zero_outside(buf, k0, start, end, BLOCK_K: gl.constexpr, ZERO_WORDS: gl.constexpr):
@@ -174,7 +235,10 @@ if gluon is not None:
                                                             element_bitwidth=32, rank=2)
             # 16 bytes per thread, a row's words across BLOCK_K // 16 lanes.
             layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (BLOCK_K // 16), BLOCK_K // 16], [4, 1], [1, 0])
-            words = buf._reinterpret(gl.int32, [ROWS, WORDS], words_smem)
+            if _PUBLIC_REINTERPRET:
+                words = buf.reinterpret(gl.int32, [ROWS, WORDS], words_smem)
+            else:
+                words = buf._reinterpret(gl.int32, [ROWS, WORDS], words_smem)
             vals = words.load(layout)
             tok = k0 + 4 * gl.arange(0, WORDS, layout=gl.SliceLayout(0, layout))
             # Little-endian: byte j of a word is token tok + j; bits [lo, hi) are kept. Shifts stay
@@ -196,23 +260,37 @@ if gluon is not None:
 
     @gluon.jit
     def _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
-                 ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
+                 ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
                  QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                 ZERO_WORDS: gl.constexpr, WG: gl.constexpr):
+                 ZERO_WORDS: gl.constexpr, DYNAMIC: gl.constexpr, WG: gl.constexpr):
         """Math warpgroup ``WG``: rows ``WG * BLOCK_M / 2`` on of every tile, BLOCK_M / 2 of them."""
         ROWS: gl.constexpr = BLOCK_M // 2
         num_m = gl.cdiv(M, BLOCK_M)
         num_n = gl.cdiv(N, BLOCK_N)
+        total = G * num_m * num_n
         step = 0
         edges = 0
-        for t in range(gl.program_id(0), G * num_m * num_n, NUM_PROGS):
-            g, pid_m, pid_n = _work_item(t, num_m, num_n, GROUP_M)
-            start, end, kb0, kb1 = _token_steps(offs_ptr, g, BLOCK_K)
-            step, edges = _wg_tile(x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, edge, c, c_desc,
-                                   c_smem.index(WG), sx_ptr, sy_ptr, step, edges, kb0, kb1, start, end, g,
-                                   pid_m * BLOCK_M + WG * ROWS, pid_n * BLOCK_N, M, N, sc_m, sc_n, ssx_k, ssx_m,
-                                   ssy_k, ssy_n, QBLOCK, ROWS, BLOCK_N, BLOCK_K, STAGES, TMA_STORE, SCALES_SMEM, ZERO_WORDS, WG)
+        if DYNAMIC:
+            i = 0
+            t = _take_tile(tiles, tready, tfree, i)
+            while t < total:
+                g, pid_m, pid_n = _work_item(t, num_m, num_n, GROUP_M)
+                start, end, kb0, kb1 = _token_steps(offs_ptr, g, BLOCK_K)
+                step, edges = _wg_tile(x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, edge, c, c_desc,
+                                       c_smem.index(WG), sx_ptr, sy_ptr, step, edges, kb0, kb1, start, end, g,
+                                       pid_m * BLOCK_M + WG * ROWS, pid_n * BLOCK_N, M, N, sc_m, sc_n, ssx_k, ssx_m,
+                                       ssy_k, ssy_n, QBLOCK, ROWS, BLOCK_N, BLOCK_K, STAGES, TMA_STORE, SCALES_SMEM, ZERO_WORDS, DYNAMIC, WG)
+                i += 1
+                t = _take_tile(tiles, tready, tfree, i)
+        else:
+            for t in range(gl.program_id(0), total, NUM_PROGS):
+                g, pid_m, pid_n = _work_item(t, num_m, num_n, GROUP_M)
+                start, end, kb0, kb1 = _token_steps(offs_ptr, g, BLOCK_K)
+                step, edges = _wg_tile(x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, edge, c, c_desc,
+                                       c_smem.index(WG), sx_ptr, sy_ptr, step, edges, kb0, kb1, start, end, g,
+                                       pid_m * BLOCK_M + WG * ROWS, pid_n * BLOCK_N, M, N, sc_m, sc_n, ssx_k, ssx_m,
+                                       ssy_k, ssy_n, QBLOCK, ROWS, BLOCK_N, BLOCK_K, STAGES, TMA_STORE, SCALES_SMEM, ZERO_WORDS, DYNAMIC, WG)
         if TMA_STORE:
             # The staging buffer must stay valid until the last store has read it.
             tma.store_wait(0)
@@ -221,7 +299,7 @@ if gluon is not None:
     def _wg_tile(x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, edge, c, c_desc, c_buf, sx_ptr, sy_ptr, step, edges,
                  kb0, kb1, start, end, g, off_m, off_n, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n,
                  QBLOCK: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr, ZERO_WORDS: gl.constexpr,
+                 STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr, ZERO_WORDS: gl.constexpr, DYNAMIC: gl.constexpr,
                  WG: gl.constexpr):
         """One math warpgroup's ``ROWS`` rows (64, or 128 as two 64-row accumulators) of one output
         tile (columns ``off_n`` on) over K steps ``[kb0, kb1)``, then stored. Returns the flattened
@@ -296,31 +374,31 @@ if gluon is not None:
     # warpgroup index is fixed here rather than passed.
     @gluon.jit
     def _wg_math0(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
-                  ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
+                  ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
                   QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                 ZERO_WORDS: gl.constexpr):
+                 ZERO_WORDS: gl.constexpr, DYNAMIC: gl.constexpr):
         _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
-                 ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK, BLOCK_M,
-                 BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, ZERO_WORDS, 0)
+                 ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK, BLOCK_M,
+                 BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, ZERO_WORDS, DYNAMIC, 0)
 
     @gluon.jit
     def _wg_math1(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
-                  ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
+                  ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
                   QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                 ZERO_WORDS: gl.constexpr):
+                 ZERO_WORDS: gl.constexpr, DYNAMIC: gl.constexpr):
         _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
-                 ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK, BLOCK_M,
-                 BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, ZERO_WORDS, 1)
+                 ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK, BLOCK_M,
+                 BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, ZERO_WORDS, DYNAMIC, 1)
 
     @gluon.jit
-    def _fp8_blockwise_wgrad_kernel(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, G, M, N, sc_m, sc_n,
+    def _fp8_blockwise_wgrad_kernel(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, counter_ptr, G, M, N, sc_m, sc_n,
                                     ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK: gl.constexpr,
                                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-                                    SCALES_SMEM: gl.constexpr, ZERO_WORDS: gl.constexpr, MATH_REGS: gl.constexpr,
-                                    LOAD_REGS: gl.constexpr):
+                                    SCALES_SMEM: gl.constexpr, ZERO_WORDS: gl.constexpr, DYNAMIC: gl.constexpr,
+                                    TILE_SLOTS: gl.constexpr, MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
         x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
         y_bufs = gl.allocate_shared_memory(y_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], y_desc.layout)
         # Each slot's row and column scales (SCALES_SMEM; unused otherwise).
@@ -335,23 +413,30 @@ if gluon is not None:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         edge = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        # DYNAMIC: the ring of work-item ids the loader hands the math warpgroups (unused otherwise).
+        tiles = gl.allocate_shared_memory(gl.int32, [TILE_SLOTS, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        tready = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
+        tfree = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             # One arrival per math warpgroup.
             mbarrier.init(empty.index(s), count=2)
         mbarrier.init(edge, count=2)
+        for s in gl.static_range(TILE_SLOTS):
+            mbarrier.init(tready.index(s), count=1)
+            mbarrier.init(tfree.index(s), count=2)
         # The argument tuple is spelled out at each use: assigned to a variable, its constexpr
         # entries would become tensors (triton 3.6).
         gl.warp_specialize([
             (_wg_math0, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs,
-                         c_smem, ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK,
-                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, ZERO_WORDS)),
+                         c_smem, ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK,
+                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, ZERO_WORDS, DYNAMIC)),
             (_wg_math1, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs,
-                         c_smem, ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK,
-                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, ZERO_WORDS)),
+                         c_smem, ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK,
+                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, ZERO_WORDS, DYNAMIC)),
             (_wg_load, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs,
-                        c_smem, ready, empty, edge, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK,
-                        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, ZERO_WORDS)),
+                        c_smem, ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK,
+                        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, ZERO_WORDS, DYNAMIC)),
         ], [4, 1], [MATH_REGS, LOAD_REGS])
 
 
@@ -421,11 +506,14 @@ def launch_args(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock: in
     tma_store = tma_store_ok(c2, cfg)
     # Without TMA stores the kernel never reads c_desc: x's descriptor stands in for it.
     c_desc = output_descriptor(c2, 64, bn) if tma_store else x_desc
-    args = (x_desc, y_desc, c2, c_desc, sx, sy, offs, G, M, N, c2.stride(0), c2.stride(1), *sx_strides,
+    # The work-item counter starts at zero on every launch (a fresh buffer, so that launches on
+    # other streams or replays of a CUDA graph never share one); the static order reads none.
+    counter = torch.zeros(1, dtype=torch.int32, device=out.device) if DYNAMIC else offs
+    args = (x_desc, y_desc, c2, c_desc, sx, sy, offs, counter, G, M, N, c2.stride(0), c2.stride(1), *sx_strides,
             *sy_strides, progs)
     kwargs = dict(QBLOCK=qblock, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages,
-                  TMA_STORE=tma_store, SCALES_SMEM=SCALES_IN_SMEM, ZERO_WORDS=ZERO_WORDS, MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS,
-                  num_warps=4, maxnreg=MAXNREG)
+                  TMA_STORE=tma_store, SCALES_SMEM=SCALES_IN_SMEM, ZERO_WORDS=ZERO_WORDS, DYNAMIC=DYNAMIC,
+                  TILE_SLOTS=TILE_SLOTS, MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)
     return args, kwargs
 
 
