@@ -22,7 +22,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -40,7 +42,13 @@ E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 #: hidden 2048, FFN 768), Mixtral EP8 (1 local expert of 8, hidden 4096, FFN 14336).
 SHAPES = {"dsv3_up": (8, 32768, 4096, 7168), "dsv3_down": (8, 32768, 7168, 2048),
           "qwen3_up": (16, 65536, 1536, 2048), "qwen3_down": (16, 65536, 2048, 768),
-          "mixtral_up": (1, 4096, 28672, 4096)}
+          "mixtral_up": (1, 4096, 28672, 4096),
+          # The EP8 bench's sizes (4096 tokens per local expert): DeepSeek-V3's 32 local experts,
+          # GPT-OSS-20B's 4 (hidden 2880, FFN 2880).
+          "dsv3_up_ep8": (32, 131072, 4096, 7168), "dsv3_down_ep8": (32, 131072, 7168, 2048),
+          "gptoss_down_ep8": (4, 16384, 2880, 2880)}
+#: --routing: the bench's routing for step_operands (balanced, skewed or empty).
+ROUTING = ["balanced"]
 OUT: list = []
 
 
@@ -316,10 +324,17 @@ def with_reuse(flag: bool, fn):
 
 
 def step_operands(shape: str):
-    """(tokens, N, K, lens, offs, a, w, grad, cfg) of ``shape``'s blockwise step, balanced
-    routing, random operands (seeded)."""
+    """(tokens, N, K, lens, offs, a, w, grad, cfg) of ``shape``'s blockwise step, ``ROUTING``'s
+    group sizes, random operands (seeded)."""
     g, t, n, k = SHAPES[shape]
-    lens = torch.full((g,), t // g, dtype=torch.int64, device="cuda")
+    if ROUTING[0] == "balanced":
+        lens = torch.full((g,), t // g, dtype=torch.int64, device="cuda")
+    else:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+        from bench_grouped_gemm import group_lens
+
+        torch.manual_seed(0)
+        lens = group_lens(ROUTING[0], g, t, "cuda")
     offs = torch.nn.functional.pad(torch.cumsum(lens, 0, dtype=torch.int32), (1, 0))
     torch.manual_seed(0)
     a = torch.randn(t, k, device="cuda", dtype=torch.bfloat16).requires_grad_()
@@ -406,6 +421,7 @@ def kernel_profile(shape: str, steps: int = 10) -> None:
     """Which GPU kernels one step runs and for how long: ``steps`` steps of the fp8 blockwise op
     (TRITON pinned) and of the bf16 op (TORCH) under torch.profiler, each kernel's GPU time per
     step, largest first, one line each (``probe=kernels``)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     _, _, _, lens, offs, a, w, grad, cfg = step_operands(shape)
@@ -431,7 +447,15 @@ def kernel_profile(shape: str, steps: int = 10) -> None:
                 rows.append((us / steps / 1e3, evt.count // steps, evt.key))
         rows.sort(reverse=True)
         total = sum(r[0] for r in rows)
-        emit(probe="kernels_total", shape=shape, variant=label, gpu_ms_per_step=total)
+        # The last step's kernels in launch order (the forward and dgrad share a kernel name).
+        kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA
+                          and "sleep" not in e.name and "spin_kernel" not in e.name),
+                         key=lambda e: e.time_range.start)
+        per_step = len(kernels) // steps
+        for order, e in enumerate(kernels[-per_step:]):
+            emit(probe="kernel_seq", shape=shape, routing=ROUTING[0], variant=label, order=order,
+                 ms=e.time_range.elapsed_us() / 1e3, kernel=e.name[:60])
+        emit(probe="kernels_total", shape=shape, routing=ROUTING[0], variant=label, gpu_ms_per_step=total)
         for ms, count, name in rows[:14]:
             emit(probe="kernels", shape=shape, variant=label, ms=ms, per_step=count, share=ms / total,
                  kernel=name[:110])
@@ -447,11 +471,14 @@ def main() -> int:
                     "the fastest for the rest of the run)")
     ap.add_argument("--host-profile", default=None, metavar="SHAPE",
                     help="cProfile the host side of 30 fp8 blockwise steps at SHAPE (top functions)")
+    ap.add_argument("--routing", default="balanced", choices=["balanced", "skewed", "empty"],
+                    help="group sizes of the step (the bench's routings; default balanced)")
     ap.add_argument("--kernels", default=None, metavar="SHAPES",
                     help="only profile the GPU kernels of one step at these shapes (fp8 and bf16) and stop")
     args = ap.parse_args()
     global GRAPHS
     GRAPHS = args.graphs
+    ROUTING[0] = args.routing
     if args.out:
         OUT.append(open(args.out, "w"))
     emit(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
