@@ -240,7 +240,7 @@ def _grouped_wgrad_gluon_ws(cfg: tuple):
     x, y = torch.empty((M, T), dtype=E4).t(), torch.empty((N, T), dtype=E4).t()
     c, offs = torch.empty((G, M, N), dtype=torch.bfloat16), torch.empty(G + 1, dtype=torch.int32)
     sx, sy = torch.empty((T // 128, M)), torch.empty((T // 128, N))
-    args, kwargs = GWW.launch_args(x, y, c, offs, sx, sx.stride(), sy, sy.stride(), cfg, 128, 132)
+    args, kwargs = GWW.launch_args(x, y, c, offs, sx, sx.stride(), sy, sy.stride(), cfg, 128)
     return GWW._fp8_blockwise_wgrad_kernel.warmup(*args, **kwargs, grid=(1,))
 
 

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran on commit 99b5af6, with the DYNAMIC and ZERO_WORDS switches; they were removed after this round (both on).
 # Seventeenth session: the blockwise wgrad (gluon-wgrad-r6) zeroes an edge step's neighbouring
 # tokens a word at a time (ZERO_WORDS) and takes work items from a device counter (DYNAMIC).
 # (1) The wgrad kernel alone, the default config with each (DYNAMIC, ZERO_WORDS) pair in the same

@@ -18,15 +18,19 @@ warpgroup's promotion runs on the CUDA cores while the other's wgmma runs.
 
 What differs from the forward:
 
-* Work items are (group, row tile, column tile) of the output, a static count, walked
-  persistently; each tile's K loop covers its group's tokens on the global ``BLOCK_K`` grid
+* Work items are (group, row tile, column tile) of the output, a static count. Persistent
+  programs take them in order from a device counter as they free up (the loader takes one and
+  hands its id to the math warpgroups through a small ring in shared memory): a work item's cost
+  is its group's token count, so a fixed share per program followed the routing. Gluon-wgrad-r3
+  gave each program every NUM_PROGS-th item; round 80 measured both (the counter alone 1.03-1.13x
+  at skewed routings). Each tile's K loop covers its group's tokens on the global ``BLOCK_K`` grid
   (``BLOCK_K`` divides ``QBLOCK``, so a step lies in one scale run).
 * Edge steps, the partial first and last step of a group, hold tokens of the neighbouring groups.
-  Before their wgmma the two math warpgroups zero those tokens in shared memory, each its own 64
-  rows of ``x`` and half of ``y``'s rows, and meet on an mbarrier (``edge``) so neither reads the
-  other's half before it is zeroed. Both operands are zeroed, not one: with one, a non-finite
-  value in a neighbouring group's tokens would leak in as ``0 * inf = NaN``. Interior steps,
-  all but at most two per tile, pay nothing.
+  Before their wgmma the two math warpgroups zero those tokens in shared memory (a 32-bit word at
+  a time), each its own 64 rows of ``x`` and half of ``y``'s rows, and meet on an mbarrier
+  (``edge``) so neither reads the other's half before it is zeroed. Both operands are zeroed,
+  not one: with one, a non-finite value in a neighbouring group's tokens would leak in as
+  ``0 * inf = NaN``. Interior steps, all but at most two per tile, pay nothing.
 * Scales are per column on both sides: each K step loads the warpgroup's 64 row scales and the
   accumulator's column scales from global memory while its wgmma runs.
 
@@ -59,17 +63,7 @@ KERNEL_REVISION = "gluon-wgrad-r6"
 #: rather than each math warpgroup loading them from global memory every step. Probes set it to
 #: compare the two.
 SCALES_IN_SMEM = True
-#: Whether an edge step zeroes the neighbouring groups' tokens 32-bit word by word (a byte mask
-#: per word) rather than byte by byte; probes set it to compare the two.
-ZERO_WORDS = True
-#: Whether programs take work items from a device counter as they free up (in order, so that
-#: concurrent programs still share operand tiles in L2) rather than every NUM_PROGS-th item: with
-#: the static order a program's share of tokens follows the routing, and at skewed routings one
-#: program could get several of the largest group's tiles (a CPU replay of the static order at
-#: Qwen3-30B-A3B down, 16 experts, gave the busiest program 1.16x the mean work). Probes set it
-#: to compare the two.
-DYNAMIC = True
-#: Slots of the ring of work-item ids the loader hands the math warpgroups (DYNAMIC).
+#: Slots of the ring of work-item ids the loader hands the math warpgroups.
 TILE_SLOTS = 4
 
 
@@ -157,10 +151,10 @@ if gluon is not None:
 
     @gluon.jit
     def _wg_load(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
-                 ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
+                 ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m,
+                 ssy_k, ssy_n,
                  QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                 ZERO_WORDS: gl.constexpr, DYNAMIC: gl.constexpr):
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr):
         """The loader: fills slot ``step % STAGES`` once both math warpgroups released it. Boxes
         past the operand's end (rows past M or N, tokens past T) are zero-filled by TMA; with
         ``SCALES_SMEM`` the step's scales follow (zeros past M and N)."""
@@ -168,24 +162,20 @@ if gluon is not None:
         num_n = gl.cdiv(N, BLOCK_N)
         total = G * num_m * num_n
         step = 0
-        if DYNAMIC:
-            # Work items in order, each taken by whichever program is free first (the counter is
-            # zero at launch); then one id past the end tells the math warpgroups to stop.
-            i = 0
+        # Work items in order, each taken by whichever program is free first (the counter is zero
+        # at launch), so that concurrent programs still share operand tiles in L2 while a program's
+        # share of the tokens no longer follows the routing; then one id past the end tells the
+        # math warpgroups to stop.
+        i = 0
+        t = gl.atomic_add(counter_ptr, 1, sem="relaxed")
+        while t < total:
+            _put_tile(tiles, tready, tfree, i, t)
+            step = _load_tile(x_desc, y_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty,
+                              t, step, M, N, num_m, num_n, ssx_k, ssx_m, ssy_k, ssy_n, QBLOCK, BLOCK_M, BLOCK_N,
+                              BLOCK_K, GROUP_M, STAGES, SCALES_SMEM)
+            i += 1
             t = gl.atomic_add(counter_ptr, 1, sem="relaxed")
-            while t < total:
-                _put_tile(tiles, tready, tfree, i, t)
-                step = _load_tile(x_desc, y_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, ready,
-                                  empty, t, step, M, N, num_m, num_n, ssx_k, ssx_m, ssy_k, ssy_n, QBLOCK, BLOCK_M,
-                                  BLOCK_N, BLOCK_K, GROUP_M, STAGES, SCALES_SMEM)
-                i += 1
-                t = gl.atomic_add(counter_ptr, 1, sem="relaxed")
-            _put_tile(tiles, tready, tfree, i, total)
-        else:
-            for t in range(gl.program_id(0), total, NUM_PROGS):
-                step = _load_tile(x_desc, y_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, ready,
-                                  empty, t, step, M, N, num_m, num_n, ssx_k, ssx_m, ssy_k, ssy_n, QBLOCK, BLOCK_M,
-                                  BLOCK_N, BLOCK_K, GROUP_M, STAGES, SCALES_SMEM)
+        _put_tile(tiles, tready, tfree, i, total)
 
     @gluon.jit
     def _load_tile(x_desc, y_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, t, step,
@@ -220,50 +210,42 @@ if gluon is not None:
         return step
 
     @gluon.jit
-    def _zero_outside(buf, k0, start, end, BLOCK_K: gl.constexpr, ZERO_WORDS: gl.constexpr):
+    def _zero_outside(buf, k0, start, end, BLOCK_K: gl.constexpr):
         """Zero the tokens of ``buf`` ([rows, BLOCK_K] fp8 in shared memory, tokens ``k0`` on)
         outside ``[start, end)``, on the bits, so that no float conversion is involved.
 
-        ``ZERO_WORDS``: the tile is read as 32-bit words (four tokens each, the same bytes under
-        the same swizzle) and each word is ANDed with a byte mask of its tokens in range. Selecting
-        byte by byte instead cost ~600 instructions per edge step (sm_90 SASS: a SEL and two PRMTs
-        per byte), about three interior steps' worth."""
+        The tile is read as 32-bit words (four tokens each: the same bytes under the same swizzle)
+        and each word is ANDed with a byte mask of its tokens in range. Selecting byte by byte
+        instead cost ~600 instructions per edge step (sm_90 SASS: a SEL and two PRMTs per byte),
+        about three interior steps' worth (gluon-wgrad-r3; round 80 measured both)."""
         ROWS: gl.constexpr = buf.shape[0]
-        if ZERO_WORDS:
-            WORDS: gl.constexpr = BLOCK_K // 4
-            words_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=buf.layout.swizzle_byte_width,
-                                                            element_bitwidth=32, rank=2)
-            # 16 bytes per thread, a row's words across BLOCK_K // 16 lanes.
-            layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (BLOCK_K // 16), BLOCK_K // 16], [4, 1], [1, 0])
-            if _PUBLIC_REINTERPRET:
-                words = buf.reinterpret(gl.int32, [ROWS, WORDS], words_smem)
-            else:
-                words = buf._reinterpret(gl.int32, [ROWS, WORDS], words_smem)
-            vals = words.load(layout)
-            tok = k0 + 4 * gl.arange(0, WORDS, layout=gl.SliceLayout(0, layout))
-            # Little-endian: byte j of a word is token tok + j; bits [lo, hi) are kept. Shifts stay
-            # below 32 (a 32-bit shift by 32 is undefined).
-            lo = gl.minimum(gl.maximum(start - tok, 0), 4) * 8
-            hi = gl.minimum(gl.maximum(end - tok, 0), 4) * 8
-            ones = gl.full_like(tok, -1)
-            keep_lo = gl.where(lo >= 32, gl.zeros_like(tok), ones << gl.minimum(lo, 24))
-            keep_hi = gl.where(hi >= 32, ones, (gl.full_like(tok, 1) << gl.minimum(hi, 24)) - 1)
-            words.store(vals & (keep_lo & keep_hi)[None, :])
+        WORDS: gl.constexpr = BLOCK_K // 4
+        words_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=buf.layout.swizzle_byte_width,
+                                                        element_bitwidth=32, rank=2)
+        # 16 bytes per thread, a row's words across BLOCK_K // 16 lanes.
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (BLOCK_K // 16), BLOCK_K // 16], [4, 1], [1, 0])
+        if _PUBLIC_REINTERPRET:
+            words = buf.reinterpret(gl.int32, [ROWS, WORDS], words_smem)
         else:
-            layout8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-            vals8 = buf.load(layout8)
-            bits = vals8.to(gl.int8, bitcast=True)
-            tok8 = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout8))
-            keep = (tok8 >= start) & (tok8 < end)
-            bits = gl.where(keep[None, :], bits, gl.zeros_like(bits))
-            buf.store(bits.to(vals8.dtype, bitcast=True))
+            words = buf._reinterpret(gl.int32, [ROWS, WORDS], words_smem)
+        vals = words.load(layout)
+        tok = k0 + 4 * gl.arange(0, WORDS, layout=gl.SliceLayout(0, layout))
+        # Little-endian: byte j of a word is token tok + j; bits [lo, hi) are kept. Shifts stay
+        # below 32 (a 32-bit shift by 32 is undefined).
+        lo = gl.minimum(gl.maximum(start - tok, 0), 4) * 8
+        hi = gl.minimum(gl.maximum(end - tok, 0), 4) * 8
+        ones = gl.full_like(tok, -1)
+        keep_lo = gl.where(lo >= 32, gl.zeros_like(tok), ones << gl.minimum(lo, 24))
+        keep_hi = gl.where(hi >= 32, ones, (gl.full_like(tok, 1) << gl.minimum(hi, 24)) - 1)
+        words.store(vals & (keep_lo & keep_hi)[None, :])
 
     @gluon.jit
     def _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
-                 ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
+                 ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m,
+                 ssy_k, ssy_n,
                  QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                 ZERO_WORDS: gl.constexpr, DYNAMIC: gl.constexpr, WG: gl.constexpr):
+                 WG: gl.constexpr):
         """Math warpgroup ``WG``: rows ``WG * BLOCK_M / 2`` on of every tile, BLOCK_M / 2 of them."""
         ROWS: gl.constexpr = BLOCK_M // 2
         num_m = gl.cdiv(M, BLOCK_M)
@@ -271,26 +253,17 @@ if gluon is not None:
         total = G * num_m * num_n
         step = 0
         edges = 0
-        if DYNAMIC:
-            i = 0
+        i = 0
+        t = _take_tile(tiles, tready, tfree, i)
+        while t < total:
+            g, pid_m, pid_n = _work_item(t, num_m, num_n, GROUP_M)
+            start, end, kb0, kb1 = _token_steps(offs_ptr, g, BLOCK_K)
+            step, edges = _wg_tile(x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, edge, c, c_desc, c_smem.index(WG),
+                                   sx_ptr, sy_ptr, step, edges, kb0, kb1, start, end, g, pid_m * BLOCK_M + WG * ROWS,
+                                   pid_n * BLOCK_N, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, QBLOCK, ROWS,
+                                   BLOCK_N, BLOCK_K, STAGES, TMA_STORE, SCALES_SMEM, WG)
+            i += 1
             t = _take_tile(tiles, tready, tfree, i)
-            while t < total:
-                g, pid_m, pid_n = _work_item(t, num_m, num_n, GROUP_M)
-                start, end, kb0, kb1 = _token_steps(offs_ptr, g, BLOCK_K)
-                step, edges = _wg_tile(x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, edge, c, c_desc,
-                                       c_smem.index(WG), sx_ptr, sy_ptr, step, edges, kb0, kb1, start, end, g,
-                                       pid_m * BLOCK_M + WG * ROWS, pid_n * BLOCK_N, M, N, sc_m, sc_n, ssx_k, ssx_m,
-                                       ssy_k, ssy_n, QBLOCK, ROWS, BLOCK_N, BLOCK_K, STAGES, TMA_STORE, SCALES_SMEM, ZERO_WORDS, DYNAMIC, WG)
-                i += 1
-                t = _take_tile(tiles, tready, tfree, i)
-        else:
-            for t in range(gl.program_id(0), total, NUM_PROGS):
-                g, pid_m, pid_n = _work_item(t, num_m, num_n, GROUP_M)
-                start, end, kb0, kb1 = _token_steps(offs_ptr, g, BLOCK_K)
-                step, edges = _wg_tile(x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, edge, c, c_desc,
-                                       c_smem.index(WG), sx_ptr, sy_ptr, step, edges, kb0, kb1, start, end, g,
-                                       pid_m * BLOCK_M + WG * ROWS, pid_n * BLOCK_N, M, N, sc_m, sc_n, ssx_k, ssx_m,
-                                       ssy_k, ssy_n, QBLOCK, ROWS, BLOCK_N, BLOCK_K, STAGES, TMA_STORE, SCALES_SMEM, ZERO_WORDS, DYNAMIC, WG)
         if TMA_STORE:
             # The staging buffer must stay valid until the last store has read it.
             tma.store_wait(0)
@@ -299,7 +272,7 @@ if gluon is not None:
     def _wg_tile(x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, edge, c, c_desc, c_buf, sx_ptr, sy_ptr, step, edges,
                  kb0, kb1, start, end, g, off_m, off_n, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n,
                  QBLOCK: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr, ZERO_WORDS: gl.constexpr, DYNAMIC: gl.constexpr,
+                 STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
                  WG: gl.constexpr):
         """One math warpgroup's ``ROWS`` rows (64, or 128 as two 64-row accumulators) of one output
         tile (columns ``off_n`` on) over K steps ``[kb0, kb1)``, then stored. Returns the flattened
@@ -319,8 +292,8 @@ if gluon is not None:
             y_tile = y_bufs.index(slot)
             k0 = kb * BLOCK_K
             if (k0 < start) | (k0 + BLOCK_K > end):
-                _zero_outside(x_rows, k0, start, end, BLOCK_K, ZERO_WORDS)
-                _zero_outside(y_tile.slice(WG * (BLOCK_N // 2), BLOCK_N // 2), k0, start, end, BLOCK_K, ZERO_WORDS)
+                _zero_outside(x_rows, k0, start, end, BLOCK_K)
+                _zero_outside(y_tile.slice(WG * (BLOCK_N // 2), BLOCK_N // 2), k0, start, end, BLOCK_K)
                 # Every thread's generic-proxy writes must reach the async proxy (the wgmma) and
                 # the other warpgroup, which reads this warpgroup's half of y.
                 fence_async_shared()
@@ -374,31 +347,31 @@ if gluon is not None:
     # warpgroup index is fixed here rather than passed.
     @gluon.jit
     def _wg_math0(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
-                  ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
+                  ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m,
+                 ssy_k, ssy_n,
                   QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                 ZERO_WORDS: gl.constexpr, DYNAMIC: gl.constexpr):
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr):
         _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
-                 ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK, BLOCK_M,
-                 BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, ZERO_WORDS, DYNAMIC, 0)
+                 ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n,
+                 QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, 0)
 
     @gluon.jit
     def _wg_math1(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
-                  ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS,
+                  ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m,
+                 ssy_k, ssy_n,
                   QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                 ZERO_WORDS: gl.constexpr, DYNAMIC: gl.constexpr):
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr):
         _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
-                 ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK, BLOCK_M,
-                 BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, ZERO_WORDS, DYNAMIC, 1)
+                 ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n,
+                 QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, 1)
 
     @gluon.jit
-    def _fp8_blockwise_wgrad_kernel(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, counter_ptr, G, M, N, sc_m, sc_n,
-                                    ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK: gl.constexpr,
+    def _fp8_blockwise_wgrad_kernel(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, counter_ptr, G, M, N, sc_m,
+                                    sc_n, ssx_k, ssx_m, ssy_k, ssy_n, QBLOCK: gl.constexpr,
                                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-                                    SCALES_SMEM: gl.constexpr, ZERO_WORDS: gl.constexpr, DYNAMIC: gl.constexpr,
-                                    TILE_SLOTS: gl.constexpr, MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+                                    SCALES_SMEM: gl.constexpr, TILE_SLOTS: gl.constexpr, MATH_REGS: gl.constexpr,
+                                    LOAD_REGS: gl.constexpr):
         x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
         y_bufs = gl.allocate_shared_memory(y_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], y_desc.layout)
         # Each slot's row and column scales (SCALES_SMEM; unused otherwise).
@@ -413,7 +386,7 @@ if gluon is not None:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         edge = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        # DYNAMIC: the ring of work-item ids the loader hands the math warpgroups (unused otherwise).
+        # The ring of work-item ids the loader hands the math warpgroups.
         tiles = gl.allocate_shared_memory(gl.int32, [TILE_SLOTS, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         tready = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
         tfree = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
@@ -429,14 +402,17 @@ if gluon is not None:
         # entries would become tensors (triton 3.6).
         gl.warp_specialize([
             (_wg_math0, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs,
-                         c_smem, ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK,
-                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, ZERO_WORDS, DYNAMIC)),
+                         c_smem, ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k,
+                         ssx_m, ssy_k, ssy_n, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE,
+                         SCALES_SMEM)),
             (_wg_math1, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs,
-                         c_smem, ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK,
-                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, ZERO_WORDS, DYNAMIC)),
+                         c_smem, ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k,
+                         ssx_m, ssy_k, ssy_n, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE,
+                         SCALES_SMEM)),
             (_wg_load, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs,
-                        c_smem, ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, NUM_PROGS, QBLOCK,
-                        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, ZERO_WORDS, DYNAMIC)),
+                        c_smem, ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k,
+                        ssx_m, ssy_k, ssy_n, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE,
+                        SCALES_SMEM)),
         ], [4, 1], [MATH_REGS, LOAD_REGS])
 
 
@@ -479,7 +455,7 @@ def fp8_blockwise_wgrad(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, off
     bm, bn = cfg[:2]
     tiles = G * -(-M // bm) * -(-N // bn)
     progs = max(1, min(tiles, num_programs(x.device.index)))
-    args, kwargs = launch_args(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock, progs)
+    args, kwargs = launch_args(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock)
     _fp8_blockwise_wgrad_kernel[(progs,)](*args, **kwargs)
     return out
 
@@ -495,9 +471,9 @@ def operands_error(x: torch.Tensor, y: torch.Tensor) -> str | None:
     return None
 
 
-def launch_args(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock: int, progs: int) -> tuple[tuple, dict]:
-    """The positional and keyword arguments of a launch of ``progs`` persistent programs (arguments
-    as ``fp8_blockwise_wgrad``); tools/compile_sm90.py compiles with them."""
+def launch_args(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock: int) -> tuple[tuple, dict]:
+    """The positional and keyword arguments of a launch (arguments as ``fp8_blockwise_wgrad``; any
+    number of persistent programs); tools/compile_sm90.py compiles with them."""
     G, M, N = out.shape
     bm, bn, bk, group_m, stages = cfg[:5]
     x_desc = make_descriptor(x.t(), [bm, bk])
@@ -506,13 +482,13 @@ def launch_args(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock: in
     tma_store = tma_store_ok(c2, cfg)
     # Without TMA stores the kernel never reads c_desc: x's descriptor stands in for it.
     c_desc = output_descriptor(c2, 64, bn) if tma_store else x_desc
-    # The work-item counter starts at zero on every launch (a fresh buffer, so that launches on
-    # other streams or replays of a CUDA graph never share one); the static order reads none.
-    counter = torch.zeros(1, dtype=torch.int32, device=out.device) if DYNAMIC else offs
+    # The work-item counter starts at zero on every launch: a fresh buffer, so that launches on
+    # other streams never share one (a CUDA graph captures its zeroing with the launch).
+    counter = torch.zeros(1, dtype=torch.int32, device=out.device)
     args = (x_desc, y_desc, c2, c_desc, sx, sy, offs, counter, G, M, N, c2.stride(0), c2.stride(1), *sx_strides,
-            *sy_strides, progs)
+            *sy_strides)
     kwargs = dict(QBLOCK=qblock, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages,
-                  TMA_STORE=tma_store, SCALES_SMEM=SCALES_IN_SMEM, ZERO_WORDS=ZERO_WORDS, DYNAMIC=DYNAMIC,
+                  TMA_STORE=tma_store, SCALES_SMEM=SCALES_IN_SMEM,
                   TILE_SLOTS=TILE_SLOTS, MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)
     return args, kwargs
 
