@@ -711,3 +711,63 @@ def test_warp_specialised_tile_leads_the_adapter_configs_on_sm90(monkeypatch):
     assert C.KERNEL_TRITON in kinds
     for p in (fwd._replace(b_2d=False), fwd._replace(granularity=G.ROWWISE, block_size=None)):
         assert all(C.from_tuple(c).kernel == C.KERNEL_TRITON for c in TritonGemmFp8().configs(p)), p
+
+
+class _FakeDriver:
+    """libcuda's three context calls, scripted: the status cuCtxGetCurrent returns and whether a
+    context is current; the calls made are recorded."""
+
+    def __init__(self, current_status: int, has_context: bool):
+        self.current_status, self.has_context, self.calls = current_status, has_context, []
+
+    def cuCtxGetCurrent(self, ref):
+        self.calls.append("cuCtxGetCurrent")
+        if self.current_status == 0 and self.has_context:
+            ref._obj.value = 1234
+        return self.current_status
+
+    def cuDeviceGet(self, ref, index):
+        self.calls.append("cuDeviceGet")
+        return 0
+
+    def cuDevicePrimaryCtxRetain(self, ref, dev):
+        self.calls.append("cuDevicePrimaryCtxRetain")
+        return 0
+
+    def cuCtxSetCurrent(self, ctx):
+        self.calls.append("cuCtxSetCurrent")
+        return 0
+
+
+def test_bind_cuda_context_binds_once_and_never_after_a_driver_error(monkeypatch):
+    """A thread is marked bound only once the driver said a context is current or one was made
+    current; after an error from cuCtxGetCurrent the next call asks again (CPU, scripted driver)."""
+    import threading
+    import types
+
+    from turbo_dispatch.backends.triton import gemm_kernels as GK
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    fake_tensor = types.SimpleNamespace(is_cuda=True, device=types.SimpleNamespace(index=0))
+    results = {}
+
+    def in_fresh_thread(driver, name):
+        def body():
+            monkeypatch.setattr(GK, "_libcuda", lambda: driver)
+            GK.bind_cuda_context(fake_tensor)
+            first = list(driver.calls)
+            GK.bind_cuda_context(fake_tensor)
+            results[name] = (first, driver.calls[len(first):])
+        th = threading.Thread(target=body)
+        th.start()
+        th.join()
+
+    in_fresh_thread(_FakeDriver(201, False), "error")
+    in_fresh_thread(_FakeDriver(0, False), "unbound")
+    in_fresh_thread(_FakeDriver(0, True), "bound")
+    # An error binds nothing and is asked about again on the next call.
+    assert results["error"] == (["cuCtxGetCurrent"], ["cuCtxGetCurrent"])
+    # No current context: the primary one is retained and made current, then never asked again.
+    assert results["unbound"] == (["cuCtxGetCurrent", "cuDeviceGet", "cuDevicePrimaryCtxRetain",
+                                   "cuCtxSetCurrent"], [])
+    assert results["bound"] == (["cuCtxGetCurrent"], [])

@@ -62,7 +62,10 @@ def bind_cuda_context(t: torch.Tensor) -> None:
         return
     cuda = _libcuda()
     ctx = ctypes.c_void_p()
-    if cuda.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and not ctx.value:
+    if cuda.cuCtxGetCurrent(ctypes.byref(ctx)) != 0:
+        # Not known to be bound: the launch reports the driver's error, and the next call asks again.
+        return
+    if not ctx.value:
         dev = ctypes.c_int()
         for name, call in (("cuDeviceGet", lambda: cuda.cuDeviceGet(ctypes.byref(dev), t.device.index)),
                            ("cuDevicePrimaryCtxRetain", lambda: cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)),
