@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import statistics
-import sys
 import time
 
 import torch
@@ -34,6 +32,8 @@ from turbo_dispatch import BackendType, GlobalBackendManager, host_cover
 from turbo_dispatch.backends.triton.dual_quantize import dual_quantize
 from turbo_dispatch.backends.triton.grouped_quantize import quantize_cells
 from turbo_dispatch.low_precision import Float8QuantConfig
+
+from probe_triton_grouped import bench_routing  # sibling in tools/
 
 _grouped = importlib.import_module("turbo_dispatch.ops.grouped_gemm")
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -330,11 +330,7 @@ def step_operands(shape: str):
     if ROUTING[0] == "balanced":
         lens = torch.full((g,), t // g, dtype=torch.int64, device="cuda")
     else:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-        from bench_grouped_gemm import group_lens
-
-        torch.manual_seed(0)
-        lens = group_lens(ROUTING[0], g, t, "cuda")
+        lens = torch.tensor(bench_routing(ROUTING[0], t, g), dtype=torch.int64, device="cuda")
     offs = torch.nn.functional.pad(torch.cumsum(lens, 0, dtype=torch.int32), (1, 0))
     torch.manual_seed(0)
     a = torch.randn(t, k, device="cuda", dtype=torch.bfloat16).requires_grad_()
@@ -425,7 +421,8 @@ def kernel_profile(shape: str, steps: int = 10) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     _, _, _, lens, offs, a, w, grad, cfg = step_operands(shape)
-    for label, backend, precision, c in (("fp8", BackendType.TRITON, "fp8", cfg), ("bf16", BackendType.TORCH, "bf16", None)):
+    variants = (("fp8", BackendType.TRITON, "fp8", cfg), ("bf16", BackendType.TORCH, "bf16", None))
+    for label, backend, precision, c in variants:
         GlobalBackendManager.reset()
         GlobalBackendManager.set_grouped_gemm_backend(backend, precision=precision)
         run = step_fn(a, w, lens, offs, c, grad)
@@ -437,19 +434,21 @@ def kernel_profile(shape: str, steps: int = 10) -> None:
                 torch.cuda._sleep(20_000_000)  # the host runs ahead: kernels back to back
                 run()
             torch.cuda.synchronize()
+        # The GPU spin that lets the host run ahead (torch.cuda._sleep) is no part of the step.
+        def in_step(name: str) -> bool:
+            return "sleep" not in name and "spin_kernel" not in name
+
         rows = []
         for evt in prof.key_averages():
             us = getattr(evt, "self_device_time_total", None)
             if us is None:
                 us = evt.self_cuda_time_total
-            # The GPU spin that lets the host run ahead (torch.cuda._sleep) is no part of the step.
-            if us > 0 and "sleep" not in evt.key and "spin_kernel" not in evt.key:
+            if us > 0 and in_step(evt.key):
                 rows.append((us / steps / 1e3, evt.count // steps, evt.key))
         rows.sort(reverse=True)
         total = sum(r[0] for r in rows)
         # The last step's kernels in launch order (the forward and dgrad share a kernel name).
-        kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA
-                          and "sleep" not in e.name and "spin_kernel" not in e.name),
+        kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and in_step(e.name)),
                          key=lambda e: e.time_range.start)
         per_step = len(kernels) // steps
         for order, e in enumerate(kernels[-per_step:]):

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 import traceback
 
@@ -63,6 +65,15 @@ def routing(kind: str, total: int, g: int) -> list[int]:
         raise ValueError(kind)
     lens[0] += total - sum(lens)
     return lens
+
+
+def bench_routing(kind: str, total: int, g: int) -> list[int]:
+    """The EP bench's routing ``kind`` (``benchmarks/bench_grouped_gemm.group_lens``, seeded)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from bench_grouped_gemm import group_lens
+
+    torch.manual_seed(0)
+    return group_lens(kind, g, total, "cpu").tolist()
 
 
 DEV = "cuda"  # "cpu" for --cpu-smoke

@@ -8,16 +8,14 @@ warp-specialised config with the scales copied into shared memory, the default w
 from global memory, and the 256-row tile. A routing name ending in ``_aligned`` rounds every group to
 a multiple of 128 tokens, so that no step is an edge step. One JSON line per row in ``--out``.
 
-Routings ``bench_skewed`` and ``bench_empty`` are the bench's own (``benchmarks/bench_grouped_gemm.group_lens``: Zipf-like, and a
-quarter of the experts empty, seeded).
+Routings ``bench_skewed`` and ``bench_empty`` are the bench's own
+(``benchmarks/bench_grouped_gemm.group_lens``: Zipf-like, and a quarter of the experts empty, seeded).
 
 Usage (on an sm_90 GPU): ``python tools/probe_wgrad_ws.py --out wgrad.jsonl [--shapes dsv3_w13,dsv3_w2]``.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 import triton.testing
@@ -26,22 +24,14 @@ from turbo_dispatch.backends.quantizer import quantize_runs_both
 from turbo_dispatch.backends.triton import fp8_blockwise_wgrad_ws as GWW
 from turbo_dispatch.backends.triton import grouped_gemm as GG
 
-from probe_triton_grouped import OUT_FILE, WGRAD_SHAPES, emit, lens_offs, rel, routing  # sibling in tools/
+from probe_triton_grouped import (OUT_FILE, WGRAD_SHAPES, bench_routing, emit, lens_offs, rel,  # sibling in tools/
+                                  routing)
 
 E4 = torch.float8_e4m3fn
 ONLY_DEFAULT = False
 SHAPES = dict(WGRAD_SHAPES, qwen3_w13=(16, 65536, 1536, 2048), qwen3_w2=(16, 65536, 2048, 768),
               dsv3_w13_ep8=(32, 131072, 4096, 7168), gptoss_w13=(4, 16384, 5760, 2880),
               gptoss_w2=(4, 16384, 2880, 2880))
-
-
-def bench_routing(kind: str, tokens: int, g: int) -> list[int]:
-    """The EP bench's routing ``kind`` (its own function, seeded)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-    from bench_grouped_gemm import group_lens
-
-    torch.manual_seed(0)
-    return group_lens(kind, g, tokens, "cpu").tolist()
 
 
 def operand(t: torch.Tensor):
@@ -52,15 +42,14 @@ def operand(t: torch.Tensor):
 
 def probe(shape: str, kind: str) -> None:
     g, tokens, m, n = SHAPES[shape]
-    if kind.endswith("_aligned"):  # the same routing with every group a multiple of 128 tokens: no edge steps
-        base = kind[:-len("_aligned")]
-        lens = bench_routing(base[len("bench_"):], tokens, g) if base.startswith("bench_") else routing(base, tokens, g)
+    base = kind.removesuffix("_aligned")
+    if base.startswith("bench_"):
+        lens = bench_routing(base[len("bench_"):], tokens, g)
+    else:
+        lens = routing(base, tokens, g)
+    if base != kind:  # the same routing with every group a multiple of 128 tokens: no edge steps
         lens = [n_ // 128 * 128 for n_ in lens]
         lens[0] += tokens - sum(lens)
-    elif kind.startswith("bench_"):
-        lens = bench_routing(kind[len("bench_"):], tokens, g)
-    else:
-        lens = routing(kind, tokens, g)
     _, offs = lens_offs(lens)
     offs = offs.to(torch.int32)
     flops = 2.0 * tokens * m * n
