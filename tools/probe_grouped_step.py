@@ -413,22 +413,47 @@ def host_profile(shape: str) -> None:
     GlobalBackendManager.reset()
 
 
-def kernel_profile(shape: str, steps: int = 10) -> None:
+def _set_pingpong(flag: bool) -> None:
+    """Sets ``PINGPONG`` (the math warpgroups take turns to issue wgmmas) in both warp-specialised
+    blockwise kernels, the forward/dgrad one and the wgrad."""
+    from turbo_dispatch.backends.triton import fp8_blockwise_gluon_ws as GWS
+    from turbo_dispatch.backends.triton import fp8_blockwise_wgrad_ws as GWW
+
+    GWS.PINGPONG = GWW.PINGPONG = flag
+
+
+def kernel_profile(shape: str, steps: int = 10, pingpong: tuple = ()) -> bool:
     """Which GPU kernels one step runs and for how long: ``steps`` steps of the fp8 blockwise op
     (TRITON pinned) and of the bf16 op (TORCH) under torch.profiler, each kernel's GPU time per
-    step, largest first, one line each (``probe=kernels``)."""
+    step, largest first, one line each (``probe=kernels``), and each kernel of a step in launch
+    order, the median over the steps (``probe=kernel_seq``).
+
+    ``pingpong`` (booleans): the fp8 op once per ``PINGPONG`` value (``fp8_pp0``/``fp8_pp1``), its
+    output and gradients compared bit for bit with the first's (``check=pingpong_bits``); returns
+    whether they all matched."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     _, _, _, lens, offs, a, w, grad, cfg = step_operands(shape)
-    variants = (("fp8", BackendType.TRITON, "fp8", cfg), ("bf16", BackendType.TORCH, "bf16", None))
-    for label, backend, precision, c in variants:
+    fp8 = [(f"fp8_pp{int(pp)}" if pingpong else "fp8", BackendType.TRITON, "fp8", cfg, pp)
+           for pp in (pingpong or (True,))]
+    variants = fp8 + [("bf16", BackendType.TORCH, "bf16", None, True)]
+    first, ok = None, True
+    for label, backend, precision, c, pp in variants:
         GlobalBackendManager.reset()
         GlobalBackendManager.set_grouped_gemm_backend(backend, precision=precision)
+        _set_pingpong(pp)
         run = step_fn(a, w, lens, offs, c, grad)
         for _ in range(3):
-            run()
+            out = run()
         torch.cuda.synchronize()
+        if pingpong and c is not None:
+            got = (out.detach().clone(), a.grad.clone(), w.grad.clone())
+            first = got if first is None else first
+            same = all(torch.equal(x, y) for x, y in zip(got, first))
+            ok = ok and same
+            emit(check="pingpong_bits", shape=shape, routing=ROUTING[0], variant=label,
+                 result="PASS" if same else "FAIL")
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 torch.cuda._sleep(20_000_000)  # the host runs ahead: kernels back to back
@@ -447,18 +472,22 @@ def kernel_profile(shape: str, steps: int = 10) -> None:
                 rows.append((us / steps / 1e3, evt.count // steps, evt.key))
         rows.sort(reverse=True)
         total = sum(r[0] for r in rows)
-        # The last step's kernels in launch order (the forward and dgrad share a kernel name).
+        # A step's kernels in launch order (the forward and dgrad share a kernel name), each the
+        # median over the steps.
         kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and in_step(e.name)),
                          key=lambda e: e.time_range.start)
         per_step = len(kernels) // steps
         for order, e in enumerate(kernels[-per_step:]):
+            times = [kernels[i].time_range.elapsed_us() / 1e3 for i in range(order, per_step * steps, per_step)]
             emit(probe="kernel_seq", shape=shape, routing=ROUTING[0], variant=label, order=order,
-                 ms=e.time_range.elapsed_us() / 1e3, kernel=e.name[:60])
+                 ms=statistics.median(times), kernel=e.name[:60])
         emit(probe="kernels_total", shape=shape, routing=ROUTING[0], variant=label, gpu_ms_per_step=total)
         for ms, count, name in rows[:14]:
             emit(probe="kernels", shape=shape, variant=label, ms=ms, per_step=count, share=ms / total,
                  kernel=name[:110])
     GlobalBackendManager.reset()
+    _set_pingpong(True)
+    return ok
 
 
 def main() -> int:
@@ -474,6 +503,8 @@ def main() -> int:
                     help="group sizes of the step (the bench's routings; default balanced)")
     ap.add_argument("--kernels", default=None, metavar="SHAPES",
                     help="only profile the GPU kernels of one step at these shapes (fp8 and bf16) and stop")
+    ap.add_argument("--pingpong", default="", metavar="VALUES",
+                    help="with --kernels: the fp8 step once per PINGPONG value (0/1), outputs bit-compared")
     args = ap.parse_args()
     global GRAPHS
     GRAPHS = args.graphs
@@ -482,10 +513,12 @@ def main() -> int:
         OUT.append(open(args.out, "w"))
     emit(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
     if args.kernels:
+        pingpong = tuple(v == "1" for v in args.pingpong.split(",") if v)
+        ok = True
         for shape in args.kernels.split(","):
-            kernel_profile(shape)
+            ok = kernel_profile(shape, pingpong=pingpong) and ok
             torch.cuda.empty_cache()
-        return 0
+        return 0 if ok else 1
     if args.sweep:
         sweep_dual()
         torch.cuda.empty_cache()
