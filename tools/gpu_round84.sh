@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran on commit c48c66d (PINGPONG in both kernels and the probes); reverted after this round: slower.
 # Eighteenth session: the math warpgroups of both warp-specialised blockwise kernels take turns to
 # issue their wgmmas (PINGPONG). (1) Each kernel of the fp8 step with PINGPONG off and on, at the
 # EP8 bench's sizes, outputs and gradients compared bit for bit; (2) the wgrad kernel alone, off and

@@ -11,10 +11,6 @@ a multiple of 128 tokens, so that no step is an edge step. One JSON line per row
 Routings ``bench_skewed`` and ``bench_empty`` are the bench's own
 (``benchmarks/bench_grouped_gemm.group_lens``: Zipf-like, and a quarter of the experts empty, seeded).
 
-``--pingpong 0,1`` times only the default config, once per value of the kernel's ``PINGPONG``
-switch (the math warpgroups take turns to issue their wgmmas), in turns (A, B, A, B: two medians
-each); every output must equal the first bit for bit.
-
 Usage (on an sm_90 GPU): ``python tools/probe_wgrad_ws.py --out wgrad.jsonl [--shapes dsv3_w13,dsv3_w2]``.
 """
 from __future__ import annotations
@@ -33,8 +29,6 @@ from probe_triton_grouped import (OUT_FILE, WGRAD_SHAPES, bench_routing, emit, l
 
 E4 = torch.float8_e4m3fn
 ONLY_DEFAULT = False
-#: --pingpong: the PINGPONG values to time with the default config; empty: the config list.
-PINGPONG: list[bool] = []
 SHAPES = dict(WGRAD_SHAPES, qwen3_w13=(16, 65536, 1536, 2048), qwen3_w2=(16, 65536, 2048, 768),
               dsv3_w13_ep8=(32, 131072, 4096, 7168), gptoss_w13=(4, 16384, 5760, 2880),
               gptoss_w2=(4, 16384, 2880, 2880))
@@ -78,9 +72,6 @@ def probe(shape: str, kind: str) -> None:
     variants.append(((256, 128, 128, 8, 3, 8), True))  # not offered (spills); timed to see what it costs
     if ONLY_DEFAULT:
         variants = variants[:1]
-    if PINGPONG:
-        pingpong_turns(tag, flops, base, ref, first, qx, qy, offs, sx, sxs, sy, sys_)
-        return
     for cfg, smem in variants:
         ws = torch.full((g, m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
 
@@ -101,38 +92,6 @@ def probe(shape: str, kind: str) -> None:
     GWW.SCALES_IN_SMEM = True
 
 
-def pingpong_turns(tag, flops, base, ref, cfg, qx, qy, offs, sx, sxs, sy, sys_) -> None:
-    """The default config once per ``PINGPONG`` value, timed in turns, outputs bit-compared."""
-    g, m, n = tag["g"], tag["m"], tag["n"]
-    runs, first_out = {}, None
-    for pp in PINGPONG:
-        ws = torch.full((g, m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-
-        def run_ws(pp=pp, ws=ws):
-            GWW.PINGPONG = pp
-            return GWW.fp8_blockwise_wgrad(qx, qy, ws, offs, sx, sxs, sy, sys_, cfg)
-
-        try:
-            got = run_ws()
-            err = rel(got, ref)
-            first_out = got.clone() if first_out is None else first_out
-            same = torch.equal(got, first_out)
-            if err < 1e-3 and same:
-                runs[pp] = (run_ws, err, [])
-            else:
-                emit(**tag, impl=f"ws{cfg}", pingpong=pp, rel=f"{err:.2e}", same_bits=same, ok=False)
-        except Exception as exc:  # noqa: BLE001 - report and go on
-            emit(**tag, impl=f"ws{cfg}", pingpong=pp, error=repr(exc)[:300], ok=False)
-    for _ in range(2):
-        for pp, (fn, _, times) in runs.items():
-            times.append(triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median"))
-    for pp, (_, err, times) in runs.items():
-        ms = sum(times) / len(times)
-        emit(**tag, impl=f"ws{cfg}", pingpong=pp, ms=ms, medians=[round(t, 4) for t in times],
-             tflops=flops / ms * 1e-9, vs_triton=base / ms, rel=f"{err:.2e}", same_bits=True, ok=True)
-    GWW.PINGPONG = True
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
@@ -140,9 +99,7 @@ def main() -> int:
     ap.add_argument("--routings", default="balanced,skewed,empty",
                     help="balanced, skewed, empty, or one of them + '_aligned' (groups rounded to 128 tokens)")
     ap.add_argument("--ws-only-default", action="store_true", help="time only the default WS config")
-    ap.add_argument("--pingpong", default="", help="PINGPONG values (0/1) to time with the default config, e.g. 0,1")
     args = ap.parse_args()
-    PINGPONG.extend(v == "1" for v in args.pingpong.split(",") if v)
     global ONLY_DEFAULT
     ONLY_DEFAULT = args.ws_only_default
     if args.out:

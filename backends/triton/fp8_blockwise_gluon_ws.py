@@ -56,7 +56,7 @@ if gluon is not None:
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 #: Bumped whenever the kernel's code changes, so stored tuning results are invalidated.
-KERNEL_REVISION = "gluon-ws-r9"
+KERNEL_REVISION = "gluon-ws-r8"
 #: Rows of the tile each math warpgroup owns (one 64-row wgmma).
 ROWS_PER_WARPGROUP = 64
 #: Registers per thread requested for the math warpgroups and the loader, and the kernel-wide
@@ -75,24 +75,18 @@ TMA_STORE: bool | None = None
 #: Whether a dense launch of the 256-column tile works a short last wave as 128-column halves
 #: (``_split_tail``); probes turn it off to compare.
 SPLIT_TAIL = True
-#: Whether the math warpgroups take turns to issue their wgmmas (warpgroup 0, then 1, then 0...,
-#: through two mbarriers), so that one's promotion and epilogue run while the other's wgmma has the
-#: tensor cores; without it both wait on the same ``ready`` barrier, issue together, share the
-#: tensor cores, and then promote together while the tensor cores idle. Probes set it to compare.
-PINGPONG = True
 #: Dynamic shared memory one sm_90 CTA may use (227 KiB).
 SMEM_PER_CTA = 232448
 
 
 def smem_bytes(cfg, out_bytes: int, tma_store: bool) -> int:
     """Shared memory the kernel allocates for ``cfg`` (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, stages,
-    ...): the fp8 ring, a's scales per slot, two mbarriers per slot and the two turn mbarriers and,
-    with TMA stores, one
+    ...): the fp8 ring, a's scales per slot, two mbarriers per slot and, with TMA stores, one
     [64, 128-column half] staging buffer of ``out_bytes`` elements per math warpgroup. Each
     allocation is rounded up to the 1 KiB a 128-byte swizzle needs."""
     bm, bn, bk, _, stages = cfg[:5]
     half = bn // 2 if bn > 128 else bn
-    parts = [stages * bm * bk, stages * bn * bk, stages * bm * 4, 2 * stages * 8 + 2 * 8]
+    parts = [stages * bm * bk, stages * bn * bk, stages * bm * 4, 2 * stages * 8]
     parts.append(2 * (bm // 2) * half * out_bytes if tma_store else 8)
     return sum(-(-p // 1024) * 1024 for p in parts)
 
@@ -176,12 +170,11 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_load(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs,
-                 c_desc, c_smem, ready, empty, turn, G, M, N, K, sc_m,
+                 c_desc, c_smem, ready, empty, G, M, N, K, sc_m,
                  sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
                  B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, SA_SMEM: gl.constexpr,
-                 TMA_STORE: gl.constexpr, SPLIT_TAIL: gl.constexpr,
-                 PINGPONG: gl.constexpr):
+                 TMA_STORE: gl.constexpr, SPLIT_TAIL: gl.constexpr):
         """The loader: fills slot ``step % STAGES`` once both math warpgroups released it."""
         pid = gl.program_id(0)
         num_pid_n = gl.cdiv(N, BLOCK_N)
@@ -224,12 +217,11 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs,
-                 c_desc, c_smem, ready, empty, turn, G, M, N, K, sc_m,
+                 c_desc, c_smem, ready, empty, G, M, N, K, sc_m,
                  sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
                  B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, SA_SMEM: gl.constexpr,
-                 TMA_STORE: gl.constexpr, SPLIT_TAIL: gl.constexpr, PINGPONG: gl.constexpr,
-                 WG: gl.constexpr):
+                 TMA_STORE: gl.constexpr, SPLIT_TAIL: gl.constexpr, WG: gl.constexpr):
         """Math warpgroup ``WG``: rows ``WG * 64`` to ``WG * 64 + 63`` of every tile.
 
         A 256-column tile is worked as two 128-column halves, each with its own accumulator and one
@@ -245,7 +237,6 @@ if gluon is not None:
         num_pid_n = gl.cdiv(N, BLOCK_N)
         k_tiles = gl.cdiv(K, BLOCK_K)
         step = 0
-        turns = 0  # wgmmas this warpgroup issued (PINGPONG)
         tile = pid
         base = 0
         for g in range(G):
@@ -263,20 +254,17 @@ if gluon is not None:
                 # inside the loop (sm_90, triton 3.6).
                 if SPLIT_TAIL:
                     if narrow:
-                        step, turns = _ws_tile(a_bufs, b_bufs, sa_bufs, c, c_desc, c_smem, ready, empty, turn, sa_ptr,
-                                        sbg_ptr, step, turns, k_tiles, off_m, off_n, end, N, sc_m, sc_n, ssa_r, ssa_k,
-                                        ssb_r, ssb_k, A_GROUP, B_GROUP, ROWS, HALF, 1, STAGES, SA_SMEM, TMA_STORE,
-                                        PINGPONG, WG)
+                        step = _ws_tile(a_bufs, b_bufs, sa_bufs, c, c_desc, c_smem, ready, empty, sa_ptr, sbg_ptr,
+                                        step, k_tiles, off_m, off_n, end, N, sc_m, sc_n, ssa_r, ssa_k, ssb_r, ssb_k,
+                                        A_GROUP, B_GROUP, ROWS, HALF, 1, STAGES, SA_SMEM, TMA_STORE, WG)
                     else:
-                        step, turns = _ws_tile(a_bufs, b_bufs, sa_bufs, c, c_desc, c_smem, ready, empty, turn, sa_ptr,
-                                        sbg_ptr, step, turns, k_tiles, off_m, off_n, end, N, sc_m, sc_n, ssa_r, ssa_k,
-                                        ssb_r, ssb_k, A_GROUP, B_GROUP, ROWS, HALF, 2, STAGES, SA_SMEM, TMA_STORE,
-                                        PINGPONG, WG)
+                        step = _ws_tile(a_bufs, b_bufs, sa_bufs, c, c_desc, c_smem, ready, empty, sa_ptr, sbg_ptr,
+                                        step, k_tiles, off_m, off_n, end, N, sc_m, sc_n, ssa_r, ssa_k, ssb_r, ssb_k,
+                                        A_GROUP, B_GROUP, ROWS, HALF, 2, STAGES, SA_SMEM, TMA_STORE, WG)
                 else:
-                    step, turns = _ws_tile(a_bufs, b_bufs, sa_bufs, c, c_desc, c_smem, ready, empty, turn, sa_ptr,
-                                    sbg_ptr, step, turns, k_tiles, off_m, off_n, end, N, sc_m, sc_n, ssa_r, ssa_k,
-                                    ssb_r, ssb_k, A_GROUP, B_GROUP, ROWS, HALF, SPLIT, STAGES, SA_SMEM, TMA_STORE,
-                                    PINGPONG, WG)
+                    step = _ws_tile(a_bufs, b_bufs, sa_bufs, c, c_desc, c_smem, ready, empty, sa_ptr, sbg_ptr,
+                                    step, k_tiles, off_m, off_n, end, N, sc_m, sc_n, ssa_r, ssa_k, ssb_r, ssb_k,
+                                    A_GROUP, B_GROUP, ROWS, HALF, SPLIT, STAGES, SA_SMEM, TMA_STORE, WG)
                 tile += NUM_PROGS
             base += count + tail
         if TMA_STORE:
@@ -284,15 +272,13 @@ if gluon is not None:
             tma.store_wait(0)
 
     @gluon.jit
-    def _ws_tile(a_bufs, b_bufs, sa_bufs, c, c_desc, c_smem, ready, empty, turn, sa_ptr, sbg_ptr, step, turns,
-                 k_tiles, off_m, off_n, end, N, sc_m, sc_n, ssa_r, ssa_k, ssb_r, ssb_k, A_GROUP: gl.constexpr,
-                 B_GROUP: gl.constexpr, ROWS: gl.constexpr, HALF: gl.constexpr, PARTS: gl.constexpr,
-                 STAGES: gl.constexpr, SA_SMEM: gl.constexpr, TMA_STORE: gl.constexpr, PINGPONG: gl.constexpr,
-                 WG: gl.constexpr):
+    def _ws_tile(a_bufs, b_bufs, sa_bufs, c, c_desc, c_smem, ready, empty, sa_ptr, sbg_ptr, step, k_tiles, off_m,
+                 off_n, end, N, sc_m, sc_n, ssa_r, ssa_k, ssb_r, ssb_k, A_GROUP: gl.constexpr, B_GROUP: gl.constexpr,
+                 ROWS: gl.constexpr, HALF: gl.constexpr, PARTS: gl.constexpr, STAGES: gl.constexpr,
+                 SA_SMEM: gl.constexpr, TMA_STORE: gl.constexpr, WG: gl.constexpr):
         """One math warpgroup's ``ROWS`` rows of one tile: ``PARTS`` (1 or 2) accumulators of
         ``HALF`` columns from ``off_n``, over every K block from flattened step ``step``, then
-        stored. Returns the step after the tile's last and the count of wgmmas issued (``turns``,
-        counted for ``PINGPONG``)."""
+        stored. Returns the step after the tile's last."""
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HALF, 32])
         rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
@@ -313,10 +299,7 @@ if gluon is not None:
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
             a_rows = a_bufs.index(slot).slice(WG * ROWS, ROWS)
             b_tile = b_bufs.index(slot)
-            _await_turn(turn, turns, PINGPONG, WG)
             part = warpgroup_mma(a_rows, b_tile.slice(0, HALF).permute((1, 0)), zero, use_acc=False, is_async=True)
-            _pass_turn(turn, PINGPONG, WG)
-            turns += 1
             # The scale loads go out while the wgmma runs. (Loading them one K block ahead
             # instead measured 3-9% slower on an H100: gluon-ws-r2.)
             if SA_SMEM:
@@ -335,11 +318,8 @@ if gluon is not None:
                 mbarrier.arrive(empty.index(slot), count=1)
             acc = _promote(acc, part, sa, sb, A_SCALAR, B_SCALAR)
             if PARTS == 2:
-                _await_turn(turn, turns, PINGPONG, WG)
                 part = warpgroup_mma(a_rows, b_tile.slice(HALF, HALF).permute((1, 0)), zero, use_acc=False,
                                      is_async=True)
-                _pass_turn(turn, PINGPONG, WG)
-                turns += 1
                 part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                 mbarrier.arrive(empty.index(slot), count=1)
                 acc1 = _promote(acc1, part, sa, sb1, A_SCALAR, B_SCALAR)
@@ -352,22 +332,7 @@ if gluon is not None:
         _store_tile(c, c_desc, c_smem.index(WG), out0, off_m, off_n, end, N, sc_m, sc_n, TMA_STORE)
         if PARTS == 2:
             _store_tile(c, c_desc, c_smem.index(WG), out1, off_m, off_n + HALF, end, N, sc_m, sc_n, TMA_STORE)
-        return step, turns
-
-    @gluon.jit
-    def _await_turn(turn, j, PINGPONG: gl.constexpr, WG: gl.constexpr):
-        """Before math warpgroup ``WG``'s ``j``-th wgmma: wait until the other warpgroup has issued
-        its wgmma before this one's turn (warpgroup 0 goes first)."""
-        if PINGPONG:
-            # A fresh mbarrier counts as having completed the phase before phase 0: warpgroup 0's
-            # first wait passes.
-            mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
-
-    @gluon.jit
-    def _pass_turn(turn, PINGPONG: gl.constexpr, WG: gl.constexpr):
-        """After math warpgroup ``WG`` issued a wgmma: the other warpgroup may issue its next."""
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG), count=1)
+        return step
 
     @gluon.jit
     def _store_tile(c, c_desc, c_buf, vals, off_m, off_n, end, N, sc_m, sc_n, TMA_STORE: gl.constexpr):
@@ -414,29 +379,27 @@ if gluon is not None:
     # loader, so the warpgroup index is fixed here rather than passed.
     @gluon.jit
     def _ws_math0(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs,
-                  c_desc, c_smem, ready, empty, turn, G, M, N, K, sc_m,
+                  c_desc, c_smem, ready, empty, G, M, N, K, sc_m,
                   sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
                   B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, SA_SMEM: gl.constexpr,
-                  TMA_STORE: gl.constexpr, SPLIT_TAIL: gl.constexpr,
-                 PINGPONG: gl.constexpr):
+                  TMA_STORE: gl.constexpr, SPLIT_TAIL: gl.constexpr):
         _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs,
-                 c_desc, c_smem, ready, empty, turn, G, M, N, K,
+                 c_desc, c_smem, ready, empty, G, M, N, K,
                  sc_m, sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N,
-                 BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE, SPLIT_TAIL, PINGPONG, 0)
+                 BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE, SPLIT_TAIL, 0)
 
     @gluon.jit
     def _ws_math1(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs,
-                  c_desc, c_smem, ready, empty, turn, G, M, N, K, sc_m,
+                  c_desc, c_smem, ready, empty, G, M, N, K, sc_m,
                   sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED: gl.constexpr, A_GROUP: gl.constexpr,
                   B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, SA_SMEM: gl.constexpr,
-                  TMA_STORE: gl.constexpr, SPLIT_TAIL: gl.constexpr,
-                 PINGPONG: gl.constexpr):
+                  TMA_STORE: gl.constexpr, SPLIT_TAIL: gl.constexpr):
         _ws_math(a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs,
-                 c_desc, c_smem, ready, empty, turn, G, M, N, K,
+                 c_desc, c_smem, ready, empty, G, M, N, K,
                  sc_m, sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M, BLOCK_N,
-                 BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE, SPLIT_TAIL, PINGPONG, 1)
+                 BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE, SPLIT_TAIL, 1)
 
     @gluon.jit
     def _fp8_blockwise_ws_kernel(a_desc, b_desc, c, c_desc, sa_ptr, sb_ptr, offs_ptr, G, M, N, K, sc_m, sc_n,
@@ -444,8 +407,7 @@ if gluon is not None:
                                  A_GROUP: gl.constexpr, B_GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
                                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                                  STAGES: gl.constexpr, SA_SMEM: gl.constexpr, TMA_STORE: gl.constexpr,
-                                 SPLIT_TAIL: gl.constexpr, PINGPONG: gl.constexpr, MATH_REGS: gl.constexpr,
-                                 LOAD_REGS: gl.constexpr):
+                                 SPLIT_TAIL: gl.constexpr, MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
         # a's K-block scales of each slot's rows (SA_SMEM); unused, and 2 KiB at most, otherwise.
@@ -461,29 +423,25 @@ if gluon is not None:
             c_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        # Whose turn it is to issue a wgmma (PINGPONG): warpgroup w waits on turn[w].
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             # One arrival per math warpgroup.
             mbarrier.init(empty.index(s), count=2)
-        for w in gl.static_range(2):
-            mbarrier.init(turn.index(w), count=1)
         # The argument tuple is spelled out at each use: assigned to a variable, its constexpr
         # entries would become tensors (triton 3.6).
         gl.warp_specialize([
             (_ws_math0, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs,
-                          c_desc, c_smem, ready, empty, turn, G, M, N, K,
+                          c_desc, c_smem, ready, empty, G, M, N, K,
                           sc_m, sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M,
-                          BLOCK_N, BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE, SPLIT_TAIL, PINGPONG)),
+                          BLOCK_N, BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE, SPLIT_TAIL)),
             (_ws_math1, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs,
-                          c_desc, c_smem, ready, empty, turn, G, M, N, K,
+                          c_desc, c_smem, ready, empty, G, M, N, K,
                           sc_m, sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M,
-                          BLOCK_N, BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE, SPLIT_TAIL, PINGPONG)),
+                          BLOCK_N, BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE, SPLIT_TAIL)),
             (_ws_load, (a_desc, b_desc, c, sa_ptr, sb_ptr, offs_ptr, a_bufs, b_bufs, sa_bufs,
-                         c_desc, c_smem, ready, empty, turn, G, M, N, K,
+                         c_desc, c_smem, ready, empty, G, M, N, K,
                          sc_m, sc_n, ssa_r, ssa_k, ssb_g, ssb_r, ssb_k, NUM_PROGS, GROUPED, A_GROUP, B_GROUP, BLOCK_M,
-                         BLOCK_N, BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE, SPLIT_TAIL, PINGPONG)),
+                         BLOCK_N, BLOCK_K, GROUP_M, STAGES, SA_SMEM, TMA_STORE, SPLIT_TAIL)),
         ], [4, 1], [MATH_REGS, LOAD_REGS])
 
 
@@ -601,8 +559,7 @@ def launch_args(a, b_rows, c, offs, G: int, N: int, sa, sa_strides, sb, sb_strid
             *sa_strides, *sb_strides, progs)
     kwargs = dict(GROUPED=offs is not None, A_GROUP=a_group, B_GROUP=b_group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                   GROUP_M=group_m, STAGES=stages, SA_SMEM=scales_in_smem(sa_strides[0], a_group),
-                  TMA_STORE=tma_store, SPLIT_TAIL=SPLIT_TAIL and offs is None and bn > 128, PINGPONG=PINGPONG,
-                  MATH_REGS=MATH_REGS,
+                  TMA_STORE=tma_store, SPLIT_TAIL=SPLIT_TAIL and offs is None and bn > 128, MATH_REGS=MATH_REGS,
                   LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)
     return args, kwargs
 

@@ -51,21 +51,18 @@ if gluon is not None:
                                                                    warpgroup_mma_wait)
 
     from .fp8_blockwise_gluon import _cta_barrier, _promote, _tile_coords, _tma_load
-    from .fp8_blockwise_gluon_ws import _await_turn, _cp_async, _pass_turn, _store_tile
+    from .fp8_blockwise_gluon_ws import _cp_async, _store_tile
 
     # triton 3.6 names the shared-memory view cast _reinterpret; later ones reinterpret.
     _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 #: Bumped whenever the kernel's code changes, so stored tuning results are invalidated.
-KERNEL_REVISION = "gluon-wgrad-r7"
+KERNEL_REVISION = "gluon-wgrad-r6"
 #: Whether the loader copies each K step's row and column scales into its ring slot (cp.async,
 #: completed on the slot's ``ready`` barrier) for the math warpgroups to read from shared memory,
 #: rather than each math warpgroup loading them from global memory every step. Probes set it to
 #: compare the two.
 SCALES_IN_SMEM = True
-#: Whether the math warpgroups take turns to issue their wgmmas (``fp8_blockwise_gluon_ws.PINGPONG``
-#: says why); probes set it to compare.
-PINGPONG = True
 #: Slots of the ring of work-item ids the loader hands the math warpgroups.
 TILE_SLOTS = 4
 
@@ -76,7 +73,7 @@ def smem_bytes(cfg, out_bytes: int, tma_store: bool) -> int:
     barrier and, with TMA stores, one [64, BLOCK_N] staging buffer of ``out_bytes`` elements per
     math warpgroup, each allocation rounded up to 1 KiB (a 128-byte swizzle's alignment)."""
     bm, bn, bk, _, stages = cfg[:5]
-    parts = [stages * bm * bk, stages * bn * bk, stages * bm * 4, stages * bn * 4, 2 * stages * 8 + 8 + 2 * 8,
+    parts = [stages * bm * bk, stages * bn * bk, stages * bm * 4, stages * bn * 4, 2 * stages * 8 + 8,
              TILE_SLOTS * 4, 2 * TILE_SLOTS * 8]
     parts.append(2 * (bm // 2) * bn * out_bytes if tma_store else 8)
     return sum(-(-p // 1024) * 1024 for p in parts)
@@ -154,11 +151,10 @@ if gluon is not None:
 
     @gluon.jit
     def _wg_load(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
-                 ready, empty, edge, turn, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m,
+                 ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m,
                  ssy_k, ssy_n,
                  QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                 PINGPONG: gl.constexpr):
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr):
         """The loader: fills slot ``step % STAGES`` once both math warpgroups released it. Boxes
         past the operand's end (rows past M or N, tokens past T) are zero-filled by TMA; with
         ``SCALES_SMEM`` the step's scales follow (zeros past M and N)."""
@@ -245,11 +241,11 @@ if gluon is not None:
 
     @gluon.jit
     def _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
-                 ready, empty, edge, turn, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m,
+                 ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m,
                  ssy_k, ssy_n,
                  QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                 PINGPONG: gl.constexpr, WG: gl.constexpr):
+                 WG: gl.constexpr):
         """Math warpgroup ``WG``: rows ``WG * BLOCK_M / 2`` on of every tile, BLOCK_M / 2 of them."""
         ROWS: gl.constexpr = BLOCK_M // 2
         num_m = gl.cdiv(M, BLOCK_M)
@@ -262,11 +258,10 @@ if gluon is not None:
         while t < total:
             g, pid_m, pid_n = _work_item(t, num_m, num_n, GROUP_M)
             start, end, kb0, kb1 = _token_steps(offs_ptr, g, BLOCK_K)
-            step, edges = _wg_tile(x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, edge, turn, c, c_desc,
-                                   c_smem.index(WG), sx_ptr, sy_ptr, step, edges, kb0, kb1, start, end, g,
-                                   pid_m * BLOCK_M + WG * ROWS, pid_n * BLOCK_N, M, N, sc_m, sc_n, ssx_k, ssx_m,
-                                   ssy_k, ssy_n, QBLOCK, ROWS, BLOCK_N, BLOCK_K, STAGES, TMA_STORE, SCALES_SMEM,
-                                   PINGPONG, WG)
+            step, edges = _wg_tile(x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, edge, c, c_desc, c_smem.index(WG),
+                                   sx_ptr, sy_ptr, step, edges, kb0, kb1, start, end, g, pid_m * BLOCK_M + WG * ROWS,
+                                   pid_n * BLOCK_N, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, QBLOCK, ROWS,
+                                   BLOCK_N, BLOCK_K, STAGES, TMA_STORE, SCALES_SMEM, WG)
             i += 1
             t = _take_tile(tiles, tready, tfree, i)
         if TMA_STORE:
@@ -274,11 +269,11 @@ if gluon is not None:
             tma.store_wait(0)
 
     @gluon.jit
-    def _wg_tile(x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, edge, turn, c, c_desc, c_buf, sx_ptr, sy_ptr, step,
-                 edges, kb0, kb1, start, end, g, off_m, off_n, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n,
+    def _wg_tile(x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, edge, c, c_desc, c_buf, sx_ptr, sy_ptr, step, edges,
+                 kb0, kb1, start, end, g, off_m, off_n, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n,
                  QBLOCK: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                 PINGPONG: gl.constexpr, WG: gl.constexpr):
+                 WG: gl.constexpr):
         """One math warpgroup's ``ROWS`` rows (64, or 128 as two 64-row accumulators) of one output
         tile (columns ``off_n`` on) over K steps ``[kb0, kb1)``, then stored. Returns the flattened
         step and edge count after the tile."""
@@ -306,10 +301,7 @@ if gluon is not None:
                 mbarrier.arrive(edge, count=1)
                 mbarrier.wait(edge, edges & 1)
                 edges += 1
-            # This warpgroup's wgmmas so far: PARTS per step, the same count in both warpgroups.
-            _await_turn(turn, step * PARTS, PINGPONG, WG)
             part = warpgroup_mma(x_rows.slice(0, 64), y_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
-            _pass_turn(turn, PINGPONG, WG)
             # The scales are read while the wgmma runs.
             kq = k0 // QBLOCK
             sx = _row_scales(sx_bufs, slot, sx_ptr, kq, ssx_k, ssx_m, off_m, M, WG * ROWS, 64, rows_layout,
@@ -322,10 +314,8 @@ if gluon is not None:
                 mbarrier.arrive(empty.index(slot), count=1)
             acc = _promote(acc, part, sx, sy, False, False)
             if PARTS == 2:
-                _await_turn(turn, step * PARTS + 1, PINGPONG, WG)
                 part = warpgroup_mma(x_rows.slice(64, 64), y_tile.permute((1, 0)), zero, use_acc=False,
                                      is_async=True)
-                _pass_turn(turn, PINGPONG, WG)
                 sx = _row_scales(sx_bufs, slot, sx_ptr, kq, ssx_k, ssx_m, off_m + 64, M, WG * ROWS + 64, 64,
                                  rows_layout, SCALES_SMEM)
                 part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
@@ -357,35 +347,30 @@ if gluon is not None:
     # warpgroup index is fixed here rather than passed.
     @gluon.jit
     def _wg_math0(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
-                  ready, empty, edge, turn, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m,
+                  ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m,
                  ssy_k, ssy_n,
                   QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                 PINGPONG: gl.constexpr):
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr):
         _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
-                 ready, empty, edge, turn, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m,
-                 ssy_k, ssy_n,
-                 QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, PINGPONG, 0)
+                 ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n,
+                 QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, 0)
 
     @gluon.jit
     def _wg_math1(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
-                  ready, empty, edge, turn, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m,
+                  ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m,
                  ssy_k, ssy_n,
                   QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                 PINGPONG: gl.constexpr):
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr):
         _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
-                 ready, empty, edge, turn, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m,
-                 ssy_k, ssy_n,
-                 QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, PINGPONG, 1)
+                 ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n,
+                 QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, 1)
 
     @gluon.jit
     def _fp8_blockwise_wgrad_kernel(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, counter_ptr, G, M, N, sc_m,
                                     sc_n, ssx_k, ssx_m, ssy_k, ssy_n, QBLOCK: gl.constexpr,
                                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-                                    SCALES_SMEM: gl.constexpr, PINGPONG: gl.constexpr, TILE_SLOTS: gl.constexpr,
-                                    MATH_REGS: gl.constexpr,
+                                    SCALES_SMEM: gl.constexpr, TILE_SLOTS: gl.constexpr, MATH_REGS: gl.constexpr,
                                     LOAD_REGS: gl.constexpr):
         x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
         y_bufs = gl.allocate_shared_memory(y_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], y_desc.layout)
@@ -401,8 +386,6 @@ if gluon is not None:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         edge = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        # Whose turn it is to issue a wgmma (PINGPONG): warpgroup w waits on turn[w].
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         # The ring of work-item ids the loader hands the math warpgroups.
         tiles = gl.allocate_shared_memory(gl.int32, [TILE_SLOTS, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         tready = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
@@ -412,8 +395,6 @@ if gluon is not None:
             # One arrival per math warpgroup.
             mbarrier.init(empty.index(s), count=2)
         mbarrier.init(edge, count=2)
-        for w in gl.static_range(2):
-            mbarrier.init(turn.index(w), count=1)
         for s in gl.static_range(TILE_SLOTS):
             mbarrier.init(tready.index(s), count=1)
             mbarrier.init(tfree.index(s), count=2)
@@ -421,17 +402,17 @@ if gluon is not None:
         # entries would become tensors (triton 3.6).
         gl.warp_specialize([
             (_wg_math0, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs,
-                         c_smem, ready, empty, edge, turn, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n,
-                         ssx_k, ssx_m, ssy_k, ssy_n, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE,
-                         SCALES_SMEM, PINGPONG)),
+                         c_smem, ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k,
+                         ssx_m, ssy_k, ssy_n, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE,
+                         SCALES_SMEM)),
             (_wg_math1, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs,
-                         c_smem, ready, empty, edge, turn, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n,
-                         ssx_k, ssx_m, ssy_k, ssy_n, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE,
-                         SCALES_SMEM, PINGPONG)),
+                         c_smem, ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k,
+                         ssx_m, ssy_k, ssy_n, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE,
+                         SCALES_SMEM)),
             (_wg_load, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs,
-                        c_smem, ready, empty, edge, turn, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k,
+                        c_smem, ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k,
                         ssx_m, ssy_k, ssy_n, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE,
-                        SCALES_SMEM, PINGPONG)),
+                        SCALES_SMEM)),
         ], [4, 1], [MATH_REGS, LOAD_REGS])
 
 
@@ -507,7 +488,7 @@ def launch_args(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock: in
     args = (x_desc, y_desc, c2, c_desc, sx, sy, offs, counter, G, M, N, c2.stride(0), c2.stride(1), *sx_strides,
             *sy_strides)
     kwargs = dict(QBLOCK=qblock, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages,
-                  TMA_STORE=tma_store, SCALES_SMEM=SCALES_IN_SMEM, PINGPONG=PINGPONG,
+                  TMA_STORE=tma_store, SCALES_SMEM=SCALES_IN_SMEM,
                   TILE_SLOTS=TILE_SLOTS, MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)
     return args, kwargs
 
