@@ -413,14 +413,46 @@ def host_profile(shape: str) -> None:
     GlobalBackendManager.reset()
 
 
+def _in_step(name: str) -> bool:
+    """Whether a profiled kernel belongs to the step: the GPU spin that lets the host run ahead
+    (torch.cuda._sleep) does not."""
+    return "sleep" not in name and "spin_kernel" not in name
+
+
+def _profiled_steps(run, steps: int):
+    """``steps`` calls of ``run`` back to back under torch.profiler (a GPU spin before each lets
+    the host run ahead): (per-kernel rows (ms per step, launches per step, name), largest first;
+    a step's kernels in launch order as (median ms over the steps, name))."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            torch.cuda._sleep(20_000_000)
+            run()
+        torch.cuda.synchronize()
+    rows = []
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", None)
+        if us is None:
+            us = evt.self_cuda_time_total
+        if us > 0 and _in_step(evt.key):
+            rows.append((us / steps / 1e3, evt.count // steps, evt.key))
+    rows.sort(reverse=True)
+    # The forward and dgrad share a kernel name: they are told apart by their place in the step.
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and _in_step(e.name)),
+                     key=lambda e: e.time_range.start)
+    per_step = len(kernels) // steps
+    seq = [(statistics.median(kernels[i].time_range.elapsed_us() / 1e3 for i in range(o, per_step * steps, per_step)),
+            kernels[o].name) for o in range(per_step)]
+    return rows, seq
+
+
 def kernel_profile(shape: str, steps: int = 10) -> None:
     """Which GPU kernels one step runs and for how long: ``steps`` steps of the fp8 blockwise op
     (TRITON pinned) and of the bf16 op (TORCH) under torch.profiler, each kernel's GPU time per
     step, largest first, one line each (``probe=kernels``), and each kernel of a step in launch
     order, the median over the steps (``probe=kernel_seq``)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     _, _, _, lens, offs, a, w, grad, cfg = step_operands(shape)
     variants = (("fp8", BackendType.TRITON, "fp8", cfg), ("bf16", BackendType.TORCH, "bf16", None))
     for label, backend, precision, c in variants:
@@ -430,38 +462,86 @@ def kernel_profile(shape: str, steps: int = 10) -> None:
         for _ in range(3):
             run()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                torch.cuda._sleep(20_000_000)  # the host runs ahead: kernels back to back
-                run()
-            torch.cuda.synchronize()
-        # The GPU spin that lets the host run ahead (torch.cuda._sleep) is no part of the step.
-        def in_step(name: str) -> bool:
-            return "sleep" not in name and "spin_kernel" not in name
-
-        rows = []
-        for evt in prof.key_averages():
-            us = getattr(evt, "self_device_time_total", None)
-            if us is None:
-                us = evt.self_cuda_time_total
-            if us > 0 and in_step(evt.key):
-                rows.append((us / steps / 1e3, evt.count // steps, evt.key))
-        rows.sort(reverse=True)
+        rows, seq = _profiled_steps(run, steps)
         total = sum(r[0] for r in rows)
-        # A step's kernels in launch order (the forward and dgrad share a kernel name), each the
-        # median over the steps.
-        kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and in_step(e.name)),
-                         key=lambda e: e.time_range.start)
-        per_step = len(kernels) // steps
-        for order, e in enumerate(kernels[-per_step:]):
-            times = [kernels[i].time_range.elapsed_us() / 1e3 for i in range(order, per_step * steps, per_step)]
-            emit(probe="kernel_seq", shape=shape, routing=ROUTING[0], variant=label, order=order,
-                 ms=statistics.median(times), kernel=e.name[:60])
+        for order, (ms, name) in enumerate(seq):
+            emit(probe="kernel_seq", shape=shape, routing=ROUTING[0], variant=label, order=order, ms=ms,
+                 kernel=name[:60])
         emit(probe="kernels_total", shape=shape, routing=ROUTING[0], variant=label, gpu_ms_per_step=total)
         for ms, count, name in rows[:14]:
             emit(probe="kernels", shape=shape, variant=label, ms=ms, per_step=count, share=ms / total,
                  kernel=name[:110])
     GlobalBackendManager.reset()
+
+
+#: --yield: (label, sass_yield.patch_cubin options or None for the cubin ptxas wrote).
+YIELD_VARIANTS = [("ptxas", None), ("ffma_9/16", dict(opcodes=("FFMA",), fraction=9 / 16)),
+                  ("ffma_all", dict(opcodes=("FFMA",), fraction=1.0)),
+                  ("fp_9/16", dict(opcodes=("FFMA", "FMUL"), fraction=9 / 16)),
+                  ("fp_alt", dict(opcodes=("FFMA", "FMUL"), fraction=1.0, every=2))]
+
+
+def _compiled_ws_kernels() -> list:
+    """Every compiled specialisation of the two warp-specialised blockwise kernels (forward/dgrad
+    and wgrad), on every device."""
+    from turbo_dispatch.backends.triton import fp8_blockwise_gluon_ws as GWS
+    from turbo_dispatch.backends.triton import fp8_blockwise_wgrad_ws as GWW
+
+    out = []
+    for fn in (GWS._fp8_blockwise_ws_kernel, GWW._fp8_blockwise_wgrad_kernel):
+        for cache in fn.device_caches.values():
+            out += list(cache[0].values())
+    return out
+
+
+def yield_ab(shape: str, steps: int = 10, turns: int = 2) -> bool:
+    """The fp8 step (TRITON pinned) with each of ``YIELD_VARIANTS`` applied to the compiled
+    warp-specialised kernels, in ``turns`` rounds: each kernel's median time per variant
+    (``probe=yield_kernel``), and the step's output and gradients compared bit for bit with the
+    ptxas cubin's (``check=yield_bits``). Returns whether every variant matched."""
+    from turbo_dispatch.backends.triton import sass_yield
+
+    _, _, _, lens, offs, a, w, grad, cfg = step_operands(shape)
+    GlobalBackendManager.reset()
+    GlobalBackendManager.set_grouped_gemm_backend(BackendType.TRITON, precision="fp8")
+    run = step_fn(a, w, lens, offs, cfg, grad)
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    kernels = _compiled_ws_kernels()
+    original = {id(k): k.asm["cubin"] for k in kernels}
+    ok, ref, times = True, None, {}
+    for turn in range(turns):
+        for label, opts in YIELD_VARIANTS:
+            changed = 0
+            for k in kernels:
+                sass_yield.load_cubin(k, original[id(k)])
+                if opts:
+                    changed += sass_yield.patch_kernel(k, **opts)
+            out = run()
+            torch.cuda.synchronize()
+            got = (out.detach().clone(), a.grad.clone(), w.grad.clone())
+            if ref is None:
+                ref = got
+            same = all(torch.equal(x, y) for x, y in zip(got, ref))
+            ok = ok and same
+            if turn == 0:
+                emit(check="yield_bits", shape=shape, routing=ROUTING[0], variant=label, changed=changed,
+                     result="PASS" if same else "FAIL")
+            _, seq = _profiled_steps(run, steps)
+            for order, (ms, name) in enumerate(seq):
+                times.setdefault((label, order, name), []).append(ms)
+            times.setdefault((label, len(seq), "step (sum of its kernels)"), []).append(sum(ms for ms, _ in seq))
+    for (label, order, name), ms in times.items():
+        if "quantize" in name or ms[0] < 0.005:
+            continue
+        base = statistics.median(times[("ptxas", order, name)])
+        emit(probe="yield_kernel", shape=shape, routing=ROUTING[0], variant=label, order=order, kernel=name[:40],
+             ms=statistics.median(ms), samples=[round(x, 4) for x in ms], vs_ptxas=base / statistics.median(ms))
+    for k in kernels:
+        sass_yield.load_cubin(k, original[id(k)])
+    GlobalBackendManager.reset()
+    return ok
 
 
 def main() -> int:
@@ -475,6 +555,8 @@ def main() -> int:
                     help="cProfile the host side of 30 fp8 blockwise steps at SHAPE (top functions)")
     ap.add_argument("--routing", default="balanced", choices=["balanced", "skewed", "empty"],
                     help="group sizes of the step (the bench's routings; default balanced)")
+    ap.add_argument("--yield", dest="yield_shapes", default=None, metavar="SHAPES",
+                    help="only time the step's kernels with each YIELD_VARIANTS cubin rewrite at these shapes")
     ap.add_argument("--kernels", default=None, metavar="SHAPES",
                     help="only profile the GPU kernels of one step at these shapes (fp8 and bf16) and stop")
     args = ap.parse_args()
@@ -484,6 +566,12 @@ def main() -> int:
     if args.out:
         OUT.append(open(args.out, "w"))
     emit(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+    if args.yield_shapes:
+        ok = True
+        for shape in args.yield_shapes.split(","):
+            ok = yield_ab(shape) and ok
+            torch.cuda.empty_cache()
+        return 0 if ok else 1
     if args.kernels:
         for shape in args.kernels.split(","):
             kernel_profile(shape)
