@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran on commit f1f11bb (backends/triton/sass_yield.py and probe_grouped_step --yield); both removed after this round: every rewrite was slower.
 # Eighteenth session: the promotion bursts of the warp-specialised blockwise kernels made to yield
 # the warp scheduler by a cubin rewrite (backends/triton/sass_yield.py: the yield flag cleared, and
 # the reuse flags with it, on part of each FFMA/FMUL burst). Each kernel of the fp8 step under each

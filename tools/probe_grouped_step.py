@@ -474,76 +474,6 @@ def kernel_profile(shape: str, steps: int = 10) -> None:
     GlobalBackendManager.reset()
 
 
-#: --yield: (label, sass_yield.patch_cubin options or None for the cubin ptxas wrote).
-YIELD_VARIANTS = [("ptxas", None), ("ffma_9/16", dict(opcodes=("FFMA",), fraction=9 / 16)),
-                  ("ffma_all", dict(opcodes=("FFMA",), fraction=1.0)),
-                  ("fp_9/16", dict(opcodes=("FFMA", "FMUL"), fraction=9 / 16)),
-                  ("fp_alt", dict(opcodes=("FFMA", "FMUL"), fraction=1.0, every=2))]
-
-
-def _compiled_ws_kernels() -> list:
-    """Every compiled specialisation of the two warp-specialised blockwise kernels (forward/dgrad
-    and wgrad), on every device."""
-    from turbo_dispatch.backends.triton import fp8_blockwise_gluon_ws as GWS
-    from turbo_dispatch.backends.triton import fp8_blockwise_wgrad_ws as GWW
-
-    out = []
-    for fn in (GWS._fp8_blockwise_ws_kernel, GWW._fp8_blockwise_wgrad_kernel):
-        for cache in fn.device_caches.values():
-            out += list(cache[0].values())
-    return out
-
-
-def yield_ab(shape: str, steps: int = 10, turns: int = 2) -> bool:
-    """The fp8 step (TRITON pinned) with each of ``YIELD_VARIANTS`` applied to the compiled
-    warp-specialised kernels, in ``turns`` rounds: each kernel's median time per variant
-    (``probe=yield_kernel``), and the step's output and gradients compared bit for bit with the
-    ptxas cubin's (``check=yield_bits``). Returns whether every variant matched."""
-    from turbo_dispatch.backends.triton import sass_yield
-
-    _, _, _, lens, offs, a, w, grad, cfg = step_operands(shape)
-    GlobalBackendManager.reset()
-    GlobalBackendManager.set_grouped_gemm_backend(BackendType.TRITON, precision="fp8")
-    run = step_fn(a, w, lens, offs, cfg, grad)
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    kernels = _compiled_ws_kernels()
-    original = {id(k): k.asm["cubin"] for k in kernels}
-    ok, ref, times = True, None, {}
-    for turn in range(turns):
-        for label, opts in YIELD_VARIANTS:
-            changed = 0
-            for k in kernels:
-                sass_yield.load_cubin(k, original[id(k)])
-                if opts:
-                    changed += sass_yield.patch_kernel(k, **opts)
-            out = run()
-            torch.cuda.synchronize()
-            got = (out.detach().clone(), a.grad.clone(), w.grad.clone())
-            if ref is None:
-                ref = got
-            same = all(torch.equal(x, y) for x, y in zip(got, ref))
-            ok = ok and same
-            if turn == 0:
-                emit(check="yield_bits", shape=shape, routing=ROUTING[0], variant=label, changed=changed,
-                     result="PASS" if same else "FAIL")
-            _, seq = _profiled_steps(run, steps)
-            for order, (ms, name) in enumerate(seq):
-                times.setdefault((label, order, name), []).append(ms)
-            times.setdefault((label, len(seq), "step (sum of its kernels)"), []).append(sum(ms for ms, _ in seq))
-    for (label, order, name), ms in times.items():
-        if "quantize" in name or ms[0] < 0.005:
-            continue
-        base = statistics.median(times[("ptxas", order, name)])
-        emit(probe="yield_kernel", shape=shape, routing=ROUTING[0], variant=label, order=order, kernel=name[:40],
-             ms=statistics.median(ms), samples=[round(x, 4) for x in ms], vs_ptxas=base / statistics.median(ms))
-    for k in kernels:
-        sass_yield.load_cubin(k, original[id(k)])
-    GlobalBackendManager.reset()
-    return ok
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="dsv3_up,dsv3_down,qwen3_up,mixtral_up")
@@ -555,8 +485,6 @@ def main() -> int:
                     help="cProfile the host side of 30 fp8 blockwise steps at SHAPE (top functions)")
     ap.add_argument("--routing", default="balanced", choices=["balanced", "skewed", "empty"],
                     help="group sizes of the step (the bench's routings; default balanced)")
-    ap.add_argument("--yield", dest="yield_shapes", default=None, metavar="SHAPES",
-                    help="only time the step's kernels with each YIELD_VARIANTS cubin rewrite at these shapes")
     ap.add_argument("--kernels", default=None, metavar="SHAPES",
                     help="only profile the GPU kernels of one step at these shapes (fp8 and bf16) and stop")
     args = ap.parse_args()
@@ -566,12 +494,6 @@ def main() -> int:
     if args.out:
         OUT.append(open(args.out, "w"))
     emit(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
-    if args.yield_shapes:
-        ok = True
-        for shape in args.yield_shapes.split(","):
-            ok = yield_ab(shape) and ok
-            torch.cuda.empty_cache()
-        return 0 if ok else 1
     if args.kernels:
         for shape in args.kernels.split(","):
             kernel_profile(shape)
