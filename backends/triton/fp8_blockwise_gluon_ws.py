@@ -117,11 +117,12 @@ def scales_in_smem(sa_row_stride: int, a_group: int) -> bool:
     each math warpgroup loading them from global memory every K block.
 
     Only where the copy is one contiguous read: one scale per row (``a_group`` 1) stored row-
-    contiguous (``sa_row_stride`` 1, as ``quantize_kmajor`` stores them). H100, same run
-    (tools/gpu_round11.sh), 256-column tile at 4096x7168x16384: 1062 TFLOPS with them at 4 stages
-    against 1026 without, 1173 with them at 3 stages; at 4096x4096x7168 1082 / 1096 against 1009.
-    With the grouped quantiser's K-inner scales, the 128 scattered 4-byte copies per slot slowed
-    DeepSeek-V3 up_gate from 1051 to 955, so grouped launches keep the global loads."""
+    contiguous (``sa_row_stride`` 1, as ``quantize_kmajor`` and the grouped step's dual quantiser
+    store them). H100, same run (tools/gpu_round11.sh), 256-column tile at 4096x7168x16384: 1062
+    TFLOPS with them at 4 stages against 1026 without, 1173 with them at 3 stages; at
+    4096x4096x7168 1082 / 1096 against 1009. K-inner scales (a hand-made QuantizedTensor's) keep
+    the global loads: there the 128 scattered 4-byte copies per slot slowed DeepSeek-V3 up_gate
+    from 1051 to 955."""
     if SCALES_IN_SMEM is not None:
         return SCALES_IN_SMEM
     return sa_row_stride == 1 and a_group == 1
