@@ -195,9 +195,9 @@ def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
     * else ``scale`` ``[G, R, nC]`` (1 x block runs along C) and ``scale_t`` ``[G, nR, C]``
       (block x 1 runs along R, contiguous). ``scale`` is stored ``[G, nC, R]`` (row stride 1) where
       ``k_outer_scales`` (default ``ROW_SCALES_K_OUTER``): one column block's scales of
-      neighbouring rows side by side, so that the warp-specialised forward copies a K step's 128 row
-      scales into shared memory with one contiguous read (``fp8_blockwise_gluon_ws.scales_in_smem``);
-      else contiguous.
+      neighbouring rows side by side, so that a tile's 128 row scales leave as one contiguous write
+      and a GEMM's math warpgroup reads its rows' scales of a K block in one coalesced load (H100,
+      round 87: the gradient's runs 1.01-1.08x faster than with contiguous scales); else contiguous.
 
     >>> d, s, dt, st = dual_quantize(torch.randn(1, 300, 256), torch.float8_e4m3fn, 128, False)  # doctest: +SKIP
     >>> tuple(d.shape), tuple(s.shape), tuple(dt.shape), tuple(st.shape)  # doctest: +SKIP
