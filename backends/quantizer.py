@@ -106,26 +106,22 @@ def padded_rows(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def quantize_both_tensors(x3: torch.Tensor, dtype: torch.dtype, block_size: int, tile_2d: bool,
-                          k_outer_scales: bool | None = None
+def quantize_both_tensors(x3: torch.Tensor, dtype: torch.dtype, block_size: int, tile_2d: bool
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(data, scale, data_t, scale_t)`` of ``x3[G, R, C]`` as
     ``turbo_dispatch.backends.triton.dual_quantize.dual_quantize`` returns them (same layouts,
-    rows padded to 16 bytes; the row runs' scale stored ``[G, nC, R]`` where ``k_outer_scales``, by
-    default the kernel module's ``ROW_SCALES_K_OUTER``, else contiguous): from its one-read kernel on a GPU, else from two reference ``quantize``
-    calls, which give the same bits."""
+    rows padded to 16 bytes): from its one-read kernel on a GPU, else from two reference
+    ``quantize`` calls, which give the same bits."""
     fn = _dual_kernel()
     if fn is not None and x3.is_cuda and block_size in DUAL_BLOCK_SIZES:
-        return fn(x3, dtype, block_size, tile_2d, k_outer_scales)
+        return fn(x3, dtype, block_size, tile_2d)
     blockwise = ScalingGranularity.BLOCKWISE
     if tile_2d:
         q = _reference_quantize(x3, dtype, blockwise, axis=2, block_size=block_size, block_2d=True)
         return padded_rows(q.data), q.scale, padded_rows(q.data.transpose(1, 2)), q.scale.transpose(1, 2)
     rows = _reference_quantize(x3, dtype, blockwise, axis=2, block_size=block_size)
     cols = _reference_quantize(x3, dtype, blockwise, axis=1, block_size=block_size)
-    k_outer = k_outer_scales is None or k_outer_scales
-    row_scale = rows.scale.transpose(1, 2).contiguous().transpose(1, 2) if k_outer else rows.scale
-    return padded_rows(rows.data), row_scale, padded_rows(cols.data.transpose(1, 2)), cols.scale
+    return padded_rows(rows.data), rows.scale, padded_rows(cols.data.transpose(1, 2)), cols.scale
 
 
 #: Recipes whose groups need an amax pass of their own: a tensor's two quantisations can share it.

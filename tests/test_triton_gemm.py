@@ -381,7 +381,6 @@ def test_gluon_blockwise_configs_and_refusals():
     assert "occupancy must be 1" in GWS.config_error((128, 128, 128, 8, 4, 8, 2), 128)
     # a's scales go through shared memory only where one slot's are one contiguous read.
     assert GWS.scales_in_smem(1, 1) and not GWS.scales_in_smem(56, 1) and not GWS.scales_in_smem(1, 128)
-    assert not GWS.scales_in_smem(1, 1, grouped=True)  # grouped launches keep the global loads
     # 256 columns are two 128-column accumulators, each needing one b scale.
     assert GWS.config_error((128, 256, 128, 8, 4, 8), 128) is None
     assert "BLOCK_N" in GWS.config_error((128, 192, 128, 8, 4, 8), 192)

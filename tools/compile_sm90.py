@@ -228,8 +228,7 @@ def _grouped_fp8_gluon_ws(cfg: C.TileConfig):
     G, M, N, K = G_MOE, M_MOE, N_MOE, K_MOE
     a, b = torch.empty((M, K), dtype=E4), torch.empty((G * N, K), dtype=E4)
     c, offs = torch.empty((M, N), dtype=torch.bfloat16), torch.empty(G + 1, dtype=torch.int32)
-    # Row scales stored K-block-major, as the step's dual quantiser stores them.
-    sa, sb = torch.empty((K // 128, M)).t(), torch.empty((G, N // 128, K // 128))
+    sa, sb = torch.empty((M, K // 128)), torch.empty((G, N // 128, K // 128))
     args, kwargs = GWS.launch_args(a, b, c, offs, G, N, sa, sa.stride(), sb, sb.stride(), cfg, 1, 128, 132)
     return GWS._fp8_blockwise_ws_kernel.warmup(*args, **kwargs, grid=(1,))
 

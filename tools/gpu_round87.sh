@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran on commit 084a931 (K-outer row scales copied into shared memory); see round 88 for the outcome.
 # Eighteenth session: the dual quantiser stores the row runs' scales K-block-major ([nC, R]), so the
 # warp-specialised forward and dgrad copy each K step's 128 row scales into shared memory with one
 # contiguous read (SA_SMEM) instead of every math warpgroup loading them from global memory.

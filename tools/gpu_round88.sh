@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran on commit e608a38 (K-outer row scales, grouped launches with global loads); the layout change was reverted after this round.
 # Eighteenth session: row-scale layout of the grouped blockwise step, three ways in turns, outputs
 # and gradients bit-compared: (a) K-inner scales, global loads (the code before round 87);
 # (b) K-outer scales, global loads (this commit's default); (c) K-outer scales copied into shared

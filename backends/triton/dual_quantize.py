@@ -168,8 +168,6 @@ FAST_DIV = True
 #: gradients, tiles 0.092 vs 0.120 over their weights. False keeps every call on the Triton
 #: kernel (the probe compares them).
 GLUON = True
-#: The default of ``dual_quantize``'s ``k_outer_scales``; probes set it to compare the layouts.
-ROW_SCALES_K_OUTER = True
 
 
 def kernel_args(x, data, data_t, scale, scale_t, block: int) -> tuple:
@@ -181,8 +179,8 @@ def kernel_args(x, data, data_t, scale, scale_t, block: int) -> tuple:
             *scale.stride(), *scale_t.stride())
 
 
-def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool,
-                  k_outer_scales: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantise ``x[G, R, C]`` (any strides) both ways in one pass; see the module docstring.
 
     Returns ``(data, scale, data_t, scale_t)``:
@@ -193,11 +191,7 @@ def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
     * ``tile_2d``: ``scale`` is ``[G, nR, nC]``, one per tile, and ``scale_t`` is its
       ``[G, nC, nR]`` transposed view;
     * else ``scale`` ``[G, R, nC]`` (1 x block runs along C) and ``scale_t`` ``[G, nR, C]``
-      (block x 1 runs along R, contiguous). ``scale`` is stored ``[G, nC, R]`` (row stride 1) where
-      ``k_outer_scales`` (default ``ROW_SCALES_K_OUTER``): one column block's scales of
-      neighbouring rows side by side, so that a tile's 128 row scales leave as one contiguous write
-      and a GEMM's math warpgroup reads its rows' scales of a K block in one coalesced load (H100,
-      round 87: the gradient's runs 1.01-1.08x faster than with contiguous scales); else contiguous.
+      (block x 1 runs along R), both contiguous.
 
     >>> d, s, dt, st = dual_quantize(torch.randn(1, 300, 256), torch.float8_e4m3fn, 128, False)  # doctest: +SKIP
     >>> tuple(d.shape), tuple(s.shape), tuple(dt.shape), tuple(st.shape)  # doctest: +SKIP
@@ -218,8 +212,7 @@ def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
         scale = torch.empty((g, n_r, n_c), **f32)
         scale_t = scale.transpose(1, 2)
     else:
-        k_outer = ROW_SCALES_K_OUTER if k_outer_scales is None else k_outer_scales
-        scale = torch.empty((g, n_c, r), **f32).transpose(1, 2) if k_outer else torch.empty((g, r, n_c), **f32)
+        scale = torch.empty((g, r, n_c), **f32)
         scale_t = torch.empty((g, n_r, c), **f32)
     if g * r * c == 0:
         return data, scale, data_t, scale_t

@@ -111,23 +111,20 @@ def tma_storable(c: torch.Tensor) -> bool:
             and c.shape[1] * size >= 16)
 
 
-def scales_in_smem(sa_row_stride: int, a_group: int, grouped: bool = False) -> bool:
+def scales_in_smem(sa_row_stride: int, a_group: int) -> bool:
     """Whether the loader warp copies a's K-block scales into each ring slot (cp.async, completed on
     the slot's ``ready`` barrier) for the math warpgroups to read from shared memory, rather than
     each math warpgroup loading them from global memory every K block.
 
-    Only for a dense launch whose copy is one contiguous read: one scale per row (``a_group`` 1)
-    stored row-contiguous (``sa_row_stride`` 1, as ``quantize_kmajor`` stores them). H100, same run
+    Only where the copy is one contiguous read: one scale per row (``a_group`` 1) stored row-
+    contiguous (``sa_row_stride`` 1, as ``quantize_kmajor`` stores them). H100, same run
     (tools/gpu_round11.sh), 256-column tile at 4096x7168x16384: 1062 TFLOPS with them at 4 stages
     against 1026 without, 1173 with them at 3 stages; at 4096x4096x7168 1082 / 1096 against 1009.
-    Grouped launches (``grouped``) keep the global loads. With K-inner scales the 128 scattered
-    4-byte copies per slot slowed DeepSeek-V3 up_gate from 1051 to 955; with the step's K-outer
-    ones (round 87, 32 experts x 4096 tokens) the copy still cost the dgrad 8% (6.85 vs 6.29 ms)
-    and the forward 2-3% there, and gave +-2% at the smaller models' shapes (the group offsets
-    leave the copy's alignment unknown: 4-byte cp.async)."""
+    With the grouped quantiser's K-inner scales, the 128 scattered 4-byte copies per slot slowed
+    DeepSeek-V3 up_gate from 1051 to 955, so grouped launches keep the global loads."""
     if SCALES_IN_SMEM is not None:
         return SCALES_IN_SMEM
-    return not grouped and sa_row_stride == 1 and a_group == 1
+    return sa_row_stride == 1 and a_group == 1
 
 if gluon is not None:
 
@@ -561,7 +558,7 @@ def launch_args(a, b_rows, c, offs, G: int, N: int, sa, sa_strides, sb, sb_strid
     args = (a_desc, b_desc, c, c_desc, sa, sb, sa if offs is None else offs, G, M, N, K, c.stride(0), c.stride(1),
             *sa_strides, *sb_strides, progs)
     kwargs = dict(GROUPED=offs is not None, A_GROUP=a_group, B_GROUP=b_group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                  GROUP_M=group_m, STAGES=stages, SA_SMEM=scales_in_smem(sa_strides[0], a_group, offs is not None),
+                  GROUP_M=group_m, STAGES=stages, SA_SMEM=scales_in_smem(sa_strides[0], a_group),
                   TMA_STORE=tma_store, SPLIT_TAIL=SPLIT_TAIL and offs is None and bn > 128, MATH_REGS=MATH_REGS,
                   LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)
     return args, kwargs

@@ -551,8 +551,7 @@ class TritonGroupedGemmFp8(_TritonAdapter):
             qa, sa = x.data, x.scale
             sas = (sa.stride(0), sa.stride(1))
         else:
-            # Blockwise row scales stored K-block-major (coalesced loads), as the step's dual quantiser stores them.
-            qa3, sa = _quant_rows(x.unsqueeze(0), p.a_fp8, gran, bs, scale_rows_inner=True)
+            qa3, sa = _quant_rows(x.unsqueeze(0), p.a_fp8, gran, bs)
             qa, sas = qa3[0], ((0, 0) if mode == 1 else (sa.stride(1), sa.stride(2)))
         if isinstance(y, QuantizedTensor):  # the weight's tiles, viewed [G, N, K] with K contiguous
             qb = y.data if p.trans_b else y.data.transpose(1, 2)

@@ -693,9 +693,7 @@ def _fp8_quantize_both_op(x: torch.Tensor, dtype: torch.dtype, block_size: int,
     scale_t), the fp8 data in storage order (rows padded to 16 bytes)."""
     from turbo_dispatch.backends.quantizer import quantize_both_tensors
 
-    # Contiguous row scales, as the fake declares: a compiled graph cached by an earlier version
-    # asserts these strides, so they stay as they were (the eager step stores them K-outer).
-    out = quantize_both_tensors(x if tile_2d else x.unsqueeze(0), dtype, block_size, tile_2d, k_outer_scales=False)
+    out = quantize_both_tensors(x if tile_2d else x.unsqueeze(0), dtype, block_size, tile_2d)
     if tile_2d:
         return out[0], out[1], out[2], out[3].clone(memory_format=torch.contiguous_format)  # a view of out[1]
     return tuple(t[0] for t in out)
