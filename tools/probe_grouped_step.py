@@ -327,10 +327,7 @@ def step_operands(shape: str):
     """(tokens, N, K, lens, offs, a, w, grad, cfg) of ``shape``'s blockwise step, ``ROUTING``'s
     group sizes, random operands (seeded)."""
     g, t, n, k = SHAPES[shape]
-    if ROUTING[0] == "balanced":
-        lens = torch.full((g,), t // g, dtype=torch.int64, device="cuda")
-    else:
-        lens = torch.tensor(bench_routing(ROUTING[0], t, g), dtype=torch.int64, device="cuda")
+    lens = torch.tensor(bench_routing(ROUTING[0], t, g), dtype=torch.int64, device="cuda")
     offs = torch.nn.functional.pad(torch.cumsum(lens, 0, dtype=torch.int32), (1, 0))
     torch.manual_seed(0)
     a = torch.randn(t, k, device="cuda", dtype=torch.bfloat16).requires_grad_()

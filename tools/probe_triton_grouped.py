@@ -69,7 +69,9 @@ def routing(kind: str, total: int, g: int) -> list[int]:
 
 def bench_routing(kind: str, total: int, g: int) -> list[int]:
     """The EP bench's routing ``kind`` (``benchmarks/bench_grouped_gemm.group_lens``, seeded)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    bench_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    if bench_dir not in sys.path:
+        sys.path.insert(0, bench_dir)
     from bench_grouped_gemm import group_lens
 
     torch.manual_seed(0)
