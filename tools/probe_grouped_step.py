@@ -275,6 +275,46 @@ def sweep_dual() -> None:
         torch.cuda.empty_cache()
 
 
+def quotient_sweep(rounds: int = 5) -> None:
+    """What the quantisers' correctly rounded division costs: the Gluon runs (TMA) and tiles
+    kernels on SWEEP_OPERANDS with ``dual_quantize_gluon.QUOTIENT_MODE`` 2 (the shipped division),
+    1 (one multiply by RN(1/scale)) and 0 (no per-element arithmetic: the memory path alone), timed
+    in turns for ``rounds`` rounds (median of each), next to a clone; and how many fp8 bytes mode 1
+    changes against mode 2 (its values stay within an fp32 ulp before the fp8 rounding)."""
+    import turbo_dispatch.backends.triton.dual_quantize_gluon as DG
+
+    modes = (2, 1, 0)
+    for name, shape, tile in SWEEP_OPERANDS:
+        src = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 3
+        outs = {}
+        for mode in (2, 1):
+            DG.QUOTIENT_MODE = mode
+            outs[mode] = dual_quantize(src, E4, 128, tile)
+        DG.QUOTIENT_MODE = 2
+        changed = [int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) for a, b in
+                   ((outs[2][0], outs[1][0]), (outs[2][2], outs[1][2]))]
+        scales_equal = torch.equal(outs[2][1], outs[1][1]) and torch.equal(outs[2][3], outs[1][3])
+        del outs
+        times = {m: [] for m in modes}
+        clone = []
+        for _ in range(rounds):
+            for mode in modes:
+                DG.QUOTIENT_MODE = mode
+                times[mode].append(time_ms(lambda: dual_quantize(src, E4, 128, tile)))
+            DG.QUOTIENT_MODE = 2
+            clone.append(time_ms(lambda: src.clone()))
+        moved = src.numel() * 4  # bf16 read + two fp8 copies written
+        row = {f"mode{m}_ms": statistics.median(v) for m, v in times.items()}
+        emit(probe="quotient_sweep", operand=name, tiles=tile, **row,
+             **{f"mode{m}_tbs": moved / statistics.median(v) * 1e-9 for m, v in times.items()},
+             clone_ms=statistics.median(clone), clone_tbs=src.numel() * 4 / statistics.median(clone) * 1e-9,
+             mode1_vs_2=statistics.median(times[2]) / statistics.median(times[1]),
+             mode0_vs_2=statistics.median(times[2]) / statistics.median(times[0]),
+             mode1_bytes_changed=changed, elements=src.numel(), scales_equal=scales_equal)
+        del src
+        torch.cuda.empty_cache()
+
+
 def step_fn(a, w, lens, offs, cfg, grad):
     def run():
         a.grad = w.grad = None
@@ -482,6 +522,8 @@ def main() -> int:
                     help="cProfile the host side of 30 fp8 blockwise steps at SHAPE (top functions)")
     ap.add_argument("--routing", default="balanced", choices=["balanced", "skewed", "empty"],
                     help="group sizes of the step (the bench's routings; default balanced)")
+    ap.add_argument("--quotient", action="store_true",
+                    help="only time the Gluon quantisers with each QUOTIENT_MODE (quotient_sweep) and stop")
     ap.add_argument("--kernels", default=None, metavar="SHAPES",
                     help="only profile the GPU kernels of one step at these shapes (fp8 and bf16) and stop")
     args = ap.parse_args()
@@ -491,6 +533,9 @@ def main() -> int:
     if args.out:
         OUT.append(open(args.out, "w"))
     emit(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+    if args.quotient:
+        quotient_sweep()
+        return 0
     if args.kernels:
         for shape in args.kernels.split(","):
             kernel_profile(shape)

@@ -83,6 +83,11 @@ TMA_RUNS = (1, 4, 96)
 TILES_LAUNCH = (16, 4, 0)
 #: Whether ``dual_quantize`` sends 2-D tiles here (the register kernel) rather than to Triton.
 SERVES_TILES = True
+#: How the kernels form each quotient v / scale: 2, correctly rounded (the only mode that gives
+#: ``quantize_cells``' bits); 1, v * RN(1 / scale), one multiply (within an ulp before the fp8
+#: rounding); 0, no per-element arithmetic (v itself, saturated: wrong values, for timing the
+#: kernels' memory path alone). Probes set 1 and 0 to measure what the division costs.
+QUOTIENT_MODE = 2
 
 if gluon is not None:
     from .dual_quantize import _corrected_quotient, _quotient, _scale_of, _step_operands
@@ -111,7 +116,7 @@ if gluon is not None:
     def _g_runs_tile(x_rows, sxr, sxc, chunks, chunk0, slices, slice0, q_ptr, qt_ptr, s_ptr, st_ptr, g, rb, cb,
                      R, C, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
                      B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
-                     TINY: gl.constexpr, WARPS: gl.constexpr, IN_SMEM: gl.constexpr):
+                     TINY: gl.constexpr, WARPS: gl.constexpr, IN_SMEM: gl.constexpr, QUOT: gl.constexpr = 2):
         """Both copies and both scale sets of tile (g, rb, cb) of a token-run operand. The tile is
         read as ``chunks.index(chunk0 + i)`` ([REPS, 2 * WARPS, B] each) and, transposed, as
         ``slices.index(slice0 + j)`` ([TCH, B] each), two views of the same shared memory; it is
@@ -150,7 +155,12 @@ if gluon is not None:
             row_scale = _g_scale_of(gl.max(bits, axis=2).to(gl.float32, bitcast=True), FP8_MAX, TINY)
             gl.store(s_ptr + g * ssg + r64 * ssr + cb * ssc, row_scale, mask=r_ok)
             neg_k, kr, r, s_res = _g_step_of(row_scale)
-            q = _g_quotient_of(v, neg_k[:, :, None], kr[:, :, None], r[:, :, None], s_res[:, :, None], FP8_MAX)
+            if QUOT == 2:
+                q = _g_quotient_of(v, neg_k[:, :, None], kr[:, :, None], r[:, :, None], s_res[:, :, None], FP8_MAX)
+            elif QUOT == 1:
+                q = gl.maximum(v * kr[:, :, None], -FP8_MAX)
+            else:
+                q = v
             gl.store(q_ptr + g * sqg + r64[:, :, None] * sqr + c3, q.to(q_ptr.dtype.element_ty), mask=ok)
         col_scale = _g_scale_of(gl.max(col_acc, axis=0).to(gl.float32, bitcast=True), FP8_MAX, TINY)
         gl.store(st_ptr + g * stg + rb * str_ + cc.to(gl.int64) * stc, col_scale, mask=c_ok)
@@ -164,7 +174,18 @@ if gluon is not None:
         ct = cb * B + gl.arange(0, B, layout=gl.SliceLayout(1, COL))
         ct_ok = ct < C
         qt_cols = qt_ptr + g * sqtg + ct.to(gl.int64)[:, None] * sqtc
-        if tiny:
+        if QUOT < 2:
+            r_t, s_res_t = _g_step_operands(col_scale_t)
+            for j in range(B // TCH):
+                rt = rb * B + j * TCH + gl.arange(0, TCH, layout=gl.SliceLayout(0, COL))
+                vt = slices.index(slice0 + j).permute([1, 0]).load(COL).to(gl.float32)
+                if QUOT == 1:
+                    qt = gl.maximum(vt * r_t[:, None], -FP8_MAX)
+                else:
+                    qt = vt
+                gl.store(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
+                         mask=ct_ok[:, None] & (rt < R)[None, :])
+        elif tiny:
             for j in range(B // TCH):
                 rt = rb * B + j * TCH + gl.arange(0, TCH, layout=gl.SliceLayout(0, COL))
                 vt = slices.index(slice0 + j).permute([1, 0]).load(COL).to(gl.float32)
@@ -186,7 +207,7 @@ if gluon is not None:
         R, C, n_rb,
         sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
         B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
-        TINY: gl.constexpr, WARPS: gl.constexpr,
+        TINY: gl.constexpr, WARPS: gl.constexpr, QUOT: gl.constexpr = 2,
     ):
         # One program per tile, the tile read into shared memory by its own loads.
         pid = gl.program_id(0)
@@ -197,7 +218,7 @@ if gluon is not None:
                                      gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         _g_runs_tile(x_ptr + g * sxg, sxr, sxc, chunks, 0, slices, 0, q_ptr, qt_ptr, s_ptr, st_ptr, g, pid % n_rb,
                      gl.program_id(1), R, C, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
-                     B, CH, TCH, FP8_MAX, TINY, WARPS, False)
+                     B, CH, TCH, FP8_MAX, TINY, WARPS, False, QUOT)
 
     @gluon.jit
     def _dual_quantize_runs_tma_kernel(
@@ -205,7 +226,7 @@ if gluon is not None:
         R, C, n_rb, n_cb, n_tiles,
         sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
         B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
-        TINY: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr,
+        TINY: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr, QUOT: gl.constexpr = 2,
     ):
         # Persistent: a ring of STAGES tiles filled by TMA copies, so the next tiles stream in
         # while this one is quantised (the one-program-per-tile kernel waits on its own loads).
@@ -234,7 +255,7 @@ if gluon is not None:
             # the tile is in shared memory already (IN_SMEM), so no x pointer: q_ptr stands in
             _g_runs_tile(q_ptr, 0, 0, chunks, slot * (B // CH), slices, slot * (B // TCH), q_ptr, qt_ptr, s_ptr,
                          st_ptr, g, (t % per_group) // n_cb, t % n_cb, R, C, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc,
-                         stg, str_, stc, B, CH, TCH, FP8_MAX, TINY, WARPS, True)
+                         stg, str_, stc, B, CH, TCH, FP8_MAX, TINY, WARPS, True, QUOT)
             _cta_barrier()  # every warp is done with the slot before the copy that refills it
             fence_async_shared()
             nxt = t + STAGES * progs
@@ -300,6 +321,7 @@ if gluon is not None:
         R, C, n_rb,
         sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
         B: gl.constexpr, L: gl.constexpr, LT: gl.constexpr, FP8_MAX: gl.constexpr, TINY: gl.constexpr,
+        QUOT: gl.constexpr = 2,
     ):
         # L and LT (register_layouts) cover the B x B tile: each thread holds a few consecutive
         # rows x 8 consecutive columns. Its 16-byte row pieces load coalesced, and each of its
@@ -320,7 +342,12 @@ if gluon is not None:
         gl.store(s_ptr + g * ssg + rb * ssr + cb * ssc, scale)
         neg_k, kr, r, s_res = _g_step_of(scale)
         v = xv.to(gl.float32)  # after the divisions: not held across their slow-path branches
-        q = _g_quotient_of(v, neg_k, kr, r, s_res, FP8_MAX)
+        if QUOT == 2:
+            q = _g_quotient_of(v, neg_k, kr, r, s_res, FP8_MAX)
+        elif QUOT == 1:
+            q = gl.maximum(v * kr, -FP8_MAX)
+        else:
+            q = v
         gl.store(q_ptr + g * sqg + r64[:, None] * sqr + cc.to(gl.int64)[None, :], q.to(q_ptr.dtype.element_ty),
                  mask=ok)
         # the renaming moves the float32 values; the fp8 bytes are packed after it
@@ -374,7 +401,7 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
         rows, warps, maxnreg = TILES_LAUNCH
         lay, lay_t = _layouts(rows, warps)
         _dual_quantize_tiles_kernel[(g * n_r, n_c)](
-            *args, B=BLOCK, L=lay, LT=lay_t, FP8_MAX=fp8_max, TINY=tiny, num_warps=warps,
+            *args, B=BLOCK, L=lay, LT=lay_t, FP8_MAX=fp8_max, TINY=tiny, QUOT=QUOTIENT_MODE, num_warps=warps,
             **({"maxnreg": maxnreg} if maxnreg else {}))
         return
     chunk, t_chunk, warps, maxnreg = LAUNCH
@@ -387,10 +414,11 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
         grid = min(n_tiles, per_sm * num_programs(x.device.index))
         _dual_quantize_runs_tma_kernel[(grid,)](
             desc, *args[1:5], r, c, n_r, n_c, n_tiles, *args[11:], B=BLOCK, CH=chunk, TCH=t_chunk,
-            FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, STAGES=stages, num_warps=warps,
+            FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, STAGES=stages, QUOT=QUOTIENT_MODE, num_warps=warps,
             **({"maxnreg": maxnreg} if maxnreg else {}))
         return
     _dual_quantize_runs_kernel[(g * n_r, n_c)](
-        *args, B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, num_warps=warps,
+        *args, B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, QUOT=QUOTIENT_MODE,
+        num_warps=warps,
         **({"maxnreg": maxnreg} if maxnreg else {}))
 
