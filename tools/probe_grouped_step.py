@@ -315,6 +315,55 @@ def quotient_sweep(rounds: int = 5) -> None:
         torch.cuda.empty_cache()
 
 
+#: (QUOTIENT_MODE, RUNS_GROUP_R) variants ``order_sweep`` times; the first is the shipped one.
+ORDER_VARIANTS = [(2, 1), (2, 2), (2, 4), (2, 8), (2, 16), (2, 64), (2, 1 << 20), (0, 1), (0, 16), (0, 1 << 20)]
+#: Token-run operands of ``order_sweep``: the sweep's, and the EP8 bench's DeepSeek-V3 x and
+#: up_gate gradient (32 local experts x 4096 tokens).
+ORDER_OPERANDS = [(n, s) for n, s, t in SWEEP_OPERANDS if not t] + [("dsv3_x_ep8", (1, 131072, 7168)),
+                                                                     ("dsv3_grad_ep8", (1, 131072, 4096))]
+
+
+def order_sweep(rounds: int = 5) -> None:
+    """The persistent TMA runs kernel's tile order (``dual_quantize_gluon.RUNS_GROUP_R``: row
+    blocks walked down per column block) with the shipped quotient and with none (the memory path
+    alone), timed in turns on ORDER_OPERANDS next to a clone; every shipped-quotient order is
+    checked bit for bit against the first."""
+    import turbo_dispatch.backends.triton.dual_quantize_gluon as DG
+
+    for name, shape in ORDER_OPERANDS:
+        src = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 3
+        ref = None
+        same = {}
+        for mode, group_r in ORDER_VARIANTS:
+            DG.QUOTIENT_MODE, DG.RUNS_GROUP_R = mode, group_r
+            if mode == 2:
+                out = dual_quantize(src, E4, 128, False)
+                if ref is None:
+                    ref = out
+                same[group_r] = all(torch.equal(a.view(torch.uint8) if a.dtype == E4 else a,
+                                                b.view(torch.uint8) if b.dtype == E4 else b) for a, b in zip(ref, out))
+                del out
+        del ref
+        times = {v: [] for v in ORDER_VARIANTS}
+        clone = []
+        for _ in range(rounds):
+            for mode, group_r in ORDER_VARIANTS:
+                DG.QUOTIENT_MODE, DG.RUNS_GROUP_R = mode, group_r
+                times[(mode, group_r)].append(time_ms(lambda: dual_quantize(src, E4, 128, False)))
+            clone.append(time_ms(lambda: src.clone()))
+        DG.QUOTIENT_MODE, DG.RUNS_GROUP_R = 2, 1
+        base = statistics.median(times[ORDER_VARIANTS[0]])
+        for (mode, group_r), v in times.items():
+            ms = statistics.median(v)
+            emit(probe="order_sweep", operand=name, mode=mode, group_r=group_r, ms=ms,
+                 tbs=src.numel() * 4 / ms * 1e-9, vs_shipped=base / ms,
+                 bits_equal=same.get(group_r) if mode == 2 else None)
+        cms = statistics.median(clone)
+        emit(probe="order_sweep_clone", operand=name, ms=cms, tbs=src.numel() * 4 / cms * 1e-9)
+        del src
+        torch.cuda.empty_cache()
+
+
 def step_fn(a, w, lens, offs, cfg, grad):
     def run():
         a.grad = w.grad = None
@@ -524,6 +573,8 @@ def main() -> int:
                     help="group sizes of the step (the bench's routings; default balanced)")
     ap.add_argument("--quotient", action="store_true",
                     help="only time the Gluon quantisers with each QUOTIENT_MODE (quotient_sweep) and stop")
+    ap.add_argument("--order", action="store_true",
+                    help="only time the TMA runs quantiser's tile orders (order_sweep) and stop")
     ap.add_argument("--kernels", default=None, metavar="SHAPES",
                     help="only profile the GPU kernels of one step at these shapes (fp8 and bf16) and stop")
     args = ap.parse_args()
@@ -535,6 +586,9 @@ def main() -> int:
     emit(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
     if args.quotient:
         quotient_sweep()
+        return 0
+    if args.order:
+        order_sweep()
         return 0
     if args.kernels:
         for shape in args.kernels.split(","):

@@ -78,6 +78,10 @@ LAUNCH = (32, 32, 4, 96)
 #: tile always. H100, round 75: (1, 4) with maxnreg 96 0.160 ms geomean against 0.168 for one
 #: program per tile; (2, 3) 0.165, (2, 2) 0.173, (3, 2) 0.178 (more stages cost programs per SM).
 TMA_RUNS = (1, 4, 96)
+#: Row blocks the persistent TMA runs kernel walks down before it moves one column block right
+#: (its tiles' order; 1: a row block's column blocks in turn, the order up to round 89). Taller
+#: orders write the transposed copy's rows in longer runs.
+RUNS_GROUP_R = 1
 #: (rows per thread, warps, maxnreg or 0) of ``_dual_quantize_tiles_kernel``; see
 #: ``register_layouts`` for which fit.
 TILES_LAUNCH = (16, 4, 0)
@@ -221,12 +225,33 @@ if gluon is not None:
                      B, CH, TCH, FP8_MAX, TINY, WARPS, False, QUOT)
 
     @gluon.jit
+    def _runs_tile_of(t, n_rb, n_cb, GROUP_R: gl.constexpr):
+        """(group, row block, column block) of the TMA runs kernel's ``t``-th tile: groups in
+        turn; in each, bands of ``GROUP_R`` row blocks, walked down a column block at a time
+        (the last band may be shorter). Concurrent programs take consecutive tiles."""
+        per_group = n_rb * n_cb
+        g = t // per_group
+        u = t % per_group
+        if GROUP_R == 1:
+            rb = u // n_cb
+            cb = u % n_cb
+        else:
+            band = u // (GROUP_R * n_cb)
+            first = band * GROUP_R
+            tall = gl.minimum(n_rb - first, GROUP_R)
+            i = u - band * (GROUP_R * n_cb)
+            rb = first + i % tall
+            cb = i // tall
+        return g, rb, cb
+
+    @gluon.jit
     def _dual_quantize_runs_tma_kernel(
         x_desc, q_ptr, qt_ptr, s_ptr, st_ptr,
         R, C, n_rb, n_cb, n_tiles,
         sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
         B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
         TINY: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr, QUOT: gl.constexpr = 2,
+        GROUP_R: gl.constexpr = 1,
     ):
         # Persistent: a ring of STAGES tiles filled by TMA copies, so the next tiles stream in
         # while this one is quantised (the one-program-per-tile kernel waits on its own loads).
@@ -240,29 +265,28 @@ if gluon is not None:
             mbarrier.init(ready.index(s), count=1)
         pid = gl.program_id(0)
         progs = gl.num_programs(0)
-        per_group = n_rb * n_cb
         for s in gl.static_range(STAGES):
             t = pid + s * progs
             live = t < n_tiles
+            g0, rb0, cb0 = _runs_tile_of(t, n_rb, n_cb, GROUP_R)
             mbarrier.expect(ready.index(s), x_desc.block_type.nbytes, pred=live)
-            _tma_load(x_desc, [t // per_group, (t % per_group) // n_cb * B, t % n_cb * B], ready.index(s),
-                      ring.index(s), pred=live)
+            _tma_load(x_desc, [g0, rb0 * B, cb0 * B], ready.index(s), ring.index(s), pred=live)
         it = 0
         for t in range(pid, n_tiles, progs):
             slot = it % STAGES
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
-            g = (t // per_group).to(gl.int64)
+            g, rb, cb = _runs_tile_of(t, n_rb, n_cb, GROUP_R)
             # the tile is in shared memory already (IN_SMEM), so no x pointer: q_ptr stands in
             _g_runs_tile(q_ptr, 0, 0, chunks, slot * (B // CH), slices, slot * (B // TCH), q_ptr, qt_ptr, s_ptr,
-                         st_ptr, g, (t % per_group) // n_cb, t % n_cb, R, C, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc,
+                         st_ptr, g.to(gl.int64), rb, cb, R, C, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc,
                          stg, str_, stc, B, CH, TCH, FP8_MAX, TINY, WARPS, True, QUOT)
             _cta_barrier()  # every warp is done with the slot before the copy that refills it
             fence_async_shared()
             nxt = t + STAGES * progs
             live = nxt < n_tiles
+            g1, rb1, cb1 = _runs_tile_of(nxt, n_rb, n_cb, GROUP_R)
             mbarrier.expect(ready.index(slot), x_desc.block_type.nbytes, pred=live)
-            _tma_load(x_desc, [nxt // per_group, (nxt % per_group) // n_cb * B, nxt % n_cb * B], ready.index(slot),
-                      ring.index(slot), pred=live)
+            _tma_load(x_desc, [g1, rb1 * B, cb1 * B], ready.index(slot), ring.index(slot), pred=live)
             it += 1
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(s))
@@ -414,7 +438,8 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
         grid = min(n_tiles, per_sm * num_programs(x.device.index))
         _dual_quantize_runs_tma_kernel[(grid,)](
             desc, *args[1:5], r, c, n_r, n_c, n_tiles, *args[11:], B=BLOCK, CH=chunk, TCH=t_chunk,
-            FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, STAGES=stages, QUOT=QUOTIENT_MODE, num_warps=warps,
+            FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, STAGES=stages, QUOT=QUOTIENT_MODE, GROUP_R=RUNS_GROUP_R,
+            num_warps=warps,
             **({"maxnreg": maxnreg} if maxnreg else {}))
         return
     _dual_quantize_runs_kernel[(g * n_r, n_c)](
