@@ -317,6 +317,9 @@ def quotient_sweep(rounds: int = 5) -> None:
 
 #: (QUOTIENT_MODE, RUNS_GROUP_R) variants ``order_sweep`` times; the first is the shipped one.
 ORDER_VARIANTS = [(2, 1), (2, 2), (2, 4), (2, 8), (2, 16), (2, 64), (2, 1 << 20), (0, 1), (0, 16), (0, 1 << 20)]
+#: (QUOTIENT_MODE, QUOTIENT_STORES) variants ``stores_sweep`` times: the shipped kernel, then no
+#: per-element arithmetic writing both copies, the row copy, the transposed copy, neither.
+STORE_VARIANTS = [(2, 3), (0, 3), (0, 1), (0, 2), (0, 0)]
 #: Token-run operands of ``order_sweep``: the sweep's, and the EP8 bench's DeepSeek-V3 x and
 #: up_gate gradient (32 local experts x 4096 tokens).
 ORDER_OPERANDS = [(n, s) for n, s, t in SWEEP_OPERANDS if not t] + [("dsv3_x_ep8", (1, 131072, 7168)),
@@ -360,6 +363,35 @@ def order_sweep(rounds: int = 5) -> None:
                  bits_equal=same.get(group_r) if mode == 2 else None)
         cms = statistics.median(clone)
         emit(probe="order_sweep_clone", operand=name, ms=cms, tbs=src.numel() * 4 / cms * 1e-9)
+        del src
+        torch.cuda.empty_cache()
+
+
+def stores_sweep(rounds: int = 5) -> None:
+    """The TMA runs kernel's memory path in parts (STORE_VARIANTS), in turns on ORDER_OPERANDS,
+    next to a clone and to a read-only reference (a sum over the operand)."""
+    import turbo_dispatch.backends.triton.dual_quantize_gluon as DG
+
+    for name, shape in ORDER_OPERANDS:
+        src = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 3
+        times = {v: [] for v in STORE_VARIANTS}
+        clone, total = [], []
+        for _ in range(rounds):
+            for mode, stores in STORE_VARIANTS:
+                DG.QUOTIENT_MODE, DG.QUOTIENT_STORES = mode, stores
+                times[(mode, stores)].append(time_ms(lambda: dual_quantize(src, E4, 128, False)))
+            clone.append(time_ms(lambda: src.clone()))
+            total.append(time_ms(lambda: src.sum(dtype=torch.float32)))
+        DG.QUOTIENT_MODE, DG.QUOTIENT_STORES = 2, 3
+        base = statistics.median(times[STORE_VARIANTS[0]])
+        for (mode, stores), v in times.items():
+            ms = statistics.median(v)
+            moved = src.numel() * (2 + (stores & 1) + (stores >> 1))
+            emit(probe="stores_sweep", operand=name, mode=mode, stores=stores, ms=ms, tbs=moved / ms * 1e-9,
+                 vs_shipped=base / ms)
+        emit(probe="stores_sweep_refs", operand=name, clone_ms=statistics.median(clone),
+             clone_tbs=src.numel() * 4 / statistics.median(clone) * 1e-9, sum_ms=statistics.median(total),
+             sum_tbs=src.numel() * 2 / statistics.median(total) * 1e-9)
         del src
         torch.cuda.empty_cache()
 
@@ -575,6 +607,8 @@ def main() -> int:
                     help="only time the Gluon quantisers with each QUOTIENT_MODE (quotient_sweep) and stop")
     ap.add_argument("--order", action="store_true",
                     help="only time the TMA runs quantiser's tile orders (order_sweep) and stop")
+    ap.add_argument("--stores", action="store_true",
+                    help="only time the TMA runs quantiser's memory path in parts (stores_sweep) and stop")
     ap.add_argument("--kernels", default=None, metavar="SHAPES",
                     help="only profile the GPU kernels of one step at these shapes (fp8 and bf16) and stop")
     args = ap.parse_args()
@@ -589,6 +623,9 @@ def main() -> int:
         return 0
     if args.order:
         order_sweep()
+        return 0
+    if args.stores:
+        stores_sweep()
         return 0
     if args.kernels:
         for shape in args.kernels.split(","):

@@ -92,6 +92,9 @@ SERVES_TILES = True
 #: rounding); 0, no per-element arithmetic (v itself, saturated: wrong values, for timing the
 #: kernels' memory path alone). Probes set 1 and 0 to measure what the division costs.
 QUOTIENT_MODE = 2
+#: With QUOTIENT_MODE 0 or 1 (timing only), which fp8 copies the TMA runs kernel writes: bit 0 the
+#: row copy, bit 1 the transposed one (the scales always), to time its memory path in parts.
+QUOTIENT_STORES = 3
 
 if gluon is not None:
     from .dual_quantize import _corrected_quotient, _quotient, _scale_of, _step_operands
@@ -120,7 +123,8 @@ if gluon is not None:
     def _g_runs_tile(x_rows, sxr, sxc, chunks, chunk0, slices, slice0, q_ptr, qt_ptr, s_ptr, st_ptr, g, rb, cb,
                      R, C, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
                      B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
-                     TINY: gl.constexpr, WARPS: gl.constexpr, IN_SMEM: gl.constexpr, QUOT: gl.constexpr = 2):
+                     TINY: gl.constexpr, WARPS: gl.constexpr, IN_SMEM: gl.constexpr, QUOT: gl.constexpr = 2,
+                     STORES: gl.constexpr = 3):
         """Both copies and both scale sets of tile (g, rb, cb) of a token-run operand. The tile is
         read as ``chunks.index(chunk0 + i)`` ([REPS, 2 * WARPS, B] each) and, transposed, as
         ``slices.index(slice0 + j)`` ([TCH, B] each), two views of the same shared memory; it is
@@ -165,7 +169,8 @@ if gluon is not None:
                 q = gl.maximum(v * kr[:, :, None], -FP8_MAX)
             else:
                 q = v
-            gl.store(q_ptr + g * sqg + r64[:, :, None] * sqr + c3, q.to(q_ptr.dtype.element_ty), mask=ok)
+            if (QUOT == 2) or (STORES % 2 == 1):
+                gl.store(q_ptr + g * sqg + r64[:, :, None] * sqr + c3, q.to(q_ptr.dtype.element_ty), mask=ok)
         col_scale = _g_scale_of(gl.max(col_acc, axis=0).to(gl.float32, bitcast=True), FP8_MAX, TINY)
         gl.store(st_ptr + g * stg + rb * str_ + cc.to(gl.int64) * stc, col_scale, mask=c_ok)
         # every warp holds all the column scales, so this min stays inside each warp; a NaN scale
@@ -187,8 +192,9 @@ if gluon is not None:
                     qt = gl.maximum(vt * r_t[:, None], -FP8_MAX)
                 else:
                     qt = vt
-                gl.store(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
-                         mask=ct_ok[:, None] & (rt < R)[None, :])
+                if STORES >= 2:
+                    gl.store(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
+                             mask=ct_ok[:, None] & (rt < R)[None, :])
         elif tiny:
             for j in range(B // TCH):
                 rt = rb * B + j * TCH + gl.arange(0, TCH, layout=gl.SliceLayout(0, COL))
@@ -251,7 +257,7 @@ if gluon is not None:
         sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
         B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
         TINY: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr, QUOT: gl.constexpr = 2,
-        GROUP_R: gl.constexpr = 1,
+        GROUP_R: gl.constexpr = 1, STORES: gl.constexpr = 3,
     ):
         # Persistent: a ring of STAGES tiles filled by TMA copies, so the next tiles stream in
         # while this one is quantised (the one-program-per-tile kernel waits on its own loads).
@@ -279,7 +285,7 @@ if gluon is not None:
             # the tile is in shared memory already (IN_SMEM), so no x pointer: q_ptr stands in
             _g_runs_tile(q_ptr, 0, 0, chunks, slot * (B // CH), slices, slot * (B // TCH), q_ptr, qt_ptr, s_ptr,
                          st_ptr, g.to(gl.int64), rb, cb, R, C, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc,
-                         stg, str_, stc, B, CH, TCH, FP8_MAX, TINY, WARPS, True, QUOT)
+                         stg, str_, stc, B, CH, TCH, FP8_MAX, TINY, WARPS, True, QUOT, STORES)
             _cta_barrier()  # every warp is done with the slot before the copy that refills it
             fence_async_shared()
             nxt = t + STAGES * progs
@@ -439,7 +445,7 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
         _dual_quantize_runs_tma_kernel[(grid,)](
             desc, *args[1:5], r, c, n_r, n_c, n_tiles, *args[11:], B=BLOCK, CH=chunk, TCH=t_chunk,
             FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, STAGES=stages, QUOT=QUOTIENT_MODE, GROUP_R=RUNS_GROUP_R,
-            num_warps=warps,
+            STORES=3 if QUOTIENT_MODE == 2 else QUOTIENT_STORES, num_warps=warps,
             **({"maxnreg": maxnreg} if maxnreg else {}))
         return
     _dual_quantize_runs_kernel[(g * n_r, n_c)](
