@@ -318,8 +318,9 @@ def quotient_sweep(rounds: int = 5) -> None:
 #: (QUOTIENT_MODE, RUNS_GROUP_R) variants ``order_sweep`` times; the first is the shipped one.
 ORDER_VARIANTS = [(2, 1), (2, 2), (2, 4), (2, 8), (2, 16), (2, 64), (2, 1 << 20), (0, 1), (0, 16), (0, 1 << 20)]
 #: (QUOTIENT_MODE, QUOTIENT_STORES) variants ``stores_sweep`` times: the shipped kernel, then no
-#: per-element arithmetic writing both copies, the row copy, the transposed copy, neither.
-STORE_VARIANTS = [(2, 3), (0, 3), (0, 1), (0, 2), (0, 0)]
+#: per-element arithmetic writing both copies, the row copy, the transposed copy, neither; with
+#: 4 added, the same without the row scales' writes.
+STORE_VARIANTS = [(2, 3), (2, 7), (0, 3), (0, 7), (0, 1), (0, 0), (0, 4)]
 #: Token-run operands of ``order_sweep``: the sweep's, and the EP8 bench's DeepSeek-V3 x and
 #: up_gate gradient (32 local experts x 4096 tokens).
 ORDER_OPERANDS = [(n, s) for n, s, t in SWEEP_OPERANDS if not t] + [("dsv3_x_ep8", (1, 131072, 7168)),
@@ -386,7 +387,7 @@ def stores_sweep(rounds: int = 5) -> None:
         base = statistics.median(times[STORE_VARIANTS[0]])
         for (mode, stores), v in times.items():
             ms = statistics.median(v)
-            moved = src.numel() * (2 + (stores & 1) + (stores >> 1))
+            moved = src.numel() * (2 + (stores & 1) + ((stores >> 1) & 1))
             emit(probe="stores_sweep", operand=name, mode=mode, stores=stores, ms=ms, tbs=moved / ms * 1e-9,
                  vs_shipped=base / ms)
         emit(probe="stores_sweep_refs", operand=name, clone_ms=statistics.median(clone),

@@ -92,8 +92,9 @@ SERVES_TILES = True
 #: rounding); 0, no per-element arithmetic (v itself, saturated: wrong values, for timing the
 #: kernels' memory path alone). Probes set 1 and 0 to measure what the division costs.
 QUOTIENT_MODE = 2
-#: With QUOTIENT_MODE 0 or 1 (timing only), which fp8 copies the TMA runs kernel writes: bit 0 the
-#: row copy, bit 1 the transposed one (the scales always), to time its memory path in parts.
+#: What the TMA runs kernel writes, to time its memory path in parts (probes only; anything but 3
+#: leaves outputs unwritten): bit 0 the row copy, bit 1 the transposed copy; bit 2 set skips the
+#: row scales (the column scales are always written).
 QUOTIENT_STORES = 3
 
 if gluon is not None:
@@ -161,7 +162,8 @@ if gluon is not None:
             bits = gl.abs(v).to(gl.int32, bitcast=True)
             col_acc = gl.maximum(col_acc, gl.max(bits, axis=0))
             row_scale = _g_scale_of(gl.max(bits, axis=2).to(gl.float32, bitcast=True), FP8_MAX, TINY)
-            gl.store(s_ptr + g * ssg + r64 * ssr + cb * ssc, row_scale, mask=r_ok)
+            if (STORES // 4) % 2 == 0:
+                gl.store(s_ptr + g * ssg + r64 * ssr + cb * ssc, row_scale, mask=r_ok)
             neg_k, kr, r, s_res = _g_step_of(row_scale)
             if QUOT == 2:
                 q = _g_quotient_of(v, neg_k[:, :, None], kr[:, :, None], r[:, :, None], s_res[:, :, None], FP8_MAX)
@@ -169,7 +171,7 @@ if gluon is not None:
                 q = gl.maximum(v * kr[:, :, None], -FP8_MAX)
             else:
                 q = v
-            if (QUOT == 2) or (STORES % 2 == 1):
+            if STORES % 2 == 1:
                 gl.store(q_ptr + g * sqg + r64[:, :, None] * sqr + c3, q.to(q_ptr.dtype.element_ty), mask=ok)
         col_scale = _g_scale_of(gl.max(col_acc, axis=0).to(gl.float32, bitcast=True), FP8_MAX, TINY)
         gl.store(st_ptr + g * stg + rb * str_ + cc.to(gl.int64) * stc, col_scale, mask=c_ok)
@@ -192,7 +194,7 @@ if gluon is not None:
                     qt = gl.maximum(vt * r_t[:, None], -FP8_MAX)
                 else:
                     qt = vt
-                if STORES >= 2:
+                if (STORES // 2) % 2 == 1:
                     gl.store(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
                              mask=ct_ok[:, None] & (rt < R)[None, :])
         elif tiny:
@@ -200,16 +202,18 @@ if gluon is not None:
                 rt = rb * B + j * TCH + gl.arange(0, TCH, layout=gl.SliceLayout(0, COL))
                 vt = slices.index(slice0 + j).permute([1, 0]).load(COL).to(gl.float32)
                 qt = _g_to_fp8_exact(vt, col_scale_t[:, None], FP8_MAX)
-                gl.store(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
-                         mask=ct_ok[:, None] & (rt < R)[None, :])
+                if (STORES // 2) % 2 == 1:
+                    gl.store(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
+                             mask=ct_ok[:, None] & (rt < R)[None, :])
         else:
             r_t, s_res_t = _g_step_operands(col_scale_t)
             for j in range(B // TCH):
                 rt = rb * B + j * TCH + gl.arange(0, TCH, layout=gl.SliceLayout(0, COL))
                 vt = slices.index(slice0 + j).permute([1, 0]).load(COL).to(gl.float32)
                 qt = _g_to_fp8_lean(vt, r_t[:, None], s_res_t[:, None], FP8_MAX)
-                gl.store(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
-                         mask=ct_ok[:, None] & (rt < R)[None, :])
+                if (STORES // 2) % 2 == 1:
+                    gl.store(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
+                             mask=ct_ok[:, None] & (rt < R)[None, :])
 
     @gluon.jit
     def _dual_quantize_runs_kernel(
@@ -445,7 +449,7 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
         _dual_quantize_runs_tma_kernel[(grid,)](
             desc, *args[1:5], r, c, n_r, n_c, n_tiles, *args[11:], B=BLOCK, CH=chunk, TCH=t_chunk,
             FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, STAGES=stages, QUOT=QUOTIENT_MODE, GROUP_R=RUNS_GROUP_R,
-            STORES=3 if QUOTIENT_MODE == 2 else QUOTIENT_STORES, num_warps=warps,
+            STORES=QUOTIENT_STORES, num_warps=warps,
             **({"maxnreg": maxnreg} if maxnreg else {}))
         return
     _dual_quantize_runs_kernel[(g * n_r, n_c)](
