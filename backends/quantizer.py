@@ -110,7 +110,7 @@ def quantize_both_tensors(x3: torch.Tensor, dtype: torch.dtype, block_size: int,
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(data, scale, data_t, scale_t)`` of ``x3[G, R, C]`` as
     ``turbo_dispatch.backends.triton.dual_quantize.dual_quantize`` returns them (same layouts,
-    rows padded to 16 bytes): from its one-read kernel on a GPU, else from two reference
+    fp8 rows padded to 16 bytes, token runs' row scales to 16 floats): from its one-read kernel on a GPU, else from two reference
     ``quantize`` calls, which give the same bits."""
     fn = _dual_kernel()
     if fn is not None and x3.is_cuda and block_size in DUAL_BLOCK_SIZES:
@@ -121,7 +121,7 @@ def quantize_both_tensors(x3: torch.Tensor, dtype: torch.dtype, block_size: int,
         return padded_rows(q.data), q.scale, padded_rows(q.data.transpose(1, 2)), q.scale.transpose(1, 2)
     rows = _reference_quantize(x3, dtype, blockwise, axis=2, block_size=block_size)
     cols = _reference_quantize(x3, dtype, blockwise, axis=1, block_size=block_size)
-    return padded_rows(rows.data), rows.scale, padded_rows(cols.data.transpose(1, 2)), cols.scale
+    return padded_rows(rows.data), padded_rows(rows.scale), padded_rows(cols.data.transpose(1, 2)), cols.scale
 
 
 #: Recipes whose groups need an amax pass of their own: a tensor's two quantisations can share it.

@@ -315,57 +315,63 @@ def quotient_sweep(rounds: int = 5) -> None:
         torch.cuda.empty_cache()
 
 
-#: (QUOTIENT_MODE, RUNS_GROUP_R) variants ``order_sweep`` times; the first is the shipped one.
-ORDER_VARIANTS = [(2, 1), (2, 2), (2, 4), (2, 8), (2, 16), (2, 64), (2, 1 << 20), (0, 1), (0, 16), (0, 1 << 20)]
-#: (QUOTIENT_MODE, QUOTIENT_STORES) variants ``stores_sweep`` times: the shipped kernel, then no
-#: per-element arithmetic writing both copies, the row copy, the transposed copy, neither; with
-#: 4 added, the same without the row scales' writes.
-STORE_VARIANTS = [(2, 3), (2, 7), (0, 3), (0, 7), (0, 1), (0, 0), (0, 4)]
-#: Token-run operands of ``order_sweep``: the sweep's, and the EP8 bench's DeepSeek-V3 x and
-#: up_gate gradient (32 local experts x 4096 tokens).
+#: (RUNS_SPAN, QUOTIENT_STORES) variants ``span_sweep`` times: one tile per unit (the kernel up
+#: to round 92), the same without row-scale writes (timing only), then strips of 2 to 16 tiles.
+SPAN_VARIANTS = [(0, 3), (0, 7), (2, 3), (4, 3), (8, 3), (16, 3)]
+#: Token-run operands of ``span_sweep`` and ``stores_sweep``: the sweep's, and the EP8 bench's
+#: DeepSeek-V3 x and up_gate gradient (32 local experts x 4096 tokens).
 ORDER_OPERANDS = [(n, s) for n, s, t in SWEEP_OPERANDS if not t] + [("dsv3_x_ep8", (1, 131072, 7168)),
                                                                      ("dsv3_grad_ep8", (1, 131072, 4096))]
 
 
-def order_sweep(rounds: int = 5) -> None:
-    """The persistent TMA runs kernel's tile order (``dual_quantize_gluon.RUNS_GROUP_R``: row
-    blocks walked down per column block) with the shipped quotient and with none (the memory path
-    alone), timed in turns on ORDER_OPERANDS next to a clone; every shipped-quotient order is
-    checked bit for bit against the first."""
+def span_sweep(rounds: int = 5) -> None:
+    """The persistent TMA runs kernel's work unit (``dual_quantize_gluon.RUNS_SPAN`` column blocks
+    of one row block, their row scales written together), timed in turns on ORDER_OPERANDS next
+    to a clone; every strip width is checked bit for bit (data, scales) against one tile per unit."""
     import turbo_dispatch.backends.triton.dual_quantize_gluon as DG
 
+    default = DG.RUNS_SPAN
     for name, shape in ORDER_OPERANDS:
         src = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 3
+        src[0, 5, 3] = float("nan")  # a NaN scale in one cell
+        src[0, 200:300, :] *= 1e-30  # tiny scales
         ref = None
         same = {}
-        for mode, group_r in ORDER_VARIANTS:
-            DG.QUOTIENT_MODE, DG.RUNS_GROUP_R = mode, group_r
-            if mode == 2:
-                out = dual_quantize(src, E4, 128, False)
-                if ref is None:
-                    ref = out
-                same[group_r] = all(torch.equal(a.view(torch.uint8) if a.dtype == E4 else a,
-                                                b.view(torch.uint8) if b.dtype == E4 else b) for a, b in zip(ref, out))
-                del out
+        for span, stores in SPAN_VARIANTS:
+            if stores != 3:
+                continue
+            DG.RUNS_SPAN = span
+            out = dual_quantize(src, E4, 128, False)
+            if ref is None:
+                ref = out
+            same[span] = _equal_nan(out[0], out[1], out[2], out[3].transpose(1, 2), ref[0], ref[1], ref[2],
+                                    ref[3]) and out[1].stride(1) % 16 == 0
+            del out
         del ref
-        times = {v: [] for v in ORDER_VARIANTS}
+        times = {v: [] for v in SPAN_VARIANTS}
         clone = []
         for _ in range(rounds):
-            for mode, group_r in ORDER_VARIANTS:
-                DG.QUOTIENT_MODE, DG.RUNS_GROUP_R = mode, group_r
-                times[(mode, group_r)].append(time_ms(lambda: dual_quantize(src, E4, 128, False)))
+            for span, stores in SPAN_VARIANTS:
+                DG.RUNS_SPAN, DG.QUOTIENT_STORES = span, stores
+                times[(span, stores)].append(time_ms(lambda: dual_quantize(src, E4, 128, False)))
             clone.append(time_ms(lambda: src.clone()))
-        DG.QUOTIENT_MODE, DG.RUNS_GROUP_R = 2, 1
-        base = statistics.median(times[ORDER_VARIANTS[0]])
-        for (mode, group_r), v in times.items():
+        DG.RUNS_SPAN, DG.QUOTIENT_STORES = default, 3
+        base = statistics.median(times[SPAN_VARIANTS[0]])
+        for (span, stores), v in times.items():
             ms = statistics.median(v)
-            emit(probe="order_sweep", operand=name, mode=mode, group_r=group_r, ms=ms,
-                 tbs=src.numel() * 4 / ms * 1e-9, vs_shipped=base / ms,
-                 bits_equal=same.get(group_r) if mode == 2 else None)
+            emit(probe="span_sweep", operand=name, span=span, stores=stores, ms=ms,
+                 tbs=src.numel() * 4 / ms * 1e-9, vs_one_tile=base / ms,
+                 bits_equal=same.get(span) if stores == 3 else None)
         cms = statistics.median(clone)
-        emit(probe="order_sweep_clone", operand=name, ms=cms, tbs=src.numel() * 4 / cms * 1e-9)
+        emit(probe="span_sweep_clone", operand=name, ms=cms, tbs=src.numel() * 4 / cms * 1e-9)
         del src
         torch.cuda.empty_cache()
+
+
+#: (QUOTIENT_MODE, QUOTIENT_STORES) variants ``stores_sweep`` times: the shipped kernel, then no
+#: per-element arithmetic writing both copies, the row copy, the transposed copy, neither; with
+#: 4 added, the same without the row scales' writes.
+STORE_VARIANTS = [(2, 3), (2, 7), (0, 3), (0, 7), (0, 1), (0, 0), (0, 4)]
 
 
 def stores_sweep(rounds: int = 5) -> None:
@@ -606,8 +612,8 @@ def main() -> int:
                     help="group sizes of the step (the bench's routings; default balanced)")
     ap.add_argument("--quotient", action="store_true",
                     help="only time the Gluon quantisers with each QUOTIENT_MODE (quotient_sweep) and stop")
-    ap.add_argument("--order", action="store_true",
-                    help="only time the TMA runs quantiser's tile orders (order_sweep) and stop")
+    ap.add_argument("--spans", action="store_true",
+                    help="only time the TMA runs quantiser's strip widths (span_sweep) and stop")
     ap.add_argument("--stores", action="store_true",
                     help="only time the TMA runs quantiser's memory path in parts (stores_sweep) and stop")
     ap.add_argument("--kernels", default=None, metavar="SHAPES",
@@ -622,8 +628,8 @@ def main() -> int:
     if args.quotient:
         quotient_sweep()
         return 0
-    if args.order:
-        order_sweep()
+    if args.spans:
+        span_sweep()
         return 0
     if args.stores:
         stores_sweep()

@@ -190,8 +190,8 @@ def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
       (rows padded to 16 bytes);
     * ``tile_2d``: ``scale`` is ``[G, nR, nC]``, one per tile, and ``scale_t`` is its
       ``[G, nC, nR]`` transposed view;
-    * else ``scale`` ``[G, R, nC]`` (1 x block runs along C) and ``scale_t`` ``[G, nR, C]``
-      (block x 1 runs along R), both contiguous.
+    * else ``scale`` ``[G, R, nC]`` (1 x block runs along C; rows padded in memory to 16
+      floats) and ``scale_t`` ``[G, nR, C]`` (block x 1 runs along R, contiguous).
 
     >>> d, s, dt, st = dual_quantize(torch.randn(1, 300, 256), torch.float8_e4m3fn, 128, False)  # doctest: +SKIP
     >>> tuple(d.shape), tuple(s.shape), tuple(dt.shape), tuple(st.shape)  # doctest: +SKIP
@@ -212,7 +212,9 @@ def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
         scale = torch.empty((g, n_r, n_c), **f32)
         scale_t = scale.transpose(1, 2)
     else:
-        scale = torch.empty((g, r, n_c), **f32)
+        # Row scales' rows padded to 16 floats: the Gluon runs kernel writes a strip of them per
+        # row as one aligned vector store, padding included (never read).
+        scale = empty_padded_rows(x, (g, r, n_c), torch.float32)
         scale_t = torch.empty((g, n_r, c), **f32)
     if g * r * c == 0:
         return data, scale, data_t, scale_t

@@ -78,10 +78,11 @@ LAUNCH = (32, 32, 4, 96)
 #: tile always. H100, round 75: (1, 4) with maxnreg 96 0.160 ms geomean against 0.168 for one
 #: program per tile; (2, 3) 0.165, (2, 2) 0.173, (3, 2) 0.178 (more stages cost programs per SM).
 TMA_RUNS = (1, 4, 96)
-#: Row blocks the persistent TMA runs kernel walks down before it moves one column block right
-#: (its tiles' order; 1: a row block's column blocks in turn, the order up to round 89). Taller
-#: orders write the transposed copy's rows in longer runs.
-RUNS_GROUP_R = 1
+#: Column blocks per work unit of the persistent TMA runs kernel (a strip of one row block, its
+#: row scales written together as one vector store per row); 0: one tile per unit, each writing
+#: its own row scales. Needs the row scales' rows padded to 16 floats (``dual_quantize`` pads
+#: them); a power of two up to 16.
+RUNS_SPAN = 8
 #: (rows per thread, warps, maxnreg or 0) of ``_dual_quantize_tiles_kernel``; see
 #: ``register_layouts`` for which fit.
 TILES_LAUNCH = (16, 4, 0)
@@ -125,12 +126,14 @@ if gluon is not None:
                      R, C, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
                      B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
                      TINY: gl.constexpr, WARPS: gl.constexpr, IN_SMEM: gl.constexpr, QUOT: gl.constexpr = 2,
-                     STORES: gl.constexpr = 3):
+                     STORES: gl.constexpr = 3, stash=None, stash0=0, STASH: gl.constexpr = False):
         """Both copies and both scale sets of tile (g, rb, cb) of a token-run operand. The tile is
         read as ``chunks.index(chunk0 + i)`` ([REPS, 2 * WARPS, B] each) and, transposed, as
         ``slices.index(slice0 + j)`` ([TCH, B] each), two views of the same shared memory; it is
         already there (IN_SMEM, a TMA copy) or is read from ``x_rows`` (x at group g, strides
-        ``sxr``, ``sxc``) into it here. The module docstring explains the layout and the two
+        ``sxr``, ``sxc``) into it here. With STASH the row scales go to ``stash.index(stash0 + i)``
+        ([REPS, 2 * WARPS] each) in shared memory, for the caller to write a strip's worth at
+        once, rather than to ``s_ptr``. The module docstring explains the layout and the two
         cross-warp exchanges."""
         WR: gl.constexpr = 2 * WARPS  # rows one load instruction of the program covers
         REPS: gl.constexpr = CH // WR  # a thread's rows per chunk
@@ -162,7 +165,9 @@ if gluon is not None:
             bits = gl.abs(v).to(gl.int32, bitcast=True)
             col_acc = gl.maximum(col_acc, gl.max(bits, axis=0))
             row_scale = _g_scale_of(gl.max(bits, axis=2).to(gl.float32, bitcast=True), FP8_MAX, TINY)
-            if (STORES // 4) % 2 == 0:
+            if STASH:
+                stash.index(stash0 + i).store(row_scale)
+            elif (STORES // 4) % 2 == 0:
                 gl.store(s_ptr + g * ssg + r64 * ssr + cb * ssc, row_scale, mask=r_ok)
             neg_k, kr, r, s_res = _g_step_of(row_scale)
             if QUOT == 2:
@@ -235,24 +240,36 @@ if gluon is not None:
                      B, CH, TCH, FP8_MAX, TINY, WARPS, False, QUOT)
 
     @gluon.jit
-    def _runs_tile_of(t, n_rb, n_cb, GROUP_R: gl.constexpr):
-        """(group, row block, column block) of the TMA runs kernel's ``t``-th tile: groups in
-        turn; in each, bands of ``GROUP_R`` row blocks, walked down a column block at a time
-        (the last band may be shorter). Concurrent programs take consecutive tiles."""
-        per_group = n_rb * n_cb
-        g = t // per_group
-        u = t % per_group
-        if GROUP_R == 1:
-            rb = u // n_cb
-            cb = u % n_cb
-        else:
-            band = u // (GROUP_R * n_cb)
-            first = band * GROUP_R
-            tall = gl.minimum(n_rb - first, GROUP_R)
-            i = u - band * (GROUP_R * n_cb)
-            rb = first + i % tall
-            cb = i // tall
-        return g, rb, cb
+    def _strip_of(u, n_rb, n_strips):
+        """(group, row block, strip) of work unit ``u`` of the TMA runs kernel: groups in turn,
+        row blocks in turn, a row block's strips in turn (concurrent programs take consecutive
+        units)."""
+        per_group = n_rb * n_strips
+        v = u % per_group
+        return u // per_group, v // n_strips, v % n_strips
+
+    @gluon.jit
+    def _next_tile(u, c, n_rb, n_cb, n_strips, progs, SPAN: gl.constexpr):
+        """The tile after tile ``c`` of unit ``u`` in a program's walk: the strip's next column
+        block, else the first of the program's next unit (``progs`` on)."""
+        strip = u % (n_rb * n_strips) % n_strips
+        last = gl.minimum(n_cb - strip * SPAN, SPAN) - 1
+        return gl.where(c < last, u, u + progs), gl.where(c < last, c + 1, 0)
+
+    @gluon.jit
+    def _flush_row_scales(stash_rows, buf, s_ptr, g, rb, strip, R, ssg, ssr,
+                          B: gl.constexpr, SPAN: gl.constexpr, WARPS: gl.constexpr):
+        """A strip's row scales (``stash_rows.index(buf)``, [SPAN, B]) to ``s_ptr`` ([G, R, n_cb]
+        rows padded to 16 floats): each thread writes SPAN consecutive scales of one row as one
+        aligned vector store, padding past n_cb included. Written one tile at a time, each scale
+        was a 4-byte store of its own, a partial 32-byte sector (round 92: those writes took 1.10x
+        of the kernel's time at DeepSeek-V3's EP8 activations)."""
+        layout: gl.constexpr = gl.BlockedLayout([SPAN, 1], [1, 32], [1, WARPS], [0, 1])
+        vals = stash_rows.index(buf).load(layout)
+        rows = rb * B + gl.arange(0, B, layout=gl.SliceLayout(0, layout))
+        cols = strip * SPAN + gl.arange(0, SPAN, layout=gl.SliceLayout(1, layout))
+        ptrs = s_ptr + g * ssg + rows.to(gl.int64)[None, :] * ssr + cols[:, None]
+        gl.store(ptrs, vals, mask=(rows < R)[None, :])
 
     @gluon.jit
     def _dual_quantize_runs_tma_kernel(
@@ -261,42 +278,70 @@ if gluon is not None:
         sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
         B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
         TINY: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr, QUOT: gl.constexpr = 2,
-        GROUP_R: gl.constexpr = 1, STORES: gl.constexpr = 3,
+        STORES: gl.constexpr = 3, SPAN: gl.constexpr = 0,
     ):
         # Persistent: a ring of STAGES tiles filled by TMA copies, so the next tiles stream in
         # while this one is quantised (the one-program-per-tile kernel waits on its own loads).
+        # With SPAN, a work unit is a strip of SPAN column blocks of one row block, walked left to
+        # right, its row scales kept in shared memory and written together at its end
+        # (_flush_row_scales; two buffers, so the next strip's first tile need not wait for the
+        # flush); without, a unit is one tile and each tile writes its own row scales.
         ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES, 1, B, B], x_desc.layout)
         chunks = ring._reinterpret(x_desc.dtype, [STAGES * (B // CH), CH // (2 * WARPS), 2 * WARPS, B],
                                    gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
         slices = ring._reinterpret(x_desc.dtype, [STAGES * (B // TCH), TCH, B],
                                    gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        NSPAN: gl.constexpr = SPAN + (SPAN == 0)
+        stash = gl.allocate_shared_memory(gl.float32, [2 * NSPAN * (B // CH), CH // (2 * WARPS), 2 * WARPS],
+                                          gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        stash_rows = stash._reinterpret(gl.float32, [2, NSPAN, B], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
         pid = gl.program_id(0)
         progs = gl.num_programs(0)
+        if SPAN == 0:
+            n_strips = n_cb
+        else:
+            n_strips = gl.cdiv(n_cb, SPAN)
+        n_units = n_tiles // n_cb * n_strips
+        # ua, ca: the next tile to load (unit, column block within its strip)
+        ua = pid
+        ca = 0
         for s in gl.static_range(STAGES):
-            t = pid + s * progs
-            live = t < n_tiles
-            g0, rb0, cb0 = _runs_tile_of(t, n_rb, n_cb, GROUP_R)
+            live = ua < n_units
+            g0, rb0, strip0 = _strip_of(ua, n_rb, n_strips)
             mbarrier.expect(ready.index(s), x_desc.block_type.nbytes, pred=live)
-            _tma_load(x_desc, [g0, rb0 * B, cb0 * B], ready.index(s), ring.index(s), pred=live)
+            _tma_load(x_desc, [g0, rb0 * B, (strip0 * NSPAN + ca) * B], ready.index(s), ring.index(s), pred=live)
+            ua, ca = _next_tile(ua, ca, n_rb, n_cb, n_strips, progs, NSPAN)
+        u = pid
+        c = 0
         it = 0
-        for t in range(pid, n_tiles, progs):
+        done = 0  # units this program finished: the stash buffer alternates with it
+        while u < n_units:
             slot = it % STAGES
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
-            g, rb, cb = _runs_tile_of(t, n_rb, n_cb, GROUP_R)
+            g, rb, strip = _strip_of(u, n_rb, n_strips)
             # the tile is in shared memory already (IN_SMEM), so no x pointer: q_ptr stands in
             _g_runs_tile(q_ptr, 0, 0, chunks, slot * (B // CH), slices, slot * (B // TCH), q_ptr, qt_ptr, s_ptr,
-                         st_ptr, g.to(gl.int64), rb, cb, R, C, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc,
-                         stg, str_, stc, B, CH, TCH, FP8_MAX, TINY, WARPS, True, QUOT, STORES)
-            _cta_barrier()  # every warp is done with the slot before the copy that refills it
+                         st_ptr, g.to(gl.int64), rb, strip * NSPAN + c, R, C, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc,
+                         stg, str_, stc, B, CH, TCH, FP8_MAX, TINY, WARPS, True, QUOT, STORES,
+                         stash, ((done % 2) * NSPAN + c) * (B // CH), SPAN > 0)
+            _cta_barrier()  # every warp is done with the slot (and the stash) before they are reused
             fence_async_shared()
-            nxt = t + STAGES * progs
-            live = nxt < n_tiles
-            g1, rb1, cb1 = _runs_tile_of(nxt, n_rb, n_cb, GROUP_R)
+            live = ua < n_units
+            g1, rb1, strip1 = _strip_of(ua, n_rb, n_strips)
             mbarrier.expect(ready.index(slot), x_desc.block_type.nbytes, pred=live)
-            _tma_load(x_desc, [g1, rb1 * B, cb1 * B], ready.index(slot), ring.index(slot), pred=live)
+            _tma_load(x_desc, [g1, rb1 * B, (strip1 * NSPAN + ca) * B], ready.index(slot), ring.index(slot),
+                      pred=live)
+            ua, ca = _next_tile(ua, ca, n_rb, n_cb, n_strips, progs, NSPAN)
+            nu, c = _next_tile(u, c, n_rb, n_cb, n_strips, progs, NSPAN)
+            if SPAN > 0:
+                if nu != u:
+                    _flush_row_scales(stash_rows, done % 2, s_ptr, g.to(gl.int64), rb, strip, R, ssg, ssr, B, SPAN,
+                                      WARPS)
+                    done += 1
+            u = nu
             it += 1
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(s))
@@ -420,6 +465,16 @@ def available(x: torch.Tensor, block: int) -> str | None:
     return _gluon_available(x.device.index)
 
 
+def _span(scale: torch.Tensor, n_c: int) -> int:
+    """RUNS_SPAN where ``scale`` ([G, R, n_c] row scales) has room and alignment for its strips'
+    vector stores: unit column stride, rows padded to a multiple of 16 floats, and the last
+    strip's padding inside the row; else 0."""
+    span = RUNS_SPAN
+    if not span or scale.stride(2) != 1 or scale.stride(1) % 16 or scale.stride(1) < -(-n_c // span) * span:
+        return 0
+    return span
+
+
 @functools.lru_cache(maxsize=None)
 def _layouts(rows: int, warps: int):
     return register_layouts(rows, warps)
@@ -445,11 +500,13 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
         bind_cuda_context(x)
         desc = GluonDescriptor(x, list(x.shape), list(x.stride()), [1, BLOCK, BLOCK], layout)
         n_tiles = g * n_r * n_c
-        grid = min(n_tiles, per_sm * num_programs(x.device.index))
+        span = _span(scale, n_c)
+        units = g * n_r * -(-n_c // max(span, 1))
+        grid = min(units, per_sm * num_programs(x.device.index))
         _dual_quantize_runs_tma_kernel[(grid,)](
             desc, *args[1:5], r, c, n_r, n_c, n_tiles, *args[11:], B=BLOCK, CH=chunk, TCH=t_chunk,
-            FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, STAGES=stages, QUOT=QUOTIENT_MODE, GROUP_R=RUNS_GROUP_R,
-            STORES=QUOTIENT_STORES, num_warps=warps,
+            FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, STAGES=stages, QUOT=QUOTIENT_MODE, STORES=QUOTIENT_STORES,
+            SPAN=span, num_warps=warps,
             **({"maxnreg": maxnreg} if maxnreg else {}))
         return
     _dual_quantize_runs_kernel[(g * n_r, n_c)](

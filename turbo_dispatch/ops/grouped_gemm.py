@@ -710,7 +710,7 @@ def _fp8_quantize_both_fake(x, dtype, block_size, tile_2d):
     if tile_2d:
         return data, x.new_empty((*lead, n_r, n_c), dtype=torch.float32), data_t, \
             x.new_empty((*lead, n_c, n_r), dtype=torch.float32)
-    return data, x.new_empty((r, n_c), dtype=torch.float32), data_t, x.new_empty((n_r, c), dtype=torch.float32)
+    return data, empty_padded_rows(x, (r, n_c), torch.float32), data_t, x.new_empty((n_r, c), dtype=torch.float32)
 
 
 def _runs_both_op(x: torch.Tensor, dtype: torch.dtype, block_size: int):
