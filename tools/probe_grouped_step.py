@@ -315,9 +315,11 @@ def quotient_sweep(rounds: int = 5) -> None:
         torch.cuda.empty_cache()
 
 
-#: (RUNS_SPAN, QUOTIENT_STORES) variants ``span_sweep`` times: one tile per unit (the kernel up
-#: to round 92), the same without row-scale writes (timing only), then strips of 2 to 16 tiles.
-SPAN_VARIANTS = [(0, 3), (0, 7), (2, 3), (4, 3), (8, 3), (16, 3)]
+#: (name, RUNS_SPANS, RUNS_MIN_UNITS, QUOTIENT_STORES) variants ``span_sweep`` times: one tile per
+#: unit (the kernel up to round 92), the same without row-scale writes (timing only), the
+#: shipped rule, and each strip width forced.
+SPAN_VARIANTS = [("tile", (), 12, 3), ("tile_no_row_scales", (), 12, 7), ("rule", (8, 4, 2), 12, 3),
+                 ("2", (2,), 0, 3), ("4", (4,), 0, 3), ("8", (8,), 0, 3)]
 #: Token-run operands of ``span_sweep`` and ``stores_sweep``: the sweep's, and the EP8 bench's
 #: DeepSeek-V3 x and up_gate gradient (32 local experts x 4096 tokens).
 ORDER_OPERANDS = [(n, s) for n, s, t in SWEEP_OPERANDS if not t] + [("dsv3_x_ep8", (1, 131072, 7168)),
@@ -325,46 +327,94 @@ ORDER_OPERANDS = [(n, s) for n, s, t in SWEEP_OPERANDS if not t] + [("dsv3_x_ep8
 
 
 def span_sweep(rounds: int = 5) -> None:
-    """The persistent TMA runs kernel's work unit (``dual_quantize_gluon.RUNS_SPAN`` column blocks
-    of one row block, their row scales written together), timed in turns on ORDER_OPERANDS next
-    to a clone; every strip width is checked bit for bit (data, scales) against one tile per unit."""
+    """The persistent TMA runs kernel's work unit (strips of ``dual_quantize_gluon.RUNS_SPANS``
+    column blocks of one row block, their row scales written together; SPAN_VARIANTS), timed in
+    turns on ORDER_OPERANDS next to a clone; every variant that writes everything is checked bit
+    for bit (data, scales) against one tile per unit. Names the width the shipped rule takes."""
     import turbo_dispatch.backends.triton.dual_quantize_gluon as DG
+    from turbo_dispatch.backends.triton.gemm_kernels import num_programs
 
-    default = DG.RUNS_SPAN
+    default = (DG.RUNS_SPANS, DG.RUNS_MIN_UNITS)
+    programs = DG.TMA_RUNS[1] * num_programs(0)
     for name, shape in ORDER_OPERANDS:
         src = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 3
         src[0, 5, 3] = float("nan")  # a NaN scale in one cell
         src[0, 200:300, :] *= 1e-30  # tiny scales
+        g, r, c = shape
+        units_per_span = {w: g * -(-r // 128) * -(-c // (128 * w)) for w in default[0]}
+        rule = next((w for w in default[0] if units_per_span[w] >= default[1] * programs), 0)
         ref = None
         same = {}
-        for span, stores in SPAN_VARIANTS:
+        for label, spans, min_units, stores in SPAN_VARIANTS:
             if stores != 3:
                 continue
-            DG.RUNS_SPAN = span
+            DG.RUNS_SPANS, DG.RUNS_MIN_UNITS = spans, min_units
             out = dual_quantize(src, E4, 128, False)
             if ref is None:
                 ref = out
-            same[span] = _equal_nan(out[0], out[1], out[2], out[3].transpose(1, 2), ref[0], ref[1], ref[2],
-                                    ref[3]) and out[1].stride(1) % 16 == 0
+            same[label] = _equal_nan(out[0], out[1], out[2], out[3].transpose(1, 2), ref[0], ref[1], ref[2],
+                                     ref[3]) and out[1].stride(1) % 16 == 0
             del out
         del ref
-        times = {v: [] for v in SPAN_VARIANTS}
+        times = {v[0]: [] for v in SPAN_VARIANTS}
         clone = []
         for _ in range(rounds):
-            for span, stores in SPAN_VARIANTS:
-                DG.RUNS_SPAN, DG.QUOTIENT_STORES = span, stores
-                times[(span, stores)].append(time_ms(lambda: dual_quantize(src, E4, 128, False)))
+            for label, spans, min_units, stores in SPAN_VARIANTS:
+                DG.RUNS_SPANS, DG.RUNS_MIN_UNITS, DG.QUOTIENT_STORES = spans, min_units, stores
+                times[label].append(time_ms(lambda: dual_quantize(src, E4, 128, False)))
             clone.append(time_ms(lambda: src.clone()))
-        DG.RUNS_SPAN, DG.QUOTIENT_STORES = default, 3
-        base = statistics.median(times[SPAN_VARIANTS[0]])
-        for (span, stores), v in times.items():
+        (DG.RUNS_SPANS, DG.RUNS_MIN_UNITS), DG.QUOTIENT_STORES = default, 3
+        base = statistics.median(times["tile"])
+        for label, v in times.items():
             ms = statistics.median(v)
-            emit(probe="span_sweep", operand=name, span=span, stores=stores, ms=ms,
-                 tbs=src.numel() * 4 / ms * 1e-9, vs_one_tile=base / ms,
-                 bits_equal=same.get(span) if stores == 3 else None)
+            emit(probe="span_sweep", operand=name, variant=label, rule_takes=rule, ms=ms,
+                 tbs=src.numel() * 4 / ms * 1e-9, vs_one_tile=base / ms, bits_equal=same.get(label))
         cms = statistics.median(clone)
         emit(probe="span_sweep_clone", operand=name, ms=cms, tbs=src.numel() * 4 / cms * 1e-9)
         del src
+        torch.cuda.empty_cache()
+
+
+#: (name, x [T, K], w [G, N, K]) of ``pair_sweep``: the EP8 bench's forward operands at 4096
+#: tokens per local expert.
+PAIR_OPERANDS = [("dsv3_up_ep8", (131072, 7168), (32, 4096, 7168)), ("dsv2_up_ep8", (81920, 5120), (20, 3072, 5120)),
+                 ("qwen3_up_ep8", (65536, 2048), (16, 1536, 2048)), ("qwen3_down_ep8", (65536, 768), (16, 2048, 768)),
+                 ("gptoss_down_ep8", (16384, 2880), (4, 2880, 2880)), ("mixtral_up_ep8", (4096, 4096), (1, 28672, 4096))]
+
+
+def pair_sweep(rounds: int = 5) -> None:
+    """The forward's two quantisations (x's token runs, w's tiles) one after the other, as the step
+    runs them, against w's on a second stream while x's runs (both memory-bound, neither at the
+    memory's rate alone), in turns; and each alone."""
+    main = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    for name, xs, ws in PAIR_OPERANDS:
+        x = torch.randn(1, *xs, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(*ws, device="cuda", dtype=torch.bfloat16)
+
+        def serial():
+            dual_quantize(x, E4, 128, False)
+            dual_quantize(w, E4, 128, True)
+
+        def concurrent():
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                dual_quantize(w, E4, 128, True)
+            dual_quantize(x, E4, 128, False)
+            main.wait_stream(side)
+
+        fns = {"serial": serial, "concurrent": concurrent, "x_alone": lambda: dual_quantize(x, E4, 128, False),
+               "w_alone": lambda: dual_quantize(w, E4, 128, True)}
+        times = {k: [] for k in fns}
+        for _ in range(rounds):
+            for k, fn in fns.items():
+                times[k].append(time_ms(fn))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        moved = (x.numel() + w.numel()) * 4
+        emit(probe="pair_sweep", operand=name, **{f"{k}_ms": v for k, v in med.items()},
+             serial_tbs=moved / med["serial"] * 1e-9, concurrent_tbs=moved / med["concurrent"] * 1e-9,
+             concurrent_vs_serial=med["serial"] / med["concurrent"])
+        del x, w
         torch.cuda.empty_cache()
 
 
@@ -612,6 +662,8 @@ def main() -> int:
                     help="group sizes of the step (the bench's routings; default balanced)")
     ap.add_argument("--quotient", action="store_true",
                     help="only time the Gluon quantisers with each QUOTIENT_MODE (quotient_sweep) and stop")
+    ap.add_argument("--pairs", action="store_true",
+                    help="only time the forward's two quantisations serial and on two streams (pair_sweep) and stop")
     ap.add_argument("--spans", action="store_true",
                     help="only time the TMA runs quantiser's strip widths (span_sweep) and stop")
     ap.add_argument("--stores", action="store_true",
@@ -630,6 +682,9 @@ def main() -> int:
         return 0
     if args.spans:
         span_sweep()
+        return 0
+    if args.pairs:
+        pair_sweep()
         return 0
     if args.stores:
         stores_sweep()

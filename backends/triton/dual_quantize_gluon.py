@@ -54,6 +54,7 @@ Needs Gluon (triton >= 3.6) and an sm_90 GPU; the interpreter does not run Gluon
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 
@@ -78,11 +79,17 @@ LAUNCH = (32, 32, 4, 96)
 #: tile always. H100, round 75: (1, 4) with maxnreg 96 0.160 ms geomean against 0.168 for one
 #: program per tile; (2, 3) 0.165, (2, 2) 0.173, (3, 2) 0.178 (more stages cost programs per SM).
 TMA_RUNS = (1, 4, 96)
-#: Column blocks per work unit of the persistent TMA runs kernel (a strip of one row block, its
-#: row scales written together as one vector store per row); 0: one tile per unit, each writing
-#: its own row scales. Needs the row scales' rows padded to 16 floats (``dual_quantize`` pads
-#: them); a power of two up to 16.
-RUNS_SPAN = 8
+#: Column blocks per work unit of the persistent TMA runs kernel, widest first: a unit is a
+#: strip of one row block, its row scales written together as one vector store per row (rows of
+#: the row scales padded to 16 floats, as ``dual_quantize`` pads them). The widest strip that
+#: still gives every program RUNS_MIN_UNITS units is taken, else one tile per unit (each tile
+#: writing its own row scales). H100, round 93 (in turns, bit-identical): strips of 4-8 ran
+#: 1.05-1.06x at DeepSeek-V3's EP8 activation and gradient (57344 and 32768 tiles); with fewer
+#: units than that per program the last units' imbalance cost more than the writes saved
+#: (GPT-OSS-20B's x, 2944 tiles: 0.91-0.99x).
+RUNS_SPANS = (8, 4, 2)
+#: Units per program below which a strip width is not taken (see RUNS_SPANS).
+RUNS_MIN_UNITS = 12
 #: (rows per thread, warps, maxnreg or 0) of ``_dual_quantize_tiles_kernel``; see
 #: ``register_layouts`` for which fit.
 TILES_LAUNCH = (16, 4, 0)
@@ -465,14 +472,16 @@ def available(x: torch.Tensor, block: int) -> str | None:
     return _gluon_available(x.device.index)
 
 
-def _span(scale: torch.Tensor, n_c: int) -> int:
-    """RUNS_SPAN where ``scale`` ([G, R, n_c] row scales) has room and alignment for its strips'
-    vector stores: unit column stride, rows padded to a multiple of 16 floats, and the last
-    strip's padding inside the row; else 0."""
-    span = RUNS_SPAN
-    if not span or scale.stride(2) != 1 or scale.stride(1) % 16 or scale.stride(1) < -(-n_c // span) * span:
+def _span(scale: torch.Tensor, n_units_per_span: Callable[[int], int], programs: int) -> int:
+    """The strip width of the TMA runs kernel (RUNS_SPANS, RUNS_MIN_UNITS) for row scales
+    ``scale`` ([G, R, n_c]): 0 unless their rows have the padding the strips' vector stores write
+    (unit column stride, a row stride that is a multiple of 16 floats)."""
+    if scale.stride(2) != 1 or scale.stride(1) % 16:
         return 0
-    return span
+    for span in RUNS_SPANS:
+        if n_units_per_span(span) >= RUNS_MIN_UNITS * programs and scale.stride(1) >= -(-scale.shape[2] // span) * span:
+            return span
+    return 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -500,9 +509,9 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
         bind_cuda_context(x)
         desc = GluonDescriptor(x, list(x.shape), list(x.stride()), [1, BLOCK, BLOCK], layout)
         n_tiles = g * n_r * n_c
-        span = _span(scale, n_c)
-        units = g * n_r * -(-n_c // max(span, 1))
-        grid = min(units, per_sm * num_programs(x.device.index))
+        programs = per_sm * num_programs(x.device.index)
+        span = _span(scale, lambda w: g * n_r * -(-n_c // w), programs)
+        grid = min(g * n_r * -(-n_c // max(span, 1)), programs)
         _dual_quantize_runs_tma_kernel[(grid,)](
             desc, *args[1:5], r, c, n_r, n_c, n_tiles, *args[11:], B=BLOCK, CH=chunk, TCH=t_chunk,
             FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, STAGES=stages, QUOT=QUOTIENT_MODE, STORES=QUOTIENT_STORES,
