@@ -218,3 +218,46 @@ def quantize_tiles_both(w: torch.Tensor, dtype: torch.dtype, block_size: int
     """
     data, scale, data_t, _ = quantize_both_tensors(w, dtype, block_size, True)
     return tiles_from_tensors(data, scale, data_t, block_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(device_index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=device_index)
+
+
+def _record_on(result, stream: torch.cuda.Stream) -> None:
+    """Marks every tensor of ``result`` (tensors, QuantizedTensors, tuples of them) as used on
+    ``stream``, so the caching allocator does not hand their memory to the side stream again
+    before ``stream`` is done with them."""
+    if isinstance(result, torch.Tensor):
+        result.record_stream(stream)
+    elif isinstance(result, QuantizedTensor):
+        _record_on(result.data, stream)
+        _record_on(result.scale, stream)
+    elif isinstance(result, (tuple, list)):
+        for item in result:
+            _record_on(item, stream)
+
+
+def side_by_side(first: Callable[[], object], second: Callable[[], object], device: torch.device
+                 ) -> tuple[object, object]:
+    """``(first(), second())``, ``second`` on a side stream of CUDA ``device`` while ``first`` runs
+    on the current stream; the current stream waits for both before anything queued after the
+    call. For two memory-bound kernels neither of which reaches the memory's rate alone (the
+    blockwise step's activation and weight quantisers: H100, round 94, 1.03-1.11x at small MoE
+    shapes). Each call's outputs may be used on the current stream at once. Capturable in a CUDA
+    graph (the fork and join are stream waits).
+
+    >>> side_by_side(lambda: 1, lambda: 2, torch.device("cuda"))  # doctest: +SKIP
+    (1, 2)
+    """
+    current = torch.cuda.current_stream(device)
+    side = _side_stream(device.index if device.index is not None else torch.cuda.current_device())
+    side.wait_stream(current)  # second's inputs are ready
+    with torch.cuda.stream(side):
+        second_out = second()
+    first_out = first()
+    current.wait_stream(side)
+    _record_on(second_out, current)
+    return first_out, second_out
+

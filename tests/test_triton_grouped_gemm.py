@@ -1017,6 +1017,53 @@ def test_gpu_gluon_dual_quantizer_matches_triton_bit_for_bit(fmt):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("spans", [(8,), (4,), (2,)])
+def test_gpu_runs_kernel_strips_match_triton_bit_for_bit(spans, monkeypatch):
+    """The persistent TMA runs kernel with its row scales written a strip at a time (forced at
+    each width, whatever the operand's size) gives the Triton kernel's bits: ragged rows and a
+    ragged last column block (23 blocks: a part-filled last strip), two groups, NaN, inf, zero
+    and subnormal-sized cells; the row scales keep their 16-float row padding."""
+    import turbo_dispatch.backends.triton.dual_quantize as DQ
+    from turbo_dispatch.backends.triton import dual_quantize_gluon as DG
+
+    if DG.available(torch.empty(1, device="cuda", dtype=torch.bfloat16), 128):
+        pytest.skip(DG.available(torch.empty(1, device="cuda", dtype=torch.bfloat16), 128))
+    x = torch.randn(2, 1000 + 77, 2880, device="cuda", dtype=torch.bfloat16) * 5
+    x[0, 3, 7] = float("nan")
+    x[1, 600, 2879] = float("inf")
+    x[1, 0:128, 0:256] = 0
+    x[0, 256:384, 1024:1152] *= 1e-38
+    monkeypatch.setattr(DG, "RUNS_SPANS", spans)
+    monkeypatch.setattr(DG, "RUNS_MIN_UNITS", 0)
+    got = DQ.dual_quantize(x, torch.float8_e4m3fn, 128, False)
+    assert DG._span(got[1], lambda w: 1, 1) == spans[0]  # the strips ran (x is TMA-readable)
+    monkeypatch.setattr(DQ, "GLUON", False)
+    want = DQ.dual_quantize(x, torch.float8_e4m3fn, 128, False)
+    assert got[1].stride(1) % 16 == 0
+    for a, b in zip(got, want, strict=True):
+        if a.element_size() == 1:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(torch.nan_to_num(a.float(), nan=-1.0), torch.nan_to_num(b.float(), nan=-1.0))
+
+
+@pytest.mark.gpu
+def test_gpu_side_by_side_quantisers_match_serial():
+    """The step's activation and weight quantisers on two streams (``side_by_side``) give the bits
+    of the two run one after the other, ready on the current stream without a host sync."""
+    from turbo_dispatch.backends.quantizer import quantize_runs_both, quantize_tiles_both, side_by_side
+
+    a = torch.randn(5000 + 3, 384, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(3, 256, 384, device="cuda", dtype=torch.bfloat16)
+    e4 = torch.float8_e4m3fn
+    serial = quantize_runs_both(a, e4, 128) + quantize_tiles_both(b, e4, 128)
+    runs, tiles = side_by_side(lambda: quantize_runs_both(a, e4, 128), lambda: quantize_tiles_both(b, e4, 128),
+                               a.device)
+    for got, want in zip(runs + tiles, serial, strict=True):
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(got.scale, want.scale)
+
+
+@pytest.mark.gpu
 def test_gpu_tma_launch_as_first_cuda_work_of_a_fresh_thread():
     """A thread whose first CUDA work is a TMA launch, as the autograd engine's backward thread
     when a TMA kernel opens its backward: Triton encodes the descriptor before its launcher binds

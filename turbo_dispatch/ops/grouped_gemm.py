@@ -477,6 +477,14 @@ def _quantize_for_step(a, b, cfg: Float8QuantConfig, need_a: bool, need_b: bool,
     needed, its saved operand is quantised with the forward's in one read; an operand no
     backward GEMM reads stays high precision, for the forward's backend to quantise."""
     fwd, bs = cfg.format.fwd_dtype(), cfg.block_size
+    if need_a and need_b and a.is_cuda and not torch.compiler.is_compiling():
+        # The two quantisers are memory-bound and neither reaches the memory's rate alone: the
+        # weight's runs beside the activation's (backends.quantizer.side_by_side).
+        from turbo_dispatch.backends.quantizer import side_by_side
+
+        (qa, a_saved), (qb, b_saved) = side_by_side(lambda: runs_both(a, fwd, bs), lambda: tiles_both(b, fwd, bs),
+                                                    a.device)
+        return qa, qb, a_saved, b_saved
     qa, a_saved = runs_both(a, fwd, bs) if need_b else (a, None)
     qb, b_saved = tiles_both(b, fwd, bs) if need_a else (b, None)
     return qa, qb, a_saved, b_saved
