@@ -99,6 +99,7 @@ def _dual_quantize_kernel(
     sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
     TILE_2D: tl.constexpr, B: tl.constexpr, CH: tl.constexpr, FP8_MAX: tl.constexpr, TINY: tl.constexpr,
     ROUND_FIRST: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, FAST_DIV: tl.constexpr,
+    TRANSPOSE_FIRST: tl.constexpr = False,
 ):
     # One program owns one B x B tile and walks it in CH-row chunks twice: first for the amax of
     # each column (and of the tile), then to quantise, reloading each chunk (from L2: the tile was
@@ -142,7 +143,12 @@ def _dual_quantize_kernel(
             q = _to_fp8(v, row_scale[:, None], FP8_MAX, ROUND_FIRST, MANT_BITS, MIN_EXP, FAST_DIV)
             qt = _to_fp8(v, col_scale[None, :], FP8_MAX, ROUND_FIRST, MANT_BITS, MIN_EXP, FAST_DIV)
         tl.store(q_ptr + g * sqg + r64[:, None] * sqr + c64[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
-        tl.store(qt_ptr + g * sqtg + c64[None, :] * sqtc + r64[:, None], qt.to(qt_ptr.dtype.element_ty), mask=ok)
+        if TRANSPOSE_FIRST:
+            tl.store(qt_ptr + g * sqtg + c64[:, None] * sqtc + r64[None, :], tl.trans(qt.to(qt_ptr.dtype.element_ty)),
+                     mask=c_ok[:, None] & r_ok[None, :])
+        else:
+            tl.store(qt_ptr + g * sqtg + c64[None, :] * sqtc + r64[:, None], qt.to(qt_ptr.dtype.element_ty),
+                     mask=ok)
 
 
 #: (rows per chunk, warps) of the one-read kernel for runs (False) and 2-D tiles (True); a module
@@ -161,6 +167,9 @@ LAUNCH = {False: (64, 4), True: (64, 4)}
 #: the H100 with zeros, signed zeros, subnormal-sized cells, inf and NaN). div_rn at (64, 4):
 #: 1.015 ms for x, 0.868 ms for w. The CPU interpreter always takes div_rn (its FMA is not fused).
 FAST_DIV = True
+#: Store the transposed copy from a transposed tile (tl.trans) rather than through transposed
+#: pointers (round 99 debug switch).
+TRANSPOSE_FIRST = False
 #: Quantise through the Gluon kernels (dual_quantize_gluon) where they can run (block 128,
 #: bf16/fp16, sm_90): token runs by its runs kernel, 2-D tiles by its register-transposed tiles
 #: kernel (``dual_quantize_gluon.SERVES_TILES``). H100, round 72, against this module's Triton
@@ -230,6 +239,6 @@ def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
         *kernel_args(x, data, data_t, scale, scale_t, block),
         TILE_2D=tile_2d, B=block, CH=min(chunk, block), FP8_MAX=FP8_MAX[dtype], TINY=_TINY,
         ROUND_FIRST=interpreting, MANT_BITS=_MANT_BITS[dtype], MIN_EXP=_MIN_EXP[dtype],
-        FAST_DIV=FAST_DIV and not interpreting, num_warps=warps,
+        FAST_DIV=FAST_DIV and not interpreting, TRANSPOSE_FIRST=TRANSPOSE_FIRST, num_warps=warps,
     )
     return data, scale, data_t, scale_t
