@@ -2,8 +2,8 @@
 weight's transposed fp8 copy from the Triton dual kernel (the Gluon kernels take bf16/fp16 only,
 so float32 inputs take the Triton one). Compares that kernel's outputs with the reference
 quantisation (CPU, two quantize calls) for float32, bfloat16 and float16 inputs, tiles and runs,
-with the transposed copy stored through transposed pointers (as shipped) and from a tl.trans'd
-tile (TRANSPOSE_FIRST)."""
+with the transposed copy stored through transposed pointers (as shipped), from the float32 tile
+transposed (TRANSPOSE_FIRST) and by the rule (None: transposed first for float32)."""
 import torch
 
 import turbo_dispatch.backends.triton.dual_quantize as DQ
@@ -16,7 +16,7 @@ for dt in (torch.float32, torch.bfloat16, torch.float16):
     for tile in (True, False):
         x = (torch.randn(3, 256 + 77, 384 + 32, device="cuda") * 3).to(dt)
         ref = quantize_both_tensors(x.cpu(), E4, 128, tile)
-        for flag in (False, True):
+        for flag in (False, True, None):
             DQ.TRANSPOSE_FIRST = flag
             got = DQ.dual_quantize(x, E4, 128, tile)
             report = []

@@ -144,7 +144,11 @@ def _dual_quantize_kernel(
             qt = _to_fp8(v, col_scale[None, :], FP8_MAX, ROUND_FIRST, MANT_BITS, MIN_EXP, FAST_DIV)
         tl.store(q_ptr + g * sqg + r64[:, None] * sqr + c64[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
         if TRANSPOSE_FIRST:
-            tl.store(qt_ptr + g * sqtg + c64[:, None] * sqtc + r64[None, :], tl.trans(qt.to(qt_ptr.dtype.element_ty)),
+            # float32 in, 2-D tiles, sm_90 (triton 3.6): stored through transposed pointers (or
+            # transposed after the fp8 conversion), every fourth column of the tile (1 mod 4) left
+            # the transposed copy wrong (H100, round 99). Transposing the float32 values first
+            # gives the right bytes.
+            tl.store(qt_ptr + g * sqtg + c64[:, None] * sqtc + r64[None, :], tl.trans(qt).to(qt_ptr.dtype.element_ty),
                      mask=c_ok[:, None] & r_ok[None, :])
         else:
             tl.store(qt_ptr + g * sqtg + c64[None, :] * sqtc + r64[:, None], qt.to(qt_ptr.dtype.element_ty),
@@ -167,9 +171,10 @@ LAUNCH = {False: (64, 4), True: (64, 4)}
 #: the H100 with zeros, signed zeros, subnormal-sized cells, inf and NaN). div_rn at (64, 4):
 #: 1.015 ms for x, 0.868 ms for w. The CPU interpreter always takes div_rn (its FMA is not fused).
 FAST_DIV = True
-#: Store the transposed copy from a transposed tile (tl.trans) rather than through transposed
-#: pointers (round 99 debug switch).
-TRANSPOSE_FIRST = False
+#: Store the transposed copy from the tile's float32 values transposed (tl.trans) rather than
+#: through transposed pointers: None takes it for float32 inputs (see the kernel), True/False
+#: force it (probes).
+TRANSPOSE_FIRST = None
 #: Quantise through the Gluon kernels (dual_quantize_gluon) where they can run (block 128,
 #: bf16/fp16, sm_90): token runs by its runs kernel, 2-D tiles by its register-transposed tiles
 #: kernel (``dual_quantize_gluon.SERVES_TILES``). H100, round 72, against this module's Triton
@@ -239,6 +244,7 @@ def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
         *kernel_args(x, data, data_t, scale, scale_t, block),
         TILE_2D=tile_2d, B=block, CH=min(chunk, block), FP8_MAX=FP8_MAX[dtype], TINY=_TINY,
         ROUND_FIRST=interpreting, MANT_BITS=_MANT_BITS[dtype], MIN_EXP=_MIN_EXP[dtype],
-        FAST_DIV=FAST_DIV and not interpreting, TRANSPOSE_FIRST=TRANSPOSE_FIRST, num_warps=warps,
+        FAST_DIV=FAST_DIV and not interpreting,
+        TRANSPOSE_FIRST=x.dtype == torch.float32 if TRANSPOSE_FIRST is None else TRANSPOSE_FIRST, num_warps=warps,
     )
     return data, scale, data_t, scale_t
