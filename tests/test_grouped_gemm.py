@@ -688,19 +688,24 @@ def test_gpu_cuda_graph_capture_and_replay_with_new_routing():
 
 @pytest.mark.gpu
 def test_gpu_fp8_scaled_grouped_mm_is_used():
-    """Rowwise/tensorwise e4m3 forward runs torch._scaled_grouped_mm (not the emulation) on sm_90."""
+    """Rowwise/tensorwise e4m3 forward with the TORCH backend pinned runs torch._scaled_grouped_mm
+    (not the emulation) on sm_90. (Unpinned, the dispatcher now prefers the TRITON kernels.)"""
     from turbo_dispatch.backends.torch import grouped_gemm as backend
 
     if not _sm90_or_sm100() or not hasattr(torch, "_scaled_grouped_mm"):
         pytest.skip("needs torch._scaled_grouped_mm on sm_90/sm_100")
-    for gran in ("rowwise", "tensorwise"):
-        cfg = Float8QuantConfig(granularity=gran)
-        a, b = operands(FP8_LENS, FP8_K, FP8_N, True, BF16, "cuda")
-        assert "torch._scaled_grouped_mm" in _note("grouped_gemm_fp8", a, b, lens_tensor(FP8_LENS, "cuda"),
-                                                   config=cfg)
-        snrs = fp8_snrs("cuda", FP8_LENS, FP8_K, FP8_N, True, cfg)
-        assert not backend._SCALED_REFUSED, backend._SCALED_REFUSED
-        assert min(snrs.values()) >= 25.0, snrs
+    turbo.GlobalBackendManager.set_grouped_gemm_backend("TORCH", precision="fp8")
+    try:
+        for gran in ("rowwise", "tensorwise"):
+            cfg = Float8QuantConfig(granularity=gran)
+            a, b = operands(FP8_LENS, FP8_K, FP8_N, True, BF16, "cuda")
+            assert "torch._scaled_grouped_mm" in _note("grouped_gemm_fp8", a, b, lens_tensor(FP8_LENS, "cuda"),
+                                                       config=cfg)
+            snrs = fp8_snrs("cuda", FP8_LENS, FP8_K, FP8_N, True, cfg)
+            assert not backend._SCALED_REFUSED, backend._SCALED_REFUSED
+            assert min(snrs.values()) >= 25.0, snrs
+    finally:
+        turbo.GlobalBackendManager.set_grouped_gemm_backend(None, precision="fp8")
 
 
 @pytest.mark.gpu

@@ -1047,6 +1047,27 @@ def test_gpu_runs_kernel_strips_match_triton_bit_for_bit(spans, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile_2d", [True, False], ids=["tiles", "runs"])
+def test_gpu_dual_quantizer_float32_matches_reference(tile_2d):
+    """float32 inputs take the Triton dual kernel (the Gluon ones read 16-bit floats): both copies
+    and both scale sets equal the reference quantisation's (two quantize calls on the CPU). Its
+    transposed store of float32 2-D tiles had every fourth row wrong on an H100 (round 99); a
+    float32 weight's transposed copy is now torch's copy of its row copy."""
+    from turbo_dispatch.backends.quantizer import quantize_both_tensors
+    from turbo_dispatch.backends.triton.dual_quantize import dual_quantize
+
+    x = torch.randn(3, 256 + 77, 384 + 32, device="cuda") * 3
+    x[1, 5, 7] = float("nan")
+    got = dual_quantize(x, torch.float8_e4m3fn, 128, tile_2d)
+    want = quantize_both_tensors(x.cpu(), torch.float8_e4m3fn, 128, tile_2d)
+    for a, b in zip(got, want, strict=True):
+        a = a.cpu()
+        if a.element_size() == 1:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(torch.nan_to_num(a.float(), nan=-1.0), torch.nan_to_num(b.float(), nan=-1.0))
+
+
+@pytest.mark.gpu
 def test_gpu_side_by_side_quantisers_match_serial():
     """The step's activation and weight quantisers on two streams (``side_by_side``) give the bits
     of the two run one after the other, ready on the current stream without a host sync."""

@@ -99,7 +99,7 @@ def _dual_quantize_kernel(
     sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
     TILE_2D: tl.constexpr, B: tl.constexpr, CH: tl.constexpr, FP8_MAX: tl.constexpr, TINY: tl.constexpr,
     ROUND_FIRST: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, FAST_DIV: tl.constexpr,
-    TRANSPOSE_FIRST: tl.constexpr = False,
+    STORE_T: tl.constexpr = True,
 ):
     # One program owns one B x B tile and walks it in CH-row chunks twice: first for the amax of
     # each column (and of the tile), then to quantise, reloading each chunk (from L2: the tile was
@@ -143,14 +143,7 @@ def _dual_quantize_kernel(
             q = _to_fp8(v, row_scale[:, None], FP8_MAX, ROUND_FIRST, MANT_BITS, MIN_EXP, FAST_DIV)
             qt = _to_fp8(v, col_scale[None, :], FP8_MAX, ROUND_FIRST, MANT_BITS, MIN_EXP, FAST_DIV)
         tl.store(q_ptr + g * sqg + r64[:, None] * sqr + c64[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
-        if TRANSPOSE_FIRST:
-            # float32 in, 2-D tiles, sm_90 (triton 3.6): stored through transposed pointers (or
-            # transposed after the fp8 conversion), every fourth column of the tile (1 mod 4) left
-            # the transposed copy wrong (H100, round 99). Transposing the float32 values first
-            # gives the right bytes.
-            tl.store(qt_ptr + g * sqtg + c64[:, None] * sqtc + r64[None, :], tl.trans(qt).to(qt_ptr.dtype.element_ty),
-                     mask=c_ok[:, None] & r_ok[None, :])
-        else:
+        if STORE_T:
             tl.store(qt_ptr + g * sqtg + c64[None, :] * sqtc + r64[:, None], qt.to(qt_ptr.dtype.element_ty),
                      mask=ok)
 
@@ -171,10 +164,6 @@ LAUNCH = {False: (64, 4), True: (64, 4)}
 #: the H100 with zeros, signed zeros, subnormal-sized cells, inf and NaN). div_rn at (64, 4):
 #: 1.015 ms for x, 0.868 ms for w. The CPU interpreter always takes div_rn (its FMA is not fused).
 FAST_DIV = True
-#: Store the transposed copy from the tile's float32 values transposed (tl.trans) rather than
-#: through transposed pointers: None takes it for float32 inputs (see the kernel), True/False
-#: force it (probes).
-TRANSPOSE_FIRST = None
 #: Quantise through the Gluon kernels (dual_quantize_gluon) where they can run (block 128,
 #: bf16/fp16, sm_90): token runs by its runs kernel, 2-D tiles by its register-transposed tiles
 #: kernel (``dual_quantize_gluon.SERVES_TILES``). H100, round 72, against this module's Triton
@@ -240,11 +229,18 @@ def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
             dual_quantize_gluon.launch(x, data, data_t, scale, scale_t, FP8_MAX[dtype], _TINY, tile_2d)
             return data, scale, data_t, scale_t
     chunk, warps = LAUNCH[tile_2d]
+    # A float32 weight's 2-D tiles get their transposed copy from the row copy by torch: on an
+    # H100 (triton 3.6) the kernel's own transposed store of a float32 tile left every fourth row
+    # of it wrong (rows 1 mod 4; tools/debug_fp32_dual.py, rounds 99-100), whether stored through
+    # transposed pointers or from the tile transposed first. The tiles share their values and
+    # scale, so the copy is exact. (16-bit inputs and float32 token runs were right.)
+    transpose_after = tile_2d and x.dtype == torch.float32 and x.is_cuda and not interpreting
     _dual_quantize_kernel[(g * n_r, n_c)](
         *kernel_args(x, data, data_t, scale, scale_t, block),
         TILE_2D=tile_2d, B=block, CH=min(chunk, block), FP8_MAX=FP8_MAX[dtype], TINY=_TINY,
         ROUND_FIRST=interpreting, MANT_BITS=_MANT_BITS[dtype], MIN_EXP=_MIN_EXP[dtype],
-        FAST_DIV=FAST_DIV and not interpreting,
-        TRANSPOSE_FIRST=x.dtype == torch.float32 if TRANSPOSE_FIRST is None else TRANSPOSE_FIRST, num_warps=warps,
+        FAST_DIV=FAST_DIV and not interpreting, STORE_T=not transpose_after, num_warps=warps,
     )
+    if transpose_after:
+        data_t.copy_(data.transpose(1, 2))
     return data, scale, data_t, scale_t
