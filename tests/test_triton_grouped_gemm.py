@@ -1056,15 +1056,17 @@ def test_gpu_dual_quantizer_float32_matches_reference(tile_2d):
     from turbo_dispatch.backends.quantizer import quantize_both_tensors
     from turbo_dispatch.backends.triton.dual_quantize import dual_quantize
 
+    # (No NaN cell: the CPU reference and the GPU encode fp8 NaNs differently; the GPU kernels'
+    # NaN handling is compared GPU to GPU in test_gpu_gluon_dual_quantizer_matches_triton_bit_for_bit.)
     x = torch.randn(3, 256 + 77, 384 + 32, device="cuda") * 3
-    x[1, 5, 7] = float("nan")
+    x[0, 0:128, 0:128] = 0
     got = dual_quantize(x, torch.float8_e4m3fn, 128, tile_2d)
     want = quantize_both_tensors(x.cpu(), torch.float8_e4m3fn, 128, tile_2d)
     for a, b in zip(got, want, strict=True):
         a = a.cpu()
         if a.element_size() == 1:
             a, b = a.view(torch.uint8), b.view(torch.uint8)
-        assert torch.equal(torch.nan_to_num(a.float(), nan=-1.0), torch.nan_to_num(b.float(), nan=-1.0))
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu
