@@ -453,6 +453,35 @@ def stores_sweep(rounds: int = 5) -> None:
         torch.cuda.empty_cache()
 
 
+def backward_pair_sweep(shapes: list[str], rounds: int = 5) -> None:
+    """The blockwise step (forward + backward through the public op) with the backward's dgrad on
+    a side stream beside its wgrad (``grouped_gemm.BACKWARD_SIDE_BY_SIDE``) and without, in turns,
+    at ``shapes`` and ROUTING's group sizes; the two steps' outputs and gradients compared."""
+    for shape in shapes:
+        t, n, k, lens, offs, a, w, grad, cfg = step_operands(shape)
+        run = step_fn(a, w, lens, offs, cfg, grad)
+        results = {}
+        for flag in (False, True):
+            _grouped.BACKWARD_SIDE_BY_SIDE = flag
+            out = run()
+            results[flag] = (out.detach().clone(), a.grad.clone(), w.grad.clone())
+        same = all(torch.equal(x, y) for x, y in zip(results[False], results[True]))
+        del results
+        times = {False: [], True: []}
+        for _ in range(rounds):
+            for flag in (False, True):
+                _grouped.BACKWARD_SIDE_BY_SIDE = flag
+                times[flag].append(time_ms(run))
+        _grouped.BACKWARD_SIDE_BY_SIDE = False
+        serial, pair = statistics.median(times[False]), statistics.median(times[True])
+        flops = 3 * 2.0 * t * n * k
+        emit(probe="backward_pair", shape=shape, routing=ROUTING[0], serial_ms=serial, pair_ms=pair,
+             pair_vs_serial=serial / pair, serial_tflops=flops / serial * 1e-9, pair_tflops=flops / pair * 1e-9,
+             bits_equal=same)
+        del a, w, grad
+        torch.cuda.empty_cache()
+
+
 def step_fn(a, w, lens, offs, cfg, grad):
     def run():
         a.grad = w.grad = None
@@ -664,6 +693,9 @@ def main() -> int:
                     help="only time the Gluon quantisers with each QUOTIENT_MODE (quotient_sweep) and stop")
     ap.add_argument("--pairs", action="store_true",
                     help="only time the forward's two quantisations serial and on two streams (pair_sweep) and stop")
+    ap.add_argument("--backward-pairs", default=None, metavar="SHAPES",
+                    help="only time the step with the dgrad beside the wgrad on two streams and without "
+                         "(backward_pair_sweep) at these shapes, and stop")
     ap.add_argument("--spans", action="store_true",
                     help="only time the TMA runs quantiser's strip widths (span_sweep) and stop")
     ap.add_argument("--stores", action="store_true",
@@ -685,6 +717,9 @@ def main() -> int:
         return 0
     if args.pairs:
         pair_sweep()
+        return 0
+    if args.backward_pairs:
+        backward_pair_sweep(args.backward_pairs.split(","))
         return 0
     if args.stores:
         stores_sweep()

@@ -449,15 +449,24 @@ def _grouped_fp8_grads(mm8: Callable, mm8_k: Callable, a, b, grad, group_lens, g
     g_rows = g_cols = grad
     if runs_both is not None and need_a and need_b:
         g_rows, g_cols = runs_both(grad, bwd, block_size)
-    grad_a = grad_b = None
-    if need_a:
-        grad_a = mm8(g_rows, b, group_lens, group_offs, not trans_b, a_dtype, bwd, fwd, w2d)
-    if need_b:
+    def dgrad():
+        return mm8(g_rows, b, group_lens, group_offs, not trans_b, a_dtype, bwd, fwd, w2d)
+
+    def wgrad():
         if trans_b:
-            grad_b = mm8_k(g_cols, a, group_lens, group_offs, b_dtype, bwd, fwd)
-        else:
-            grad_b = mm8_k(a, g_cols, group_lens, group_offs, b_dtype, fwd, bwd)
-    return grad_a, grad_b
+            return mm8_k(g_cols, a, group_lens, group_offs, b_dtype, bwd, fwd)
+        return mm8_k(a, g_cols, group_lens, group_offs, b_dtype, fwd, bwd)
+
+    if need_a and need_b and BACKWARD_SIDE_BY_SIDE and grad.is_cuda and not torch.compiler.is_compiling():
+        from turbo_dispatch.backends.quantizer import side_by_side
+
+        grad_b, grad_a = side_by_side(wgrad, dgrad, grad.device)
+        return grad_a, grad_b
+    return dgrad() if need_a else None, wgrad() if need_b else None
+
+
+#: Whether the fp8 backward runs its dgrad on a side stream beside its wgrad (probe switch).
+BACKWARD_SIDE_BY_SIDE = False
 
 
 # -- the blockwise training step: every operand quantised once, for both GEMMs that read it ----------------
