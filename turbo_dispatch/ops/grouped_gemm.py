@@ -458,6 +458,8 @@ def _grouped_fp8_grads(mm8: Callable, mm8_k: Callable, a, b, grad, group_lens, g
         return mm8_k(a, g_cols, group_lens, group_offs, b_dtype, fwd, bwd)
 
     if need_a and need_b and BACKWARD_SIDE_BY_SIDE and grad.is_cuda and not torch.compiler.is_compiling():
+        # The dgrad goes on the side stream, launched first; the wgrad's programs take SMs as
+        # the dgrad's finish (its work items come from a counter), and the other way round.
         from turbo_dispatch.backends.quantizer import side_by_side
 
         grad_b, grad_a = side_by_side(wgrad, dgrad, grad.device)
@@ -465,8 +467,12 @@ def _grouped_fp8_grads(mm8: Callable, mm8_k: Callable, a, b, grad, group_lens, g
     return dgrad() if need_a else None, wgrad() if need_b else None
 
 
-#: Whether the fp8 backward runs its dgrad on a side stream beside its wgrad (probe switch).
-BACKWARD_SIDE_BY_SIDE = False
+#: Whether the fp8 backward runs its dgrad on a side stream beside its wgrad where it needs both
+#: (``backends.quantizer.side_by_side``): each kernel's last wave then shares the GPU with the
+#: other's programs. H100, round 103, whole blockwise step in turns, bit-identical: 1.003-1.019x
+#: at the EP8 bench's DeepSeek-V3, GPT-OSS-20B and Qwen3-30B-A3B sizes, balanced and skewed
+#: (one 0.999x). False runs them one after the other (probes compare the two).
+BACKWARD_SIDE_BY_SIDE = True
 
 
 # -- the blockwise training step: every operand quantised once, for both GEMMs that read it ----------------
