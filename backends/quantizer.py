@@ -239,6 +239,17 @@ def _record_on(result, stream: torch.cuda.Stream) -> None:
             _record_on(item, stream)
 
 
+def overlappable(t: torch.Tensor) -> bool:
+    """Whether work on ``t`` may be split over two streams (``side_by_side``): a real CUDA tensor
+    in eager execution. Not while anything traces it (torch.compile, AOT autograd, opcheck, fake
+    or proxy tensors: any active dispatch mode or tensor subclass), where the streams and
+    ``record_stream`` would be recorded into the graph."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return (t.is_cuda and type(t) is torch.Tensor and not torch.compiler.is_compiling()
+            and _get_current_dispatch_mode() is None)
+
+
 def side_by_side(first: Callable[[], object], second: Callable[[], object], device: torch.device
                  ) -> tuple[object, object]:
     """``(first(), second())``, ``second`` on a side stream of CUDA ``device`` while ``first`` runs

@@ -448,6 +448,21 @@ _ROUTINGS = {
 }
 
 
+def test_overlap_only_on_real_eager_cuda_tensors():
+    """``overlappable`` (the gate of the blockwise step's two-stream paths) refuses CPU tensors and
+    anything being traced: a fake CUDA tensor under FakeTensorMode (as AOT autograd and opcheck
+    trace the backward) and a tensor subclass, so no stream or record_stream enters a graph."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from turbo_dispatch.backends.quantizer import overlappable
+
+    assert not overlappable(torch.empty(2))
+    with FakeTensorMode():
+        fake = torch.empty(2, device="cuda")
+        assert fake.is_cuda and not overlappable(fake)
+    assert not overlappable(torch.nn.Parameter(torch.empty(2)))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("routing", sorted(_ROUTINGS))
 @pytest.mark.parametrize("trans_b", [False, True])

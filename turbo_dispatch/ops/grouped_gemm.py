@@ -457,11 +457,11 @@ def _grouped_fp8_grads(mm8: Callable, mm8_k: Callable, a, b, grad, group_lens, g
             return mm8_k(g_cols, a, group_lens, group_offs, b_dtype, bwd, fwd)
         return mm8_k(a, g_cols, group_lens, group_offs, b_dtype, fwd, bwd)
 
-    if need_a and need_b and BACKWARD_SIDE_BY_SIDE and grad.is_cuda and not torch.compiler.is_compiling():
+    from turbo_dispatch.backends.quantizer import overlappable, side_by_side
+
+    if need_a and need_b and BACKWARD_SIDE_BY_SIDE and overlappable(grad):
         # The dgrad goes on the side stream, launched first; the wgrad's programs take SMs as
         # the dgrad's finish (its work items come from a counter), and the other way round.
-        from turbo_dispatch.backends.quantizer import side_by_side
-
         grad_b, grad_a = side_by_side(wgrad, dgrad, grad.device)
         return grad_a, grad_b
     return dgrad() if need_a else None, wgrad() if need_b else None
@@ -471,8 +471,11 @@ def _grouped_fp8_grads(mm8: Callable, mm8_k: Callable, a, b, grad, group_lens, g
 #: (``backends.quantizer.side_by_side``): each kernel's last wave then shares the GPU with the
 #: other's programs. H100, round 103, whole blockwise step in turns, bit-identical: 1.003-1.019x
 #: at the EP8 bench's DeepSeek-V3, GPT-OSS-20B and Qwen3-30B-A3B sizes, balanced and skewed
-#: (one 0.999x). False runs them one after the other (probes compare the two).
-BACKWARD_SIDE_BY_SIDE = True
+#: (one 0.999x). Off: switched on in round 104, it failed five GPU tests (opcheck's AOT dispatch
+#: and the aot_eager/inductor compiled steps) because AOT autograd traced the backward's
+#: ``record_stream``; ``overlappable`` now refuses traced tensors, which no GPU run has checked
+#: yet. Probes set it.
+BACKWARD_SIDE_BY_SIDE = False
 
 
 # -- the blockwise training step: every operand quantised once, for both GEMMs that read it ----------------
@@ -492,10 +495,11 @@ def _quantize_for_step(a, b, cfg: Float8QuantConfig, need_a: bool, need_b: bool,
     needed, its saved operand is quantised with the forward's in one read; an operand no
     backward GEMM reads stays high precision, for the forward's backend to quantise."""
     fwd, bs = cfg.format.fwd_dtype(), cfg.block_size
-    if need_a and need_b and a.is_cuda and not torch.compiler.is_compiling():
+    from turbo_dispatch.backends.quantizer import overlappable, side_by_side
+
+    if need_a and need_b and overlappable(a):
         # The two quantisers are memory-bound and neither reaches the memory's rate alone: the
         # weight's runs beside the activation's (backends.quantizer.side_by_side).
-        from turbo_dispatch.backends.quantizer import side_by_side
 
         (qa, a_saved), (qb, b_saved) = side_by_side(lambda: runs_both(a, fwd, bs), lambda: tiles_both(b, fwd, bs),
                                                     a.device)
