@@ -109,9 +109,9 @@ def padded_rows(t: torch.Tensor) -> torch.Tensor:
 def quantize_both_tensors(x3: torch.Tensor, dtype: torch.dtype, block_size: int, tile_2d: bool
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(data, scale, data_t, scale_t)`` of ``x3[G, R, C]`` as
-    ``turbo_dispatch.backends.triton.dual_quantize.dual_quantize`` returns them (same layouts,
-    fp8 rows padded to 16 bytes, token runs' row scales to 16 floats): from its one-read kernel on a GPU, else from two reference
-    ``quantize`` calls, which give the same bits."""
+    ``turbo_dispatch.backends.triton.dual_quantize.dual_quantize`` returns them (same layouts, fp8
+    rows padded to 16 bytes, token runs' row scales to 16 floats): from its one-read kernel on a
+    GPU, else from two reference ``quantize`` calls, which give the same bits."""
     fn = _dual_kernel()
     if fn is not None and x3.is_cuda and block_size in DUAL_BLOCK_SIZES:
         return fn(x3, dtype, block_size, tile_2d)

@@ -377,9 +377,12 @@ def span_sweep(rounds: int = 5) -> None:
 
 #: (name, x [T, K], w [G, N, K]) of ``pair_sweep``: the EP8 bench's forward operands at 4096
 #: tokens per local expert.
-PAIR_OPERANDS = [("dsv3_up_ep8", (131072, 7168), (32, 4096, 7168)), ("dsv2_up_ep8", (81920, 5120), (20, 3072, 5120)),
-                 ("qwen3_up_ep8", (65536, 2048), (16, 1536, 2048)), ("qwen3_down_ep8", (65536, 768), (16, 2048, 768)),
-                 ("gptoss_down_ep8", (16384, 2880), (4, 2880, 2880)), ("mixtral_up_ep8", (4096, 4096), (1, 28672, 4096))]
+PAIR_OPERANDS = [("dsv3_up_ep8", (131072, 7168), (32, 4096, 7168)),
+                 ("dsv2_up_ep8", (81920, 5120), (20, 3072, 5120)),
+                 ("qwen3_up_ep8", (65536, 2048), (16, 1536, 2048)),
+                 ("qwen3_down_ep8", (65536, 768), (16, 2048, 768)),
+                 ("gptoss_down_ep8", (16384, 2880), (4, 2880, 2880)),
+                 ("mixtral_up_ep8", (4096, 4096), (1, 28672, 4096))]
 
 
 def pair_sweep(rounds: int = 5) -> None:

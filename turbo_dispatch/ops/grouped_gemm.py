@@ -449,6 +449,7 @@ def _grouped_fp8_grads(mm8: Callable, mm8_k: Callable, a, b, grad, group_lens, g
     g_rows = g_cols = grad
     if runs_both is not None and need_a and need_b:
         g_rows, g_cols = runs_both(grad, bwd, block_size)
+
     def dgrad():
         return mm8(g_rows, b, group_lens, group_offs, not trans_b, a_dtype, bwd, fwd, w2d)
 
@@ -500,7 +501,6 @@ def _quantize_for_step(a, b, cfg: Float8QuantConfig, need_a: bool, need_b: bool,
     if need_a and need_b and overlappable(a):
         # The two quantisers are memory-bound and neither reaches the memory's rate alone: the
         # weight's runs beside the activation's (backends.quantizer.side_by_side).
-
         (qa, a_saved), (qb, b_saved) = side_by_side(lambda: runs_both(a, fwd, bs), lambda: tiles_both(b, fwd, bs),
                                                     a.device)
         return qa, qb, a_saved, b_saved
