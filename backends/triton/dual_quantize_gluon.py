@@ -22,8 +22,9 @@ with its own loads. The TMA form takes strips of ``RUNS_SPANS`` column blocks as
 where there are enough of them, and writes a strip's row scales as one vector store per row
 (``_flush_row_scales``; round 94: 1.05-1.06x at DeepSeek-V3's EP8 operands). H100, rounds
 75-76: the TMA form at (1 stage, 4 programs per SM, maxnreg 96) 0.160 ms geomean against 0.168
-(2.44 TB/s at DeepSeek-V3's x against 2.31); more stages cost programs per SM and were slower ((2, 3) 0.165, (2, 2) 0.173, (3, 2) 0.178), as were 5 or 6
-programs per SM (0.163, 0.187 at maxnreg 80).
+(2.44 TB/s at DeepSeek-V3's x against 2.31); more stages cost programs per SM and were slower
+((2, 3) 0.165, (2, 2) 0.173, (3, 2) 0.178), as were 5 or 6 programs per SM (0.163, 0.187 at
+maxnreg 80).
 
 The shared-memory kernel it replaced (round 43, sessions 10-15) did the same work with a
 CTA-wide reduction per chunk for the column amax and another for each chunk's quotient branch:
