@@ -275,102 +275,73 @@ def sweep_dual() -> None:
         torch.cuda.empty_cache()
 
 
-def quotient_sweep(rounds: int = 5) -> None:
-    """What the quantisers' correctly rounded division costs: the Gluon runs (TMA) and tiles
-    kernels on SWEEP_OPERANDS with ``dual_quantize_gluon.QUOTIENT_MODE`` 2 (the shipped division),
-    1 (one multiply by RN(1/scale)) and 0 (no per-element arithmetic: the memory path alone), timed
-    in turns for ``rounds`` rounds (median of each), next to a clone; and how many fp8 bytes mode 1
-    changes against mode 2 (its values stay within an fp32 ulp before the fp8 rounding)."""
-    import turbo_dispatch.backends.triton.dual_quantize_gluon as DG
-
-    modes = (2, 1, 0)
-    for name, shape, tile in SWEEP_OPERANDS:
-        src = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 3
-        outs = {}
-        for mode in (2, 1):
-            DG.QUOTIENT_MODE = mode
-            outs[mode] = dual_quantize(src, E4, 128, tile)
-        DG.QUOTIENT_MODE = 2
-        changed = [int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) for a, b in
-                   ((outs[2][0], outs[1][0]), (outs[2][2], outs[1][2]))]
-        scales_equal = torch.equal(outs[2][1], outs[1][1]) and torch.equal(outs[2][3], outs[1][3])
-        del outs
-        times = {m: [] for m in modes}
-        clone = []
-        for _ in range(rounds):
-            for mode in modes:
-                DG.QUOTIENT_MODE = mode
-                times[mode].append(time_ms(lambda: dual_quantize(src, E4, 128, tile)))
-            DG.QUOTIENT_MODE = 2
-            clone.append(time_ms(lambda: src.clone()))
-        moved = src.numel() * 4  # bf16 read + two fp8 copies written
-        row = {f"mode{m}_ms": statistics.median(v) for m, v in times.items()}
-        emit(probe="quotient_sweep", operand=name, tiles=tile, **row,
-             **{f"mode{m}_tbs": moved / statistics.median(v) * 1e-9 for m, v in times.items()},
-             clone_ms=statistics.median(clone), clone_tbs=src.numel() * 4 / statistics.median(clone) * 1e-9,
-             mode1_vs_2=statistics.median(times[2]) / statistics.median(times[1]),
-             mode0_vs_2=statistics.median(times[2]) / statistics.median(times[0]),
-             mode1_bytes_changed=changed, elements=src.numel(), scales_equal=scales_equal)
-        del src
-        torch.cuda.empty_cache()
-
-
-#: (name, RUNS_SPANS, RUNS_MIN_UNITS, QUOTIENT_STORES) variants ``span_sweep`` times: one tile per
-#: unit (the kernel up to round 92), the same without row-scale writes (timing only), the
-#: shipped rule, and each strip width forced.
-SPAN_VARIANTS = [("tile", (), 12, 3), ("tile_no_row_scales", (), 12, 7), ("rule", (8, 4, 2), 12, 3),
-                 ("2", (2,), 0, 3), ("4", (4,), 0, 3), ("8", (8,), 0, 3)]
-#: Token-run operands of ``span_sweep`` and ``stores_sweep``: the sweep's, and the EP8 bench's
+#: (name, RUNS_SPANS, RUNS_MIN_UNITS) variants ``span_sweep`` times: one tile per unit (the kernel
+#: up to round 92), the shipped rule, and each strip width forced.
+SPAN_VARIANTS = [("tile", (), 12), ("rule", (8, 4, 2), 12), ("2", (2,), 0), ("4", (4,), 0), ("8", (8,), 0)]
+#: Token-run operands of ``span_sweep``: the sweep's, and the EP8 bench's
 #: DeepSeek-V3 x and up_gate gradient (32 local experts x 4096 tokens).
 ORDER_OPERANDS = [(n, s) for n, s, t in SWEEP_OPERANDS if not t] + [("dsv3_x_ep8", (1, 131072, 7168)),
                                                                      ("dsv3_grad_ep8", (1, 131072, 4096))]
 
 
+def medians_in_turns(calls: dict, rounds: int) -> dict:
+    """Median GPU time (``time_ms``) of each call, the calls timed in turns for ``rounds`` rounds:
+    ``calls`` maps a name to (prepare, fn), prepare() (setting a module switch, say) run untimed
+    before each timing of fn."""
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, (prepare, fn) in calls.items():
+            prepare()
+            times[name].append(time_ms(fn))
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def _nothing() -> None:
+    pass
+
+
 def span_sweep(rounds: int = 5) -> None:
     """The persistent TMA runs kernel's work unit (strips of ``dual_quantize_gluon.RUNS_SPANS``
     column blocks of one row block, their row scales written together; SPAN_VARIANTS), timed in
-    turns on ORDER_OPERANDS next to a clone; every variant that writes everything is checked bit
-    for bit (data, scales) against one tile per unit. Names the width the shipped rule takes."""
+    turns on ORDER_OPERANDS next to a clone; every variant is checked bit for bit (data, scales)
+    against one tile per unit. Names the width the shipped rule (``_span``) takes."""
     import turbo_dispatch.backends.triton.dual_quantize_gluon as DG
     from turbo_dispatch.backends.triton.gemm_kernels import num_programs
 
     default = (DG.RUNS_SPANS, DG.RUNS_MIN_UNITS)
-    programs = DG.TMA_RUNS[1] * num_programs(0)
+
+    def setting(spans, min_units):
+        def prepare():
+            DG.RUNS_SPANS, DG.RUNS_MIN_UNITS = spans, min_units
+        return prepare
+
     for name, shape in ORDER_OPERANDS:
         src = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 3
         src[0, 5, 3] = float("nan")  # a NaN scale in one cell
         src[0, 200:300, :] *= 1e-30  # tiny scales
-        g, r, c = shape
-        units_per_span = {w: g * -(-r // 128) * -(-c // (128 * w)) for w in default[0]}
-        rule = next((w for w in default[0] if units_per_span[w] >= default[1] * programs), 0)
         ref = None
         same = {}
-        for label, spans, min_units, stores in SPAN_VARIANTS:
-            if stores != 3:
-                continue
-            DG.RUNS_SPANS, DG.RUNS_MIN_UNITS = spans, min_units
+        for label, spans, min_units in SPAN_VARIANTS:
+            setting(spans, min_units)()
             out = dual_quantize(src, E4, 128, False)
             if ref is None:
                 ref = out
             same[label] = _equal_nan(out[0], out[1], out[2], out[3].transpose(1, 2), ref[0], ref[1], ref[2],
                                      ref[3]) and out[1].stride(1) % 16 == 0
             del out
+        DG.RUNS_SPANS, DG.RUNS_MIN_UNITS = default
+        rule = DG._span(ref[1], shape[0] * -(-shape[1] // 128), DG.TMA_RUNS[1] * num_programs(0))
         del ref
-        times = {v[0]: [] for v in SPAN_VARIANTS}
-        clone = []
-        for _ in range(rounds):
-            for label, spans, min_units, stores in SPAN_VARIANTS:
-                DG.RUNS_SPANS, DG.RUNS_MIN_UNITS, DG.QUOTIENT_STORES = spans, min_units, stores
-                times[label].append(time_ms(lambda: dual_quantize(src, E4, 128, False)))
-            clone.append(time_ms(lambda: src.clone()))
-        (DG.RUNS_SPANS, DG.RUNS_MIN_UNITS), DG.QUOTIENT_STORES = default, 3
-        base = statistics.median(times["tile"])
-        for label, v in times.items():
-            ms = statistics.median(v)
-            emit(probe="span_sweep", operand=name, variant=label, rule_takes=rule, ms=ms,
-                 tbs=src.numel() * 4 / ms * 1e-9, vs_one_tile=base / ms, bits_equal=same.get(label))
-        cms = statistics.median(clone)
-        emit(probe="span_sweep_clone", operand=name, ms=cms, tbs=src.numel() * 4 / cms * 1e-9)
+        calls = {label: (setting(spans, min_units), lambda: dual_quantize(src, E4, 128, False))
+                 for label, spans, min_units in SPAN_VARIANTS}
+        calls["clone"] = (_nothing, lambda: src.clone())
+        med = medians_in_turns(calls, rounds)
+        DG.RUNS_SPANS, DG.RUNS_MIN_UNITS = default
+        for label, ms in med.items():
+            if label != "clone":
+                emit(probe="span_sweep", operand=name, variant=label, rule_takes=rule, ms=ms,
+                     tbs=src.numel() * 4 / ms * 1e-9, vs_one_tile=med["tile"] / ms, bits_equal=same[label])
+        emit(probe="span_sweep_clone", operand=name, ms=med["clone"], tbs=src.numel() * 4 / med["clone"] * 1e-9)
         del src
         torch.cuda.empty_cache()
 
@@ -386,73 +357,29 @@ PAIR_OPERANDS = [("dsv3_up_ep8", (131072, 7168), (32, 4096, 7168)),
 
 
 def pair_sweep(rounds: int = 5) -> None:
-    """The forward's two quantisations (x's token runs, w's tiles) one after the other, as the step
-    runs them, against w's on a second stream while x's runs (both memory-bound, neither at the
-    memory's rate alone), in turns; and each alone."""
-    main = torch.cuda.current_stream()
-    side = torch.cuda.Stream()
+    """The forward's two quantisations (x's token runs, w's tiles) one after the other against
+    w's on a second stream while x's runs (``backends.quantizer.side_by_side``, as the step runs
+    them: both memory-bound, neither at the memory's rate alone), in turns; and each alone."""
+    from turbo_dispatch.backends.quantizer import side_by_side
+
     for name, xs, ws in PAIR_OPERANDS:
         x = torch.randn(1, *xs, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(*ws, device="cuda", dtype=torch.bfloat16)
 
-        def serial():
-            dual_quantize(x, E4, 128, False)
-            dual_quantize(w, E4, 128, True)
+        def x_alone():
+            return dual_quantize(x, E4, 128, False)
 
-        def concurrent():
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                dual_quantize(w, E4, 128, True)
-            dual_quantize(x, E4, 128, False)
-            main.wait_stream(side)
+        def w_alone():
+            return dual_quantize(w, E4, 128, True)
 
-        fns = {"serial": serial, "concurrent": concurrent, "x_alone": lambda: dual_quantize(x, E4, 128, False),
-               "w_alone": lambda: dual_quantize(w, E4, 128, True)}
-        times = {k: [] for k in fns}
-        for _ in range(rounds):
-            for k, fn in fns.items():
-                times[k].append(time_ms(fn))
-        med = {k: statistics.median(v) for k, v in times.items()}
+        med = medians_in_turns({"serial": (_nothing, lambda: (x_alone(), w_alone())),
+                                "concurrent": (_nothing, lambda: side_by_side(x_alone, w_alone, x.device)),
+                                "x_alone": (_nothing, x_alone), "w_alone": (_nothing, w_alone)}, rounds)
         moved = (x.numel() + w.numel()) * 4
         emit(probe="pair_sweep", operand=name, **{f"{k}_ms": v for k, v in med.items()},
              serial_tbs=moved / med["serial"] * 1e-9, concurrent_tbs=moved / med["concurrent"] * 1e-9,
              concurrent_vs_serial=med["serial"] / med["concurrent"])
         del x, w
-        torch.cuda.empty_cache()
-
-
-#: (QUOTIENT_MODE, QUOTIENT_STORES) variants ``stores_sweep`` times: the shipped kernel, then no
-#: per-element arithmetic writing both copies, the row copy, the transposed copy, neither; with
-#: 4 added, the same without the row scales' writes.
-STORE_VARIANTS = [(2, 3), (2, 7), (0, 3), (0, 7), (0, 1), (0, 0), (0, 4)]
-
-
-def stores_sweep(rounds: int = 5) -> None:
-    """The TMA runs kernel's memory path in parts (STORE_VARIANTS), in turns on ORDER_OPERANDS,
-    next to a clone and to a read-only reference (a sum over the operand)."""
-    import turbo_dispatch.backends.triton.dual_quantize_gluon as DG
-
-    for name, shape in ORDER_OPERANDS:
-        src = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 3
-        times = {v: [] for v in STORE_VARIANTS}
-        clone, total = [], []
-        for _ in range(rounds):
-            for mode, stores in STORE_VARIANTS:
-                DG.QUOTIENT_MODE, DG.QUOTIENT_STORES = mode, stores
-                times[(mode, stores)].append(time_ms(lambda: dual_quantize(src, E4, 128, False)))
-            clone.append(time_ms(lambda: src.clone()))
-            total.append(time_ms(lambda: src.sum(dtype=torch.float32)))
-        DG.QUOTIENT_MODE, DG.QUOTIENT_STORES = 2, 3
-        base = statistics.median(times[STORE_VARIANTS[0]])
-        for (mode, stores), v in times.items():
-            ms = statistics.median(v)
-            moved = src.numel() * (2 + (stores & 1) + ((stores >> 1) & 1))
-            emit(probe="stores_sweep", operand=name, mode=mode, stores=stores, ms=ms, tbs=moved / ms * 1e-9,
-                 vs_shipped=base / ms)
-        emit(probe="stores_sweep_refs", operand=name, clone_ms=statistics.median(clone),
-             clone_tbs=src.numel() * 4 / statistics.median(clone) * 1e-9, sum_ms=statistics.median(total),
-             sum_tbs=src.numel() * 2 / statistics.median(total) * 1e-9)
-        del src
         torch.cuda.empty_cache()
 
 
@@ -470,13 +397,14 @@ def backward_pair_sweep(shapes: list[str], rounds: int = 5) -> None:
             results[flag] = (out.detach().clone(), a.grad.clone(), w.grad.clone())
         same = all(torch.equal(x, y) for x, y in zip(results[False], results[True]))
         del results
-        times = {False: [], True: []}
-        for _ in range(rounds):
-            for flag in (False, True):
+        def switch(flag):
+            def prepare():
                 _grouped.BACKWARD_SIDE_BY_SIDE = flag
-                times[flag].append(time_ms(run))
+            return prepare
+
+        med = medians_in_turns({"serial": (switch(False), run), "pair": (switch(True), run)}, rounds)
         _grouped.BACKWARD_SIDE_BY_SIDE = False
-        serial, pair = statistics.median(times[False]), statistics.median(times[True])
+        serial, pair = med["serial"], med["pair"]
         flops = 3 * 2.0 * t * n * k
         emit(probe="backward_pair", shape=shape, routing=ROUTING[0], serial_ms=serial, pair_ms=pair,
              pair_vs_serial=serial / pair, serial_tflops=flops / serial * 1e-9, pair_tflops=flops / pair * 1e-9,
@@ -692,8 +620,6 @@ def main() -> int:
                     help="cProfile the host side of 30 fp8 blockwise steps at SHAPE (top functions)")
     ap.add_argument("--routing", default="balanced", choices=["balanced", "skewed", "empty"],
                     help="group sizes of the step (the bench's routings; default balanced)")
-    ap.add_argument("--quotient", action="store_true",
-                    help="only time the Gluon quantisers with each QUOTIENT_MODE (quotient_sweep) and stop")
     ap.add_argument("--pairs", action="store_true",
                     help="only time the forward's two quantisations serial and on two streams (pair_sweep) and stop")
     ap.add_argument("--backward-pairs", default=None, metavar="SHAPES",
@@ -701,8 +627,6 @@ def main() -> int:
                          "(backward_pair_sweep) at these shapes, and stop")
     ap.add_argument("--spans", action="store_true",
                     help="only time the TMA runs quantiser's strip widths (span_sweep) and stop")
-    ap.add_argument("--stores", action="store_true",
-                    help="only time the TMA runs quantiser's memory path in parts (stores_sweep) and stop")
     ap.add_argument("--kernels", default=None, metavar="SHAPES",
                     help="only profile the GPU kernels of one step at these shapes (fp8 and bf16) and stop")
     args = ap.parse_args()
@@ -712,9 +636,6 @@ def main() -> int:
     if args.out:
         OUT.append(open(args.out, "w"))
     emit(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
-    if args.quotient:
-        quotient_sweep()
-        return 0
     if args.spans:
         span_sweep()
         return 0
@@ -723,9 +644,6 @@ def main() -> int:
         return 0
     if args.backward_pairs:
         backward_pair_sweep(args.backward_pairs.split(","))
-        return 0
-    if args.stores:
-        stores_sweep()
         return 0
     if args.kernels:
         for shape in args.kernels.split(","):

@@ -57,7 +57,6 @@ Needs Gluon (triton >= 3.6) and an sm_90 GPU; the interpreter does not run Gluon
 from __future__ import annotations
 
 import functools
-from typing import Callable
 
 import torch
 
@@ -98,15 +97,6 @@ RUNS_MIN_UNITS = 12
 TILES_LAUNCH = (16, 4, 0)
 #: Whether ``dual_quantize`` sends 2-D tiles here (the register kernel) rather than to Triton.
 SERVES_TILES = True
-#: How the kernels form each quotient v / scale: 2, correctly rounded (the only mode that gives
-#: ``quantize_cells``' bits); 1, v * RN(1 / scale), one multiply (within an ulp before the fp8
-#: rounding); 0, no per-element arithmetic (v itself, saturated: wrong values, for timing the
-#: kernels' memory path alone). Probes set 1 and 0 to measure what the division costs.
-QUOTIENT_MODE = 2
-#: What the TMA runs kernel writes, to time its memory path in parts (probes only; anything but 3
-#: leaves outputs unwritten): bit 0 the row copy, bit 1 the transposed copy; bit 2 set skips the
-#: row scales (the column scales are always written).
-QUOTIENT_STORES = 3
 
 if gluon is not None:
     from .dual_quantize import _corrected_quotient, _quotient, _scale_of, _step_operands
@@ -135,8 +125,8 @@ if gluon is not None:
     def _g_runs_tile(x_rows, sxr, sxc, chunks, chunk0, slices, slice0, q_ptr, qt_ptr, s_ptr, st_ptr, g, rb, cb,
                      R, C, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
                      B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
-                     TINY: gl.constexpr, WARPS: gl.constexpr, IN_SMEM: gl.constexpr, QUOT: gl.constexpr = 2,
-                     STORES: gl.constexpr = 3, stash=None, stash0=0, STASH: gl.constexpr = False):
+                     TINY: gl.constexpr, WARPS: gl.constexpr, IN_SMEM: gl.constexpr, stash=None, stash0=0,
+                     STASH: gl.constexpr = False):
         """Both copies and both scale sets of tile (g, rb, cb) of a token-run operand. The tile is
         read as ``chunks.index(chunk0 + i)`` ([REPS, 2 * WARPS, B] each) and, transposed, as
         ``slices.index(slice0 + j)`` ([TCH, B] each), two views of the same shared memory; it is
@@ -177,17 +167,11 @@ if gluon is not None:
             row_scale = _g_scale_of(gl.max(bits, axis=2).to(gl.float32, bitcast=True), FP8_MAX, TINY)
             if STASH:
                 stash.index(stash0 + i).store(row_scale)
-            elif (STORES // 4) % 2 == 0:
+            else:
                 gl.store(s_ptr + g * ssg + r64 * ssr + cb * ssc, row_scale, mask=r_ok)
             neg_k, kr, r, s_res = _g_step_of(row_scale)
-            if QUOT == 2:
-                q = _g_quotient_of(v, neg_k[:, :, None], kr[:, :, None], r[:, :, None], s_res[:, :, None], FP8_MAX)
-            elif QUOT == 1:
-                q = gl.maximum(v * kr[:, :, None], -FP8_MAX)
-            else:
-                q = v
-            if STORES % 2 == 1:
-                gl.store(q_ptr + g * sqg + r64[:, :, None] * sqr + c3, q.to(q_ptr.dtype.element_ty), mask=ok)
+            q = _g_quotient_of(v, neg_k[:, :, None], kr[:, :, None], r[:, :, None], s_res[:, :, None], FP8_MAX)
+            gl.store(q_ptr + g * sqg + r64[:, :, None] * sqr + c3, q.to(q_ptr.dtype.element_ty), mask=ok)
         col_scale = _g_scale_of(gl.max(col_acc, axis=0).to(gl.float32, bitcast=True), FP8_MAX, TINY)
         gl.store(st_ptr + g * stg + rb * str_ + cc.to(gl.int64) * stc, col_scale, mask=c_ok)
         # every warp holds all the column scales, so this min stays inside each warp; a NaN scale
@@ -200,35 +184,21 @@ if gluon is not None:
         ct = cb * B + gl.arange(0, B, layout=gl.SliceLayout(1, COL))
         ct_ok = ct < C
         qt_cols = qt_ptr + g * sqtg + ct.to(gl.int64)[:, None] * sqtc
-        if QUOT < 2:
-            r_t, s_res_t = _g_step_operands(col_scale_t)
-            for j in range(B // TCH):
-                rt = rb * B + j * TCH + gl.arange(0, TCH, layout=gl.SliceLayout(0, COL))
-                vt = slices.index(slice0 + j).permute([1, 0]).load(COL).to(gl.float32)
-                if QUOT == 1:
-                    qt = gl.maximum(vt * r_t[:, None], -FP8_MAX)
-                else:
-                    qt = vt
-                if (STORES // 2) % 2 == 1:
-                    gl.store(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
-                             mask=ct_ok[:, None] & (rt < R)[None, :])
-        elif tiny:
+        if tiny:
             for j in range(B // TCH):
                 rt = rb * B + j * TCH + gl.arange(0, TCH, layout=gl.SliceLayout(0, COL))
                 vt = slices.index(slice0 + j).permute([1, 0]).load(COL).to(gl.float32)
                 qt = _g_to_fp8_exact(vt, col_scale_t[:, None], FP8_MAX)
-                if (STORES // 2) % 2 == 1:
-                    gl.store(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
-                             mask=ct_ok[:, None] & (rt < R)[None, :])
+                gl.store(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
+                         mask=ct_ok[:, None] & (rt < R)[None, :])
         else:
             r_t, s_res_t = _g_step_operands(col_scale_t)
             for j in range(B // TCH):
                 rt = rb * B + j * TCH + gl.arange(0, TCH, layout=gl.SliceLayout(0, COL))
                 vt = slices.index(slice0 + j).permute([1, 0]).load(COL).to(gl.float32)
                 qt = _g_to_fp8_lean(vt, r_t[:, None], s_res_t[:, None], FP8_MAX)
-                if (STORES // 2) % 2 == 1:
-                    gl.store(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
-                             mask=ct_ok[:, None] & (rt < R)[None, :])
+                gl.store(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
+                         mask=ct_ok[:, None] & (rt < R)[None, :])
 
     @gluon.jit
     def _dual_quantize_runs_kernel(
@@ -236,7 +206,7 @@ if gluon is not None:
         R, C, n_rb,
         sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
         B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
-        TINY: gl.constexpr, WARPS: gl.constexpr, QUOT: gl.constexpr = 2,
+        TINY: gl.constexpr, WARPS: gl.constexpr,
     ):
         # One program per tile, the tile read into shared memory by its own loads.
         pid = gl.program_id(0)
@@ -247,7 +217,7 @@ if gluon is not None:
                                      gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         _g_runs_tile(x_ptr + g * sxg, sxr, sxc, chunks, 0, slices, 0, q_ptr, qt_ptr, s_ptr, st_ptr, g, pid % n_rb,
                      gl.program_id(1), R, C, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
-                     B, CH, TCH, FP8_MAX, TINY, WARPS, False, QUOT)
+                     B, CH, TCH, FP8_MAX, TINY, WARPS, False)
 
     @gluon.jit
     def _strip_of(u, n_rb, n_strips):
@@ -287,8 +257,7 @@ if gluon is not None:
         R, C, n_rb, n_cb, n_tiles,
         sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
         B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
-        TINY: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr, QUOT: gl.constexpr = 2,
-        STORES: gl.constexpr = 3, SPAN: gl.constexpr = 0,
+        TINY: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr, SPAN: gl.constexpr = 0,
     ):
         # Persistent: a ring of STAGES tiles filled by TMA copies, so the next tiles stream in
         # while this one is quantised (the one-program-per-tile kernel waits on its own loads).
@@ -335,8 +304,7 @@ if gluon is not None:
             # the tile is in shared memory already (IN_SMEM), so no x pointer: q_ptr stands in
             _g_runs_tile(q_ptr, 0, 0, chunks, slot * (B // CH), slices, slot * (B // TCH), q_ptr, qt_ptr, s_ptr,
                          st_ptr, g.to(gl.int64), rb, strip * NSPAN + c, R, C, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc,
-                         stg, str_, stc, B, CH, TCH, FP8_MAX, TINY, WARPS, True, QUOT, STORES,
-                         stash, ((done % 2) * NSPAN + c) * (B // CH), SPAN > 0)
+                         stg, str_, stc, B, CH, TCH, FP8_MAX, TINY, WARPS, True, stash, ((done % 2) * NSPAN + c) * (B // CH), SPAN > 0)
             _cta_barrier()  # every warp is done with the slot (and the stash) before they are reused
             fence_async_shared()
             live = ua < n_units
@@ -410,7 +378,6 @@ if gluon is not None:
         R, C, n_rb,
         sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
         B: gl.constexpr, L: gl.constexpr, LT: gl.constexpr, FP8_MAX: gl.constexpr, TINY: gl.constexpr,
-        QUOT: gl.constexpr = 2,
     ):
         # L and LT (register_layouts) cover the B x B tile: each thread holds a few consecutive
         # rows x 8 consecutive columns. Its 16-byte row pieces load coalesced, and each of its
@@ -431,12 +398,7 @@ if gluon is not None:
         gl.store(s_ptr + g * ssg + rb * ssr + cb * ssc, scale)
         neg_k, kr, r, s_res = _g_step_of(scale)
         v = xv.to(gl.float32)  # after the divisions: not held across their slow-path branches
-        if QUOT == 2:
-            q = _g_quotient_of(v, neg_k, kr, r, s_res, FP8_MAX)
-        elif QUOT == 1:
-            q = gl.maximum(v * kr, -FP8_MAX)
-        else:
-            q = v
+        q = _g_quotient_of(v, neg_k, kr, r, s_res, FP8_MAX)
         gl.store(q_ptr + g * sqg + r64[:, None] * sqr + cc.to(gl.int64)[None, :], q.to(q_ptr.dtype.element_ty),
                  mask=ok)
         # the renaming moves the float32 values; the fp8 bytes are packed after it
@@ -475,14 +437,21 @@ def available(x: torch.Tensor, block: int) -> str | None:
     return _gluon_available(x.device.index)
 
 
-def _span(scale: torch.Tensor, n_units_per_span: Callable[[int], int], programs: int) -> int:
+def _units(row_blocks: int, n_c: int, span: int) -> int:
+    """Work units of the TMA runs kernel: strips of ``span`` column blocks (one tile each at 0)."""
+    return row_blocks * -(-n_c // max(span, 1))
+
+
+def _span(scale: torch.Tensor, row_blocks: int, programs: int) -> int:
     """The strip width of the TMA runs kernel (RUNS_SPANS, RUNS_MIN_UNITS) for row scales
-    ``scale`` ([G, R, n_c]): 0 unless their rows have the padding the strips' vector stores write
-    (unit column stride, a row stride that is a multiple of 16 floats)."""
+    ``scale`` ([G, R, n_c]) over ``row_blocks`` (G x row blocks) and ``programs`` programs: 0
+    unless their rows have the padding the strips' vector stores write (unit column stride, a row
+    stride that is a multiple of 16 floats)."""
+    n_c = scale.shape[2]
     if scale.stride(2) != 1 or scale.stride(1) % 16:
         return 0
     for span in RUNS_SPANS:
-        if n_units_per_span(span) >= RUNS_MIN_UNITS * programs and scale.stride(1) >= -(-scale.shape[2] // span) * span:
+        if _units(row_blocks, n_c, span) >= RUNS_MIN_UNITS * programs and scale.stride(1) >= -(-n_c // span) * span:
             return span
     return 0
 
@@ -502,7 +471,7 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
         rows, warps, maxnreg = TILES_LAUNCH
         lay, lay_t = _layouts(rows, warps)
         _dual_quantize_tiles_kernel[(g * n_r, n_c)](
-            *args, B=BLOCK, L=lay, LT=lay_t, FP8_MAX=fp8_max, TINY=tiny, QUOT=QUOTIENT_MODE, num_warps=warps,
+            *args, B=BLOCK, L=lay, LT=lay_t, FP8_MAX=fp8_max, TINY=tiny, num_warps=warps,
             **({"maxnreg": maxnreg} if maxnreg else {}))
         return
     chunk, t_chunk, warps, maxnreg = LAUNCH
@@ -513,16 +482,14 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
         desc = GluonDescriptor(x, list(x.shape), list(x.stride()), [1, BLOCK, BLOCK], layout)
         n_tiles = g * n_r * n_c
         programs = per_sm * num_programs(x.device.index)
-        span = _span(scale, lambda w: g * n_r * -(-n_c // w), programs)
-        grid = min(g * n_r * -(-n_c // max(span, 1)), programs)
+        span = _span(scale, g * n_r, programs)
+        grid = min(_units(g * n_r, n_c, span), programs)
         _dual_quantize_runs_tma_kernel[(grid,)](
             desc, *args[1:5], r, c, n_r, n_c, n_tiles, *args[11:], B=BLOCK, CH=chunk, TCH=t_chunk,
-            FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, STAGES=stages, QUOT=QUOTIENT_MODE, STORES=QUOTIENT_STORES,
-            SPAN=span, num_warps=warps,
+            FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, STAGES=stages, SPAN=span, num_warps=warps,
             **({"maxnreg": maxnreg} if maxnreg else {}))
         return
     _dual_quantize_runs_kernel[(g * n_r, n_c)](
-        *args, B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, QUOT=QUOTIENT_MODE,
-        num_warps=warps,
+        *args, B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, num_warps=warps,
         **({"maxnreg": maxnreg} if maxnreg else {}))
 
