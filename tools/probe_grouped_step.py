@@ -387,6 +387,7 @@ def backward_pair_sweep(shapes: list[str], rounds: int = 5) -> None:
     """The blockwise step (forward + backward through the public op) with the backward's dgrad on
     a side stream beside its wgrad (``grouped_gemm.BACKWARD_SIDE_BY_SIDE``) and without, in turns,
     at ``shapes`` and ROUTING's group sizes; the two steps' outputs and gradients compared."""
+    shipped = _grouped.BACKWARD_SIDE_BY_SIDE
     for shape in shapes:
         t, n, k, lens, offs, a, w, grad, cfg = step_operands(shape)
         run = step_fn(a, w, lens, offs, cfg, grad)
@@ -403,7 +404,7 @@ def backward_pair_sweep(shapes: list[str], rounds: int = 5) -> None:
             return prepare
 
         med = medians_in_turns({"serial": (switch(False), run), "pair": (switch(True), run)}, rounds)
-        _grouped.BACKWARD_SIDE_BY_SIDE = False
+        _grouped.BACKWARD_SIDE_BY_SIDE = shipped
         serial, pair = med["serial"], med["pair"]
         flops = 3 * 2.0 * t * n * k
         emit(probe="backward_pair", shape=shape, routing=ROUTING[0], serial_ms=serial, pair_ms=pair,

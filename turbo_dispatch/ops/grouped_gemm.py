@@ -472,11 +472,11 @@ def _grouped_fp8_grads(mm8: Callable, mm8_k: Callable, a, b, grad, group_lens, g
 #: (``backends.quantizer.side_by_side``): each kernel's last wave then shares the GPU with the
 #: other's programs. H100, round 103, whole blockwise step in turns, bit-identical: 1.003-1.019x
 #: at the EP8 bench's DeepSeek-V3, GPT-OSS-20B and Qwen3-30B-A3B sizes, balanced and skewed
-#: (one 0.999x). Off: switched on in round 104, it failed five GPU tests (opcheck's AOT dispatch
-#: and the aot_eager/inductor compiled steps) because AOT autograd traced the backward's
-#: ``record_stream``; ``overlappable`` now refuses traced tensors, which no GPU run has checked
-#: yet. Probes set it.
-BACKWARD_SIDE_BY_SIDE = False
+#: (one 0.999x). Only where ``overlappable`` allows it (real eager CUDA tensors): round 104 had it
+#: behind an is_compiling-only gate, and AOT autograd traced the backward's ``record_stream``
+#: (five GPU tests failed); behind ``overlappable``, round 105 passed test_grouped_gemm.py's GPU
+#: tests (111) and the CUDA-graph, full-op and every-recipe tests (12). Probes set it.
+BACKWARD_SIDE_BY_SIDE = True
 
 
 # -- the blockwise training step: every operand quantised once, for both GEMMs that read it ----------------
