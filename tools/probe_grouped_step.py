@@ -275,10 +275,20 @@ def sweep_dual() -> None:
         torch.cuda.empty_cache()
 
 
-#: (name, RUNS_SPANS, RUNS_MIN_UNITS) variants ``span_sweep`` times: one tile per unit (the kernel
-#: up to round 92), the shipped rule, and each strip width forced.
-SPAN_VARIANTS = [("tile", (), 12), ("rule", (8, 4, 2), 12), ("2", (2,), 0), ("4", (4,), 0), ("8", (8,), 0)]
-#: Token-run operands of ``span_sweep``: the sweep's, and the EP8 bench's
+#: Variants of ``--spans`` (label, the ``dual_quantize_gluon`` settings): one tile per unit (the
+#: kernel up to round 92), the shipped rule, and each strip width forced.
+SPAN_VARIANTS = [("tile", {"RUNS_SPANS": (), "RUNS_MIN_UNITS": 12}),
+                 ("rule", {"RUNS_SPANS": (8, 4, 2), "RUNS_MIN_UNITS": 12}),
+                 ("2", {"RUNS_SPANS": (2,), "RUNS_MIN_UNITS": 0}), ("4", {"RUNS_SPANS": (4,), "RUNS_MIN_UNITS": 0}),
+                 ("8", {"RUNS_SPANS": (8,), "RUNS_MIN_UNITS": 0})]
+#: Variants of ``--tma-stores``: which fp8 copies the TMA runs kernel stages for TMA stores
+#: (``dual_quantize_gluon.TMA_STORES``: 1 transposed, 2 row, 3 both) and its programs per SM
+#: (both staged take 67 KiB of shared memory a program, so three fit).
+STORE_VARIANTS = [("pointer", {"TMA_STORES": 0}), ("tma_t", {"TMA_STORES": 1}), ("tma_rows", {"TMA_STORES": 2}),
+                  ("tma_both_3sm", {"TMA_STORES": 3, "TMA_RUNS": (1, 3, 96)}),
+                  ("pointer_3sm", {"TMA_STORES": 0, "TMA_RUNS": (1, 3, 96)}),
+                  ("tma_t_3sm", {"TMA_STORES": 1, "TMA_RUNS": (1, 3, 96)})]
+#: Token-run operands of ``runs_settings_sweep``: the sweep's, and the EP8 bench's
 #: DeepSeek-V3 x and up_gate gradient (32 local experts x 4096 tokens).
 ORDER_OPERANDS = [(n, s) for n, s, t in SWEEP_OPERANDS if not t] + [("dsv3_x_ep8", (1, 131072, 7168)),
                                                                      ("dsv3_grad_ep8", (1, 131072, 4096))]
@@ -300,19 +310,20 @@ def _nothing() -> None:
     pass
 
 
-def span_sweep(rounds: int = 5) -> None:
-    """The persistent TMA runs kernel's work unit (strips of ``dual_quantize_gluon.RUNS_SPANS``
-    column blocks of one row block, their row scales written together; SPAN_VARIANTS), timed in
-    turns on ORDER_OPERANDS next to a clone; every variant is checked bit for bit (data, scales)
-    against one tile per unit. Names the width the shipped rule (``_span``) takes."""
+def runs_settings_sweep(variants: list, probe: str, rounds: int = 5) -> None:
+    """Settings of the persistent TMA runs kernel (``variants``: label and the
+    ``dual_quantize_gluon`` attributes it sets, the first the baseline), timed in turns on
+    ORDER_OPERANDS next to a clone; every variant is checked bit for bit (data, scales) against
+    the first. Names the strip width the shipped rule (``_span``) takes."""
     import turbo_dispatch.backends.triton.dual_quantize_gluon as DG
     from turbo_dispatch.backends.triton.gemm_kernels import num_programs
 
-    default = (DG.RUNS_SPANS, DG.RUNS_MIN_UNITS)
+    shipped = {name: getattr(DG, name) for _, attrs in variants for name in attrs}
 
-    def setting(spans, min_units):
+    def setting(attrs):
         def prepare():
-            DG.RUNS_SPANS, DG.RUNS_MIN_UNITS = spans, min_units
+            for name, value in {**shipped, **attrs}.items():
+                setattr(DG, name, value)
         return prepare
 
     for name, shape in ORDER_OPERANDS:
@@ -321,27 +332,27 @@ def span_sweep(rounds: int = 5) -> None:
         src[0, 200:300, :] *= 1e-30  # tiny scales
         ref = None
         same = {}
-        for label, spans, min_units in SPAN_VARIANTS:
-            setting(spans, min_units)()
+        for label, attrs in variants:
+            setting(attrs)()
             out = dual_quantize(src, E4, 128, False)
             if ref is None:
                 ref = out
             same[label] = _equal_nan(out[0], out[1], out[2], out[3].transpose(1, 2), ref[0], ref[1], ref[2],
                                      ref[3]) and out[1].stride(1) % 16 == 0
             del out
-        DG.RUNS_SPANS, DG.RUNS_MIN_UNITS = default
+        setting({})()
         rule = DG._span(ref[1], shape[0] * -(-shape[1] // 128), DG.TMA_RUNS[1] * num_programs(0))
         del ref
-        calls = {label: (setting(spans, min_units), lambda: dual_quantize(src, E4, 128, False))
-                 for label, spans, min_units in SPAN_VARIANTS}
+        calls = {label: (setting(attrs), lambda: dual_quantize(src, E4, 128, False)) for label, attrs in variants}
         calls["clone"] = (_nothing, lambda: src.clone())
         med = medians_in_turns(calls, rounds)
-        DG.RUNS_SPANS, DG.RUNS_MIN_UNITS = default
+        setting({})()
+        base = variants[0][0]
         for label, ms in med.items():
             if label != "clone":
-                emit(probe="span_sweep", operand=name, variant=label, rule_takes=rule, ms=ms,
-                     tbs=src.numel() * 4 / ms * 1e-9, vs_one_tile=med["tile"] / ms, bits_equal=same[label])
-        emit(probe="span_sweep_clone", operand=name, ms=med["clone"], tbs=src.numel() * 4 / med["clone"] * 1e-9)
+                emit(probe=probe, operand=name, variant=label, rule_takes=rule, ms=ms,
+                     tbs=src.numel() * 4 / ms * 1e-9, vs_first=med[base] / ms, bits_equal=same[label])
+        emit(probe=probe + "_clone", operand=name, ms=med["clone"], tbs=src.numel() * 4 / med["clone"] * 1e-9)
         del src
         torch.cuda.empty_cache()
 
@@ -628,6 +639,8 @@ def main() -> int:
                          "(backward_pair_sweep) at these shapes, and stop")
     ap.add_argument("--spans", action="store_true",
                     help="only time the TMA runs quantiser's strip widths (span_sweep) and stop")
+    ap.add_argument("--tma-stores", action="store_true",
+                    help="only time the TMA runs quantiser's pointer stores against TMA stores (STORE_VARIANTS) and stop")
     ap.add_argument("--kernels", default=None, metavar="SHAPES",
                     help="only profile the GPU kernels of one step at these shapes (fp8 and bf16) and stop")
     args = ap.parse_args()
@@ -638,7 +651,10 @@ def main() -> int:
         OUT.append(open(args.out, "w"))
     emit(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
     if args.spans:
-        span_sweep()
+        runs_settings_sweep(SPAN_VARIANTS, "span_sweep")
+        return 0
+    if args.tma_stores:
+        runs_settings_sweep(STORE_VARIANTS, "store_sweep")
         return 0
     if args.pairs:
         pair_sweep()
