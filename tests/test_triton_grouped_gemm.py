@@ -1032,36 +1032,6 @@ def test_gpu_gluon_dual_quantizer_matches_triton_bit_for_bit(fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stores,spans", [(1, ()), (2, ()), (3, ()), (1, (8,)), (3, (8,))])
-def test_gpu_runs_kernel_tma_stores_match_triton_bit_for_bit(stores, spans, monkeypatch):
-    """The persistent TMA runs kernel with its fp8 copies staged in shared memory and written by
-    TMA stores (``TMA_STORES``: the transposed copy, the row copy, both; one tile or a strip of 8
-    per unit) gives the Triton kernel's bits: ragged rows and columns (TMA clips the stores at the
-    edges), two groups, NaN, inf, zero and subnormal-sized cells."""
-    import turbo_dispatch.backends.triton.dual_quantize as DQ
-    from turbo_dispatch.backends.triton import dual_quantize_gluon as DG
-
-    if DG.available(torch.empty(1, device="cuda", dtype=torch.bfloat16), 128):
-        pytest.skip(DG.available(torch.empty(1, device="cuda", dtype=torch.bfloat16), 128))
-    x = torch.randn(2, 1000 + 77, 2880, device="cuda", dtype=torch.bfloat16) * 5
-    x[0, 3, 7] = float("nan")
-    x[1, 600, 2879] = float("inf")
-    x[1, 0:128, 0:256] = 0
-    x[0, 256:384, 1024:1152] *= 1e-38
-    monkeypatch.setattr(DG, "TMA_STORES", stores)
-    monkeypatch.setattr(DG, "TMA_RUNS", (1, 3, 96))  # both copies staged need 67 KiB a program
-    monkeypatch.setattr(DG, "RUNS_SPANS", spans)
-    monkeypatch.setattr(DG, "RUNS_MIN_UNITS", 0)
-    got = DQ.dual_quantize(x, torch.float8_e4m3fn, 128, False)
-    monkeypatch.setattr(DQ, "GLUON", False)
-    want = DQ.dual_quantize(x, torch.float8_e4m3fn, 128, False)
-    for a, b in zip(got, want, strict=True):
-        if a.element_size() == 1:
-            a, b = a.view(torch.uint8), b.view(torch.uint8)
-        assert torch.equal(torch.nan_to_num(a.float(), nan=-1.0), torch.nan_to_num(b.float(), nan=-1.0))
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("spans", [(8,), (4,), (2,)])
 def test_gpu_runs_kernel_strips_match_triton_bit_for_bit(spans, monkeypatch):
     """The persistent TMA runs kernel with its row scales written a strip at a time (forced at

@@ -281,13 +281,6 @@ SPAN_VARIANTS = [("tile", {"RUNS_SPANS": (), "RUNS_MIN_UNITS": 12}),
                  ("rule", {"RUNS_SPANS": (8, 4, 2), "RUNS_MIN_UNITS": 12}),
                  ("2", {"RUNS_SPANS": (2,), "RUNS_MIN_UNITS": 0}), ("4", {"RUNS_SPANS": (4,), "RUNS_MIN_UNITS": 0}),
                  ("8", {"RUNS_SPANS": (8,), "RUNS_MIN_UNITS": 0})]
-#: Variants of ``--tma-stores``: which fp8 copies the TMA runs kernel stages for TMA stores
-#: (``dual_quantize_gluon.TMA_STORES``: 1 transposed, 2 row, 3 both) and its programs per SM
-#: (both staged take 67 KiB of shared memory a program, so three fit).
-STORE_VARIANTS = [("pointer", {"TMA_STORES": 0}), ("tma_t", {"TMA_STORES": 1}), ("tma_rows", {"TMA_STORES": 2}),
-                  ("tma_both_3sm", {"TMA_STORES": 3, "TMA_RUNS": (1, 3, 96)}),
-                  ("pointer_3sm", {"TMA_STORES": 0, "TMA_RUNS": (1, 3, 96)}),
-                  ("tma_t_3sm", {"TMA_STORES": 1, "TMA_RUNS": (1, 3, 96)})]
 #: Token-run operands of ``runs_settings_sweep``: the sweep's, and the EP8 bench's
 #: DeepSeek-V3 x and up_gate gradient (32 local experts x 4096 tokens).
 ORDER_OPERANDS = [(n, s) for n, s, t in SWEEP_OPERANDS if not t] + [("dsv3_x_ep8", (1, 131072, 7168)),
@@ -639,8 +632,6 @@ def main() -> int:
                          "(backward_pair_sweep) at these shapes, and stop")
     ap.add_argument("--spans", action="store_true",
                     help="only time the TMA runs quantiser's strip widths (span_sweep) and stop")
-    ap.add_argument("--tma-stores", action="store_true",
-                    help="only time the TMA runs quantiser's pointer stores against TMA stores (STORE_VARIANTS) and stop")
     ap.add_argument("--kernels", default=None, metavar="SHAPES",
                     help="only profile the GPU kernels of one step at these shapes (fp8 and bf16) and stop")
     args = ap.parse_args()
@@ -652,9 +643,6 @@ def main() -> int:
     emit(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
     if args.spans:
         runs_settings_sweep(SPAN_VARIANTS, "span_sweep")
-        return 0
-    if args.tma_stores:
-        runs_settings_sweep(STORE_VARIANTS, "store_sweep")
         return 0
     if args.pairs:
         pair_sweep()

@@ -92,9 +92,6 @@ TMA_RUNS = (1, 4, 96)
 RUNS_SPANS = (8, 4, 2)
 #: Units per program below which a strip width is not taken (see RUNS_SPANS).
 RUNS_MIN_UNITS = 12
-#: Which fp8 copies the persistent TMA runs kernel writes through a shared-memory staging buffer
-#: and a TMA store rather than by pointer stores: bit 1 the transposed copy, bit 2 the row copy.
-TMA_STORES = 0
 #: (rows per thread, warps, maxnreg or 0) of ``_dual_quantize_tiles_kernel``; see
 #: ``register_layouts`` for which fit.
 TILES_LAUNCH = (16, 4, 0)
@@ -108,10 +105,9 @@ if gluon is not None:
     _g_quotient = gluon.jit(_quotient.fn)
     _g_step_operands = gluon.jit(_step_operands.fn)
     _g_corrected_quotient = gluon.jit(_corrected_quotient.fn)
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
     from .fp8_blockwise_gluon import GluonDescriptor, _cta_barrier, _tma_load
-    from .fp8_blockwise_gluon_ws import _tma_store
 
     @gluon.jit
     def _g_to_fp8_exact(v, scale, FP8_MAX: gl.constexpr):
@@ -130,17 +126,15 @@ if gluon is not None:
                      R, C, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
                      B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
                      TINY: gl.constexpr, WARPS: gl.constexpr, IN_SMEM: gl.constexpr, stash=None, stash0=0,
-                     STASH: gl.constexpr = False, q_buf=None, qt_buf=None, TMA_STORES: gl.constexpr = 0):
+                     STASH: gl.constexpr = False):
         """Both copies and both scale sets of tile (g, rb, cb) of a token-run operand. The tile is
         read as ``chunks.index(chunk0 + i)`` ([REPS, 2 * WARPS, B] each) and, transposed, as
         ``slices.index(slice0 + j)`` ([TCH, B] each), two views of the same shared memory; it is
         already there (IN_SMEM, a TMA copy) or is read from ``x_rows`` (x at group g, strides
         ``sxr``, ``sxc``) into it here. With STASH the row scales go to ``stash.index(stash0 + i)``
         ([REPS, 2 * WARPS] each) in shared memory, for the caller to write a strip's worth at
-        once, rather than to ``s_ptr``. With TMA_STORES bit 1 the transposed copy goes to
-        ``qt_buf`` ([B, B] fp8, unswizzled), with bit 2 the row copy to ``q_buf``, for the caller's
-        TMA stores, rather than to ``qt_ptr``/``q_ptr``. The module docstring explains the layout
-        and the two cross-warp exchanges."""
+        once, rather than to ``s_ptr``. The module docstring explains the layout and the two
+        cross-warp exchanges."""
         WR: gl.constexpr = 2 * WARPS  # rows one load instruction of the program covers
         REPS: gl.constexpr = CH // WR  # a thread's rows per chunk
         L3: gl.constexpr = gl.BlockedLayout([REPS, 1, 8], [1, 2, 16], [1, WARPS, 1], [2, 1, 0])
@@ -177,12 +171,7 @@ if gluon is not None:
                 gl.store(s_ptr + g * ssg + r64 * ssr + cb * ssc, row_scale, mask=r_ok)
             neg_k, kr, r, s_res = _g_step_of(row_scale)
             q = _g_quotient_of(v, neg_k[:, :, None], kr[:, :, None], r[:, :, None], s_res[:, :, None], FP8_MAX)
-            if TMA_STORES & 2:
-                q_buf._reinterpret(q_ptr.dtype.element_ty, [B // CH, REPS, WR, B],
-                                   gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])).index(i).store(
-                    q.to(q_ptr.dtype.element_ty))
-            else:
-                gl.store(q_ptr + g * sqg + r64[:, :, None] * sqr + c3, q.to(q_ptr.dtype.element_ty), mask=ok)
+            gl.store(q_ptr + g * sqg + r64[:, :, None] * sqr + c3, q.to(q_ptr.dtype.element_ty), mask=ok)
         col_scale = _g_scale_of(gl.max(col_acc, axis=0).to(gl.float32, bitcast=True), FP8_MAX, TINY)
         gl.store(st_ptr + g * stg + rb * str_ + cc.to(gl.int64) * stc, col_scale, mask=c_ok)
         # every warp holds all the column scales, so this min stays inside each warp; a NaN scale
@@ -196,32 +185,20 @@ if gluon is not None:
         ct_ok = ct < C
         qt_cols = qt_ptr + g * sqtg + ct.to(gl.int64)[:, None] * sqtc
         if tiny:
-            if TMA_STORES & 1:
-                for j in gl.static_range(B // TCH):  # slice takes a constant start
-                    vt = slices.index(slice0 + j).permute([1, 0]).load(COL).to(gl.float32)
-                    qt = _g_to_fp8_exact(vt, col_scale_t[:, None], FP8_MAX)
-                    qt_buf.slice(j * TCH, TCH, dim=1).store(qt.to(qt_ptr.dtype.element_ty))
-            else:
-                for j in range(B // TCH):
-                    rt = rb * B + j * TCH + gl.arange(0, TCH, layout=gl.SliceLayout(0, COL))
-                    vt = slices.index(slice0 + j).permute([1, 0]).load(COL).to(gl.float32)
-                    qt = _g_to_fp8_exact(vt, col_scale_t[:, None], FP8_MAX)
-                    gl.store(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
-                             mask=ct_ok[:, None] & (rt < R)[None, :])
+            for j in range(B // TCH):
+                rt = rb * B + j * TCH + gl.arange(0, TCH, layout=gl.SliceLayout(0, COL))
+                vt = slices.index(slice0 + j).permute([1, 0]).load(COL).to(gl.float32)
+                qt = _g_to_fp8_exact(vt, col_scale_t[:, None], FP8_MAX)
+                gl.store(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
+                         mask=ct_ok[:, None] & (rt < R)[None, :])
         else:
             r_t, s_res_t = _g_step_operands(col_scale_t)
-            if TMA_STORES & 1:
-                for j in gl.static_range(B // TCH):  # slice takes a constant start
-                    vt = slices.index(slice0 + j).permute([1, 0]).load(COL).to(gl.float32)
-                    qt = _g_to_fp8_lean(vt, r_t[:, None], s_res_t[:, None], FP8_MAX)
-                    qt_buf.slice(j * TCH, TCH, dim=1).store(qt.to(qt_ptr.dtype.element_ty))
-            else:
-                for j in range(B // TCH):
-                    rt = rb * B + j * TCH + gl.arange(0, TCH, layout=gl.SliceLayout(0, COL))
-                    vt = slices.index(slice0 + j).permute([1, 0]).load(COL).to(gl.float32)
-                    qt = _g_to_fp8_lean(vt, r_t[:, None], s_res_t[:, None], FP8_MAX)
-                    gl.store(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
-                             mask=ct_ok[:, None] & (rt < R)[None, :])
+            for j in range(B // TCH):
+                rt = rb * B + j * TCH + gl.arange(0, TCH, layout=gl.SliceLayout(0, COL))
+                vt = slices.index(slice0 + j).permute([1, 0]).load(COL).to(gl.float32)
+                qt = _g_to_fp8_lean(vt, r_t[:, None], s_res_t[:, None], FP8_MAX)
+                gl.store(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
+                         mask=ct_ok[:, None] & (rt < R)[None, :])
 
     @gluon.jit
     def _dual_quantize_runs_kernel(
@@ -281,7 +258,6 @@ if gluon is not None:
         sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
         B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
         TINY: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr, SPAN: gl.constexpr = 0,
-        q_desc=None, qt_desc=None, TMA_STORES: gl.constexpr = 0,
     ):
         # Persistent: a ring of STAGES tiles filled by TMA copies, so the next tiles stream in
         # while this one is quantised (the one-program-per-tile kernel waits on its own loads).
@@ -298,18 +274,6 @@ if gluon is not None:
         stash = gl.allocate_shared_memory(gl.float32, [2 * NSPAN * (B // CH), CH // (2 * WARPS), 2 * WARPS],
                                           gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         stash_rows = stash._reinterpret(gl.float32, [2, NSPAN, B], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        # With TMA_STORES (bit 1 the transposed copy, bit 2 the row copy) a tile's fp8 copies are
-        # staged in shared memory and leave by TMA stores, drained before the next tile writes them.
-        if TMA_STORES & 1:
-            qt_stage = gl.allocate_shared_memory(qt_desc.dtype, [1, B, B], qt_desc.layout)
-            qt_buf = qt_stage._reinterpret(qt_desc.dtype, [B, B], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        else:
-            qt_stage = None
-            qt_buf = None
-        if TMA_STORES & 2:
-            q_stage = gl.allocate_shared_memory(q_desc.dtype, [1, B, B], q_desc.layout)
-        else:
-            q_stage = None
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
@@ -337,24 +301,12 @@ if gluon is not None:
             slot = it % STAGES
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
             g, rb, strip = _strip_of(u, n_rb, n_strips)
-            if TMA_STORES != 0:
-                tma.store_wait(0)  # the previous tile's stores have read their staging buffers
-                _cta_barrier()
             # the tile is in shared memory already (IN_SMEM), so no x pointer: q_ptr stands in
             _g_runs_tile(q_ptr, 0, 0, chunks, slot * (B // CH), slices, slot * (B // TCH), q_ptr, qt_ptr, s_ptr,
                          st_ptr, g.to(gl.int64), rb, strip * NSPAN + c, R, C, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc,
-                         stg, str_, stc, B, CH, TCH, FP8_MAX, TINY, WARPS, True, stash, ((done % 2) * NSPAN + c) * (B // CH), SPAN > 0,
-                         q_stage, qt_buf, TMA_STORES)
-            if TMA_STORES != 0:
-                fence_async_shared()  # every thread's staged copies visible to the TMA stores
-                _cta_barrier()  # every warp is done with the slot, the stash and the staging
-            else:
-                _cta_barrier()  # every warp is done with the slot (and the stash) before they are reused
-                fence_async_shared()
-            if TMA_STORES & 1:
-                _tma_store(qt_desc, [g, (strip * NSPAN + c) * B, rb * B], qt_stage)
-            if TMA_STORES & 2:
-                _tma_store(q_desc, [g, rb * B, (strip * NSPAN + c) * B], q_stage)
+                         stg, str_, stc, B, CH, TCH, FP8_MAX, TINY, WARPS, True, stash, ((done % 2) * NSPAN + c) * (B // CH), SPAN > 0)
+            _cta_barrier()  # every warp is done with the slot (and the stash) before they are reused
+            fence_async_shared()
             live = ua < n_units
             g1, rb1, strip1 = _strip_of(ua, n_rb, n_strips)
             mbarrier.expect(ready.index(slot), x_desc.block_type.nbytes, pred=live)
@@ -369,8 +321,6 @@ if gluon is not None:
                     done += 1
             u = nu
             it += 1
-        if TMA_STORES != 0:
-            tma.store_wait(0)
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(s))
 
@@ -534,17 +484,10 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
         programs = per_sm * num_programs(x.device.index)
         span = _span(scale, g * n_r, programs)
         grid = min(_units(g * n_r, n_c, span), programs)
-        stores = TMA_STORES if tma_ok(data) and tma_ok(data_t) else 0
-        q_desc = qt_desc = None
-        if stores:
-            fp8_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
-            q_desc = GluonDescriptor(data, list(data.shape), list(data.stride()), [1, BLOCK, BLOCK], fp8_layout)
-            qt_desc = GluonDescriptor(data_t, list(data_t.shape), list(data_t.stride()), [1, BLOCK, BLOCK],
-                                      fp8_layout)
         _dual_quantize_runs_tma_kernel[(grid,)](
             desc, *args[1:5], r, c, n_r, n_c, n_tiles, *args[11:], B=BLOCK, CH=chunk, TCH=t_chunk,
-            FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, STAGES=stages, SPAN=span, q_desc=q_desc, qt_desc=qt_desc,
-            TMA_STORES=stores, num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}))
+            FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, STAGES=stages, SPAN=span, num_warps=warps,
+            **({"maxnreg": maxnreg} if maxnreg else {}))
         return
     _dual_quantize_runs_kernel[(g * n_r, n_c)](
         *args, B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, num_warps=warps,
