@@ -46,7 +46,10 @@ SHAPES = {"dsv3_up": (8, 32768, 4096, 7168), "dsv3_down": (8, 32768, 7168, 2048)
           # The EP8 bench's sizes (4096 tokens per local expert): DeepSeek-V3's 32 local experts,
           # GPT-OSS-20B's 4 (hidden 2880, FFN 2880).
           "dsv3_up_ep8": (32, 131072, 4096, 7168), "dsv3_down_ep8": (32, 131072, 7168, 2048),
-          "gptoss_down_ep8": (4, 16384, 2880, 2880)}
+          "gptoss_down_ep8": (4, 16384, 2880, 2880),
+          # 512 tokens per local expert at EP8: the weight outweighs the activation.
+          "dsv3_up_ep8_512": (32, 16384, 4096, 7168), "dsv3_down_ep8_512": (32, 16384, 7168, 2048),
+          "qwen3_up_ep8_512": (16, 8192, 1536, 2048), "kimi_up_ep8_512": (48, 24576, 4096, 7168)}
 #: --routing: the bench's routing for step_operands (balanced, skewed or empty).
 ROUTING = ["balanced"]
 OUT: list = []
@@ -430,6 +433,53 @@ def step_fn(a, w, lens, offs, cfg, grad):
     return run
 
 
+def reuse_sweep(shapes: list[str], micro_batches: int, rounds: int = 5) -> None:
+    """``micro_batches`` blockwise fp8 steps on one weight (gradient accumulation) with its tiles
+    made once (``low_precision.reuse_quantized_weights``) against made every step, and the bf16
+    ``torch._grouped_mm`` peer's steps (the bench's autograd.Function), in turns; time per
+    micro-batch. The reused steps' outputs and gradients are checked against the fresh ones."""
+    import sys
+
+    from turbo_dispatch.low_precision import reuse_quantized_weights
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_grouped_gemm import TorchGroupedMM
+
+    for shape in shapes:
+        t, n, k, lens, offs, a, w, grad, cfg = step_operands(shape)
+        fp8_step = step_fn(a, w, lens, offs, cfg, grad)
+        ends = offs[1:].contiguous()
+
+        def bf16_step():
+            a.grad = w.grad = None
+            TorchGroupedMM.apply(a, w, ends).backward(grad)
+
+        def steps(reuse: bool, step=fp8_step):
+            def run():
+                if reuse:
+                    with reuse_quantized_weights():
+                        outs = [step() for _ in range(micro_batches)]
+                else:
+                    outs = [step() for _ in range(micro_batches)]
+                return outs
+            return run
+
+        fresh = steps(False)()[-1].detach().clone(), a.grad.clone(), w.grad.clone()
+        kept = steps(True)()[-1].detach().clone(), a.grad.clone(), w.grad.clone()
+        same = all(torch.equal(x, y) for x, y in zip(fresh, kept))
+        del fresh, kept
+        med = medians_in_turns({"fresh": (_nothing, steps(False)), "reused": (_nothing, steps(True)),
+                                "bf16": (_nothing, steps(False, bf16_step))}, rounds)
+        per = {name: ms / micro_batches for name, ms in med.items()}
+        flops = 3 * 2.0 * t * n * k
+        emit(probe="weight_reuse", shape=shape, routing=ROUTING[0], micro_batches=micro_batches,
+             fresh_ms=per["fresh"], reused_ms=per["reused"], bf16_ms=per["bf16"],
+             fresh_vs_bf16=per["bf16"] / per["fresh"], reused_vs_bf16=per["bf16"] / per["reused"],
+             reused_tflops=flops / per["reused"] * 1e-9, bits_equal=same)
+        del a, w, grad
+        torch.cuda.empty_cache()
+
+
 GRAPHS = False  # --graphs
 
 
@@ -632,6 +682,10 @@ def main() -> int:
                          "(backward_pair_sweep) at these shapes, and stop")
     ap.add_argument("--spans", action="store_true",
                     help="only time the TMA runs quantiser's strip widths (span_sweep) and stop")
+    ap.add_argument("--reuse", default=None, metavar="SHAPES",
+                    help="only time --micro-batches steps with the weight's tiles reused against made every step "
+                         "and against bf16 (reuse_sweep) at these shapes, and stop")
+    ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--kernels", default=None, metavar="SHAPES",
                     help="only profile the GPU kernels of one step at these shapes (fp8 and bf16) and stop")
     args = ap.parse_args()
@@ -641,6 +695,9 @@ def main() -> int:
     if args.out:
         OUT.append(open(args.out, "w"))
     emit(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+    if args.reuse:
+        reuse_sweep(args.reuse.split(","), args.micro_batches)
+        return 0
     if args.spans:
         runs_settings_sweep(SPAN_VARIANTS, "span_sweep")
         return 0

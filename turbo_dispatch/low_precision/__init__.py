@@ -2,6 +2,7 @@
 
 from .config import Float8QuantConfig, Format, ScaleDtype, ScalingGranularity
 from .quantize import FP8_MAX, QuantizedTensor, dequantize, quantize, quantize_with_config
+from .weight_reuse import WeightReuseScope, reuse_quantized_weights
 
 __all__ = [
     "FP8_MAX",
@@ -10,7 +11,9 @@ __all__ = [
     "QuantizedTensor",
     "ScaleDtype",
     "ScalingGranularity",
+    "WeightReuseScope",
     "dequantize",
     "quantize",
     "quantize_with_config",
+    "reuse_quantized_weights",
 ]

@@ -491,11 +491,29 @@ def _step_reuses_quantization(cfg: Float8QuantConfig) -> bool:
 
 
 def _quantize_for_step(a, b, cfg: Float8QuantConfig, need_a: bool, need_b: bool, runs_both: Callable,
-                       tiles_both: Callable):
+                       tiles_both: Callable, reuse: bool = False):
     """(forward a, forward b, a saved for the wgrad, b saved for the dgrad). Where a gradient is
     needed, its saved operand is quantised with the forward's in one read; an operand no
-    backward GEMM reads stays high precision, for the forward's backend to quantise."""
+    backward GEMM reads stays high precision, for the forward's backend to quantise. With
+    ``reuse`` (the eager path), b's tiles come from and go to an enclosing
+    ``low_precision.reuse_quantized_weights`` block."""
     fwd, bs = cfg.format.fwd_dtype(), cfg.block_size
+    from turbo_dispatch.low_precision import weight_reuse
+
+    kept = weight_reuse.lookup(b, fwd, bs) if need_a and reuse else None
+    if kept is not None:
+        qa, a_saved = runs_both(a, fwd, bs) if need_b else (a, None)
+        return qa, kept[0], a_saved, kept[1]
+    qa, qb, a_saved, b_saved = _quantize_both_operands(a, b, fwd, bs, need_a, need_b, runs_both, tiles_both)
+    if need_a and reuse:
+        weight_reuse.keep(b, fwd, bs, (qb, b_saved))
+    return qa, qb, a_saved, b_saved
+
+
+def _quantize_both_operands(a, b, fwd: torch.dtype, bs: int, need_a: bool, need_b: bool, runs_both: Callable,
+                            tiles_both: Callable):
+    """``_quantize_for_step``'s quantisations: a's runs where the wgrad reads them, b's tiles
+    where the dgrad reads them."""
     from turbo_dispatch.backends.quantizer import overlappable, side_by_side
 
     if need_a and need_b and overlappable(a):
@@ -567,7 +585,7 @@ class _GroupedFp8Function(torch.autograd.Function):
 
         need_a, need_b = ctx.needs_input_grad[:2]
         qa, qb, a_saved, b_saved = _quantize_for_step(a, b, config, need_a, need_b, quantize_runs_both,
-                                                      quantize_tiles_both)
+                                                      quantize_tiles_both, reuse=True)
         ctx.quantized = (_layout(a_saved), _layout(b_saved))  # their tensors go through save_for_backward
         ctx.save_for_backward(*_unpack(a_saved), *_unpack(b_saved), group_lens, group_offs)
         return _run_fp8(_step_forward_problem(problem, qa, qb), qa, qb, group_lens, group_offs)
