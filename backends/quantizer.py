@@ -244,10 +244,9 @@ def overlappable(t: torch.Tensor) -> bool:
     in eager execution. Not while anything traces it (torch.compile, AOT autograd, opcheck, fake
     or proxy tensors: any active dispatch mode or tensor subclass), where the streams and
     ``record_stream`` would be recorded into the graph."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    from turbo_dispatch.tracing import tracing
 
-    return (t.is_cuda and type(t) is torch.Tensor and not torch.compiler.is_compiling()
-            and _get_current_dispatch_mode() is None)
+    return t.is_cuda and type(t) is torch.Tensor and not tracing()
 
 
 def side_by_side(first: Callable[[], object], second: Callable[[], object], device: torch.device

@@ -23,7 +23,9 @@ import argparse
 import importlib
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -438,12 +440,10 @@ def reuse_sweep(shapes: list[str], micro_batches: int, rounds: int = 5) -> None:
     made once (``low_precision.reuse_quantized_weights``) against made every step, and the bf16
     ``torch._grouped_mm`` peer's steps (the bench's autograd.Function), in turns; time per
     micro-batch. The reused steps' outputs and gradients are checked against the fresh ones."""
-    import sys
-
     from turbo_dispatch.low_precision import reuse_quantized_weights
 
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
-    from bench_grouped_gemm import TorchGroupedMM
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_grouped_gemm import TorchGroupedMM  # the bench's bf16 peer
 
     for shape in shapes:
         t, n, k, lens, offs, a, w, grad, cfg = step_operands(shape)

@@ -105,11 +105,9 @@ def reuse_quantized_weights() -> Iterator[WeightReuseScope]:
 
 
 def _reusable(w: torch.Tensor) -> bool:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    from turbo_dispatch.tracing import tracing
 
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        return False
-    if type(w) not in (torch.Tensor, torch.nn.Parameter):
+    if tracing() or type(w) not in (torch.Tensor, torch.nn.Parameter):
         return False
     return not (w.is_cuda and torch.cuda.is_current_stream_capturing())
 

@@ -501,10 +501,10 @@ def _quantize_for_step(a, b, cfg: Float8QuantConfig, need_a: bool, need_b: bool,
     from turbo_dispatch.low_precision import weight_reuse
 
     kept = weight_reuse.lookup(b, fwd, bs) if need_a and reuse else None
+    qa, qb, a_saved, b_saved = _quantize_both_operands(a, b, fwd, bs, need_a and kept is None, need_b, runs_both,
+                                                       tiles_both)
     if kept is not None:
-        qa, a_saved = runs_both(a, fwd, bs) if need_b else (a, None)
         return qa, kept[0], a_saved, kept[1]
-    qa, qb, a_saved, b_saved = _quantize_both_operands(a, b, fwd, bs, need_a, need_b, runs_both, tiles_both)
     if need_a and reuse:
         weight_reuse.keep(b, fwd, bs, (qb, b_saved))
     return qa, qb, a_saved, b_saved
