@@ -290,6 +290,24 @@ SPAN_VARIANTS = [("tile", {"RUNS_SPANS": (), "RUNS_MIN_UNITS": 12}),
 #: DeepSeek-V3 x and up_gate gradient (32 local experts x 4096 tokens).
 ORDER_OPERANDS = [(n, s) for n, s, t in SWEEP_OPERANDS if not t] + [("dsv3_x_ep8", (1, 131072, 7168)),
                                                                      ("dsv3_grad_ep8", (1, 131072, 4096))]
+#: Expert weights of ``runs_settings_sweep(..., tile=True)``: the sweep's, and the EP8 bench's
+#: DeepSeek-V3 and Qwen3-30B-A3B up_gate weights.
+TILE_OPERANDS = [(n, s) for n, s, t in SWEEP_OPERANDS if t] + [("dsv3_w_ep8", (32, 4096, 7168)),
+                                                                 ("qwen3_up_w", (16, 1536, 2048))]
+
+
+def quantiser_variants(spec: str) -> tuple[list, list]:
+    """``--quantiser-sweep`` SPEC, ``runs=S,P,R/...;tiles=ROWS,WARPS,R/...``, as the runs and tiles
+    variants of ``runs_settings_sweep``: TMA_RUNS (ring stages, programs per SM, maxnreg) and
+    TILES_LAUNCH (rows per thread, warps, maxnreg); the first of each is its baseline."""
+    out = {"runs": [], "tiles": []}
+    for part in filter(None, spec.split(";")):
+        kind, _, values = part.partition("=")
+        attr = {"runs": "TMA_RUNS", "tiles": "TILES_LAUNCH"}[kind.strip()]
+        for v in filter(None, values.split("/")):
+            launch = tuple(int(x) for x in v.split(","))
+            out[kind.strip()].append((f"{kind.strip()} {launch}", {attr: launch}))
+    return out["runs"], out["tiles"]
 
 
 def medians_in_turns(calls: dict, rounds: int) -> dict:
@@ -308,11 +326,12 @@ def _nothing() -> None:
     pass
 
 
-def runs_settings_sweep(variants: list, probe: str, rounds: int = 5) -> None:
-    """Settings of the persistent TMA runs kernel (``variants``: label and the
-    ``dual_quantize_gluon`` attributes it sets, the first the baseline), timed in turns on
-    ORDER_OPERANDS next to a clone; every variant is checked bit for bit (data, scales) against
-    the first. Names the strip width the shipped rule (``_span``) takes."""
+def runs_settings_sweep(variants: list, probe: str, rounds: int = 5, tile: bool = False) -> None:
+    """Settings of the Gluon dual quantiser (``variants``: label and the ``dual_quantize_gluon``
+    attributes it sets, the first the baseline), timed in turns next to a clone on ORDER_OPERANDS
+    (token runs, the persistent TMA runs kernel) or, with ``tile``, on TILE_OPERANDS (expert
+    weights, the 2-D tiles kernel); every variant is checked bit for bit (data, scales) against
+    the first. For runs, names the strip width the shipped rule (``_span``) takes."""
     import turbo_dispatch.backends.triton.dual_quantize_gluon as DG
     from turbo_dispatch.backends.triton.gemm_kernels import num_programs
 
@@ -324,7 +343,7 @@ def runs_settings_sweep(variants: list, probe: str, rounds: int = 5) -> None:
                 setattr(DG, name, value)
         return prepare
 
-    for name, shape in ORDER_OPERANDS:
+    for name, shape in (TILE_OPERANDS if tile else ORDER_OPERANDS):
         src = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 3
         src[0, 5, 3] = float("nan")  # a NaN scale in one cell
         src[0, 200:300, :] *= 1e-30  # tiny scales
@@ -332,16 +351,16 @@ def runs_settings_sweep(variants: list, probe: str, rounds: int = 5) -> None:
         same = {}
         for label, attrs in variants:
             setting(attrs)()
-            out = dual_quantize(src, E4, 128, False)
+            out = dual_quantize(src, E4, 128, tile)
             if ref is None:
                 ref = out
             same[label] = _equal_nan(out[0], out[1], out[2], out[3].transpose(1, 2), ref[0], ref[1], ref[2],
-                                     ref[3]) and out[1].stride(1) % 16 == 0
+                                     ref[3]) and (tile or out[1].stride(1) % 16 == 0)
             del out
         setting({})()
-        rule = DG._span(ref[1], shape[0] * -(-shape[1] // 128), DG.TMA_RUNS[1] * num_programs(0))
+        rule = None if tile else DG._span(ref[1], shape[0] * -(-shape[1] // 128), DG.TMA_RUNS[1] * num_programs(0))
         del ref
-        calls = {label: (setting(attrs), lambda: dual_quantize(src, E4, 128, False)) for label, attrs in variants}
+        calls = {label: (setting(attrs), lambda: dual_quantize(src, E4, 128, tile)) for label, attrs in variants}
         calls["clone"] = (_nothing, lambda: src.clone())
         med = medians_in_turns(calls, rounds)
         setting({})()
@@ -686,6 +705,9 @@ def main() -> int:
                     help="only time --micro-batches steps with the weight's tiles reused against made every step "
                          "and against bf16 (reuse_sweep) at these shapes, and stop")
     ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--quantiser-sweep", default=None, metavar="SPEC",
+                    help="only time launches of the Gluon dual quantiser in turns, bit-checked against the first: "
+                         "'runs=S,P,R/...;tiles=ROWS,WARPS,R/...' (quantiser_variants), and stop")
     ap.add_argument("--kernels", default=None, metavar="SHAPES",
                     help="only profile the GPU kernels of one step at these shapes (fp8 and bf16) and stop")
     args = ap.parse_args()
@@ -700,6 +722,13 @@ def main() -> int:
         return 0
     if args.spans:
         runs_settings_sweep(SPAN_VARIANTS, "span_sweep")
+        return 0
+    if args.quantiser_sweep:
+        runs, tiles = quantiser_variants(args.quantiser_sweep)
+        if runs:
+            runs_settings_sweep(runs, "runs_sweep")
+        if tiles:
+            runs_settings_sweep(tiles, "tiles_sweep", tile=True)
         return 0
     if args.pairs:
         pair_sweep()
