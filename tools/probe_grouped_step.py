@@ -586,9 +586,10 @@ def probe(shape: str) -> bool:
     return same
 
 
-def host_profile(shape: str) -> None:
+def host_profile(shape: str, pstats_file: str | None = None) -> None:
     """Where the host time of the fp8 blockwise step goes: 30 steps (TRITON pinned, no autotune)
-    under cProfile, the top functions by own time and by cumulative time."""
+    under cProfile, the top functions by own time and by cumulative time (and the whole profile
+    in ``pstats_file``)."""
     import cProfile
     import io
     import pstats
@@ -615,6 +616,8 @@ def host_profile(shape: str) -> None:
         run()
         prof.disable()
         torch.cuda.synchronize()
+    if pstats_file:
+        prof.dump_stats(pstats_file)
     for key in ("tottime", "cumulative"):
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(45)
@@ -692,6 +695,9 @@ def main() -> int:
                     "the fastest for the rest of the run)")
     ap.add_argument("--host-profile", default=None, metavar="SHAPE",
                     help="cProfile the host side of 30 fp8 blockwise steps at SHAPE (top functions)")
+    ap.add_argument("--pstats", default=None, metavar="FILE", help="with --host-profile: the whole cProfile here")
+    ap.add_argument("--host-only", action="store_true",
+                    help="with --host-profile: only that profile (no checks, no shapes), and stop")
     ap.add_argument("--routing", default="balanced", choices=["balanced", "skewed", "empty"],
                     help="group sizes of the step (the bench's routings; default balanced)")
     ap.add_argument("--pairs", action="store_true",
@@ -723,6 +729,9 @@ def main() -> int:
     if args.spans:
         runs_settings_sweep(SPAN_VARIANTS, "span_sweep")
         return 0
+    if args.host_profile and args.host_only:
+        host_profile(args.host_profile, args.pstats)
+        return 0
     if args.quantiser_sweep:
         runs, tiles = quantiser_variants(args.quantiser_sweep)
         if runs:
@@ -747,7 +756,7 @@ def main() -> int:
     ok = check_dual()
     ok = check_gluon_variants() and ok
     if args.host_profile:
-        host_profile(args.host_profile)
+        host_profile(args.host_profile, args.pstats)
     for shape in args.shapes.split(","):
         ok = probe(shape) and ok
         torch.cuda.empty_cache()
