@@ -12,7 +12,7 @@ timeout -s TERM 120 python3 tools/probe_grouped_step.py --host-profile qwen3_dow
     --pstats $OUT/host_qwen3_down.pstats --out $OUT/host.jsonl > $OUT/host.log 2>&1; echo "host rc=$?"
 grep -E "host_ms" $OUT/host.log
 res=$OUT/res; mkdir -p $res
-timeout -s TERM 330 python3 benchmarks/bench_grouped_gemm.py --dtype fp8 --granularity blockwise --ep 8,16,32 \
+timeout -s TERM 420 python3 benchmarks/bench_grouped_gemm.py --dtype fp8 --granularity blockwise --ep 8,16,32 \
     --tokens-per-expert 16384 --backends TRITON --target-ms 60 --tune-budget-ms 300 --out-dir $res \
     --name fp8_blockwise_grouped_gemm_ep8_16_32_tpe16384 > $OUT/bench_16384.log 2>&1; echo "16384 rc=$?"
 for f in $res/*.md; do echo "## $f"; grep -E "^- (elapsed|INTERRUPTED|models|skipped)" $f | cut -c1-300 | head -4
