@@ -657,7 +657,28 @@ def _profiled_steps(run, steps: int):
     per_step = len(kernels) // steps
     seq = [(statistics.median(kernels[i].time_range.elapsed_us() / 1e3 for i in range(o, per_step * steps, per_step)),
             kernels[o].name) for o in range(per_step)]
-    return rows, seq
+    return rows, seq, _spans(kernels, per_step, steps)
+
+
+def _spans(kernels: list, per_step: int, steps: int) -> dict:
+    """Median over the steps of (first kernel's start to last kernel's end, the time at least one
+    kernel runs, the kernels' summed durations), in ms: span above busy is time the GPU idled
+    inside the step; summed above busy is time two streams' kernels overlapped."""
+    spans, busy, summed = [], [], []
+    for i in range(0, per_step * steps, per_step):
+        ivs = sorted((k.time_range.start, k.time_range.end) for k in kernels[i:i + per_step])
+        spans.append((max(e for _, e in ivs) - ivs[0][0]) / 1e3)
+        summed.append(sum(e - b for b, e in ivs) / 1e3)
+        covered, cur_b, cur_e = 0.0, *ivs[0]
+        for b, e in ivs[1:]:
+            if b > cur_e:
+                covered += cur_e - cur_b
+                cur_b, cur_e = b, e
+            else:
+                cur_e = max(cur_e, e)
+        busy.append((covered + cur_e - cur_b) / 1e3)
+    return {"span_ms": statistics.median(spans), "busy_ms": statistics.median(busy),
+            "summed_ms": statistics.median(summed)}
 
 
 def kernel_profile(shape: str, steps: int = 10) -> None:
@@ -674,8 +695,11 @@ def kernel_profile(shape: str, steps: int = 10) -> None:
         for _ in range(3):
             run()
         torch.cuda.synchronize()
-        rows, seq = _profiled_steps(run, steps)
+        rows, seq, spans = _profiled_steps(run, steps)
         total = sum(r[0] for r in rows)
+        # the step timed as the bench times it (host covered), right after the profile
+        emit(probe="kernels_span", shape=shape, routing=ROUTING[0], variant=label, **spans,
+             timed_step_ms=time_ms(run))
         for order, (ms, name) in enumerate(seq):
             emit(probe="kernel_seq", shape=shape, routing=ROUTING[0], variant=label, order=order, ms=ms,
                  kernel=name[:60])
