@@ -211,8 +211,9 @@ def test_time_rows_sets_step_host_ms():
 
 
 def test_fp8_grouped_bound_arithmetic(tmp_path):
-    """The bound tool's step time is the three GEMMs at the given rate plus the quantisation bytes
-    (4 per x and gradient element, 3 per weight element) at the given bandwidth."""
+    """The bound tool's step time is the forward and dgrad at one rate, the wgrad at its own (each
+    GEMM at least its operand and output bytes), plus the quantisation bytes (4 per x and
+    gradient element, 2 + copies per weight element) at the given bandwidth."""
     sys.path.insert(0, str(REPO / "tools"))
     try:
         import fp8_grouped_bound as B
@@ -220,8 +221,17 @@ def test_fp8_grouped_bound_arithmetic(tmp_path):
         sys.path.pop(0)
     m, n, k, g = 4096, 2048, 1024, 4
     flops_ms = 1e3 * 3 * 2.0 * m * n * k / 1e15
-    bytes_ms = 1e3 * (4.0 * m * k + 4.0 * m * n + 3.0 * g * n * k) / 2e12
+    bytes_ms = 1e3 * (4.0 * m * k + 4.0 * m * n + 4.0 * g * n * k) / 2e12
     assert abs(B.step_bound_ms(m, n, k, g, 1000.0, 2.0) - (flops_ms + bytes_ms)) < 1e-12
+    one_copy_ms = bytes_ms - 1e3 * g * n * k / 2e12
+    assert abs(B.step_bound_ms(m, n, k, g, 1000.0, 2.0, weight_copies=1) - (flops_ms + one_copy_ms)) < 1e-12
+    slow_wgrad_ms = flops_ms * 2 / 3 + 1e3 * 2.0 * m * n * k / 5e14
+    assert abs(B.step_bound_ms(m, n, k, g, 1000.0, 2.0, wgrad_tflops=500.0) - (slow_wgrad_ms + bytes_ms)) < 1e-12
+    # 16 tokens per group: every GEMM is bound by its bytes (fp8 operands in, bf16 output out)
+    m2, w2 = 64, g * n * k
+    gemm_bytes = (m2 * k + w2 + 2 * m2 * n) + (m2 * n + w2 + 2 * m2 * k) + (m2 * n + m2 * k + 2 * w2)
+    quant_bytes = 4.0 * m2 * k + 4.0 * m2 * n + 4.0 * w2
+    assert abs(B.step_bound_ms(m2, n, k, g, 1000.0, 2.0) - 1e3 * (gemm_bytes + quant_bytes) / 2e12) < 1e-12
     path = tmp_path / "r.csv"
     path.write_text("shape,m,n,k,groups,backend,step_ms\n"
                     f"s,{m},{n},{k},{g},turbo autotune,1.0\n"
