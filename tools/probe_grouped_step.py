@@ -286,11 +286,11 @@ SPAN_VARIANTS = [("tile", {"RUNS_SPANS": (), "RUNS_MIN_UNITS": 12}),
                  ("rule", {"RUNS_SPANS": (8, 4, 2), "RUNS_MIN_UNITS": 12}),
                  ("2", {"RUNS_SPANS": (2,), "RUNS_MIN_UNITS": 0}), ("4", {"RUNS_SPANS": (4,), "RUNS_MIN_UNITS": 0}),
                  ("8", {"RUNS_SPANS": (8,), "RUNS_MIN_UNITS": 0})]
-#: Token-run operands of ``runs_settings_sweep``: the sweep's, and the EP8 bench's
+#: Token-run operands of ``quantiser_settings_sweep``: the sweep's, and the EP8 bench's
 #: DeepSeek-V3 x and up_gate gradient (32 local experts x 4096 tokens).
 ORDER_OPERANDS = [(n, s) for n, s, t in SWEEP_OPERANDS if not t] + [("dsv3_x_ep8", (1, 131072, 7168)),
                                                                      ("dsv3_grad_ep8", (1, 131072, 4096))]
-#: Expert weights of ``runs_settings_sweep(..., tile=True)``: the sweep's, and the EP8 bench's
+#: Expert weights of ``quantiser_settings_sweep(..., tile=True)``: the sweep's, and the EP8 bench's
 #: DeepSeek-V3 and Qwen3-30B-A3B up_gate weights.
 TILE_OPERANDS = [(n, s) for n, s, t in SWEEP_OPERANDS if t] + [("dsv3_w_ep8", (32, 4096, 7168)),
                                                                  ("qwen3_up_w", (16, 1536, 2048))]
@@ -298,15 +298,17 @@ TILE_OPERANDS = [(n, s) for n, s, t in SWEEP_OPERANDS if t] + [("dsv3_w_ep8", (3
 
 def quantiser_variants(spec: str) -> tuple[list, list]:
     """``--quantiser-sweep`` SPEC, ``runs=S,P,R/...;tiles=ROWS,WARPS,R/...``, as the runs and tiles
-    variants of ``runs_settings_sweep``: TMA_RUNS (ring stages, programs per SM, maxnreg) and
+    variants of ``quantiser_settings_sweep``: TMA_RUNS (ring stages, programs per SM, maxnreg) and
     TILES_LAUNCH (rows per thread, warps, maxnreg); the first of each is its baseline."""
-    out = {"runs": [], "tiles": []}
+    attrs = {"runs": "TMA_RUNS", "tiles": "TILES_LAUNCH"}
+    out = {kind: [] for kind in attrs}
     for part in filter(None, spec.split(";")):
-        kind, _, values = part.partition("=")
-        attr = {"runs": "TMA_RUNS", "tiles": "TILES_LAUNCH"}[kind.strip()]
+        kind, _, values = (p.strip() for p in part.partition("="))
+        if kind not in attrs:
+            raise SystemExit(f"--quantiser-sweep: {kind!r} must be 'runs' or 'tiles' (spec {spec!r})")
         for v in filter(None, values.split("/")):
             launch = tuple(int(x) for x in v.split(","))
-            out[kind.strip()].append((f"{kind.strip()} {launch}", {attr: launch}))
+            out[kind].append((f"{kind} {launch}", {attrs[kind]: launch}))
     return out["runs"], out["tiles"]
 
 
@@ -326,7 +328,7 @@ def _nothing() -> None:
     pass
 
 
-def runs_settings_sweep(variants: list, probe: str, rounds: int = 5, tile: bool = False) -> None:
+def quantiser_settings_sweep(variants: list, probe: str, rounds: int = 5, tile: bool = False) -> None:
     """Settings of the Gluon dual quantiser (``variants``: label and the ``dual_quantize_gluon``
     attributes it sets, the first the baseline), timed in turns next to a clone on ORDER_OPERANDS
     (token runs, the persistent TMA runs kernel) or, with ``tile``, on TILE_OPERANDS (expert
@@ -751,7 +753,7 @@ def main() -> int:
         reuse_sweep(args.reuse.split(","), args.micro_batches)
         return 0
     if args.spans:
-        runs_settings_sweep(SPAN_VARIANTS, "span_sweep")
+        quantiser_settings_sweep(SPAN_VARIANTS, "span_sweep")
         return 0
     if args.host_profile and args.host_only:
         host_profile(args.host_profile, args.pstats)
@@ -759,9 +761,9 @@ def main() -> int:
     if args.quantiser_sweep:
         runs, tiles = quantiser_variants(args.quantiser_sweep)
         if runs:
-            runs_settings_sweep(runs, "runs_sweep")
+            quantiser_settings_sweep(runs, "runs_sweep")
         if tiles:
-            runs_settings_sweep(tiles, "tiles_sweep", tile=True)
+            quantiser_settings_sweep(tiles, "tiles_sweep", tile=True)
         return 0
     if args.pairs:
         pair_sweep()

@@ -518,7 +518,7 @@ def _quantize_both_operands(a, b, fwd: torch.dtype, bs: int, need_a: bool, need_
 
     if need_a and need_b and overlappable(a):
         # The two quantisers are memory-bound and neither reaches the memory's rate alone: the
-        # weight's runs beside the activation's (backends.quantizer.side_by_side).
+        # weight's tiles beside the activation's runs (backends.quantizer.side_by_side).
         (qa, a_saved), (qb, b_saved) = side_by_side(lambda: runs_both(a, fwd, bs), lambda: tiles_both(b, fwd, bs),
                                                     a.device)
         return qa, qb, a_saved, b_saved
