@@ -79,3 +79,23 @@ class FastOnRank0(_RankDependent):
 
 class FastOnRank1(_RankDependent):
     fast_rank = 1
+
+
+class EvenTokensGroupedGemm(_Fixture):
+    """Correct grouped GEMM that serves only an even token count (M_total, or a wgrad's K): its
+    refusal reads the very field the grouped ops bucket, which the product adapters never do."""
+
+    def supports(self, p):
+        tokens = p.k if p.variable_k else p.m
+        if tokens % 2:
+            return f"fixture serves an even token count only (got {tokens})"
+        return None
+
+    def run(self, p, a, b, group_lens, group_offs, config=None):
+        type(self).calls += 1
+        outs, start = [], 0
+        for i, length in enumerate(group_lens.tolist()):
+            rows = slice(start, start + length)
+            outs.append(a[rows].t() @ b[rows] if p.variable_k else a[rows] @ (b[i].t() if p.trans_b else b[i]))
+            start += length
+        return torch.stack(outs) if p.variable_k else torch.cat(outs)

@@ -103,6 +103,11 @@ class OpSpec:
     keys_vary_across_ranks: bool = False
     #: Builds the problem from the public call's arguments (what explain() uses).
     problem_from_call: Callable[..., Any] | None = None
+    #: Maps a call's problem to the problem whose decision (and tuning) it shares, or None: every
+    #: problem is its own key. Grouped GEMMs round their token count up to a bucket
+    #: (``tuning.buckets``), since dropless routing changes it every step. The resolver still
+    #: checks that the shared choice serves the call's own problem (``resolver.resolve``).
+    shared_problem: Callable[[Any], Any] | None = None
 
     @property
     def family(self) -> str:
@@ -111,6 +116,11 @@ class OpSpec:
     @property
     def env_var(self) -> str:
         return FAMILY_ENV[self.family]
+
+
+def decision_problem(spec: OpSpec, problem: Any) -> Any:
+    """The key ``problem``'s decision is made, tuned and stored under (``OpSpec.shared_problem``)."""
+    return problem if spec.shared_problem is None else spec.shared_problem(problem)
 
 
 _SPECS: dict[str, OpSpec] = {}

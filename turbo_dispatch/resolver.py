@@ -3,9 +3,13 @@
 A pinned backend (code or env) that cannot serve the call is an error naming the reason, never
 a silent swap. Automatic choices fall back with a logged reason. Decisions are cached per
 (op, problem, settings generation): a warm call costs one dict lookup plus building the key.
+An op with ``OpSpec.shared_problem`` (grouped GEMMs: token counts in buckets) decides, tunes and
+stores under the shared problem; each call's own problem gets that decision once its backend is
+checked against it.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -13,7 +17,7 @@ from . import manager as _manager
 from .backend_type import BackendType
 from .decision import Decision
 from .errors import BackendUnsupportedError, NoBackendError
-from .op_spec import OpSpec, format_key
+from .op_spec import OpSpec, decision_problem, format_key
 from .device_platform import vendor_blaslt
 from .registry import get_registry
 
@@ -21,6 +25,10 @@ log = logging.getLogger("turbo_dispatch.resolver")
 
 _cache: dict[tuple, Decision] = {}
 _manager.on_change(_cache.clear)
+#: Decisions cached at most; a full cache starts over. Token counts are bucketed, but other key
+#: fields may still vary without bound in a long job, and a decision is cheap to make again (tuned
+#: results stay in autotune's memory).
+MAX_CACHED = 65536
 
 
 def resolve(spec: OpSpec, problem: Any) -> Decision:
@@ -29,11 +37,37 @@ def resolve(spec: OpSpec, problem: Any) -> Decision:
     cache_key = (spec.name, problem, settings.generation)
     decision = _cache.get(cache_key)
     if decision is None:
-        decision = _decide(spec, problem, settings)
-        if not decision.provisional:
-            _cache[cache_key] = decision
+        decision = _shared_decision(spec, problem, settings)
+        _keep(cache_key, decision)
         log.debug("decision\n%s", decision)
     return decision
+
+
+def _keep(cache_key: tuple, decision: Decision) -> None:
+    if not decision.provisional:
+        if len(_cache) >= MAX_CACHED:
+            _cache.clear()
+        _cache[cache_key] = decision
+
+
+def _shared_decision(spec: OpSpec, problem: Any, settings: "_manager.Settings") -> Decision:
+    """``problem``'s decision: its shared problem's (``decision_problem``), made once per shared
+    key, where that backend serves ``problem`` itself; else one made for ``problem`` alone."""
+    shared = decision_problem(spec, problem)
+    if shared == problem:
+        return _decide(spec, problem, settings)
+    shared_key = (spec.name, shared, settings.generation)
+    decision = _cache.get(shared_key)
+    if decision is None:
+        decision = _decide(spec, shared, settings)
+        _keep(shared_key, decision)
+    why = decision.entry.check(problem, spec.platform_of(problem))
+    if why is not None:
+        log.info("%s: %s, chosen for %s, cannot serve %s (%s); deciding it on its own", spec.name,
+                 decision.backend, format_key(shared), format_key(problem), why)
+        return _decide(spec, problem, settings)
+    note = f"shared: decided for {format_key(shared)} (every call in its token bucket shares it)"
+    return dataclasses.replace(decision, problem=problem, notes=decision.notes + (note,))
 
 
 def clear_cache() -> None:

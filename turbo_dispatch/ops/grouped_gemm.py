@@ -381,6 +381,16 @@ def _fp8_check(p: GroupedGemmFp8Problem, out, ref):
     return check_snr(20.0 if torch.float8_e5m2 in (p.a_fp8, p.b_fp8) else 25.0)(out, ref)
 
 
+def _token_bucketed(p):
+    """The problem whose decision ``p`` shares: its token count (M_total, or the K of a variable-K
+    weight gradient) rounded up to its bucket (``tuning.buckets``), since routing moves it every
+    step. No adapter's ``supports`` reads that count; the resolver checks the shared choice
+    against ``p`` anyway."""
+    from turbo_dispatch.tuning.buckets import token_bucket
+
+    return p._replace(k=token_bucket(p.k)) if p.variable_k else p._replace(m=token_bucket(p.m))
+
+
 GROUPED_GEMM = register_op(OpSpec(
     name="grouped_gemm",
     keys_vary_across_ranks=True,
@@ -391,6 +401,7 @@ GROUPED_GEMM = register_op(OpSpec(
     check=lambda p, out, ref: check_rel(out, ref),
     flops=lambda p: 2.0 * p.m * p.n * p.k,
     problem_from_call=lambda *args, **kwargs: grouped_gemm_problem(*args, **kwargs),
+    shared_problem=_token_bucketed,
 ))
 
 GROUPED_GEMM_FP8 = register_op(OpSpec(
@@ -403,6 +414,7 @@ GROUPED_GEMM_FP8 = register_op(OpSpec(
     check=_fp8_check,
     flops=lambda p: 2.0 * p.m * p.n * p.k,
     problem_from_call=lambda *args, **kwargs: _explain_grouped_gemm_fp8(*args, **kwargs),
+    shared_problem=_token_bucketed,
 ))
 
 

@@ -13,6 +13,7 @@ import torch
 
 from .. import presets
 from ..low_precision import Float8QuantConfig
+from ..op_spec import decision_problem, get_op_spec
 # importlib: turbo_dispatch.ops re-exports functions named like these modules.
 _attention = importlib.import_module("turbo_dispatch.ops.attention")
 _gemm = importlib.import_module("turbo_dispatch.ops.gemm")
@@ -166,7 +167,8 @@ def model_keys(model: str, ops: Sequence[str], platform: str, micro_batches: Seq
             for granularity in fp8_granularities:
                 for shape in grouped:
                     keys += _grouped_fp8_keys(shape, dtype, granularity)
-    return _dedupe((op, problem._replace(platform=platform)) for op, problem in keys)
+    # Stored under the key that calls look up (grouped GEMMs: the top of the token bucket).
+    return _dedupe((op, decision_problem(get_op_spec(op), problem._replace(platform=platform))) for op, problem in keys)
 
 
 def _dedupe(keys: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import autotune
-from ..op_spec import format_key, get_op_spec
+from ..op_spec import decision_problem, format_key, get_op_spec
 from ..registry import get_registry
 from . import store
 from .codec import decode_key, encode_key
@@ -80,8 +80,10 @@ def tune_one(op: str, problem: Any, force: bool = False,
              db: Path | None = None) -> tuple[KeyReport, "tuple[store.Result, Stamp] | None"]:
     """Profiles one key, unless ``db`` already holds a usable result for it and not ``force``
     (only the target DB counts: a result in another layer would be missing from the file
-    being produced)."""
+    being produced). A key whose op shares decisions (``OpSpec.shared_problem``: grouped GEMMs'
+    token buckets) is tuned and stored as the shared key, the one calls look up."""
     spec = get_op_spec(op)
+    problem = decision_problem(spec, problem)
     platform = spec.platform_of(problem)
     key = format_key(problem)
     default = _default_label(op, problem) or "-"
