@@ -312,15 +312,15 @@ def quantiser_variants(spec: str) -> tuple[list, list]:
     return out["runs"], out["tiles"]
 
 
-def medians_in_turns(calls: dict, rounds: int) -> dict:
-    """Median GPU time (``time_ms``) of each call, the calls timed in turns for ``rounds`` rounds:
-    ``calls`` maps a name to (prepare, fn), prepare() (setting a module switch, say) run untimed
-    before each timing of fn."""
+def medians_in_turns(calls: dict, rounds: int, reps: int = 20) -> dict:
+    """Median GPU time (``time_ms`` over ``reps`` calls) of each call, the calls timed in turns for
+    ``rounds`` rounds: ``calls`` maps a name to (prepare, fn), prepare() (setting a module switch,
+    say) run untimed before each timing of fn."""
     times = {name: [] for name in calls}
     for _ in range(rounds):
         for name, (prepare, fn) in calls.items():
             prepare()
-            times[name].append(time_ms(fn))
+            times[name].append(time_ms(fn, reps))
     return {name: statistics.median(v) for name, v in times.items()}
 
 
@@ -456,7 +456,7 @@ def step_fn(a, w, lens, offs, cfg, grad):
     return run
 
 
-def reuse_sweep(shapes: list[str], micro_batches: int, rounds: int = 5) -> None:
+def reuse_sweep(shapes: list[str], micro_batches: int, rounds: int = 3, reps: int = 5) -> None:
     """``micro_batches`` blockwise fp8 steps on one weight (gradient accumulation) with its tiles
     made once (``low_precision.reuse_quantized_weights``) against made every step, and the bf16
     ``torch._grouped_mm`` peer's steps (the bench's autograd.Function), in turns; time per
@@ -466,6 +466,7 @@ def reuse_sweep(shapes: list[str], micro_batches: int, rounds: int = 5) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from bench_grouped_gemm import TorchGroupedMM  # the bench's bf16 peer
 
+    ratios = []
     for shape in shapes:
         t, n, k, lens, offs, a, w, grad, cfg = step_operands(shape)
         fp8_step = step_fn(a, w, lens, offs, cfg, grad)
@@ -490,15 +491,43 @@ def reuse_sweep(shapes: list[str], micro_batches: int, rounds: int = 5) -> None:
         same = all(torch.equal(x, y) for x, y in zip(fresh, kept))
         del fresh, kept
         med = medians_in_turns({"fresh": (_nothing, steps(False)), "reused": (_nothing, steps(True)),
-                                "bf16": (_nothing, steps(False, bf16_step))}, rounds)
+                                "bf16": (_nothing, steps(False, bf16_step))}, rounds, reps)
         per = {name: ms / micro_batches for name, ms in med.items()}
         flops = 3 * 2.0 * t * n * k
         emit(probe="weight_reuse", shape=shape, routing=ROUTING[0], micro_batches=micro_batches,
              fresh_ms=per["fresh"], reused_ms=per["reused"], bf16_ms=per["bf16"],
              fresh_vs_bf16=per["bf16"] / per["fresh"], reused_vs_bf16=per["bf16"] / per["reused"],
              reused_tflops=flops / per["reused"] * 1e-9, bits_equal=same)
+        ratios.append((per["bf16"] / per["fresh"], per["bf16"] / per["reused"]))
         del a, w, grad
         torch.cuda.empty_cache()
+    if ratios:
+        emit(probe="weight_reuse_geomean", routing=ROUTING[0], micro_batches=micro_batches, shapes=len(ratios),
+             fresh_vs_bf16=statistics.geometric_mean(r[0] for r in ratios),
+             reused_vs_bf16=statistics.geometric_mean(r[1] for r in ratios))
+
+
+def preset_shapes(spec: str) -> list[str]:
+    """``presets:EP:TOKENS`` -> the names of the bench's MoE shapes at that expert parallelism and
+    tokens per local expert (every preset of bench_grouped_gemm, up_gate and down, cases above its
+    routed-token limit left out), added to ``SHAPES``; any other spec is a comma-separated list
+    of ``SHAPES`` names."""
+    if not spec.startswith("presets:"):
+        return spec.split(",")
+    _, ep, tpe = spec.split(":")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_grouped_gemm import DEFAULT_MODELS, MAX_TOKENS
+
+    from turbo_dispatch.presets import get_model, moe_grouped_shapes
+
+    names = []
+    for model in DEFAULT_MODELS:
+        for s in moe_grouped_shapes(get_model(model), ep=int(ep), tokens_per_expert=int(tpe)):
+            name = f"{model}_{s.name}_ep{ep}_{tpe}"
+            if s.m_total <= MAX_TOKENS and name not in SHAPES:
+                SHAPES[name] = (s.groups, s.m_total, s.n, s.k)
+                names.append(name)
+    return names
 
 
 GRAPHS = False  # --graphs
@@ -735,7 +764,8 @@ def main() -> int:
                     help="only time the TMA runs quantiser's strip widths (span_sweep) and stop")
     ap.add_argument("--reuse", default=None, metavar="SHAPES",
                     help="only time --micro-batches steps with the weight's tiles reused against made every step "
-                         "and against bf16 (reuse_sweep) at these shapes, and stop")
+                         "and against bf16 (reuse_sweep) at these shapes (or presets:EP:TOKENS, the bench's "
+                         "shapes), and stop")
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--quantiser-sweep", default=None, metavar="SPEC",
                     help="only time launches of the Gluon dual quantiser in turns, bit-checked against the first: "
@@ -750,7 +780,7 @@ def main() -> int:
         OUT.append(open(args.out, "w"))
     emit(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
     if args.reuse:
-        reuse_sweep(args.reuse.split(","), args.micro_batches)
+        reuse_sweep(preset_shapes(args.reuse), args.micro_batches)
         return 0
     if args.spans:
         quantiser_settings_sweep(SPAN_VARIANTS, "span_sweep")
