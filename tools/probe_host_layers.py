@@ -55,16 +55,23 @@ def _noop(x_ptr):
     tl.store(x_ptr, 1.0)
 
 
-def host_us(fn: Callable[[], object], reps: int, batch: int = BATCH) -> tuple[float, float]:
+def host_us(fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None,
+            batch: int = BATCH) -> tuple[float, float]:
     """(median, min) over ``reps`` batches of the mean host time of ``batch`` back-to-back calls of
     ``fn``, in microseconds. Each batch is issued behind one GPU spin, so the host never waits on
     the GPU; calls are not separated by synchronisations (a call right after one runs several
-    times slower on the host, which would time the wake-up rather than the call)."""
+    times slower on the host, which would time the wake-up rather than the call). ``setup``,
+    where given, runs untimed once per call before each batch (the forwards a backward needs)."""
+    prepare = setup or (lambda: None)
     for _ in range(3):
+        prepare()
         fn()
     torch.cuda.synchronize()
     per_call = []
     for _ in range(reps):
+        for _ in range(batch):
+            prepare()
+        torch.cuda.synchronize()
         torch.cuda._sleep(SPIN_CYCLES)
         t0 = time.perf_counter()
         for _ in range(batch):
@@ -177,19 +184,7 @@ def main() -> int:
             GlobalBackendManager.set_grouped_gemm_backend(BackendType.TORCH, precision="bf16")
             med, low = host_us(call[1], args.reps)
         elif isinstance(call, tuple):  # (untimed setup, timed call): one forward queued per backward
-            setup, timed = call
-            per_call = []
-            for _ in range(args.reps):
-                for _ in range(BATCH):
-                    setup()
-                torch.cuda.synchronize()
-                torch.cuda._sleep(SPIN_CYCLES)
-                t0 = time.perf_counter()
-                for _ in range(BATCH):
-                    timed()
-                per_call.append((time.perf_counter() - t0) * 1e6 / BATCH)
-                torch.cuda.synchronize()
-            med, low = statistics.median(per_call), min(per_call)
+            med, low = host_us(call[1], args.reps, setup=call[0])
         else:
             med, low = host_us(call, args.reps)
         emit(probe="host_layer", shape=args.shape, layer=name, median_us=round(med, 1), min_us=round(low, 1))

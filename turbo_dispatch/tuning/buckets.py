@@ -33,18 +33,4 @@ def token_bucket(tokens: int) -> int:
     return -(-tokens // step) * step
 
 
-def bucket_range(top: int) -> tuple[int, int]:
-    """(lowest, highest) token count whose bucket top is ``top`` (itself a bucket top).
-
-    >>> bucket_range(320), bucket_range(256), bucket_range(4), bucket_range(0)
-    ((257, 320), (129, 256), (3, 4), (0, 0))
-    """
-    if top <= 1:
-        return top, top
-    if top <= SMALL:
-        return top // 2 + 1, top
-    octave = 1 << ((top - 1).bit_length() - 1)
-    return top - octave // PER_OCTAVE + 1, top
-
-
-__all__ = ["PER_OCTAVE", "SMALL", "bucket_range", "token_bucket"]
+__all__ = ["PER_OCTAVE", "SMALL", "token_bucket"]
