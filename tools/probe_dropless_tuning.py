@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import statistics
 import sys
@@ -28,7 +27,7 @@ from turbo_dispatch import GlobalBackendManager, autotune, resolver
 from turbo_dispatch.low_precision import Float8QuantConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-from probe_grouped_step import SHAPES  # noqa: E402  (sibling in tools/)
+from probe_grouped_step import OUT, SHAPES, emit  # noqa: E402  (sibling in tools/)
 
 _grouped = importlib.import_module("turbo_dispatch.ops.grouped_gemm")
 #: A shape small enough for the CPU (``--device cpu``): the probe's own check that it runs.
@@ -110,18 +109,13 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    sink = open(args.out, "w") if args.out else None
+    if args.out:
+        OUT.append(open(args.out, "w"))
     os.environ.setdefault("PRIMUS_TURBO_TUNE_BUDGET_MS", "300")
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    rows = [dict(gpu=name, torch=torch.__version__,
-                 budget_ms=os.environ["PRIMUS_TURBO_TUNE_BUDGET_MS"])]
-    rows += [run_mode(args.shape, shared, args.steps, args.spread, args.tail, not args.bf16, args.device)
-             for shared in (True, False)]
-    for row in rows:
-        line = json.dumps(row)
-        print(line, flush=True)
-        if sink:
-            print(line, file=sink, flush=True)
+    emit(gpu=name, torch=torch.__version__, budget_ms=os.environ["PRIMUS_TURBO_TUNE_BUDGET_MS"])
+    for shared in (True, False):
+        emit(**run_mode(args.shape, shared, args.steps, args.spread, args.tail, not args.bf16, args.device))
     return 0
 
 

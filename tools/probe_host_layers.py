@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import statistics
 import sys
 import time
@@ -41,7 +40,7 @@ from turbo_dispatch.backends.triton import fp8_blockwise_gluon_ws as GWS
 from turbo_dispatch.resolver import resolve
 
 sys.path.insert(0, str(Path(__file__).parent))
-from probe_grouped_step import step_fn, step_operands  # noqa: E402  (sibling in tools/)
+from probe_grouped_step import OUT, emit, step_fn, step_operands  # noqa: E402  (sibling in tools/)
 
 _grouped = importlib.import_module("turbo_dispatch.ops.grouped_gemm")
 #: GPU spin before each timed batch, in cycles (about 100 ms on an H100): longer than any batch's host time.
@@ -167,14 +166,8 @@ def main() -> int:
     ap.add_argument("--aten", action="store_true", help="also list the aten operators of 5 fp8 steps and 5 bf16 steps")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    sink = open(args.out, "w") if args.out else None
-
-    def emit(**row):
-        line = json.dumps(row)
-        print(line, flush=True)
-        if sink:
-            print(line, file=sink, flush=True)
-
+    if args.out:
+        OUT.append(open(args.out, "w"))
     emit(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     calls = layers(args.shape)  # leaves TRITON pinned for fp8
     emit(probe="host_config", shape=args.shape, forward_config=calls.pop("config"))
