@@ -864,6 +864,32 @@ def test_warp_specialised_grouped_candidates_where_it_can_run(monkeypatch):
     assert GG._ws_refusal(problem(512), ws[0]) is None
 
 
+def test_fp8_candidates_follow_the_kernel_switch_each_call(monkeypatch):
+    """The candidate list is built once per problem, but whether the warp-specialised kernel can
+    run is asked on every call: a kernel that stops being available (its env switch turned off,
+    say) leaves the next call's list, and comes back when it is available again. Each call gets
+    its own list, so a caller editing it changes nothing for the next."""
+    from turbo_dispatch.backends.triton import fp8_blockwise_gluon_ws as GWS
+    from turbo_dispatch.backends.triton import grouped_gemm as GG
+    from turbo_dispatch.low_precision import ScalingGranularity as SG
+
+    e4 = torch.float8_e4m3fn
+    lens, offs = _lens_offs([40, 24])
+    a, b = torch.randn(64, 256, dtype=torch.bfloat16), torch.randn(2, 256, 512, dtype=torch.bfloat16)
+    p = _fp8_problem(a, b, lens, offs, False, False, torch.bfloat16, e4, e4, SG.BLOCKWISE, 128, True)
+    p = p._replace(platform="cuda")
+    monkeypatch.setattr(GWS, "available", lambda device_index=None: None)
+    with_ws = GG._fp8_configs(p)
+    assert GG._is_ws(with_ws[0])
+    monkeypatch.setattr(GWS, "available", lambda device_index=None: "switched off")
+    without = GG._fp8_configs(p)
+    assert without == [c for c in with_ws if not GG._is_ws(c)] and not GG._is_ws(without[0])
+    without.clear()
+    assert GG._fp8_configs(p) == [c for c in with_ws if not GG._is_ws(c)]
+    monkeypatch.setattr(GWS, "available", lambda device_index=None: None)
+    assert GG._fp8_configs(p) == with_ws
+
+
 def test_default_config_falls_back_for_operands_tma_cannot_take(monkeypatch):
     """An unpinned call whose default is the warp-specialised kernel takes the first Triton config
     when the operands cannot feed TMA: a token-major wgrad operand (``quantize(x, axis=0)``'s

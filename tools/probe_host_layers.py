@@ -15,7 +15,8 @@ call, the median (and minimum) over ``--reps`` batches. From the top down:
   around nothing), ``empty`` (one output allocation);
 * floors: ``triton_noop`` (a one-argument Triton kernel) and ``torch_add`` (one torch op).
 
-Usage (repo installed): ``python3 tools/probe_host_layers.py --shape qwen3_down --out FILE``.
+Usage (repo installed):
+``python3 tools/probe_host_layers.py --shape qwen3_down [--layers step,forward] --out FILE``.
 """
 from __future__ import annotations
 
@@ -164,6 +165,7 @@ def main() -> int:
     ap.add_argument("--shape", default="qwen3_down")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--aten", action="store_true", help="also list the aten operators of 5 fp8 steps and 5 bf16 steps")
+    ap.add_argument("--layers", default=None, help="comma-separated layer names to time (default: all)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.out:
@@ -171,7 +173,13 @@ def main() -> int:
     emit(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     calls = layers(args.shape)  # leaves TRITON pinned for fp8
     emit(probe="host_config", shape=args.shape, forward_config=calls.pop("config"))
+    wanted = None if args.layers is None else set(args.layers.split(","))
+    unknown = (wanted or set()) - set(calls)
+    if unknown:
+        raise SystemExit(f"--layers: no layer named {sorted(unknown)}; layers are {sorted(calls)}")
     for name, call in calls.items():
+        if wanted is not None and name not in wanted:
+            continue
         if isinstance(call, tuple) and call[0] == "bf16":
             GlobalBackendManager.reset()
             GlobalBackendManager.set_grouped_gemm_backend(BackendType.TORCH, precision="bf16")

@@ -461,6 +461,13 @@ def _layouts(rows: int, warps: int):
     return register_layouts(rows, warps)
 
 
+@functools.lru_cache(maxsize=None)
+def _unswizzled_layout():
+    """The TMA runs kernel's shared layout for its 16-bit [1, B, B] input tiles, built once: the
+    same for every call, and its construction (validated on creation) is host time per launch."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
+
+
 def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d: bool = False) -> None:
     """Fill ``data``, ``scale``, ``data_t``, ``scale_t`` (laid out by ``dual_quantize``) from ``x``:
     token runs (``tile_2d`` False) by the runs kernel, 2-D tiles by the tiles kernel."""
@@ -477,7 +484,7 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
     chunk, t_chunk, warps, maxnreg = LAUNCH
     if TMA_RUNS and tma_ok(x):
         stages, per_sm, maxnreg = TMA_RUNS  # the TMA form's own register cap
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
+        layout = _unswizzled_layout()
         bind_cuda_context(x)
         desc = GluonDescriptor(x, list(x.shape), list(x.stride()), [1, BLOCK, BLOCK], layout)
         n_tiles = g * n_r * n_c

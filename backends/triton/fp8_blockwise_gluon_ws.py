@@ -526,6 +526,17 @@ def fp8_blockwise_grouped_gemm(a: torch.Tensor, b_gnk: torch.Tensor, out: torch.
     why = available(a.device.index) or config_error(cfg, b_group) or grouped_operands_error(a, b_gnk)
     if why:
         raise ValueError(f"fp8_blockwise_grouped_gemm: {why}")
+    return launch_grouped(a, b_gnk, out, offs, sa, sa_strides, sb, sb_strides, cfg, b_group)
+
+
+def launch_grouped(a: torch.Tensor, b_gnk: torch.Tensor, out: torch.Tensor, offs: torch.Tensor, sa: torch.Tensor,
+                   sa_strides, sb: torch.Tensor, sb_strides, cfg, b_group: int = 128) -> torch.Tensor:
+    """``fp8_blockwise_grouped_gemm`` without its checks of the machine, ``cfg`` and the operands'
+    layout: for a caller that made them already in the same call (the TRITON adapter, whose
+    default config comes from a list built where this kernel runs and whose operand check picks
+    that config), since on a slow host each check costs as much as a kernel launch's setup."""
+    M, K = a.shape
+    G, N, _ = b_gnk.shape
     if M == 0 or N == 0:
         return out
     b_rows = b_gnk.as_strided((G * N, K), (b_gnk.stride(1), 1))  # rows may be padded: a view, not a copy
@@ -571,4 +582,5 @@ def output_descriptor(c: torch.Tensor, rows: int, cols: int):
     return GluonDescriptor(c, list(c.shape), list(c.stride()), [rows, cols], shared_layout((rows, cols), dtype))
 
 
-__all__ = ["KERNEL_REVISION", "available", "config_error", "fp8_blockwise_gemm", "fp8_blockwise_grouped_gemm"]
+__all__ = ["KERNEL_REVISION", "available", "config_error", "fp8_blockwise_gemm", "fp8_blockwise_grouped_gemm",
+           "launch_grouped"]

@@ -450,6 +450,15 @@ def fp8_blockwise_wgrad(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, off
     why = available(x.device.index) or config_error(cfg, qblock) or operands_error(x, y)
     if why:
         raise ValueError(f"fp8_blockwise_wgrad: {why}")
+    return launch_wgrad(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock)
+
+
+def launch_wgrad(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, offs: torch.Tensor, sx: torch.Tensor,
+                 sx_strides, sy: torch.Tensor, sy_strides, cfg, qblock: int = 128) -> torch.Tensor:
+    """``fp8_blockwise_wgrad`` without its checks of the machine, ``cfg`` and the operands: for a
+    caller that made them already in the same call (the TRITON adapter's default config, as
+    ``fp8_blockwise_gluon_ws.launch_grouped``)."""
+    G, M, N = out.shape
     if out.numel() == 0:
         return out
     bm, bn = cfg[:2]
@@ -493,4 +502,4 @@ def launch_args(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock: in
     return args, kwargs
 
 
-__all__ = ["KERNEL_REVISION", "config_error", "fp8_blockwise_wgrad", "smem_bytes"]
+__all__ = ["KERNEL_REVISION", "config_error", "fp8_blockwise_wgrad", "launch_wgrad", "smem_bytes"]

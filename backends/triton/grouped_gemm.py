@@ -274,6 +274,23 @@ def _fp8_bk(p) -> int:
 
 
 def _fp8_configs(p) -> list[Config]:
+    """The fp8 candidates of ``p``, the default first. Asked on every unpinned call (for its
+    default), so the list is built once per (problem, whether the warp-specialised kernel can run
+    here): that second fact is asked afresh each time (``_ws_problem_refusal`` reads an env switch
+    and the machine), everything else depends on ``p`` alone."""
+    ws_runs = _ws_problem_refusal(p) is None
+    try:
+        return list(_fp8_configs_for(p, ws_runs))
+    except TypeError:  # an unhashable stand-in for a problem (tools/compile_sm90.py builds them)
+        return _build_fp8_configs(p, ws_runs)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fp8_configs_for(p, ws_runs: bool) -> tuple[Config, ...]:
+    return tuple(_build_fp8_configs(p, ws_runs))
+
+
+def _build_fp8_configs(p, ws_runs: bool) -> list[Config]:
     bk = _fp8_bk(p)
     if p.variable_k:
         # Operands are token-contiguous fp8 with 16-byte row strides: TMA on both (tma=1); the
@@ -286,7 +303,7 @@ def _fp8_configs(p) -> list[Config]:
             # warp-specialised wgrad kernel's configs go first where it can run.
             cands = [(64, 128, bk, 8, 4, 4, 1), (128, 128, bk, 8, 3, 8, 1), (64, 256, bk, 8, 3, 8, 1),
                      (128, 128, bk, 8, 4, 8, 1), (64, 256, bk, 8, 4, 8, 1), (128, 128, bk, 8, 4, 8, 0)]
-            return _ws_configs(p, bk) + _fit(cands, p.m, p.n)
+            return _ws_configs(p, bk, ws_runs) + _fit(cands, p.m, p.n)
         else:
             # rowwise 128x256 4-stage 1301/1238 TFLOPS, 3-stage 1240/1199; tensorwise 3-stage
             # 1379/1321, 4-stage 1346/1216.
@@ -313,7 +330,7 @@ def _fp8_configs(p) -> list[Config]:
                  (64, 128, bk, 8, 4, 4, 1)]
     if per_group < 128:
         cands = cands[-2:] + cands[:-2]
-    return _ws_configs(p, bk) + _fit(cands, p.m, p.n)
+    return _ws_configs(p, bk, ws_runs) + _fit(cands, p.m, p.n)
 
 
 #: The warp-specialised Gluon kernel's grouped configs (ninth field ``KERNEL_GLUON_WS``), the first
@@ -337,11 +354,11 @@ WS_CONFIGS = ((128, 256, 128, 8, 4, 8, 1, 1, KERNEL_GLUON_WS), (128, 256, 128, 8
 WGRAD_WS_CONFIGS = ((128, 128, 128, 8, 4, 8, 1, 1, KERNEL_GLUON_WS), (128, 128, 128, 8, 5, 8, 1, 1, KERNEL_GLUON_WS))
 
 
-def _ws_configs(p, bk: int) -> list[Config]:
+def _ws_configs(p, bk: int, ws_runs: bool) -> list[Config]:
     """``WS_CONFIGS`` (``WGRAD_WS_CONFIGS`` for a wgrad), first, where the warp-specialised kernel
-    can run (``_ws_refusal``); the 256-column tile only where N is at least 256. The problem-level
-    checks (an env parse and a device query among them) run once per call, not once per config."""
-    if _ws_problem_refusal(p):
+    can run (``ws_runs``: ``_ws_problem_refusal`` found nothing) and takes the config
+    (``_ws_config_refusal``); the 256-column tile only where N is at least 256."""
+    if not ws_runs:
         return []
     table = WGRAD_WS_CONFIGS if p.variable_k else WS_CONFIGS
     cfgs = [c[:2] + (bk,) + c[3:] for c in table if c[1] <= max(128, p.n)]
@@ -535,9 +552,11 @@ class TritonGroupedGemmFp8(_TritonAdapter):
             qx, sx, sxs = _wgrad_operand(x, p.a_fp8, gran, bs, mode)
             qy, sy, sys_ = _wgrad_operand(y, p.b_fp8, gran, bs, mode)
             if _is_ws(cfg) and config is None:
-                from .fp8_blockwise_wgrad_ws import operands_error
+                from .fp8_blockwise_wgrad_ws import launch_wgrad, operands_error
 
                 cfg = _default_for_operands(p, cfg, operands_error(qx, qy))
+                if _is_ws(cfg):  # offered here and taking these operands: checked in full already
+                    return launch_wgrad(qx, qy, out, offs, sx, sxs, sy, sys_, cfg[:6], qblock=bs)
             if _is_ws(cfg):
                 from .fp8_blockwise_wgrad_ws import fp8_blockwise_wgrad
 
@@ -563,9 +582,11 @@ class TritonGroupedGemmFp8(_TritonAdapter):
         sbs = (0, 0, 0) if mode == 1 else sb.stride()
         ndiv = bs if (gran is ScalingGranularity.BLOCKWISE and p.b_2d) else 1
         if _is_ws(cfg) and config is None:
-            from .fp8_blockwise_gluon_ws import grouped_operands_error
+            from .fp8_blockwise_gluon_ws import grouped_operands_error, launch_grouped
 
             cfg = _default_for_operands(p, cfg, grouped_operands_error(qa, qb))
+            if _is_ws(cfg):  # offered here and taking these operands: checked in full already
+                return launch_grouped(qa, qb, out, offs, sa, sas, sb, sbs, cfg[:6], b_group=bs)
         if _is_ws(cfg):
             from .fp8_blockwise_gluon_ws import fp8_blockwise_grouped_gemm
 
