@@ -295,8 +295,13 @@ def _grouped_variable_k(cfg: tuple, scale: int, dtype):
 
 
 def _grouped_problem(gran, variable_k: bool, m: int, n: int):
-    return SimpleNamespace(granularity=gran, block_size=128, variable_k=variable_k, m=m, n=n, g=G_MOE, b_2d=True,
-                           platform="cuda")
+    """The grouped fp8 key whose candidates the adapter offers (they depend on G, M, N, the recipe
+    and the layout; K is the up_gate's, or the tokens for a wgrad)."""
+    from turbo_dispatch.ops.grouped_gemm import GroupedGemmFp8Problem
+
+    bf16, e4 = torch.bfloat16, torch.float8_e4m3fn
+    return GroupedGemmFp8Problem(G_MOE, m, n, M_MOE if variable_k else K_MOE, not variable_k, variable_k, bf16,
+                                 bf16, bf16, e4, e4, gran, 128, True, "cuda")
 
 
 def families() -> dict:

@@ -278,11 +278,7 @@ def _fp8_configs(p) -> list[Config]:
     default), so the list is built once per (problem, whether the warp-specialised kernel can run
     here): that second fact is asked afresh each time (``_ws_problem_refusal`` reads an env switch
     and the machine), everything else depends on ``p`` alone."""
-    ws_runs = _ws_problem_refusal(p) is None
-    try:
-        return list(_fp8_configs_for(p, ws_runs))
-    except TypeError:  # an unhashable stand-in for a problem (tools/compile_sm90.py builds them)
-        return _build_fp8_configs(p, ws_runs)
+    return list(_fp8_configs_for(p, _ws_problem_refusal(p) is None))
 
 
 @functools.lru_cache(maxsize=4096)
