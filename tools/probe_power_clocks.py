@@ -72,7 +72,6 @@ def kernels():
 
     x8 = x16.to(torch.float8_e4m3fn)
     w8 = w16.to(torch.float8_e4m3fn)
-    del w16
     sx = torch.rand(K // 128, T, device="cuda", generator=g).t() + 0.5  # [T, K/128], rows contiguous
     sw = torch.rand(G, N // 128, K // 128, device="cuda", generator=g) + 0.5
     y = torch.empty(T, N, device="cuda", dtype=torch.bfloat16)
