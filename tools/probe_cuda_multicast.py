@@ -17,7 +17,6 @@ import argparse
 import ctypes
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,75 +24,27 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "cuda_probe"))
+
+from cubin import Cubin  # noqa: E402
 
 SOURCE = Path(__file__).resolve().parent / "cuda_probe" / "fp8_blockwise_cluster.cu"
 SMEM = 4 * (128 * 128 + 256 * 128) + 1024 + 64  # the ring, the 1 KiB alignment pad, 8 mbarriers
 GLUON_CFG = (128, 256, 128, 8, 4, 8)
 
 
-def build(out_dir: Path) -> Path:
-    cubin = out_dir / "fp8_blockwise_cluster.cubin"
-    cmd = ["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-O3", "-Xptxas", "-v", "-o", str(cubin),
-           str(SOURCE)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    (out_dir / "fp8_blockwise_cluster.ptxas.log").write_text(done.stdout + done.stderr)
-    if done.returncode:
-        raise SystemExit(f"nvcc failed:\n{done.stderr}")
-    return cubin
+def load(out_dir: Path) -> Cubin:
+    return Cubin(SOURCE, out_dir, ["fp8bw_c1", "fp8bw_c2"], SMEM)
 
 
-class Kernels:
-    """The cubin's two kernels, launched through the driver API on torch's current stream."""
-
-    def __init__(self, cubin: Path):
-        from cuda.bindings import driver as cu
-        self.cu = cu
-        torch.empty(1, device="cuda")  # torch's primary context, current on this thread
-        self._check(cu.cuInit(0))
-        self.module = self._check(cu.cuModuleLoad(str(cubin).encode()))
-        self.funcs = {}
-        for name in ("fp8bw_c1", "fp8bw_c2"):
-            f = self._check(cu.cuModuleGetFunction(self.module, name.encode()))
-            self._check(cu.cuFuncSetAttribute(
-                f, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM))
-            self.funcs[name] = f
-
-    @staticmethod
-    def _check(result):
-        err, *rest = result if isinstance(result, tuple) else (result,)
-        if int(err) != 0:
-            raise RuntimeError(f"CUDA driver call failed: {err}")
-        return rest[0] if len(rest) == 1 else (tuple(rest) or None)
-
-    def tensor_map(self, t: torch.Tensor):
-        """A 2-D TMA map over fp8 ``t`` [rows, K] (K-major), 128 x 128-byte boxes, 128-byte swizzle."""
-        cu = self.cu
-        rows, k = t.shape
-        tmap = self._check(cu.cuTensorMapEncodeTiled(
-            cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, t.data_ptr(),
-            [cu.cuuint64_t(k), cu.cuuint64_t(rows)], [cu.cuuint64_t(t.stride(0))],
-            [cu.cuuint32_t(128), cu.cuuint32_t(128)], [cu.cuuint32_t(1), cu.cuuint32_t(1)],
-            cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-            cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
-        return (ctypes.c_uint64 * 16).from_buffer_copy(ctypes.string_at(tmap.getPtr(), 128))
-
-    def prepare(self, name: str, a, b, sa_km, sb, c):
-        """A no-argument launcher of kernel ``name`` on these operands (maps built once)."""
-        M, K = a.shape
-        N = b.shape[0]
-        params = [self.tensor_map(a), self.tensor_map(b), ctypes.c_void_p(sa_km.data_ptr()),
-                  ctypes.c_void_p(sb.data_ptr()), ctypes.c_void_p(c.data_ptr()), ctypes.c_int(M), ctypes.c_int(N),
-                  ctypes.c_int(K)]
-        ptrs = (ctypes.c_void_p * len(params))(*[ctypes.addressof(p) for p in params])
-        f, cu = self.funcs[name], self.cu
-        grid = (M // 128) * (N // 256)
-
-        def launch():
-            stream = cu.CUstream(torch.cuda.current_stream().cuda_stream)
-            self._check(cu.cuLaunchKernel(f, grid, 1, 1, 384, 1, 1, SMEM, stream, ctypes.addressof(ptrs), 0))
-        launch.keep = (params, ptrs)  # the driver reads the values at each launch
-        return launch
+def prepare(kernels: Cubin, name: str, a, b, sa_km, sb, c):
+    """A no-argument launcher of kernel ``name`` on these operands (maps built once)."""
+    M, K = a.shape
+    N = b.shape[0]
+    params = [kernels.tensor_map(a), kernels.tensor_map(b), ctypes.c_void_p(sa_km.data_ptr()),
+              ctypes.c_void_p(sb.data_ptr()), ctypes.c_void_p(c.data_ptr()), ctypes.c_int(M), ctypes.c_int(N),
+              ctypes.c_int(K)]
+    return kernels.launcher(name, (M // 128) * (N // 256), 384, params)
 
 
 def operands(M: int, N: int, K: int, seed: int = 0):
@@ -154,14 +105,13 @@ def main(argv=None) -> int:
                         help="run each kernel once at the first shape and stop (for ncu)")
     args = parser.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    cubin = build(args.out.parent)
-    kernels = Kernels(cubin)
+    kernels = load(args.out.parent)
     if args.once:
         M, N, K = (int(v) for v in args.shapes.split(",")[0].split("x"))
         a, b, sa_km, sb = operands(M, N, K)
         c = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
         for name in ("fp8bw_c1", "fp8bw_c2"):
-            kernels.prepare(name, a, b, sa_km, sb, c)()
+            prepare(kernels, name, a, b, sa_km, sb, c)()
         for fn in peers(a, b, sa_km, sb).values():
             fn()
         torch.cuda.synchronize()
@@ -181,7 +131,7 @@ def main(argv=None) -> int:
         ref = reference(a, b, sa_km, sb)
         for name in ("fp8bw_c1", "fp8bw_c2"):
             c = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
-            kernels.prepare(name, a, b, sa_km, sb, c)()
+            prepare(kernels, name, a, b, sa_km, sb, c)()
             torch.cuda.synchronize()
             emit({"probe": "check", "kernel": name, "shape": [M, N, K], "rel_err": rel_err(c, ref),
                   "nan": bool(c.isnan().any())})
@@ -192,7 +142,7 @@ def main(argv=None) -> int:
     for M, N, K in shapes:
         a, b, sa_km, sb = operands(M, N, K, seed=1)
         c = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-        fns = {name: kernels.prepare(name, a, b, sa_km, sb, c) for name in ("fp8bw_c1", "fp8bw_c2")}
+        fns = {name: prepare(kernels, name, a, b, sa_km, sb, c) for name in ("fp8bw_c1", "fp8bw_c2")}
         fns.update(peers(a, b, sa_km, sb))
         flops = 2.0 * M * N * K
         one = time_ms(fns["fp8bw_c1"], 1)
