@@ -17,6 +17,7 @@ Two halves:
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -920,6 +921,65 @@ def test_default_config_falls_back_for_operands_tma_cannot_take(monkeypatch):
     n_major = torch.empty(2, 256, 512, dtype=e4).transpose(1, 2)  # [G, N, K] with N contiguous
     assert "b_gnk must be K-major" in GWS.grouped_operands_error(qa, n_major)
     assert GWS.grouped_operands_error(qa, torch.empty(2, 512, 256, dtype=e4)) is None
+
+
+def test_pinned_ws_config_is_checked_once_and_launched_directly(monkeypatch):
+    """A pinned (or tuned) warp-specialised config is checked by the adapter itself (machine,
+    config, then the operands) and launched through ``launch_grouped`` / ``launch_wgrad``, not
+    through the public wrappers, which would check all of it again on every call. Operands its
+    TMA loads cannot take raise the kernel's reason before anything is launched."""
+    from turbo_dispatch.backends.triton import fp8_blockwise_gluon_ws as GWS
+    from turbo_dispatch.backends.triton import fp8_blockwise_wgrad_ws as GWW
+    from turbo_dispatch.backends.triton import grouped_gemm as GG
+    from turbo_dispatch.low_precision import ScalingGranularity as SG
+    from turbo_dispatch.low_precision import quantize
+
+    monkeypatch.setattr(GWS, "available", lambda device_index=None: None)
+    launched = []
+
+    def recorder(name):
+        def launch(*args, **kwargs):
+            launched.append((name, args[-1] if not kwargs else kwargs))
+            return args[2]
+        return launch
+
+    def wrapper(*args, **kwargs):
+        raise AssertionError("the public wrapper repeats the adapter's checks")
+
+    monkeypatch.setattr(GWS, "launch_grouped", recorder("forward"))
+    monkeypatch.setattr(GWW, "launch_wgrad", recorder("wgrad"))
+    monkeypatch.setattr(GWS, "fp8_blockwise_grouped_gemm", wrapper)
+    monkeypatch.setattr(GWW, "fp8_blockwise_wgrad", wrapper)
+    e4 = torch.float8_e4m3fn
+    lens, offs = _lens_offs([40, 24])
+    adapter = GG.TritonGroupedGemmFp8()
+
+    x = torch.randn(64, 256, dtype=torch.bfloat16)
+    w = torch.randn(2, 512, 256, dtype=torch.bfloat16)  # [G, N, K], the nn.Linear layout
+    qx = quantize(x, e4, SG.BLOCKWISE, axis=1, block_size=128)
+    qw = quantize(w, e4, SG.BLOCKWISE, block_size=128, block_2d=True)
+    p = _fp8_problem(qx, qw, lens, offs, True, False, torch.bfloat16, e4, e4, SG.BLOCKWISE, 128, True)
+    p = p._replace(platform="cuda")
+    pinned = next(c for c in GG._fp8_configs(p) if GG._is_ws(c))
+    out = adapter.run(p, qx, qw, lens, offs, config=pinned)
+    assert out.shape == (64, 512) and launched == [("forward", {"b_group": 128})]
+
+    # The wgrad's operands as the dual quantiser stores them (token-contiguous) launch directly;
+    # token-major ones (quantize(v, axis=0)'s layout) are refused with the kernel's reason.
+    t, m, n = 64, 128, 256
+    token_major = [quantize(torch.randn(t, c, dtype=torch.bfloat16), e4, SG.BLOCKWISE, axis=0, block_size=128)
+                   for c in (m, n)]
+    wp = _fp8_problem(*token_major, lens, offs, False, True, torch.bfloat16, e4, e4, SG.BLOCKWISE, 128, False)
+    wp = wp._replace(platform="cuda")
+    wgrad_cfg = GG.WGRAD_WS_CONFIGS[0]
+    launched.clear()
+    with pytest.raises(ValueError, match="warp-specialised Gluon kernel, but .*token-contiguous"):
+        adapter.run(wp, *token_major, lens, offs, config=wgrad_cfg)
+    assert launched == []
+    # the same values, stored token-contiguous (16-byte aligned rows of the [C, T] storage)
+    contiguous = [dataclasses.replace(q, data=q.data.t().contiguous().t()) for q in token_major]
+    out = adapter.run(wp, *contiguous, lens, offs, config=wgrad_cfg)
+    assert out.shape == (2, m, n) and launched == [("wgrad", {"qblock": 128})]
 
 
 @pytest.mark.gpu

@@ -529,10 +529,8 @@ class TritonGroupedGemmFp8(_TritonAdapter):
     def run(self, p, x, y, group_lens, group_offs, config=None):
         cfg = _fp8_configs(p)[0] if config is None else _check_config(config)
         # A default config came from _fp8_configs, which offers the WS ones only where they run.
-        why = _ws_refusal(p, cfg) if config is not None and _is_ws(cfg) else None
-        if why:
-            raise ValueError(f"TRITON grouped fp8: config {tuple(cfg)} selects the warp-specialised Gluon kernel, "
-                             f"but {why}")
+        if config is not None and _is_ws(cfg):
+            _raise_ws_refusal(cfg, _ws_refusal(p, cfg))
         offs = _offsets(group_lens, group_offs)
         gran, bs = p.granularity, p.block_size
         mode = _SCALE_MODE[gran]
@@ -553,10 +551,11 @@ class TritonGroupedGemmFp8(_TritonAdapter):
                 cfg = _default_for_operands(p, cfg, operands_error(qx, qy))
                 if _is_ws(cfg):  # offered here and taking these operands: checked in full already
                     return launch_wgrad(qx, qy, out, offs, sx, sxs, sy, sys_, cfg[:6], qblock=bs)
-            if _is_ws(cfg):
-                from .fp8_blockwise_wgrad_ws import fp8_blockwise_wgrad
+            if _is_ws(cfg):  # a pinned or tuned config, whose machine and config _ws_refusal checked above
+                from .fp8_blockwise_wgrad_ws import launch_wgrad, operands_error
 
-                return fp8_blockwise_wgrad(qx, qy, out, offs, sx, sxs, sy, sys_, cfg[:6], qblock=bs)
+                _raise_ws_refusal(cfg, operands_error(qx, qy))
+                return launch_wgrad(qx, qy, out, offs, sx, sxs, sy, sys_, cfg[:6], qblock=bs)
             return launch_variable_k(qx, qy, out, offs, cfg, scale=mode, sx=sx, sx_strides=sxs, sy=sy,
                                      sy_strides=sys_, qblock=qblock, upcast=up)
         out = torch.empty((p.m, p.n), dtype=p.out_dtype, device=device)
@@ -583,12 +582,22 @@ class TritonGroupedGemmFp8(_TritonAdapter):
             cfg = _default_for_operands(p, cfg, grouped_operands_error(qa, qb))
             if _is_ws(cfg):  # offered here and taking these operands: checked in full already
                 return launch_grouped(qa, qb, out, offs, sa, sas, sb, sbs, cfg[:6], b_group=bs)
-        if _is_ws(cfg):
-            from .fp8_blockwise_gluon_ws import fp8_blockwise_grouped_gemm
+        if _is_ws(cfg):  # a pinned or tuned config, whose machine and config _ws_refusal checked above
+            from .fp8_blockwise_gluon_ws import grouped_operands_error, launch_grouped
 
-            return fp8_blockwise_grouped_gemm(qa, qb, out, offs, sa, sas, sb, sbs, cfg[:6], b_group=bs)
+            _raise_ws_refusal(cfg, grouped_operands_error(qa, qb))
+            return launch_grouped(qa, qb, out, offs, sa, sas, sb, sbs, cfg[:6], b_group=bs)
         return launch_fixed_k(qa, qb, out, offs, cfg, scale=mode, sa=sa, sa_strides=sas, sb=sb, sb_strides=sbs,
                               qblock=qblock, sb_ndiv=ndiv, upcast=up)
+
+
+def _raise_ws_refusal(cfg: Config, why: str | None) -> None:
+    """A pinned or tuned warp-specialised config raises ``why`` (the machine, the config or the
+    operands refusing it), if any. ``run`` checks all three itself, once, and then launches the
+    kernel without its public wrapper, which would repeat them: host time on every call."""
+    if why:
+        raise ValueError(f"TRITON grouped fp8: config {tuple(cfg)} selects the warp-specialised Gluon kernel, "
+                         f"but {why}")
 
 
 def _default_for_operands(p, cfg: Config, why: str | None) -> Config:
