@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import turbo_dispatch as turbo
+from probe_record import event_ms
 
 dev, bf16 = "cuda", torch.bfloat16
 print("torch", torch.__version__, "cudnn", torch.backends.cudnn.version(), torch.cuda.get_device_name())
@@ -57,13 +58,7 @@ def bench(fn, reps=20):
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
+    return event_ms(fn, reps)
 
 
 print("\n== flash_attn_func fwd+bwd, bf16, ms (TFLOP/s) ==")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "cuda_probe"))
 
 from cubin import Cubin  # noqa: E402
+from probe_record import Jsonl, event_ms  # noqa: E402
 
 SOURCE = Path(__file__).resolve().parent / "cuda_probe" / "fp8_blockwise_cluster.cu"
 SMEM = 4 * (128 * 128 + 256 * 128) + 1024 + 64  # the ring, the 1 KiB alignment pad, 8 mbarriers
@@ -69,8 +69,6 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def peers(a, b, sa_km, sb):
     """Launchers of the Gluon WS kernel and cuBLAS blockwise on these operands, by name."""
     from backends.triton.fp8_blockwise_gluon_ws import fp8_blockwise_gemm as gluon_ws
-    M, K = a.shape
-    N = b.shape[0]
     sa = sa_km.t()  # [M, K blocks] with rows contiguous: the layout the x quantiser writes
     out = {"gluon_ws": lambda: gluon_ws(a, b, sa, sb, torch.bfloat16, GLUON_CFG, a_group=1, b_group=128)}
     try:
@@ -84,16 +82,6 @@ def peers(a, b, sa_km, sb):
     out["cublas_blockwise"] = lambda: scaled_mm(a, bt, scale_a, ScalingType.BlockWise1x128, scale_b,
                                                 ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
     return out
-
-
-def time_ms(fn, reps: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def main(argv=None) -> int:
@@ -116,14 +104,7 @@ def main(argv=None) -> int:
             fn()
         torch.cuda.synchronize()
         return 0
-    gpu = torch.cuda.get_device_name()
-    lines = []
-
-    def emit(rec):
-        rec["gpu"] = gpu
-        lines.append(json.dumps(rec))
-        print(lines[-1], flush=True)
-
+    emit = Jsonl(args.out, gpu=torch.cuda.get_device_name())
     # Correctness first, on small and odd-ish (but tile-aligned) shapes and the timed ones.
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     for M, N, K in [(256, 256, 128), (512, 768, 384), (1024, 512, 1152)] + shapes:
@@ -145,19 +126,18 @@ def main(argv=None) -> int:
         fns = {name: prepare(kernels, name, a, b, sa_km, sb, c) for name in ("fp8bw_c1", "fp8bw_c2")}
         fns.update(peers(a, b, sa_km, sb))
         flops = 2.0 * M * N * K
-        one = time_ms(fns["fp8bw_c1"], 1)
+        one = event_ms(fns["fp8bw_c1"], 1)
         reps = max(5, min(200, int(40.0 / max(one, 1e-3))))
         for fn in fns.values():
-            time_ms(fn, reps)  # warm-up: compile, clocks
+            event_ms(fn, reps)  # warm-up: compile, clocks
         times = {name: [] for name in fns}
         for _ in range(args.turns):
             for name, fn in fns.items():
-                times[name].append(time_ms(fn, reps))
+                times[name].append(event_ms(fn, reps))
         for name, ts in times.items():
             ms = statistics.median(ts)
             emit({"probe": "time", "kernel": name, "shape": [M, N, K], "ms": ms, "tflops": flops / ms / 1e9,
                   "turns_ms": ts, "reps": reps})
-    args.out.write_text("\n".join(lines) + "\n")
     return 0
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "cuda_probe"))
 
 from cubin import Cubin  # noqa: E402
+from probe_record import Jsonl, event_ms  # noqa: E402
 
 SOURCE = Path(__file__).resolve().parent / "cuda_probe" / "dual_quantize_runs.cu"
 E4M3 = torch.float8_e4m3fn
@@ -69,13 +69,7 @@ def time_turns(fns: dict, turns: int, reps: int) -> dict:
     torch.cuda.synchronize()
     for _ in range(turns):
         for name, fn in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                fn()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) / reps)
+            times[name].append(event_ms(fn, reps))
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -88,15 +82,7 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     from backends.triton.dual_quantize import dual_quantize
     kernels = Cubin(SOURCE, args.out.parent, ["dual_runs"])
-    gpu = torch.cuda.get_device_name()
-    lines = []
-
-    def emit(rec):
-        rec["gpu"] = gpu
-        lines.append(json.dumps(rec))
-        print(lines[-1], flush=True)
-        args.out.write_text("\n".join(lines) + "\n")
-
+    emit = Jsonl(args.out, gpu=torch.cuda.get_device_name())
     for shape in ["256x384"] + args.shapes.split(","):
         T, C = (int(v) for v in shape.split("x"))
         g = torch.Generator(device="cuda").manual_seed(T + C)
@@ -125,7 +111,7 @@ def main(argv=None) -> int:
         for name, t in ms.items():
             emit({"probe": "time", "shape": [T, C], "kernel": name, "ms": t, "tbps": moved / t / 1e9,
                   "reps": reps})
-        del x, q, s, qt, st, launch, fns
+        x = q = s = qt = st = launch = fns = None  # free this shape's tensors before the next one's
         torch.cuda.empty_cache()
     return 0
 

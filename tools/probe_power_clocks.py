@@ -16,9 +16,6 @@ kernels, default configs); and dense 32768 x 4096 x 7168 bf16 ``torch.mm``, fp8 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,30 +25,28 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from probe_record import Jsonl, Smi  # noqa: E402
+
 QUERY = "power.draw,clocks.sm,clocks_event_reasons.active,temperature.gpu"
 
 
-def sample_while(fn, seconds: float) -> tuple[float, int, list[list[str]]]:
-    """Run ``fn`` back to back for about ``seconds``; return (ms per call, calls, nvidia-smi rows)."""
+def sample_while(fn, seconds: float) -> tuple[float, int, Smi]:
+    """Run ``fn`` back to back for about ``seconds``; return (ms per call, calls, the samples)."""
     fn()
     torch.cuda.synchronize()
     start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", "50"],
-                           stdout=subprocess.PIPE, text=True)
-    time.sleep(0.2)
-    calls, t0 = 0, time.perf_counter()
-    start_ev.record()
-    while time.perf_counter() - t0 < seconds:
-        for _ in range(10):
-            fn()
-        calls += 10
-        torch.cuda.synchronize()  # keeps the host from queueing far past the sampling window
-    end_ev.record()
-    end_ev.synchronize()
-    smi.terminate()
-    out, _ = smi.communicate()
-    rows = [[v.strip() for v in line.split(",")] for line in out.strip().splitlines() if line.strip()]
-    return start_ev.elapsed_time(end_ev) / calls, calls, rows
+    with Smi(QUERY) as smi:
+        time.sleep(0.2)
+        calls, t0 = 0, time.perf_counter()
+        start_ev.record()
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(10):
+                fn()
+            calls += 10
+            torch.cuda.synchronize()  # keeps the host from queueing far past the sampling window
+        end_ev.record()
+        end_ev.synchronize()
+    return start_ev.elapsed_time(end_ev) / calls, calls, smi
 
 
 def kernels():
@@ -116,25 +111,15 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seconds", type=float, default=3.0)
     args = parser.parse_args(argv)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    gpu = torch.cuda.get_device_name()
-    lines = []
+    emit = Jsonl(args.out, gpu=torch.cuda.get_device_name())
     for name, (fn, flops) in kernels().items():
-        ms, calls, rows = sample_while(fn, args.seconds)
-        rows = [r for r in rows if len(r) == 4]
-        power = [float(r[0]) for r in rows if r[0].replace(".", "", 1).isdigit()]
-        clocks = [float(r[1]) for r in rows if r[1].isdigit()]
-        reasons = sorted({r[2] for r in rows})
-        rec = {"probe": "power", "kernel": name, "gpu": gpu, "ms": ms, "calls": calls,
-               "tflops": flops / ms / 1e9, "samples": len(rows),
-               "power_w_median": statistics.median(power) if power else None,
-               "sm_mhz_median": statistics.median(clocks) if clocks else None,
-               "sm_mhz_min": min(clocks) if clocks else None, "reasons": reasons,
-               "temp_c_max": max((float(r[3]) for r in rows if r[3].isdigit()), default=None)}
-        lines.append(json.dumps(rec))
-        print(lines[-1], flush=True)
+        ms, calls, smi = sample_while(fn, args.seconds)
+        clocks = smi.values(1)
+        emit({"probe": "power", "kernel": name, "ms": ms, "calls": calls, "tflops": flops / ms / 1e9,
+              "samples": len(smi.rows), "power_w_median": smi.median(0), "sm_mhz_median": smi.median(1),
+              "sm_mhz_min": min(clocks) if clocks else None, "reasons": sorted({r[2] for r in smi.rows}),
+              "temp_c_max": max(smi.values(3), default=None)})
         time.sleep(1.0)  # let the board cool a little between kernels
-    args.out.write_text("\n".join(lines) + "\n")
     return 0
 
 

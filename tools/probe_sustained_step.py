@@ -19,9 +19,7 @@ its default configs; bf16 is the bench's ``torch._grouped_mm`` autograd function
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 import bench_grouped_gemm as B  # noqa: E402
 import harness as H  # noqa: E402
 import turbo_dispatch as turbo  # noqa: E402
+from probe_record import Jsonl, Smi  # noqa: E402
 from turbo_dispatch.low_precision import Float8QuantConfig  # noqa: E402
 
 SHAPES = ("deepseek-v3/up_gate/EP8/4096tpe/balanced", "deepseek-v3/up_gate/EP32/16384tpe/balanced",
@@ -67,30 +66,22 @@ def capture(step) -> torch.cuda.CUDAGraph:
 
 def sustained(graph: torch.cuda.CUDAGraph, seconds: float) -> dict:
     """Replay back to back for ``seconds``; time the second half; sample power and clocks."""
-    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=power.draw,clocks.sm", "--format=csv,noheader,nounits",
-                            "-lms", "50"], stdout=subprocess.PIPE, text=True)
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds / 2:
-        graph.replay()
-        torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    n = 0
-    start.record()
-    while time.perf_counter() - t0 < seconds:
-        for _ in range(4):
+    with Smi("power.draw,clocks.sm") as smi:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds / 2:
             graph.replay()
-        n += 4
-        torch.cuda.synchronize()
-    end.record()
-    end.synchronize()
-    smi.terminate()
-    out, _ = smi.communicate()
-    rows = [line.split(",") for line in out.strip().splitlines() if line.count(",") == 1]
-    power = [float(p) for p, _ in rows if p.strip().replace(".", "", 1).isdigit()]
-    clocks = [float(c) for _, c in rows if c.strip().isdigit()]
-    return {"ms": start.elapsed_time(end) / n, "replays": n,
-            "power_w": statistics.median(power) if power else None,
-            "sm_mhz": statistics.median(clocks) if clocks else None}
+            torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        n = 0
+        start.record()
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(4):
+                graph.replay()
+            n += 4
+            torch.cuda.synchronize()
+        end.record()
+        end.synchronize()
+    return {"ms": start.elapsed_time(end) / n, "replays": n, "power_w": smi.median(0), "sm_mhz": smi.median(1)}
 
 
 def main(argv=None) -> int:
@@ -102,15 +93,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
-    gpu = torch.cuda.get_device_name()
     cfg = Float8QuantConfig(granularity="blockwise", block_size=128)
-    lines = []
-
-    def emit(rec):
-        rec["gpu"] = gpu
-        lines.append(json.dumps(rec))
-        print(lines[-1], flush=True)
-        args.out.write_text("\n".join(lines) + "\n")
+    emit = Jsonl(args.out, gpu=torch.cuda.get_device_name())
 
     for label in args.shapes.split(","):
         c = find_case(label)
@@ -148,7 +132,7 @@ def main(argv=None) -> int:
               "ratio": med["bf16"] / med["fp8"],
               "bf16_sm_mhz": statistics.median(r["sm_mhz"] for r in seg["bf16"] if r["sm_mhz"]),
               "fp8_sm_mhz": statistics.median(r["sm_mhz"] for r in seg["fp8"] if r["sm_mhz"])})
-        del graphs, a, b, grad, steps
+        graphs = steps = a = b = grad = None  # free this case's tensors before the next one's
         torch.cuda.empty_cache()
     return 0
 
