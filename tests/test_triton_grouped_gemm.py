@@ -939,7 +939,7 @@ def test_pinned_ws_config_is_checked_once_and_launched_directly(monkeypatch):
 
     def recorder(name):
         def launch(*args, **kwargs):
-            launched.append((name, args[-1] if not kwargs else kwargs))
+            launched.append((name, kwargs))
             return args[2]
         return launch
 

@@ -545,17 +545,12 @@ class TritonGroupedGemmFp8(_TritonAdapter):
                 return out.zero_()
             qx, sx, sxs = _wgrad_operand(x, p.a_fp8, gran, bs, mode)
             qy, sy, sys_ = _wgrad_operand(y, p.b_fp8, gran, bs, mode)
-            if _is_ws(cfg) and config is None:
+            if _is_ws(cfg):
                 from .fp8_blockwise_wgrad_ws import launch_wgrad, operands_error
 
-                cfg = _default_for_operands(p, cfg, operands_error(qx, qy))
-                if _is_ws(cfg):  # offered here and taking these operands: checked in full already
+                cfg = _ws_for_operands(p, cfg, config is not None, operands_error(qx, qy))
+                if _is_ws(cfg):
                     return launch_wgrad(qx, qy, out, offs, sx, sxs, sy, sys_, cfg[:6], qblock=bs)
-            if _is_ws(cfg):  # a pinned or tuned config, whose machine and config _ws_refusal checked above
-                from .fp8_blockwise_wgrad_ws import launch_wgrad, operands_error
-
-                _raise_ws_refusal(cfg, operands_error(qx, qy))
-                return launch_wgrad(qx, qy, out, offs, sx, sxs, sy, sys_, cfg[:6], qblock=bs)
             return launch_variable_k(qx, qy, out, offs, cfg, scale=mode, sx=sx, sx_strides=sxs, sy=sy,
                                      sy_strides=sys_, qblock=qblock, upcast=up)
         out = torch.empty((p.m, p.n), dtype=p.out_dtype, device=device)
@@ -576,25 +571,31 @@ class TritonGroupedGemmFp8(_TritonAdapter):
             qb, sb = _quant_rows(y if p.trans_b else y.transpose(1, 2), p.b_fp8, gran, bs, tile_2d=p.b_2d)
         sbs = (0, 0, 0) if mode == 1 else sb.stride()
         ndiv = bs if (gran is ScalingGranularity.BLOCKWISE and p.b_2d) else 1
-        if _is_ws(cfg) and config is None:
+        if _is_ws(cfg):
             from .fp8_blockwise_gluon_ws import grouped_operands_error, launch_grouped
 
-            cfg = _default_for_operands(p, cfg, grouped_operands_error(qa, qb))
-            if _is_ws(cfg):  # offered here and taking these operands: checked in full already
+            cfg = _ws_for_operands(p, cfg, config is not None, grouped_operands_error(qa, qb))
+            if _is_ws(cfg):
                 return launch_grouped(qa, qb, out, offs, sa, sas, sb, sbs, cfg[:6], b_group=bs)
-        if _is_ws(cfg):  # a pinned or tuned config, whose machine and config _ws_refusal checked above
-            from .fp8_blockwise_gluon_ws import grouped_operands_error, launch_grouped
-
-            _raise_ws_refusal(cfg, grouped_operands_error(qa, qb))
-            return launch_grouped(qa, qb, out, offs, sa, sas, sb, sbs, cfg[:6], b_group=bs)
         return launch_fixed_k(qa, qb, out, offs, cfg, scale=mode, sa=sa, sa_strides=sas, sb=sb, sb_strides=sbs,
                               qblock=qblock, sb_ndiv=ndiv, upcast=up)
 
 
+def _ws_for_operands(p, cfg: Config, pinned: bool, why: str | None) -> Config:
+    """The config that serves operands the warp-specialised ``cfg`` refuses for ``why`` (None:
+    ``cfg`` itself): a pinned or tuned config raises the reason, a default one gives way to the
+    first Triton config (``_default_for_operands``). The machine and the config were checked
+    before (``_fp8_configs`` for a default, ``_ws_refusal`` for a pinned one), so ``run`` launches
+    the kernel without its public wrapper, which would repeat every check: host time per call."""
+    if pinned:
+        _raise_ws_refusal(cfg, why)
+        return cfg
+    return _default_for_operands(p, cfg, why)
+
+
 def _raise_ws_refusal(cfg: Config, why: str | None) -> None:
     """A pinned or tuned warp-specialised config raises ``why`` (the machine, the config or the
-    operands refusing it), if any. ``run`` checks all three itself, once, and then launches the
-    kernel without its public wrapper, which would repeat them: host time on every call."""
+    operands refusing it), if any."""
     if why:
         raise ValueError(f"TRITON grouped fp8: config {tuple(cfg)} selects the warp-specialised Gluon kernel, "
                          f"but {why}")

@@ -168,7 +168,8 @@ def model_keys(model: str, ops: Sequence[str], platform: str, micro_batches: Seq
                 for shape in grouped:
                     keys += _grouped_fp8_keys(shape, dtype, granularity)
     # Stored under the key that calls look up (grouped GEMMs: the top of the token bucket).
-    return _dedupe((op, decision_problem(get_op_spec(op), problem._replace(platform=platform))) for op, problem in keys)
+    return _dedupe((op, decision_problem(get_op_spec(op), problem._replace(platform=platform)))
+                   for op, problem in keys)
 
 
 def _dedupe(keys: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
