@@ -706,6 +706,10 @@ def test_gpu_blockwise_training_step_in_a_cuda_graph():
     a.grad = b.grad = None
     with torch.cuda.graph(graph):
         out = step(lens)
+    # Keep the captured output's memory but not its autograd graph: that graph's AccumulateGrad
+    # nodes belong to the capture stream, and the eager steps below (default stream) would reuse
+    # them (torch's stream-mismatch warning).
+    out = out.detach()
     grads = (a.grad, b.grad)
     try:
         for r in routings[1:] + routings[:1]:
