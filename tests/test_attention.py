@@ -539,6 +539,100 @@ def test_gpu_varlen_torch_bf16():
         assert_close("dq", grads[0][sq_].float(), g[0][0], BF16)
 
 
+def test_varlen_native_gate_names_each_reason():
+    """Which varlen calls the TORCH adapter hands to torch's varlen_attn, and why not the rest
+    (decided from the problem alone, so describe() reports it without tensors)."""
+    from turbo_dispatch.backends.torch import varlen_native
+    from turbo_dispatch.backends.torch.attention import TorchAttention
+
+    q = randn((12, 4, 16), BF16)
+    c = cu([5, 7])
+    base = attn_mod.attention_varlen_problem(q, q, q, c, c, 7, 7, causal=True)._replace(platform="cuda")
+    fn, names = varlen_native._varlen_api()
+    if fn is None or "scale" not in names:
+        assert varlen_native.reason(base, None) is not None
+        return
+    assert varlen_native.reason(base, None) is None
+    assert "varlen_attn" in TorchAttention().describe(base)
+    refused = {
+        "platform is cpu": base._replace(platform="cpu"),
+        "bf16/fp16": base._replace(dtype=FP32),
+        "head dims": base._replace(head_dim_v=8),
+        "multiples of 8": base._replace(head_dim_qk=20, head_dim_v=20),
+        "dropout": base._replace(dropout_p=0.1),
+    }
+    for why, p in refused.items():
+        got = varlen_native.reason(p, None)
+        assert got is not None and why in got, (why, got)
+        assert why in TorchAttention().describe(p)
+    assert "restricted" in varlen_native.reason(base, ["MATH"])
+    assert "padded" in TorchAttention().describe(base._replace(deterministic=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["causal-gqa-lse", "window-lse", "sq>sk-causal-empty-rows", "full-fp16"])
+def test_gpu_varlen_native_matches_reference(case):
+    """The varlen_attn path (the TORCH adapter's pick on NVIDIA GPUs) against the float64
+    per-sequence reference: out, lse (-inf where a row attends nothing) and every gradient."""
+    from turbo_dispatch.backends.torch import varlen_native
+
+    lens_q, lens_k, hq, hk, dtype, kw = {
+        "causal-gqa-lse": ([100, 7, 250, 33], [120, 7, 250, 20], 8, 2, BF16, dict(causal=True)),
+        "window-lse": ([64, 200, 1], [64, 180, 3], 4, 4, BF16, dict(window_size=(16, 8))),
+        "sq>sk-causal-empty-rows": ([40, 0, 17], [9, 5, 17], 4, 4, BF16, dict(causal=True)),
+        "full-fp16": ([31, 129], [31, 129], 4, 1, FP16, {}),
+    }[case]
+    c_q, c_k = cu(lens_q), cu(lens_k)
+    tq, tk = sum(lens_q), sum(lens_k)
+    q, k, v = randn((tq, hq, 64), dtype), randn((tk, hk, 64), dtype), randn((tk, hk, 64), dtype)
+    grad = randn((tq, hq, 64), dtype)
+    p = attn_mod.attention_varlen_problem(q.cuda(), k.cuda(), v.cuda(), c_q.cuda(), c_k.cuda(), max(lens_q),
+                                          max(lens_k), return_lse=True, **kw)
+    why = varlen_native.reason(p, None)
+    if why is not None:
+        pytest.skip(f"varlen_attn does not serve it here: {why}")
+    turbo.GlobalBackendManager.set_attn_backend("TORCH")
+    try:
+        out, lse, grads = run_op(flash_attn_varlen_func, q.cuda(), k.cuda(), v.cuda(), grad.cuda(), c_q.cuda(),
+                                 c_k.cuda(), max(lens_q), max(lens_k), return_lse=True, **kw)
+    finally:
+        turbo.GlobalBackendManager.set_attn_backend(None)
+    ref_out = torch.zeros(tq, hq, 64, dtype=torch.float64)
+    ref_lse = torch.full((hq, tq), float("-inf"), dtype=torch.float64)
+    ref_g = [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v)]
+    for b in range(len(lens_q)):
+        sq_, sk_ = slice(c_q[b], c_q[b + 1]), slice(c_k[b], c_k[b + 1])
+        if lens_q[b] == 0:
+            continue
+        if lens_k[b] == 0:
+            continue  # no key at all: zero output and gradients, lse -inf (the initial values)
+        o, l_, g = ref_grads(q[None, sq_], k[None, sk_], v[None, sk_], grad[None, sq_], **ref_kwargs(kw))
+        ref_out[sq_], ref_lse[:, sq_] = o[0], l_[0]
+        ref_g[0][sq_] = g[0][0]
+        ref_g[1][sk_] += g[1][0]
+        ref_g[2][sk_] += g[2][0]
+    assert_close("out", out.float(), ref_out, BF16)
+    assert_lse(lse, ref_lse, BF16)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_g):
+        assert_close(name, g.float(), r, BF16)
+
+
+@pytest.mark.gpu
+def test_gpu_compile_varlen_native(fresh_dynamo):
+    """torch.compile (fullgraph, aot_eager) of a varlen call the native path serves: its backward
+    is the adapter's recomputation through torch.func.vjp over varlen_attn."""
+    lens = [100, 7, 250, 33]
+    c = cu(lens).cuda()
+    q, k, v, grad = (randn((390, 4, 64), BF16, "cuda") for _ in range(4))
+    compiled = torch.compile(lambda q, k, v: flash_attn_varlen_func(q, k, v, c, c, 250, 250, causal=True),
+                             fullgraph=True, backend="aot_eager")
+    out_c, _, grads_c = run_op(compiled, q, k, v, grad)
+    out_e, _, grads_e = run_op(flash_attn_varlen_func, q, k, v, grad, c, c, 250, 250, causal=True)
+    assert snr_db(out_c.float(), out_e.float()) > 60
+    for g, r in zip(grads_c, grads_e):
+        assert snr_db(g.float(), r.float()) > 40
+
+
 @pytest.mark.gpu
 def test_gpu_cuda_graph_capture():
     """Nothing in the forward syncs the host: dense (windowed, with lse) and varlen calls are
