@@ -619,8 +619,9 @@ def test_gpu_varlen_native_matches_reference(case):
 
 @pytest.mark.gpu
 def test_gpu_compile_varlen_native(fresh_dynamo):
-    """torch.compile (fullgraph, aot_eager) of a varlen call the native path serves: its backward
-    is the adapter's recomputation through torch.func.vjp over varlen_attn."""
+    """torch.compile (fullgraph, aot_eager) of a varlen call the native path serves: the forward
+    runs varlen_attn; the backward is the adapter's recomputation through torch.func.vjp, on the
+    padded path (varlen_attn's autograd cannot be differentiated by torch.func)."""
     lens = [100, 7, 250, 33]
     c = cu(lens).cuda()
     q, k, v, grad = (randn((390, 4, 64), BF16, "cuda") for _ in range(4))

@@ -269,9 +269,12 @@ class TorchAttention(Adapter):
     # -- the attention adapter protocol ---------------------------------------------------------------
     def forward(self, p, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, config=None):
         """(out, lse or None, saved). Differentiable when q/k/v require grad."""
+        return self._forward(p, q, k, v, cu_seqlens_q, cu_seqlens_k, native_varlen=True)
+
+    def _forward(self, p, q, k, v, cu_seqlens_q, cu_seqlens_k, native_varlen: bool):
         kernels = self._kernels(p, q.is_cuda)
         if p.varlen:
-            out, lse = self._varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, kernels)
+            out, lse = self._varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, kernels, native_varlen)
         else:
             qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             plan = _dense_plan(p, q.device, p.return_lse)
@@ -288,15 +291,18 @@ class TorchAttention(Adapter):
         p = p._replace(return_lse=False)
         # torch.func.vjp rather than enable_grad + autograd.grad: inside a custom op's
         # implementation the autograd dispatch keys are excluded, and functorch's grad
-        # transform is what re-enables them for its own level.
-        _, vjp = torch.func.vjp(lambda q, k, v: self.forward(p, q, k, v, cu_q, cu_k, config)[0], q, k, v)
+        # transform is what re-enables them for its own level. Varlen recomputes on the padded
+        # path: varlen_attn's autograd.Function has no setup_context, which torch.func needs
+        # (torch 2.11, round 134); both compute the same attention.
+        _, vjp = torch.func.vjp(lambda q, k, v: self._forward(p, q, k, v, cu_q, cu_k, native_varlen=False)[0],
+                                q, k, v)
         return vjp(grad_out.to(q.dtype))
 
     def run(self, p, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, config=None):
         return self.forward(p, q, k, v, cu_seqlens_q, cu_seqlens_k, config)[0]
 
-    def _varlen(self, p, q, k, v, cu_q, cu_k, kernels):
-        if varlen_native.reason(p, kernels) is None:
+    def _varlen(self, p, q, k, v, cu_q, cu_k, kernels, native: bool = True):
+        if native and varlen_native.reason(p, kernels) is None:
             return varlen_native.attend(p, q, k, v, cu_q, cu_k)
         seq_q, pos_q = _token_index(cu_q, p.total_q, p.batch, p.seqlen_q)
         seq_k, pos_k = _token_index(cu_k, p.total_k, p.batch, p.seqlen_k)

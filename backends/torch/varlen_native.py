@@ -13,6 +13,9 @@ Its signature moved between releases (2.10: ``is_causal`` only in the first form
 off the signature once. A call it cannot serve (no CUDA tensor, a dtype other than bf16/fp16, a
 head dim FlashAttention does not take, v's head dim unlike q's, dropout, deterministic, an lse or
 a window this torch's signature has no way to ask for) keeps the padded path: ``reason`` says why.
+The compiled path's backward (``TorchAttention.backward``, a recomputation under ``torch.func.vjp``)
+also takes the padded path: ``varlen_attn``'s autograd.Function has no ``setup_context``, which
+torch.func requires (torch 2.11, round 134).
 """
 from __future__ import annotations
 
