@@ -214,6 +214,24 @@ def cu(lens):
     return torch.tensor(out, dtype=torch.int32)
 
 
+def varlen_reference(q, k, v, grad, cu_q, cu_k, kw):
+    """float64 (out [Tq, Hq, Dv], lse [Hq, Tq], [dq, dk, dv]) of packed sequences, each attended
+    on its own by ``ref_grads``; a sequence without queries contributes nothing."""
+    ref_out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64)
+    ref_lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float64)
+    ref_g = [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v)]
+    for b in range(len(cu_q) - 1):
+        sq_, sk_ = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if cu_q[b + 1] == cu_q[b]:
+            continue
+        o, l_, g = ref_grads(q[None, sq_], k[None, sk_], v[None, sk_], grad[None, sq_], **ref_kwargs(kw))
+        ref_out[sq_], ref_lse[:, sq_] = o[0], l_[0]
+        ref_g[0][sq_] = g[0][0]
+        ref_g[1][sk_] += g[1][0]
+        ref_g[2][sk_] += g[2][0]
+    return ref_out, ref_lse, ref_g
+
+
 @pytest.mark.parametrize("case", list(VARLEN))
 def test_varlen_matches_per_sequence_reference(case):
     lens_q, lens_k, hq, hk, d, dv, pad, kw = VARLEN[case]
@@ -224,19 +242,7 @@ def test_varlen_matches_per_sequence_reference(case):
     out, lse, grads = run_op(flash_attn_varlen_func, q, k, v, grad, cu_q, cu_k, max(lens_q) + pad,
                              max(lens_k) + pad, return_lse=True, **kw)
     assert out.shape == (tq, hq, dv) and lse.shape == (hq, tq)
-    ref_out = torch.zeros(tq, hq, dv, dtype=torch.float64)
-    ref_lse = torch.full((hq, tq), float("-inf"), dtype=torch.float64)
-    ref_g = [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v)]
-    for b in range(len(lens_q)):
-        sq_ = slice(cu_q[b], cu_q[b + 1])
-        sk_ = slice(cu_k[b], cu_k[b + 1])
-        if lens_q[b] == 0:
-            continue
-        o, l_, g = ref_grads(q[None, sq_], k[None, sk_], v[None, sk_], grad[None, sq_], **ref_kwargs(kw))
-        ref_out[sq_], ref_lse[:, sq_] = o[0], l_[0]
-        ref_g[0][sq_] = g[0][0]
-        ref_g[1][sk_] += g[1][0]
-        ref_g[2][sk_] += g[2][0]
+    ref_out, ref_lse, ref_g = varlen_reference(q, k, v, grad, cu_q, cu_k, kw)
     assert_close("out", out, ref_out, FP32)
     assert_lse(lse, ref_lse, FP32)
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref_g):
@@ -597,20 +603,7 @@ def test_gpu_varlen_native_matches_reference(case):
                                  c_k.cuda(), max(lens_q), max(lens_k), return_lse=True, **kw)
     finally:
         turbo.GlobalBackendManager.set_attn_backend(None)
-    ref_out = torch.zeros(tq, hq, 64, dtype=torch.float64)
-    ref_lse = torch.full((hq, tq), float("-inf"), dtype=torch.float64)
-    ref_g = [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v)]
-    for b in range(len(lens_q)):
-        sq_, sk_ = slice(c_q[b], c_q[b + 1]), slice(c_k[b], c_k[b + 1])
-        if lens_q[b] == 0:
-            continue
-        if lens_k[b] == 0:
-            continue  # no key at all: zero output and gradients, lse -inf (the initial values)
-        o, l_, g = ref_grads(q[None, sq_], k[None, sk_], v[None, sk_], grad[None, sq_], **ref_kwargs(kw))
-        ref_out[sq_], ref_lse[:, sq_] = o[0], l_[0]
-        ref_g[0][sq_] = g[0][0]
-        ref_g[1][sk_] += g[1][0]
-        ref_g[2][sk_] += g[2][0]
+    ref_out, ref_lse, ref_g = varlen_reference(q, k, v, grad, c_q, c_k, kw)
     assert_close("out", out.float(), ref_out, BF16)
     assert_lse(lse, ref_lse, BF16)
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref_g):

@@ -36,6 +36,7 @@ from turbo_dispatch.backends.triton.grouped_quantize import quantize_cells
 from turbo_dispatch.low_precision import Float8QuantConfig
 
 from probe_triton_grouped import bench_routing  # sibling in tools/
+from probe_record import capture_graph  # sibling in tools/
 
 _grouped = importlib.import_module("turbo_dispatch.ops.grouped_gemm")
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -536,21 +537,11 @@ GRAPHS = False  # --graphs
 def graph_ms(run) -> float:
     """Time of one replay of ``run`` (a whole step) captured in a CUDA graph: the GPU time alone,
     without the host's launch and dispatch overhead that the eager time includes."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: compiles and resolves outside the capture
-        for _ in range(2):
-            run()
-    torch.cuda.current_stream().wait_stream(side)
     # Blocks cached by the eager runs are returned first, in case the allocator would free them
     # mid-capture (cudaFree syncs the legacy stream). After this probe's eager runs the capture
     # still failed at DeepSeek-V3 sizes (cudaErrorStreamCaptureImplicit, rounds 27 and 28), while a
     # fresh process captures the same step (tools/probe_step_capture.py); the cause is not known.
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph = capture_graph(run, warmups=2, empty_cache=True)
     ms = time_ms(graph.replay)
     del graph
     return ms

@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from probe_record import Jsonl  # noqa: E402  (sibling in tools/)
+from probe_record import Jsonl, capture_graph, event_ms  # noqa: E402  (sibling in tools/)
 from probe_triton_grouped import bench_routing  # noqa: E402
 from turbo_dispatch import BackendType, GlobalBackendManager  # noqa: E402
 from turbo_dispatch.backends.quantizer import quantize_runs_both, quantize_tiles_both  # noqa: E402
@@ -54,20 +54,6 @@ def cap_programs(p: int | None) -> None:
     GWW.num_programs = num_programs if p is None else (lambda _idx: p)
 
 
-def capture(fn) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph
-
-
 def pair(first, second):
     """``first`` on the current stream, then ``second`` on a side stream (launched after it)."""
     side = torch.cuda.Stream()
@@ -85,18 +71,12 @@ def pair(first, second):
 def in_turns(graphs: dict, rounds: int = 5, reps: int = 10) -> dict:
     """Median ms per replay of each graph, timed in turns."""
     times = {k: [] for k in graphs}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for g in graphs.values():
         g.replay()
     torch.cuda.synchronize()
     for _ in range(rounds):
         for k, g in graphs.items():
-            start.record()
-            for _ in range(reps):
-                g.replay()
-            end.record()
-            end.synchronize()
-            times[k].append(start.elapsed_time(end) / reps)
+            times[k].append(event_ms(g.replay, reps))
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -134,7 +114,7 @@ def probe_shape(shape: str, caps: list[int], pair_caps: list[int], log: Jsonl) -
     ref = {name: fn().clone() for name, fn in gemms.items()}
     for p in caps:
         cap_programs(p)
-        graphs = {name: capture(fn) for name, fn in gemms.items()}
+        graphs = {name: capture_graph(fn, warmups=1) for name, fn in gemms.items()}
         same = {}
         for name, fn in gemms.items():
             same[name] = bool(torch.equal(fn(), ref[name]))
@@ -148,7 +128,7 @@ def probe_shape(shape: str, caps: list[int], pair_caps: list[int], log: Jsonl) -
     tma_runs = DQG.TMA_RUNS
     for form in ("tma", "per_tile"):
         DQG.TMA_RUNS = tma_runs if form == "tma" else None
-        graphs = {name: capture(fn) for name, fn in quants.items()}
+        graphs = {name: capture_graph(fn, warmups=1) for name, fn in quants.items()}
         ms = in_turns(graphs)
         moved = {"q_x": x.numel() * 4, "q_dy": dy.numel() * 4, "q_w": w.numel() * 4}
         for name in quants:
@@ -165,8 +145,9 @@ def probe_shape(shape: str, caps: list[int], pair_caps: list[int], log: Jsonl) -
         for p in pair_caps:
             cap_programs(p)
             for gname, qname in combos:
-                graphs = {"gemm": capture(gemms[gname]), "quant": capture(quants[qname]),
-                          "pair": capture(pair(gemms[gname], quants[qname]))}
+                graphs = {"gemm": capture_graph(gemms[gname], warmups=1),
+                          "quant": capture_graph(quants[qname], warmups=1),
+                          "pair": capture_graph(pair(gemms[gname], quants[qname]), warmups=1)}
                 ms = in_turns(graphs)
                 hidden = (ms["gemm"] + ms["quant"] - ms["pair"]) / ms["quant"]
                 log({"probe": "pair", "shape": shape, "gemm": gname, "quantiser": qname, "form": form,

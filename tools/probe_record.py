@@ -2,6 +2,7 @@
 
     log = Jsonl(out_path, gpu=torch.cuda.get_device_name())
     log({"probe": "time", "ms": event_ms(fn, 20)})
+    graph = capture_graph(step, warmups=2)  # then graph.replay()
     with Smi("power.draw,clocks.sm") as smi:
         ...  # the work
     watts = smi.median(0)
@@ -41,6 +42,26 @@ def event_ms(fn: Callable[[], Any], reps: int) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / reps
+
+
+def capture_graph(fn: Callable[[], Any], warmups: int, empty_cache: bool = False) -> torch.cuda.CUDAGraph:
+    """``fn`` captured in a CUDA graph after ``warmups`` eager calls on a side stream (kernels
+    compiled and decisions resolved outside the capture, on a stream other than the legacy one).
+    ``empty_cache`` returns the allocator's cached blocks first, so that none is freed mid-capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    if empty_cache:
+        torch.cuda.empty_cache()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
 
 
 class Smi:

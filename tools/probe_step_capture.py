@@ -15,6 +15,7 @@ def one(g: int, t: int, n: int, k: int, with_offs: bool) -> None:
 
     import turbo_dispatch as turbo
     from turbo_dispatch import BackendType, GlobalBackendManager
+    from probe_record import capture_graph  # sibling in tools/
     from turbo_dispatch.low_precision import Float8QuantConfig
 
     GlobalBackendManager.set_grouped_gemm_backend(BackendType.TRITON, precision="fp8")
@@ -30,16 +31,7 @@ def one(g: int, t: int, n: int, k: int, with_offs: bool) -> None:
         out = turbo.ops.grouped_gemm_fp8(a, w, lens, offs, trans_b=True, config=cfg)
         out.backward(grad)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    a.grad = w.grad = None
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step, warmups=2)
     graph.replay()
     torch.cuda.synchronize()
 

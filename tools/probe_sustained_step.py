@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 import bench_grouped_gemm as B  # noqa: E402
 import harness as H  # noqa: E402
 import turbo_dispatch as turbo  # noqa: E402
-from probe_record import Jsonl, Smi  # noqa: E402
+from probe_record import Jsonl, Smi, capture_graph  # noqa: E402
 from turbo_dispatch.low_precision import Float8QuantConfig  # noqa: E402
 
 SHAPES = ("deepseek-v3/up_gate/EP8/4096tpe/balanced", "deepseek-v3/up_gate/EP32/16384tpe/balanced",
@@ -48,20 +48,6 @@ def find_case(label: str) -> B.Case:
         if c.label == label:
             return c
     raise SystemExit(f"no bench case {label!r}")
-
-
-def capture(step) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    torch.cuda.synchronize()
-    return graph
 
 
 def sustained(graph: torch.cuda.CUDAGraph, seconds: float) -> dict:
@@ -118,7 +104,7 @@ def main(argv=None) -> int:
         graphs = {}
         for name, (step, enter) in steps.items():
             enter()
-            graphs[name] = capture(step)
+            graphs[name] = capture_graph(step, warmups=3)
         B.plain()
         seg = {name: [] for name in graphs}
         for i in range(args.segments * len(graphs)):
