@@ -489,6 +489,9 @@ GPU_GRID = [
     (1, 128, 128, 4, 4, 256, 256, BF16, {}),
     (1, 128, 128, 4, 4, 40, 40, BF16, {}),
     (1, 128, 128, 4, 4, 128, 128, BF16, dict(return_lse=True, causal=True)),
+    (1, 256, 256, 4, 4, 128, 128, BF16, dict(window_size=(64, 0), return_lse=True)),
+    (1, 128, 384, 8, 2, 128, 128, BF16, dict(causal=True, return_lse=True)),
+    (1, 384, 128, 4, 4, 64, 64, BF16, dict(causal=True, return_lse=True)),
     (1, 128, 128, 4, 4, 64, 64, FP32, {}),
     (1, 128, 128, 4, 2, 64, 64, FP32, dict(causal=True, window_size=(16, 0))),
     (2, 128, 128, 4, 4, 64, 64, BF16, dict(deterministic=True, causal=True)),
@@ -545,65 +548,242 @@ def test_gpu_varlen_torch_bf16():
         assert_close("dq", grads[0][sq_].float(), g[0][0], BF16)
 
 
-def test_varlen_native_gate_names_each_reason():
-    """Which varlen calls the TORCH adapter hands to torch's varlen_attn, and why not the rest
+# -- the TORCH adapter's FlashAttention path ----------------------------------------------------------
+@pytest.fixture
+def flash_kernels_present(monkeypatch):
+    """Judge the gate as on a torch build with FlashAttention kernels (the CPU build has none)."""
+    from turbo_dispatch.backends.torch import flash_native
+
+    monkeypatch.setattr(flash_native, "_unavailable", lambda: None)
+    return flash_native
+
+
+def test_flash_gate_names_each_reason(flash_kernels_present):
+    """Which calls the TORCH adapter hands to the FlashAttention kernels, and why not the rest
     (decided from the problem alone, so describe() reports it without tensors)."""
-    from turbo_dispatch.backends.torch import varlen_native
     from turbo_dispatch.backends.torch.attention import TorchAttention
+
+    flash, adapter = flash_kernels_present, TorchAttention()
+    q = randn((12, 4, 16), BF16)
+    c = cu([5, 7])
+    varlen = attn_mod.attention_varlen_problem(q, q, q, c, c, 7, 7, causal=True)._replace(platform="cuda")
+    qd, kd = randn((2, 9, 4, 16), BF16), randn((2, 9, 2, 16), BF16)
+    dense = attn_mod.attention_problem(qd, kd, kd, causal=True)._replace(platform="cuda")
+    taken = {
+        "varlen": varlen,
+        "dense lse": dense._replace(return_lse=True),
+        "dense window": dense._replace(window_left=4),
+        "dense causal sq>sk": dense._replace(seqlen_q=20),
+    }
+    for name, p in taken.items():
+        assert adapter._flash_reason(p) is None, name
+        assert "FlashAttention (aten._flash_attention_forward/backward)" in adapter.describe(p), name
+    assert "lse from the kernel" in adapter.describe(taken["dense lse"])
+    assert "window (4, 0) in the kernel" in adapter.describe(taken["dense window"])
+    assert "GQA 4/2 in the kernel" in adapter.describe(dense._replace(return_lse=True))
+    # SDPA's own flash/cuDNN kernels serve plain and causal calls without an lse as they are.
+    assert "SDPA serves it" in adapter._flash_reason(dense)
+    assert adapter.describe(dense).startswith("SDPA, is_causal")
+    refused = {
+        "platform is cpu": varlen._replace(platform="cpu"),
+        "bf16/fp16": varlen._replace(dtype=FP32),
+        "head dims": varlen._replace(head_dim_v=8),
+        "multiples of 8": varlen._replace(head_dim_qk=20, head_dim_v=20),
+        "dropout": varlen._replace(dropout_p=0.1),
+        "restricted": varlen._replace(deterministic=True),
+    }
+    for why, p in refused.items():
+        got = adapter._flash_reason(p)
+        assert got is not None and why in got, (why, got)
+        assert why in adapter.describe(p)
+        assert "padded" in adapter.describe(p)
+    lse_fp32 = taken["dense lse"]._replace(dtype=FP32)
+    assert "not FlashAttention: FlashAttention takes bf16/fp16" in adapter.describe(lse_fp32)
+    assert "lse by a separate float32 pass" in adapter.describe(lse_fp32)
+
+
+def test_flash_gate_honours_flash_sdp_switch(flash_kernels_present, monkeypatch):
+    q = randn((12, 4, 16), BF16)
+    c = cu([5, 7])
+    p = attn_mod.attention_varlen_problem(q, q, q, c, c, 7, 7)._replace(platform="cuda")
+    monkeypatch.setattr(torch.backends.cuda, "flash_sdp_enabled", lambda: False)
+    assert "enable_flash_sdp(False)" in flash_kernels_present.reason(p, None)
+
+
+def test_flash_gate_without_kernels():
+    """On a torch build without FlashAttention kernels (this CPU build) nothing takes the path."""
+    from turbo_dispatch.backends.torch import flash_native
 
     q = randn((12, 4, 16), BF16)
     c = cu([5, 7])
-    base = attn_mod.attention_varlen_problem(q, q, q, c, c, 7, 7, causal=True)._replace(platform="cuda")
-    fn, names = varlen_native._varlen_api()
-    if fn is None or "scale" not in names:
-        assert varlen_native.reason(base, None) is not None
-        return
-    assert varlen_native.reason(base, None) is None
-    assert "varlen_attn" in TorchAttention().describe(base)
-    refused = {
-        "platform is cpu": base._replace(platform="cpu"),
-        "bf16/fp16": base._replace(dtype=FP32),
-        "head dims": base._replace(head_dim_v=8),
-        "multiples of 8": base._replace(head_dim_qk=20, head_dim_v=20),
-        "dropout": base._replace(dropout_p=0.1),
-    }
-    for why, p in refused.items():
-        got = varlen_native.reason(p, None)
-        assert got is not None and why in got, (why, got)
-        assert why in TorchAttention().describe(p)
-    assert "restricted" in varlen_native.reason(base, ["MATH"])
-    assert "padded" in TorchAttention().describe(base._replace(deterministic=True))
+    p = attn_mod.attention_varlen_problem(q, q, q, c, c, 7, 7)._replace(platform="cuda")
+    if flash_native._unavailable() is None:
+        pytest.skip("this torch build has FlashAttention kernels")
+    assert flash_native.reason(p, None) == flash_native._unavailable()
+
+
+def _emulated_flash_kernels(monkeypatch, calls):
+    """Stand-ins for aten's FlashAttention forward/backward that keep their contract (packed
+    [T, H, D] tensors with unit last stride, int32 cu_seqlens, the raw lse [Hq, Tq] with +inf
+    on rows that attend nothing, the forward's out/lse handed to the backward) and compute in
+    float64 with the reference above, so the adapter's packing and unpacking runs on a CPU."""
+    from turbo_dispatch.backends.torch import flash_native
+
+    def one_sequence(q, k, v, g, scale, left, right):
+        """float64 out [Sq, Hq, D], lse [Hq, Sq] (+inf on empty rows) and, given g, the
+        gradients by the closed-form softmax backward: no autograd, which a custom op's
+        implementation (the compiled path) runs without."""
+        sq, hq, sk, hk = q.shape[0], q.shape[1], k.shape[0], k.shape[1]
+        ke, ve = k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1)
+        diag = torch.arange(sq)[:, None] + sk - sq
+        j = torch.arange(sk)[None, :]
+        allowed = torch.ones(sq, sk, dtype=torch.bool)
+        if right >= 0:
+            allowed &= j <= diag + right
+        if left >= 0:
+            allowed &= j >= diag - left
+        scores = torch.einsum("qhd,khd->hqk", q, ke).mul(scale).masked_fill(~allowed, float("-inf"))
+        lse = torch.logsumexp(scores, -1)
+        probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # empty rows: all 0
+        out = torch.einsum("hqk,khd->qhd", probs, ve)
+        lse = lse.masked_fill(torch.isinf(lse), float("inf"))
+        if g is None:
+            return out, lse, None
+        dv = torch.einsum("hqk,qhd->khd", probs, g)
+        dp = torch.einsum("qhd,khd->hqk", g, ve)
+        ds = probs * (dp - (g * out).sum(-1).t()[..., None])
+        dq = torch.einsum("hqk,khd->qhd", ds, ke) * scale
+        dk = torch.einsum("hqk,qhd->khd", ds, q) * scale
+        fold = lambda t: t.view(sk, hk, hq // hk, t.shape[-1]).sum(2)  # noqa: E731
+        return out, lse, (dq, fold(dk), fold(dv))
+
+    def per_sequence(p, x, grad_out=None):
+        q, k, v = (t.double() for t in (x.q, x.k, x.v))
+        out = torch.zeros(q.shape[:2] + v.shape[2:], dtype=torch.float64)
+        lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=torch.float64)
+        grads = [torch.zeros_like(t) for t in (q, k, v)]
+        for b in range(p.batch):
+            sq_, sk_ = slice(x.cu_q[b], x.cu_q[b + 1]), slice(x.cu_k[b], x.cu_k[b + 1])
+            if x.cu_q[b + 1] == x.cu_q[b]:
+                continue
+            g = grad_out[sq_].double() if grad_out is not None else None
+            o, l_, gr = one_sequence(q[sq_], k[sk_], v[sk_], g, p.softmax_scale, p.window_left, p.window_right)
+            out[sq_], lse[:, sq_] = o, l_
+            for acc, part, sl in zip(grads, gr or (), (sq_, sk_, sk_)):
+                acc[sl] += part
+        return out, lse, grads
+
+    def forward(p, x):
+        for t in (x.q, x.k, x.v):
+            assert t.dim() == 3 and t.stride(-1) == 1
+        assert x.cu_q.dtype == x.cu_k.dtype == torch.int32
+        assert len(x.cu_q) == len(x.cu_k) == p.batch + 1
+        out, lse, _ = per_sequence(p, x)
+        calls.append("forward")
+        return out.to(x.q.dtype), lse.float(), None, None
+
+    def backward(p, x, out, lse, rng_state, unused, grad_out):
+        assert grad_out.shape == out.shape and (lse[torch.isinf(lse)] > 0).all()  # the raw lse
+        _, _, grads = per_sequence(p, x, grad_out)
+        calls.append("backward")
+        return tuple(g.to(t.dtype) for g, t in zip(grads, (x.q, x.k, x.v)))
+
+    monkeypatch.setattr(flash_native, "reason", lambda p, kernels: None)
+    monkeypatch.setattr(flash_native, "_forward_raw", forward)
+    monkeypatch.setattr(flash_native, "_backward_raw", backward)
+
+
+FLASH_WIRING = {
+    "dense-gqa-causal-lse": ((2, 19, 23, 4, 2, 16), dict(causal=True, return_lse=True)),
+    "dense-sq>sk-causal-lse": ((1, 29, 13, 2, 2, 16), dict(causal=True, return_lse=True)),
+    "dense-window-lse": ((2, 21, 21, 2, 1, 16), dict(window_size=(3, 2), return_lse=True)),
+    "dense-window": ((1, 9, 21, 2, 2, 16), dict(window_size=(2, 2))),
+    "varlen-causal-lse": (([5, 0, 9], [7, 2, 9], 4, 2, 16), dict(causal=True, return_lse=True)),
+    "varlen-window": (([6, 11], [6, 11], 2, 2, 16), dict(window_size=(2, 0))),
+}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("case", list(FLASH_WIRING))
+def test_flash_path_packing_on_cpu(case, compiled, monkeypatch, fresh_dynamo):
+    """The FlashAttention path's packing (dense batches as packed sequences), lse layout and
+    -inf rows, and both backwards (eager autograd, the compiled path's recomputation), with the
+    two kernels emulated in float64: out, lse and every gradient against the reference."""
+    calls = []
+    _emulated_flash_kernels(monkeypatch, calls)
+    shape, kw = FLASH_WIRING[case]
+    if case.startswith("dense"):
+        b, sq, sk, hq, hk, d = shape
+        q, k, v, grad = randn((b, sq, hq, d)), randn((b, sk, hk, d)), randn((b, sk, hk, d)), randn((b, sq, hq, d))
+        fn, args = flash_attn_func, ()
+        ref_out, ref_lse, ref_g = ref_grads(q, k, v, grad, **ref_kwargs(kw))
+    else:
+        lens_q, lens_k, hq, hk, d = shape
+        c_q, c_k = cu(lens_q), cu(lens_k)
+        q, k, v = randn((sum(lens_q), hq, d)), randn((sum(lens_k), hk, d)), randn((sum(lens_k), hk, d))
+        grad = randn((sum(lens_q), hq, d))
+        fn, args = flash_attn_varlen_func, (c_q, c_k, max(lens_q), max(lens_k))
+        ref_out, ref_lse, ref_g = varlen_reference(q, k, v, grad, c_q, c_k, kw)
+    call = torch.compile(fn, fullgraph=True, backend="aot_eager") if compiled else fn
+    turbo.GlobalBackendManager.set_attn_backend("TORCH")
+    try:
+        out, lse, grads = run_op(call, q, k, v, grad, *args, **kw)
+    finally:
+        turbo.GlobalBackendManager.set_attn_backend(None)
+    assert_close("out", out, ref_out, FP32)
+    if kw.get("return_lse"):
+        assert_lse(lse, ref_lse, FP32)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_g):
+        assert_close(name, g, r, FP32)
+    # Eager: one forward, one backward from the saved out/lse. Compiled: the backward recomputes.
+    assert calls == (["forward", "forward", "backward"] if compiled else ["forward", "backward"])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["causal-gqa-lse", "window-lse", "sq>sk-causal-empty-rows", "full-fp16"])
-def test_gpu_varlen_native_matches_reference(case):
-    """The varlen_attn path (the TORCH adapter's pick on NVIDIA GPUs) against the float64
-    per-sequence reference: out, lse (-inf where a row attends nothing) and every gradient."""
-    from turbo_dispatch.backends.torch import varlen_native
+@pytest.mark.parametrize("case", ["varlen-causal-gqa", "varlen-window", "varlen-sq>sk-causal-empty-rows",
+                                  "varlen-full-fp16-mqa", "dense-causal-gqa", "dense-window", "dense-sq>sk-causal",
+                                  "dense-window-sq<sk-fp16"])
+def test_gpu_flash_native_matches_reference(case):
+    """The FlashAttention path (the TORCH adapter's pick for these calls on NVIDIA GPUs) against
+    the float64 reference: out, lse (-inf where a row attends nothing) and every gradient."""
+    from turbo_dispatch.backends.torch.attention import TorchAttention
 
-    lens_q, lens_k, hq, hk, dtype, kw = {
-        "causal-gqa-lse": ([100, 7, 250, 33], [120, 7, 250, 20], 8, 2, BF16, dict(causal=True)),
-        "window-lse": ([64, 200, 1], [64, 180, 3], 4, 4, BF16, dict(window_size=(16, 8))),
-        "sq>sk-causal-empty-rows": ([40, 0, 17], [9, 5, 17], 4, 4, BF16, dict(causal=True)),
-        "full-fp16": ([31, 129], [31, 129], 4, 1, FP16, {}),
-    }[case]
-    c_q, c_k = cu(lens_q), cu(lens_k)
-    tq, tk = sum(lens_q), sum(lens_k)
-    q, k, v = randn((tq, hq, 64), dtype), randn((tk, hk, 64), dtype), randn((tk, hk, 64), dtype)
-    grad = randn((tq, hq, 64), dtype)
-    p = attn_mod.attention_varlen_problem(q.cuda(), k.cuda(), v.cuda(), c_q.cuda(), c_k.cuda(), max(lens_q),
-                                          max(lens_k), return_lse=True, **kw)
-    why = varlen_native.reason(p, None)
+    varlen = {
+        "varlen-causal-gqa": ([100, 7, 250, 33], [120, 7, 250, 20], 8, 2, BF16, dict(causal=True)),
+        "varlen-window": ([64, 200, 1], [64, 180, 3], 4, 4, BF16, dict(window_size=(16, 8))),
+        "varlen-sq>sk-causal-empty-rows": ([40, 0, 17], [9, 5, 17], 4, 4, BF16, dict(causal=True)),
+        "varlen-full-fp16-mqa": ([31, 129], [31, 129], 4, 1, FP16, {}),
+    }
+    dense = {  # (B, Sq, Sk, Hq, Hkv, dtype, kwargs)
+        "dense-causal-gqa": (2, 300, 300, 8, 2, BF16, dict(causal=True)),
+        "dense-window": (2, 257, 257, 4, 4, BF16, dict(window_size=(32, 5))),
+        "dense-sq>sk-causal": (1, 300, 100, 4, 4, BF16, dict(causal=True)),
+        "dense-window-sq<sk-fp16": (2, 96, 320, 4, 2, FP16, dict(window_size=(20, 20))),
+    }
+    if case in varlen:
+        lens_q, lens_k, hq, hk, dtype, kw = varlen[case]
+        c_q, c_k = cu(lens_q), cu(lens_k)
+        q, k, v = randn((sum(lens_q), hq, 64), dtype), randn((sum(lens_k), hk, 64), dtype), \
+            randn((sum(lens_k), hk, 64), dtype)
+        grad = randn((sum(lens_q), hq, 64), dtype)
+        fn, args = flash_attn_varlen_func, (c_q.cuda(), c_k.cuda(), max(lens_q), max(lens_k))
+        ref_out, ref_lse, ref_g = varlen_reference(q, k, v, grad, c_q, c_k, kw)
+        p = attn_mod.attention_varlen_problem(q.cuda(), k.cuda(), v.cuda(), *args, return_lse=True, **kw)
+    else:
+        b, sq, sk, hq, hk, dtype, kw = dense[case]
+        q, k, v = randn((b, sq, hq, 64), dtype), randn((b, sk, hk, 64), dtype), randn((b, sk, hk, 64), dtype)
+        grad = randn((b, sq, hq, 64), dtype)
+        fn, args = flash_attn_func, ()
+        ref_out, ref_lse, ref_g = ref_grads(q, k, v, grad, **ref_kwargs(kw))
+        p = attn_mod.attention_problem(q.cuda(), k.cuda(), v.cuda(), return_lse=True, **kw)
+    why = TorchAttention()._flash_reason(p)
     if why is not None:
-        pytest.skip(f"varlen_attn does not serve it here: {why}")
+        pytest.skip(f"the FlashAttention path does not serve it here: {why}")
     turbo.GlobalBackendManager.set_attn_backend("TORCH")
     try:
-        out, lse, grads = run_op(flash_attn_varlen_func, q.cuda(), k.cuda(), v.cuda(), grad.cuda(), c_q.cuda(),
-                                 c_k.cuda(), max(lens_q), max(lens_k), return_lse=True, **kw)
+        out, lse, grads = run_op(fn, q.cuda(), k.cuda(), v.cuda(), grad.cuda(), *args, return_lse=True, **kw)
     finally:
         turbo.GlobalBackendManager.set_attn_backend(None)
-    ref_out, ref_lse, ref_g = varlen_reference(q, k, v, grad, c_q, c_k, kw)
     assert_close("out", out.float(), ref_out, BF16)
     assert_lse(lse, ref_lse, BF16)
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref_g):
@@ -611,18 +791,28 @@ def test_gpu_varlen_native_matches_reference(case):
 
 
 @pytest.mark.gpu
-def test_gpu_compile_varlen_native(fresh_dynamo):
-    """torch.compile (fullgraph, aot_eager) of a varlen call the native path serves: the forward
-    runs varlen_attn; the backward is the adapter's recomputation through torch.func.vjp, on the
-    padded path (varlen_attn's autograd cannot be differentiated by torch.func)."""
-    lens = [100, 7, 250, 33]
-    c = cu(lens).cuda()
-    q, k, v, grad = (randn((390, 4, 64), BF16, "cuda") for _ in range(4))
-    compiled = torch.compile(lambda q, k, v: flash_attn_varlen_func(q, k, v, c, c, 250, 250, causal=True),
-                             fullgraph=True, backend="aot_eager")
-    out_c, _, grads_c = run_op(compiled, q, k, v, grad)
-    out_e, _, grads_e = run_op(flash_attn_varlen_func, q, k, v, grad, c, c, 250, 250, causal=True)
+@pytest.mark.parametrize("case", ["varlen-causal", "dense-window-lse"])
+def test_gpu_compile_flash_native(case, fresh_dynamo):
+    """torch.compile (fullgraph, aot_eager) of calls the FlashAttention path serves: the forward
+    and the backward (a recomputation, then the kernel backward) against eager calls."""
+    if case == "varlen-causal":
+        c = cu([100, 7, 250, 33]).cuda()
+        q, k, v, grad = (randn((390, 4, 64), BF16, "cuda") for _ in range(4))
+        kw = dict(causal=True)
+
+        def call(q, k, v):
+            return flash_attn_varlen_func(q, k, v, c, c, 250, 250, **kw)
+    else:
+        q, k, v, grad = (randn((2, 200, 4, 64), BF16, "cuda") for _ in range(4))
+        kw = dict(window_size=(32, 4), return_lse=True)
+
+        def call(q, k, v):
+            return flash_attn_func(q, k, v, **kw)
+    out_c, lse_c, grads_c = run_op(torch.compile(call, fullgraph=True, backend="aot_eager"), q, k, v, grad)
+    out_e, lse_e, grads_e = run_op(call, q, k, v, grad)
     assert snr_db(out_c.float(), out_e.float()) > 60
+    if lse_e is not None:
+        assert torch.equal(lse_c, lse_e)
     for g, r in zip(grads_c, grads_e):
         assert snr_db(g.float(), r.float()) > 40
 

@@ -6,6 +6,7 @@ Run on a GPU box: ``python3 tools/probe_attention.py``. Informs CUDNN's supports
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -61,57 +62,87 @@ def bench(fn, reps=20):
     return event_ms(fn, reps)
 
 
-print("\n== flash_attn_func fwd+bwd, bf16, ms (TFLOP/s) ==")
+from turbo_dispatch.backends.torch import flash_native  # noqa: E402
+from turbo_dispatch.backends.torch.attention import TorchAttention  # noqa: E402
+from turbo_dispatch.ops.attention import attention_problem, attention_varlen_problem  # noqa: E402
+
+
+@contextlib.contextmanager
+def flash_path_off():
+    """The TORCH adapter as it was before its FlashAttention path: SDPA with a separate lse pass
+    or an explicit mask, and varlen padded."""
+    shipped = flash_native.reason
+    flash_native.reason = lambda p, kernels: "forced off by the probe"
+    try:
+        yield
+    finally:
+        flash_native.reason = shipped
+
+
+def timed_step(call, q, k, v, g):
+    def step():
+        r = call(q, k, v)
+        (r[0] if isinstance(r, tuple) else r).backward(g)
+
+    return bench(step)
+
+
+print("\n== flash_attn_func fwd+bwd, bf16, B=2 S=4096 Hq=32 D=128, ms (TFLOP/s) ==")
+print("  TORCH: shipped; TORCH-before: its FlashAttention path forced off; CUDNN: pinned")
 B, S, H, D = 2, 4096, 32, 128
 shapes = {
     "causal": dict(hk=H, kw=dict(causal=True)),
     "full": dict(hk=H, kw={}),
     "gqa 32/8 causal": dict(hk=8, kw=dict(causal=True)),
     "window (1024,0)": dict(hk=H, kw=dict(window_size=(1024, 0))),
+    "window (512,512)": dict(hk=H, kw=dict(window_size=(512, 512))),
     "causal + lse": dict(hk=H, kw=dict(causal=True, return_lse=True)),
+    "gqa 32/8 causal + lse": dict(hk=8, kw=dict(causal=True, return_lse=True)),
+    "window (1024,0) + lse": dict(hk=H, kw=dict(window_size=(1024, 0), return_lse=True)),
 }
 for name, cfg in shapes.items():
     q = torch.randn(B, S, H, D, device=dev, dtype=bf16, requires_grad=True)
     k = torch.randn(B, S, cfg["hk"], D, device=dev, dtype=bf16, requires_grad=True)
     v = torch.randn(B, S, cfg["hk"], D, device=dev, dtype=bf16, requires_grad=True)
     g = torch.randn(B, S, H, D, device=dev, dtype=bf16)
+    kw = cfg["kw"]
+    wl, wr = kw.get("window_size", (-1, 0 if kw.get("causal") else -1))
+    pairs = sum(min(S - 1, i + wr if wr >= 0 else S) - max(0, i - wl if wl >= 0 else 0) + 1 for i in range(S))
+    flops = 3.5 * 4 * B * H * pairs * D  # fwd + bwd over the (query, key) pairs the mask allows
     row = []
-    for backend in ("TORCH", "CUDNN"):
+    for label, backend, off in (("TORCH", "TORCH", False), ("TORCH-before", "TORCH", True), ("CUDNN", "CUDNN", False)):
         turbo.GlobalBackendManager.set_attn_backend(backend)
         try:
-            def step():
-                r = turbo.ops.flash_attn_func(q, k, v, **cfg["kw"])
-                (r[0] if isinstance(r, tuple) else r).backward(g)
-
-            ms = bench(step)
-            flops = 3.5 * 4 * B * H * S * S * D * (0.5 if cfg["kw"].get("causal") else 1.0)
-            row.append(f"{backend} {ms:7.3f} ({flops / ms / 1e9:5.0f})")
-        except Exception as exc:  # noqa: BLE001
-            row.append(f"{backend} refused: {str(exc).splitlines()[-1][:60]}")
-    print(f"  {name:18s} " + " | ".join(row))
+            with flash_path_off() if off else contextlib.nullcontext():
+                ms = timed_step(lambda q, k, v: turbo.ops.flash_attn_func(q, k, v, **kw), q, k, v, g)
+            row.append(f"{label} {ms:7.3f} ({flops / ms / 1e9:4.0f})")
+        except Exception:  # noqa: BLE001  (CUDNN refuses lse and windows)
+            row.append(f"{label} refused")
+    turbo.GlobalBackendManager.set_attn_backend(None)
+    print(f"  {name:22s} " + " | ".join(row))
+    print(f"  {'':22s} TORCH: {TorchAttention().describe(attention_problem(q, k, v, **kw))}")
 turbo.GlobalBackendManager.set_attn_backend(None)
 
-print("\n== varlen (TORCH) vs dense, causal, 8 x 1024 tokens, fwd+bwd ms ==")
+print("\n== varlen (TORCH) vs dense, 8 x 1024 tokens, H=32, D=128, fwd+bwd ms ==")
 n, L = 8, 1024
 q = torch.randn(n * L, H, D, device=dev, dtype=bf16, requires_grad=True)
 cu = torch.arange(0, n * L + 1, L, device=dev, dtype=torch.int32)
 g = torch.randn(n * L, H, D, device=dev, dtype=bf16)
-ms_var = bench(lambda: turbo.ops.flash_attn_varlen_func(q, q, q, cu, cu, L, L, causal=True).backward(g))
 qd = q.detach().view(n, L, H, D).requires_grad_()
-ms_dense = bench(lambda: turbo.ops.flash_attn_func(qd, qd, qd, causal=True).backward(g.view(n, L, H, D)))
-from turbo_dispatch.backends.torch import varlen_native  # noqa: E402
+for label, kw in (("causal", dict(causal=True)), ("window (256,0)", dict(window_size=(256, 0))),
+                  ("causal + lse", dict(causal=True, return_lse=True))):
+    def varlen(q, k, v, kw=kw):
+        return turbo.ops.flash_attn_varlen_func(q, k, v, cu, cu, L, L, **kw)
 
-_shipped_reason = varlen_native.reason
-varlen_native.reason = lambda p, kernels: "forced off by the probe"  # the padded, masked path
-try:
-    ms_pad = bench(lambda: turbo.ops.flash_attn_varlen_func(q, q, q, cu, cu, L, L, causal=True).backward(g))
-finally:
-    varlen_native.reason = _shipped_reason
-from turbo_dispatch.backends.torch.attention import TorchAttention  # noqa: E402
-from turbo_dispatch.ops.attention import attention_varlen_problem  # noqa: E402
-
-print(f"  varlen {ms_var:.3f} ms (padded path {ms_pad:.3f}), dense {ms_dense:.3f} ms")
-print("  TORCH:", TorchAttention().describe(attention_varlen_problem(q, q, q, cu, cu, L, L, causal=True)))
+    ms_var = timed_step(varlen, q, q, q, g)
+    with flash_path_off():
+        ms_pad = timed_step(varlen, q, q, q, g)
+    ms_compiled = timed_step(torch.compile(varlen, fullgraph=True), q, q, q, g)
+    ms_dense = timed_step(lambda q, k, v, kw=kw: turbo.ops.flash_attn_func(q, k, v, **kw), qd, qd, qd,
+                          g.view(n, L, H, D))
+    print(f"  {label:16s} varlen {ms_var:.3f} ms, compiled {ms_compiled:.3f}, padded path (before) {ms_pad:.3f}, "
+          f"dense {ms_dense:.3f}")
+    print(f"  {'':16s} TORCH: {TorchAttention().describe(attention_varlen_problem(q, q, q, cu, cu, L, L, **kw))}")
 try:
     from torch.nn.attention import varlen as tv
     import inspect
@@ -121,6 +152,6 @@ try:
     # Older releases take is_causal; newer ones spell causal as a (-1, 0) window.
     causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
     ms_tv = bench(lambda: tv.varlen_attn(q, q, q, cu, cu, L, L, **causal).backward(g))
-    print(f"  torch varlen_attn ({next(iter(causal))}) {ms_tv:.3f} ms")
+    print(f"  torch varlen_attn causal ({next(iter(causal))}) {ms_tv:.3f} ms")
 except Exception as exc:  # noqa: BLE001
     print("  torch varlen_attn:", type(exc).__name__, str(exc)[:120])

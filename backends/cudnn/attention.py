@@ -106,5 +106,8 @@ class CudnnAttention(TorchAttention):
 
         return [SDPBackend.CUDNN_ATTENTION]
 
+    def _flash_reason(self, p) -> str:
+        return "this backend runs cuDNN's kernel only"
+
     def describe(self, p) -> str:
         return "SDPA under sdpa_kernel([CUDNN_ATTENTION]), " + ("is_causal" if p.causal else "no mask")

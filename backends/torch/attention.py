@@ -18,25 +18,29 @@ is needed: there k/v are expanded with ``repeat_interleave``, because the masked
 (memory-efficient) does not take GQA and SDPA would otherwise fall back to the math kernel,
 which materialises every score.
 
-lse: SDPA does not return it, so ``return_lse`` adds a separate pass that computes the scores
-in float32 query block by query block (at most 2**26 scores at a time; a dense block reads only
-the keys its rows may attend) and takes their logsumexp. It runs without autograd (the lse is not
-differentiable) and costs one extra QK^T plus a few memory-bound passes over the scores: on an
-H200 (torch 2.11) a causal B=2, S=4096, H=32, D=128 bf16 forward+backward took 11.3 ms with
-the lse against 2.0 ms without (tools/probe_attention.py). Backends whose kernels return the
-lse (FlashAttention-style) will not pay this.
+FlashAttention path (``flash_native``): on NVIDIA GPUs PyTorch's own FlashAttention-2 kernels,
+called directly, serve every varlen call and the dense calls SDPA serves badly (an lse, a window,
+causal with Sq > Sk) wherever they can (bf16/fp16, equal head dims up to 256, no dropout, not
+deterministic): they return the lse and apply windows in the kernel. What they cannot serve
+takes the paths below, and ``describe()`` says which path and why.
 
-Varlen: on NVIDIA GPUs, where it can serve the call, PyTorch's own FlashAttention varlen call
-(``varlen_native``: ``torch.nn.attention.varlen.varlen_attn``, 2.7x faster than the padded path
-below in round 133). Otherwise the packed tokens are scattered into padded [B, max_seqlen, H, D] tensors with indices
-computed on the device from cu_seqlens (searchsorted), attended with a per-sequence boolean
-mask, and gathered back. Nothing reads cu_seqlens on the host, so there is no host sync and the
-call can be captured in a CUDA graph; the price is padding work and memory of order
+lse elsewhere: SDPA does not return it, so ``return_lse`` adds a separate pass that computes the
+scores in float32 query block by query block (at most 2**26 scores at a time; a dense block reads
+only the keys its rows may attend) and takes their logsumexp. It runs without autograd (the lse
+is not differentiable) and costs one extra QK^T plus a few memory-bound passes over the scores:
+on an H100 (torch 2.11) a causal B=2, S=4096, H=32, D=128 bf16 forward+backward took 13.6 ms
+with the lse against 2.2 ms without (tools/probe_attention.py, round 133) before the FlashAttention
+path took these calls.
+
+Varlen elsewhere: the packed tokens are scattered into padded [B, max_seqlen, H, D] tensors with
+indices computed on the device from cu_seqlens (searchsorted), attended with a per-sequence
+boolean mask, and gathered back. Nothing reads cu_seqlens on the host, so there is no host sync
+and the call can be captured in a CUDA graph; the price is padding work and memory of order
 B * max_seqlen_q * max_seqlen_k for the mask, and the masked kernel is slower than the causal
-one: 8 sequences of 1024 tokens, causal, H=32, D=128, bf16 forward+backward took 3.8 ms against
-0.85 ms as one dense batch on an H200 (torch 2.11). Tokens beyond ``cu_seqlens[-1]`` or sequences longer
-than ``max_seqlen`` break the FlashAttention contract: indices are clamped so nothing reads out
-of bounds, but the result for those tokens is undefined.
+one: 8 sequences of 1024 tokens, causal, H=32, D=128, bf16 forward+backward took 4.2 ms on an
+H100 against 1.5 ms through FlashAttention (torch 2.11, round 135). Tokens beyond
+``cu_seqlens[-1]`` or sequences longer than ``max_seqlen`` break the FlashAttention contract:
+indices are clamped so nothing reads out of bounds, but the result for those tokens is undefined.
 
 ``deterministic=True`` restricts SDPA to its math kernel on GPUs (deterministic, but slow and
 O(Sq*Sk) memory); on CPUs PyTorch's kernels are deterministic already.
@@ -54,7 +58,7 @@ import torch.nn.functional as F
 
 from turbo_dispatch.adapter import Adapter
 
-from . import varlen_native
+from . import flash_native
 
 try:  # torch >= 2.3
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -138,13 +142,25 @@ def _guard(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return allowed | ~rows, rows
 
 
-def _dense_plan(p, device, need_allowed: bool) -> _Plan:
-    if p.window_left < 0 and p.window_right < 0:
-        return _Plan()
+def _sdpa_mask(p) -> str:
+    """How a dense call hands its mask to SDPA (the same cases as ``_dense_plan``)."""
     pure_causal = p.window_left < 0 and p.window_right == 0
+    if p.window_left < 0 and p.window_right < 0:
+        return "no mask"
     if pure_causal and p.seqlen_q == p.seqlen_k:
-        return _Plan(is_causal=True, allowed=_dense_allowed(p, device) if need_allowed else None)
+        return "is_causal"
     if pure_causal and p.seqlen_q < p.seqlen_k and causal_lower_right is not None:
+        return "causal_lower_right bias"
+    return "explicit boolean mask"
+
+
+def _dense_plan(p, device, need_allowed: bool) -> _Plan:
+    kind = _sdpa_mask(p)
+    if kind == "no mask":
+        return _Plan()
+    if kind == "is_causal":
+        return _Plan(is_causal=True, allowed=_dense_allowed(p, device) if need_allowed else None)
+    if kind == "causal_lower_right bias":
         return _Plan(attn_mask=causal_lower_right(p.seqlen_q, p.seqlen_k),
                      allowed=_dense_allowed(p, device) if need_allowed else None)
     allowed = _dense_allowed(p, device)
@@ -242,21 +258,23 @@ class TorchAttention(Adapter):
             return [SDPBackend.MATH]
         return None
 
+    def _flash_reason(self, p) -> Optional[str]:
+        """Why this call does not take the FlashAttention path (None: it does)."""
+        if not p.varlen and not p.return_lse and _sdpa_mask(p) != "explicit boolean mask":
+            return "SDPA serves it without an lse or an explicit mask"
+        return flash_native.reason(p, self._kernels(p, p.platform in ("cuda", "rocm")))
+
     def describe(self, p) -> str:
+        why = self._flash_reason(p)
+        if why is None:
+            return flash_native.describe(p)
         if p.varlen:
-            why = varlen_native.reason(p, self._kernels(p, p.platform in ("cuda", "rocm")))
-            if why is None:
-                return varlen_native.describe(p)
             how = ("varlen: padded to [B, max_seqlen] on the device with a per-sequence mask (no host sync; "
-                   f"not varlen_attn: {why})")
-        elif p.window_left < 0 and p.window_right < 0:
-            how = "no mask"
-        elif p.window_left < 0 and p.window_right == 0 and p.seqlen_q == p.seqlen_k:
-            how = "is_causal"
-        elif p.window_left < 0 and p.window_right == 0 and p.seqlen_q < p.seqlen_k and causal_lower_right:
-            how = "causal_lower_right bias"
+                   f"not FlashAttention: {why})")
         else:
-            how = "explicit boolean mask"
+            how = _sdpa_mask(p)
+            if p.return_lse or how == "explicit boolean mask":
+                how += f" (not FlashAttention: {why})"
         parts = [f"SDPA, {how}"]
         if p.heads_kv != p.heads_q:
             parts.append("GQA via enable_gqa" if has_enable_gqa() else "GQA via repeat_interleave")
@@ -269,12 +287,16 @@ class TorchAttention(Adapter):
     # -- the attention adapter protocol ---------------------------------------------------------------
     def forward(self, p, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, config=None):
         """(out, lse or None, saved). Differentiable when q/k/v require grad."""
-        return self._forward(p, q, k, v, cu_seqlens_q, cu_seqlens_k, native_varlen=True)
+        if self._flash_reason(p) is None:
+            out, lse = flash_native.attend(p, q, k, v, cu_seqlens_q, cu_seqlens_k)
+            return out, lse, (q, k, v, cu_seqlens_q, cu_seqlens_k)
+        return self._forward(p, q, k, v, cu_seqlens_q, cu_seqlens_k)
 
-    def _forward(self, p, q, k, v, cu_seqlens_q, cu_seqlens_k, native_varlen: bool):
+    def _forward(self, p, q, k, v, cu_seqlens_q, cu_seqlens_k):
+        """The SDPA paths (dense, or varlen padded)."""
         kernels = self._kernels(p, q.is_cuda)
         if p.varlen:
-            out, lse = self._varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, kernels, native_varlen)
+            out, lse = self._varlen(p, q, k, v, cu_seqlens_q, cu_seqlens_k, kernels)
         else:
             qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             plan = _dense_plan(p, q.device, p.return_lse)
@@ -283,27 +305,24 @@ class TorchAttention(Adapter):
         return out.contiguous(), lse, (q, k, v, cu_seqlens_q, cu_seqlens_k)
 
     def backward(self, p, saved, grad_out, config=None):
-        """(dq, dk, dv) by recomputing the forward with autograd (the compiled path's backward)."""
+        """(dq, dk, dv) by recomputing the forward (the compiled path's backward)."""
         if p.dropout_p > 0:
             raise NotImplementedError("attention backward by recomputation cannot reproduce the forward's "
                                       "dropout mask; dropout_p > 0 needs the eager path")
         q, k, v, cu_q, cu_k = saved
+        if self._flash_reason(p) is None:
+            return flash_native.backward(p, q, k, v, cu_q, cu_k, grad_out)
         p = p._replace(return_lse=False)
         # torch.func.vjp rather than enable_grad + autograd.grad: inside a custom op's
         # implementation the autograd dispatch keys are excluded, and functorch's grad
-        # transform is what re-enables them for its own level. Varlen recomputes on the padded
-        # path: varlen_attn's autograd.Function has no setup_context, which torch.func needs
-        # (torch 2.11, round 134); both compute the same attention.
-        _, vjp = torch.func.vjp(lambda q, k, v: self._forward(p, q, k, v, cu_q, cu_k, native_varlen=False)[0],
-                                q, k, v)
+        # transform is what re-enables them for its own level.
+        _, vjp = torch.func.vjp(lambda q, k, v: self._forward(p, q, k, v, cu_q, cu_k)[0], q, k, v)
         return vjp(grad_out.to(q.dtype))
 
     def run(self, p, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, config=None):
         return self.forward(p, q, k, v, cu_seqlens_q, cu_seqlens_k, config)[0]
 
-    def _varlen(self, p, q, k, v, cu_q, cu_k, kernels, native: bool = True):
-        if native and varlen_native.reason(p, kernels) is None:
-            return varlen_native.attend(p, q, k, v, cu_q, cu_k)
+    def _varlen(self, p, q, k, v, cu_q, cu_k, kernels):
         seq_q, pos_q = _token_index(cu_q, p.total_q, p.batch, p.seqlen_q)
         seq_k, pos_k = _token_index(cu_k, p.total_k, p.batch, p.seqlen_k)
         qp = q.new_zeros(p.batch, p.seqlen_q, p.heads_q, p.head_dim_qk).index_put((seq_q, pos_q), q)
