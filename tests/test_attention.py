@@ -563,7 +563,7 @@ def test_flash_gate_names_each_reason(flash_kernels_present):
     (decided from the problem alone, so describe() reports it without tensors)."""
     from turbo_dispatch.backends.torch.attention import TorchAttention
 
-    flash, adapter = flash_kernels_present, TorchAttention()
+    adapter = TorchAttention()
     q = randn((12, 4, 16), BF16)
     c = cu([5, 7])
     varlen = attn_mod.attention_varlen_problem(q, q, q, c, c, 7, 7, causal=True)._replace(platform="cuda")

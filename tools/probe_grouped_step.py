@@ -534,14 +534,18 @@ def preset_shapes(spec: str) -> list[str]:
 GRAPHS = False  # --graphs
 
 
-def graph_ms(run) -> float:
-    """Time of one replay of ``run`` (a whole step) captured in a CUDA graph: the GPU time alone,
-    without the host's launch and dispatch overhead that the eager time includes."""
-    # Blocks cached by the eager runs are returned first, in case the allocator would free them
-    # mid-capture (cudaFree syncs the legacy stream). After this probe's eager runs the capture
-    # still failed at DeepSeek-V3 sizes (cudaErrorStreamCaptureImplicit, rounds 27 and 28), while a
-    # fresh process captures the same step (tools/probe_step_capture.py); the cause is not known.
-    graph = capture_graph(run, warmups=2, empty_cache=True)
+def graph_ms(a, w, lens, offs, cfg, grad) -> float:
+    """Time of one replay of a whole step captured in a CUDA graph: the GPU time alone, without
+    the host's launch and dispatch overhead that the eager time includes.
+
+    The step runs on fresh leaves sharing a and w's memory. A leaf's AccumulateGrad node keeps
+    the stream of its first backward; a and w had theirs on the legacy default stream in the eager
+    runs, so the captured backward would have made the legacy stream wait on the capture
+    ("operation would make the legacy stream depend on a capturing blocking stream",
+    cudaErrorStreamCaptureImplicit: rounds 27, 28 and 136). Fresh leaves get theirs in the
+    warm-ups on the capture helper's side stream, as in a fresh process (probe_step_capture.py)."""
+    a, w = (x.detach().requires_grad_() for x in (a, w))
+    graph = capture_graph(step_fn(a, w, lens, offs, cfg, grad), warmups=2, empty_cache=True)
     ms = time_ms(graph.replay)
     del graph
     return ms
@@ -584,10 +588,10 @@ def probe(shape: str) -> bool:
     flops = 3 * 2.0 * t * n * k
     t_fp8 = with_reuse(True, lambda: time_ms(step_fn(a, w, lens, offs, cfg, grad)))
     t_old = with_reuse(False, lambda: time_ms(step_fn(a, w, lens, offs, cfg, grad)))
-    g_fp8 = with_reuse(True, lambda: graph_ms(step_fn(a, w, lens, offs, cfg, grad))) if GRAPHS else float("nan")
+    g_fp8 = with_reuse(True, lambda: graph_ms(a, w, lens, offs, cfg, grad)) if GRAPHS else float("nan")
     GlobalBackendManager.set_grouped_gemm_backend(BackendType.TORCH, precision="bf16")
     t_bf16 = time_ms(step_fn(a, w, lens, offs, None, grad))
-    g_bf16 = graph_ms(step_fn(a, w, lens, offs, None, grad)) if GRAPHS else float("nan")
+    g_bf16 = graph_ms(a, w, lens, offs, None, grad) if GRAPHS else float("nan")
     GlobalBackendManager.reset()
     emit(probe="step", shape=shape, bf16_ms=t_bf16, fp8_reuse_ms=t_fp8, fp8_per_gemm_ms=t_old,
          reuse_vs_bf16=t_bf16 / t_fp8, per_gemm_vs_bf16=t_bf16 / t_old, reuse_gain=t_old / t_fp8,
