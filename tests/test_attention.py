@@ -623,10 +623,11 @@ def test_flash_gate_without_kernels():
 
 
 def _emulated_flash_kernels(monkeypatch, calls):
-    """Stand-ins for aten's FlashAttention forward/backward that keep their contract (packed
-    [T, H, D] tensors with unit last stride, int32 cu_seqlens, the raw lse [Hq, Tq] with +inf
-    on rows that attend nothing, the forward's out/lse handed to the backward) and compute in
-    float64 with the reference above, so the adapter's packing and unpacking runs on a CPU."""
+    """Stand-ins for aten's FlashAttention forward/backward that keep their contract (dense
+    [B, S, H, D] without cu_seqlens or packed [T, H, D] with int32 cu_seqlens, unit last stride,
+    the raw lse [B, Hq, Sq] or [Hq, Tq] with +inf on rows that attend nothing, the forward's
+    out/lse handed to the backward) and compute in float64, so the adapter's side of the calls
+    runs on a CPU."""
     from turbo_dispatch.backends.torch import flash_native
 
     def one_sequence(q, k, v, g, scale, left, right):
@@ -658,26 +659,41 @@ def _emulated_flash_kernels(monkeypatch, calls):
         return out, lse, (dq, fold(dk), fold(dv))
 
     def per_sequence(p, x, grad_out=None):
+        """(out, lse, grads) in the kernels' layouts: dense [B, S, H, D] with lse [B, Hq, Sq],
+        or packed [T, H, D] with lse [Hq, Tq]."""
+        dense = x.cu_q is None
         q, k, v = (t.double() for t in (x.q, x.k, x.v))
+        cu_q, cu_k = x.cu_q, x.cu_k
+        if dense:
+            b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+            q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+            cu_q, cu_k = torch.arange(b + 1) * sq, torch.arange(b + 1) * sk
+            grad_out = grad_out.flatten(0, 1) if grad_out is not None else None
         out = torch.zeros(q.shape[:2] + v.shape[2:], dtype=torch.float64)
         lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=torch.float64)
         grads = [torch.zeros_like(t) for t in (q, k, v)]
-        for b in range(p.batch):
-            sq_, sk_ = slice(x.cu_q[b], x.cu_q[b + 1]), slice(x.cu_k[b], x.cu_k[b + 1])
-            if x.cu_q[b + 1] == x.cu_q[b]:
+        for i in range(p.batch):
+            sq_, sk_ = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+            if cu_q[i + 1] == cu_q[i]:
                 continue
             g = grad_out[sq_].double() if grad_out is not None else None
             o, l_, gr = one_sequence(q[sq_], k[sk_], v[sk_], g, p.softmax_scale, p.window_left, p.window_right)
             out[sq_], lse[:, sq_] = o, l_
             for acc, part, sl in zip(grads, gr or (), (sq_, sk_, sk_)):
                 acc[sl] += part
+        if dense:
+            out, grads = out.view(b, sq, *out.shape[1:]), [g.view(t.shape) for g, t in zip(grads, (x.q, x.k, x.v))]
+            lse = lse.view(-1, b, sq).transpose(0, 1)
         return out, lse, grads
 
     def forward(p, x):
-        for t in (x.q, x.k, x.v):
-            assert t.dim() == 3 and t.stride(-1) == 1
-        assert x.cu_q.dtype == x.cu_k.dtype == torch.int32
-        assert len(x.cu_q) == len(x.cu_k) == p.batch + 1
+        if x.cu_q is None:
+            assert x.cu_k is None and not p.varlen and all(t.dim() == 4 for t in (x.q, x.k, x.v))
+        else:
+            assert p.varlen and all(t.dim() == 3 for t in (x.q, x.k, x.v))
+            assert x.cu_q.dtype == x.cu_k.dtype == torch.int32
+            assert len(x.cu_q) == len(x.cu_k) == p.batch + 1
+        assert all(t.stride(-1) == 1 for t in (x.q, x.k, x.v))
         out, lse, _ = per_sequence(p, x)
         calls.append("forward")
         return out.to(x.q.dtype), lse.float(), None, None
@@ -705,9 +721,8 @@ FLASH_WIRING = {
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("case", list(FLASH_WIRING))
-def test_flash_path_packing_on_cpu(case, compiled, monkeypatch, fresh_dynamo):
-    """The FlashAttention path's packing (dense batches as packed sequences), lse layout and
-    -inf rows, and both backwards (eager autograd, the compiled path's recomputation), with the
+def test_flash_path_operands_on_cpu(case, compiled, monkeypatch, fresh_dynamo):
+    """The FlashAttention path's operands (dense and packed), lse layouts and -inf rows, and both backwards (eager autograd, the compiled path's recomputation), with the
     two kernels emulated in float64: out, lse and every gradient against the reference."""
     calls = []
     _emulated_flash_kernels(monkeypatch, calls)
