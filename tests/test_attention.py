@@ -312,6 +312,8 @@ def test_cudnn_supports_reasons():
     adapter = CudnnAttention()
     assert adapter.supports(base) is None
     assert adapter.supports(base._replace(causal=True, window_right=0)) is None
+    assert adapter.supports(base._replace(return_lse=True)) is None  # through the kernel's aten op
+    assert "lse from the kernel" in adapter.describe(base._replace(return_lse=True))
     refused = {
         "platform": base._replace(platform="cpu"),
         "bf16/fp16": base._replace(dtype=FP32),
@@ -323,7 +325,6 @@ def test_cudnn_supports_reasons():
         "sliding window": base._replace(window_left=3, window_right=0, causal=True),
         "bottom-right": base._replace(seqlen_q=128, causal=True, window_right=0),
         "dropout": base._replace(dropout_p=0.1),
-        "lse": base._replace(return_lse=True),
         "deterministic": base._replace(deterministic=True),
     }
     for word, p in refused.items():
@@ -492,6 +493,8 @@ GPU_GRID = [
     (1, 256, 256, 4, 4, 128, 128, BF16, dict(window_size=(64, 0), return_lse=True)),
     (1, 128, 384, 8, 2, 128, 128, BF16, dict(causal=True, return_lse=True)),
     (1, 384, 128, 4, 4, 64, 64, BF16, dict(causal=True, return_lse=True)),
+    (2, 129, 129, 4, 4, 64, 64, BF16, dict(return_lse=True)),
+    (2, 256, 256, 8, 8, 128, 128, FP16, dict(causal=True, return_lse=True)),
     (1, 128, 128, 4, 4, 64, 64, FP32, {}),
     (1, 128, 128, 4, 2, 64, 64, FP32, dict(causal=True, window_size=(16, 0))),
     (2, 128, 128, 4, 4, 64, 64, BF16, dict(deterministic=True, causal=True)),
@@ -610,6 +613,31 @@ def test_flash_gate_honours_flash_sdp_switch(flash_kernels_present, monkeypatch)
     assert "enable_flash_sdp(False)" in flash_kernels_present.reason(p, None)
 
 
+def test_cudnn_lse_gate(flash_kernels_present, monkeypatch):
+    """Dense lse calls that the CUDNN backend has verified take SDPA's cuDNN kernel op (it
+    returns the lse, and beat FlashAttention-2 on an H100); GQA, windows and fp32 do not."""
+    from turbo_dispatch.backends.cudnn import attention as cudnn_attention
+    from turbo_dispatch.backends.torch.attention import TorchAttention
+
+    monkeypatch.setattr(cudnn_attention, "_unavailable", lambda: None)
+    adapter = TorchAttention()
+    q = randn((2, 9, 4, 16), BF16)
+    causal_lse = attn_mod.attention_problem(q, q, q, causal=True, return_lse=True)._replace(platform="cuda")
+    assert adapter._cudnn_lse_reason(causal_lse) is None
+    assert adapter.describe(causal_lse).startswith("SDPA's cuDNN kernel (aten._scaled_dot_product_cudnn_attention), "
+                                                   "is_causal; lse from the kernel")
+    assert "cuDNN kernel returns" in adapter._flash_reason(causal_lse)
+    assert adapter._cudnn_lse_reason(causal_lse._replace(return_lse=False)) == "no lse asked for"
+    for name, p, word in (("gqa", causal_lse._replace(heads_kv=2), "GQA"),
+                          ("window", causal_lse._replace(window_left=4), "sliding window"),
+                          ("fp32", causal_lse._replace(dtype=FP32), "bf16/fp16")):
+        assert word in adapter._cudnn_lse_reason(p), name
+        assert not adapter.describe(p).startswith("SDPA's cuDNN kernel"), name
+    assert adapter.describe(causal_lse._replace(heads_kv=2)).startswith("FlashAttention")
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: False)
+    assert "enable_cudnn_sdp(False)" in adapter._cudnn_lse_reason(causal_lse)
+
+
 def test_flash_gate_without_kernels():
     """On a torch build without FlashAttention kernels (this CPU build) nothing takes the path."""
     from turbo_dispatch.backends.torch import flash_native
@@ -709,13 +737,15 @@ def _emulated_flash_kernels(monkeypatch, calls):
     monkeypatch.setattr(flash_native, "_backward_raw", backward)
 
 
+#: id -> (shape, kwargs, whether the compiled backward takes the FlashAttention path: it needs no
+#: lse, so a call that only took the path for its lse recomputes through SDPA)
 FLASH_WIRING = {
-    "dense-gqa-causal-lse": ((2, 19, 23, 4, 2, 16), dict(causal=True, return_lse=True)),
-    "dense-sq>sk-causal-lse": ((1, 29, 13, 2, 2, 16), dict(causal=True, return_lse=True)),
-    "dense-window-lse": ((2, 21, 21, 2, 1, 16), dict(window_size=(3, 2), return_lse=True)),
-    "dense-window": ((1, 9, 21, 2, 2, 16), dict(window_size=(2, 2))),
-    "varlen-causal-lse": (([5, 0, 9], [7, 2, 9], 4, 2, 16), dict(causal=True, return_lse=True)),
-    "varlen-window": (([6, 11], [6, 11], 2, 2, 16), dict(window_size=(2, 0))),
+    "dense-gqa-causal-lse": ((2, 19, 23, 4, 2, 16), dict(causal=True, return_lse=True), False),
+    "dense-sq>sk-causal-lse": ((1, 29, 13, 2, 2, 16), dict(causal=True, return_lse=True), True),
+    "dense-window-lse": ((2, 21, 21, 2, 1, 16), dict(window_size=(3, 2), return_lse=True), True),
+    "dense-window": ((1, 9, 21, 2, 2, 16), dict(window_size=(2, 2)), True),
+    "varlen-causal-lse": (([5, 0, 9], [7, 2, 9], 4, 2, 16), dict(causal=True, return_lse=True), True),
+    "varlen-window": (([6, 11], [6, 11], 2, 2, 16), dict(window_size=(2, 0)), True),
 }
 
 
@@ -726,7 +756,7 @@ def test_flash_path_operands_on_cpu(case, compiled, monkeypatch, fresh_dynamo):
     two kernels emulated in float64: out, lse and every gradient against the reference."""
     calls = []
     _emulated_flash_kernels(monkeypatch, calls)
-    shape, kw = FLASH_WIRING[case]
+    shape, kw, flash_backward = FLASH_WIRING[case]
     if case.startswith("dense"):
         b, sq, sk, hq, hk, d = shape
         q, k, v, grad = randn((b, sq, hq, d)), randn((b, sk, hk, d)), randn((b, sk, hk, d)), randn((b, sq, hq, d))
@@ -751,7 +781,10 @@ def test_flash_path_operands_on_cpu(case, compiled, monkeypatch, fresh_dynamo):
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref_g):
         assert_close(name, g, r, FP32)
     # Eager: one forward, one backward from the saved out/lse. Compiled: the backward recomputes.
-    assert calls == (["forward", "forward", "backward"] if compiled else ["forward", "backward"])
+    if not compiled:
+        assert calls == ["forward", "backward"]
+    else:
+        assert calls == ["forward"] + (["forward", "backward"] if flash_backward else [])
 
 
 @pytest.mark.gpu

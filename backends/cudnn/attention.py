@@ -15,8 +15,11 @@ kernel again.
 * GQA/MQA (Hkv != Hq): not every torch release routes enable_gqa to cuDNN;
 * sliding windows, and causal masks with Sq != Sk (SDPA's is_causal is top-left aligned, the
   API promises bottom-right);
-* dropout, return_lse (SDPA returns no lse), varlen (no packed layout through SDPA),
-  deterministic=True (cuDNN's backward is not promised deterministic).
+* dropout, varlen (no packed layout through SDPA), deterministic=True (cuDNN's backward is not promised deterministic).
+
+``return_lse=True`` goes to the kernel's aten op (``backends/torch/cudnn_lse.py``,
+``aten._scaled_dot_product_cudnn_attention`` with ``compute_log_sumexp``), which returns the lse
+that the public SDPA call drops.
 
 ``sdpa_kernel`` toggles process-wide flags for the duration of the call, so a thread running SDPA
 elsewhere at the same moment sees them too (a PyTorch limitation).
@@ -95,8 +98,6 @@ class CudnnAttention(TorchAttention):
                     "SDPA's cuDNN kernel is top-left aligned")
         if p.dropout_p > 0:
             return "dropout is not enabled for cuDNN"
-        if p.return_lse:
-            return "return_lse: SDPA's cuDNN path returns no lse"
         if p.deterministic:
             return "deterministic=True: cuDNN's attention backward is not promised deterministic"
         return None
@@ -106,8 +107,14 @@ class CudnnAttention(TorchAttention):
 
         return [SDPBackend.CUDNN_ATTENTION]
 
+    def _cudnn_lse_reason(self, p) -> str | None:
+        return None if p.return_lse else "no lse asked for"
+
     def _flash_reason(self, p) -> str:
         return "this backend runs cuDNN's kernel only"
 
     def describe(self, p) -> str:
+        if p.return_lse:
+            return (f"SDPA's cuDNN kernel (aten._scaled_dot_product_cudnn_attention), "
+                    f"{'is_causal' if p.causal else 'no mask'}; lse from the kernel")
         return "SDPA under sdpa_kernel([CUDNN_ATTENTION]), " + ("is_causal" if p.causal else "no mask")

@@ -58,7 +58,7 @@ import torch.nn.functional as F
 
 from turbo_dispatch.adapter import Adapter
 
-from . import flash_native
+from . import cudnn_lse, flash_native
 
 try:  # torch >= 2.3
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -258,13 +258,24 @@ class TorchAttention(Adapter):
             return [SDPBackend.MATH]
         return None
 
+    def _cudnn_lse_reason(self, p) -> Optional[str]:
+        """Why this call's lse does not come from SDPA's cuDNN kernel op (None: it does)."""
+        if not p.return_lse:
+            return "no lse asked for"
+        return cudnn_lse.reason(p)
+
     def _flash_reason(self, p) -> Optional[str]:
         """Why this call does not take the FlashAttention path (None: it does)."""
+        if self._cudnn_lse_reason(p) is None:
+            return "SDPA's cuDNN kernel returns this call's lse"
         if not p.varlen and not p.return_lse and _sdpa_mask(p) != "explicit boolean mask":
             return "SDPA serves it without an lse or an explicit mask"
         return flash_native.reason(p, self._kernels(p, p.platform in ("cuda", "rocm")))
 
     def describe(self, p) -> str:
+        if self._cudnn_lse_reason(p) is None:
+            return (f"SDPA's cuDNN kernel (aten._scaled_dot_product_cudnn_attention), {_sdpa_mask(p)}; "
+                    "lse from the kernel")
         why = self._flash_reason(p)
         if why is None:
             return flash_native.describe(p)
@@ -287,6 +298,9 @@ class TorchAttention(Adapter):
     # -- the attention adapter protocol ---------------------------------------------------------------
     def forward(self, p, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, config=None):
         """(out, lse or None, saved). Differentiable when q/k/v require grad."""
+        if self._cudnn_lse_reason(p) is None:
+            out, lse = cudnn_lse.attend(p, q, k, v)
+            return out.contiguous(), lse, (q, k, v, cu_seqlens_q, cu_seqlens_k)
         if self._flash_reason(p) is None:
             out, lse = flash_native.attend(p, q, k, v, cu_seqlens_q, cu_seqlens_k)
             return out, lse, (q, k, v, cu_seqlens_q, cu_seqlens_k)
@@ -310,9 +324,9 @@ class TorchAttention(Adapter):
             raise NotImplementedError("attention backward by recomputation cannot reproduce the forward's "
                                       "dropout mask; dropout_p > 0 needs the eager path")
         q, k, v, cu_q, cu_k = saved
+        p = p._replace(return_lse=False)  # the lse is not differentiable; the backward needs none
         if self._flash_reason(p) is None:
             return flash_native.backward(p, q, k, v, cu_q, cu_k, grad_out)
-        p = p._replace(return_lse=False)
         # torch.func.vjp rather than enable_grad + autograd.grad: inside a custom op's
         # implementation the autograd dispatch keys are excluded, and functorch's grad
         # transform is what re-enables them for its own level.

@@ -1,0 +1,45 @@
+"""The TORCH attention adapter's dense calls that ask for the lse without a window: SDPA's cuDNN
+kernel through its aten op (``aten._scaled_dot_product_cudnn_attention`` with
+``compute_log_sumexp``), which returns the lse that the public SDPA call drops.
+
+On an H100 (torch 2.11, round 137) SDPA's own choice for a causal B=2, S=4096, H=32, D=128 bf16
+forward+backward ran in 2.15 ms (cuDNN), PyTorch's FlashAttention-2 kernels in 3.6 ms, so where
+cuDNN can serve an lse call it is the faster of the two kernels that return one. The cases are the
+ones the CUDNN backend has verified (its ``supports()``: bf16/fp16, no GQA, equal head dims that
+are multiples of 8 up to 128, no window, causal only with Sq == Sk, no dropout, not
+deterministic), and cuDNN SDP must not be switched off (``torch.backends.cuda.enable_cudnn_sdp``).
+The aten op is differentiable (PyTorch's own cuDNN backward); the lse is not.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def reason(p) -> Optional[str]:
+    """Why SDPA's cuDNN kernel cannot serve this dense lse call (None: it can)."""
+    from turbo_dispatch.backends.cudnn.attention import CudnnAttention, _unavailable
+
+    if p.varlen:
+        return "varlen: not through SDPA's cuDNN kernel"
+    if p.platform != "cuda":
+        return f"cuDNN SDPA runs on NVIDIA GPUs only (platform is {p.platform})"
+    why = _unavailable()
+    if why is not None:
+        return why
+    if not torch.backends.cuda.cudnn_sdp_enabled():
+        return "cuDNN SDP is switched off (torch.backends.cuda.enable_cudnn_sdp(False))"
+    return CudnnAttention().supports(p._replace(return_lse=False))
+
+
+def attend(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32) of a call ``reason`` accepted;
+    differentiable in q/k/v."""
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        qt, kt, vt, None, True, 0.0, p.causal, False, scale=p.softmax_scale)[:2]
+    if lse.numel() != p.batch * p.heads_q * p.seqlen_q:
+        raise RuntimeError(f"aten._scaled_dot_product_cudnn_attention returned an lse of shape {tuple(lse.shape)}; "
+                           f"expected [{p.batch}, {p.heads_q}, {p.seqlen_q}]")
+    return out.transpose(1, 2), lse.detach().float().reshape(p.batch, p.heads_q, p.seqlen_q)
