@@ -62,21 +62,22 @@ def bench(fn, reps=20):
     return event_ms(fn, reps)
 
 
-from turbo_dispatch.backends.torch import flash_native  # noqa: E402
+from turbo_dispatch.backends.torch import cudnn_lse, flash_native  # noqa: E402
 from turbo_dispatch.backends.torch.attention import TorchAttention  # noqa: E402
 from turbo_dispatch.ops.attention import attention_problem, attention_varlen_problem  # noqa: E402
 
 
 @contextlib.contextmanager
 def flash_path_off():
-    """The TORCH adapter as it was before its FlashAttention path: SDPA with a separate lse pass
-    or an explicit mask, and varlen padded."""
-    shipped = flash_native.reason
+    """The TORCH adapter as it was before its FlashAttention and cuDNN-lse paths: SDPA with a
+    separate lse pass or an explicit mask, and varlen padded."""
+    shipped = flash_native.reason, cudnn_lse.reason
     flash_native.reason = lambda p, kernels: "forced off by the probe"
+    cudnn_lse.reason = lambda p: "forced off by the probe"
     try:
         yield
     finally:
-        flash_native.reason = shipped
+        flash_native.reason, cudnn_lse.reason = shipped
 
 
 def timed_step(call, q, k, v, g):
@@ -155,3 +156,32 @@ try:
     print(f"  torch varlen_attn causal ({next(iter(causal))}) {ms_tv:.3f} ms")
 except Exception as exc:  # noqa: BLE001
     print("  torch varlen_attn:", type(exc).__name__, str(exc)[:120])
+
+print("\n== the kernels that return an lse, by shape: causal, H=32, D=128, bf16, fwd+bwd ms ==")
+print("  SDPA auto / flash / cuDNN: F.scaled_dot_product_attention (no lse) on its own choice and forced;")
+print("  cuDNN+lse: cudnn_lse.attend; FA2+lse: flash_native.attend")
+for b, s_ in ((2, 4096), (8, 1024), (16, 512), (1, 8192), (4, 2048)):
+    q, k, v = (torch.randn(b, s_, H, D, device=dev, dtype=bf16, requires_grad=True) for _ in range(3))
+    g = torch.randn(b, s_, H, D, device=dev, dtype=bf16)
+    p = attention_problem(q, k, v, causal=True, return_lse=True)
+
+    def sdpa(q, k, v, backends=None):
+        call = lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # noqa: E731
+                                                      is_causal=True).transpose(1, 2)
+        if backends is None:
+            return call()
+        with sdpa_kernel(backends):
+            return call()
+
+    row = {
+        "SDPA auto": timed_step(sdpa, q, k, v, g),
+        "flash": timed_step(lambda q, k, v: sdpa(q, k, v, [SDPBackend.FLASH_ATTENTION]), q, k, v, g),
+        "cuDNN": timed_step(lambda q, k, v: sdpa(q, k, v, [SDPBackend.CUDNN_ATTENTION]), q, k, v, g),
+        "cuDNN+lse": timed_step(lambda q, k, v: cudnn_lse.attend(p, q, k, v), q, k, v, g),
+        "FA2+lse": timed_step(lambda q, k, v: flash_native.attend(p, q, k, v, None, None), q, k, v, g),
+    }
+    fwd = {
+        "cuDNN+lse fwd": bench(lambda: cudnn_lse.attend(p, q.detach(), k.detach(), v.detach())),
+        "FA2+lse fwd": bench(lambda: flash_native.attend(p, q.detach(), k.detach(), v.detach(), None, None)),
+    }
+    print(f"  B={b:2d} S={s_:5d} " + " | ".join(f"{name} {ms:.3f}" for name, ms in {**row, **fwd}.items()))
