@@ -38,6 +38,7 @@ import functools
 
 import torch
 
+from turbo_dispatch.backends.torch import cudnn_lse
 from turbo_dispatch.backends.torch.attention import TorchAttention
 
 MAX_HEAD_DIM = 128
@@ -110,11 +111,10 @@ class CudnnAttention(TorchAttention):
     def _cudnn_lse_reason(self, p) -> str | None:
         return None if p.return_lse else "no lse asked for"
 
-    def _flash_reason(self, p) -> str:
+    def _flash_refusal(self, p) -> str:
         return "this backend runs cuDNN's kernel only"
 
     def describe(self, p) -> str:
         if p.return_lse:
-            return (f"SDPA's cuDNN kernel (aten._scaled_dot_product_cudnn_attention), "
-                    f"{'is_causal' if p.causal else 'no mask'}; lse from the kernel")
+            return cudnn_lse.describe(p)
         return "SDPA under sdpa_kernel([CUDNN_ATTENTION]), " + ("is_causal" if p.causal else "no mask")

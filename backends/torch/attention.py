@@ -272,15 +272,19 @@ class TorchAttention(Adapter):
         """Why this call does not take the FlashAttention path (None: it does)."""
         if self._cudnn_lse_reason(p) is None:
             return "SDPA's cuDNN kernel returns this call's lse"
+        return self._flash_refusal(p)
+
+    def _flash_refusal(self, p) -> Optional[str]:
+        """``_flash_reason`` for a call the cuDNN lse path does not take: the callers that have
+        asked ``_cudnn_lse_reason`` already do not ask it again."""
         if not p.varlen and not p.return_lse and _sdpa_mask(p) != "explicit boolean mask":
             return "SDPA serves it without an lse or an explicit mask"
         return flash_native.reason(p, self._kernels(p, p.platform in ("cuda", "rocm")))
 
     def describe(self, p) -> str:
         if self._cudnn_lse_reason(p) is None:
-            return (f"SDPA's cuDNN kernel (aten._scaled_dot_product_cudnn_attention), {_sdpa_mask(p)}; "
-                    "lse from the kernel")
-        why = self._flash_reason(p)
+            return cudnn_lse.describe(p)
+        why = self._flash_refusal(p)
         if why is None:
             return flash_native.describe(p)
         if p.varlen:
@@ -305,7 +309,7 @@ class TorchAttention(Adapter):
         if self._cudnn_lse_reason(p) is None:
             out, lse = cudnn_lse.attend(p, q, k, v)
             return out.contiguous(), lse, (q, k, v, cu_seqlens_q, cu_seqlens_k)
-        if self._flash_reason(p) is None:
+        if self._flash_refusal(p) is None:
             out, lse = flash_native.attend(p, q, k, v, cu_seqlens_q, cu_seqlens_k)
             return out, lse, (q, k, v, cu_seqlens_q, cu_seqlens_k)
         return self._forward(p, q, k, v, cu_seqlens_q, cu_seqlens_k)
@@ -329,7 +333,7 @@ class TorchAttention(Adapter):
                                       "dropout mask; dropout_p > 0 needs the eager path")
         q, k, v, cu_q, cu_k = saved
         p = p._replace(return_lse=False)  # the lse is not differentiable; the backward needs none
-        if self._flash_reason(p) is None:
+        if self._flash_refusal(p) is None:  # without an lse the cuDNN lse path never serves
             return flash_native.backward(p, q, k, v, cu_q, cu_k, grad_out)
         # torch.func.vjp rather than enable_grad + autograd.grad: inside a custom op's
         # implementation the autograd dispatch keys are excluded, and functorch's grad

@@ -33,6 +33,12 @@ def reason(p) -> Optional[str]:
     return CudnnAttention().supports(p._replace(return_lse=False))
 
 
+def describe(p) -> str:
+    """How ``attend`` serves a call ``reason`` accepted (the TORCH and CUDNN backends alike)."""
+    mask = "is_causal" if p.causal else "no mask"  # the only masks reason() lets through
+    return f"SDPA's cuDNN kernel (aten._scaled_dot_product_cudnn_attention), {mask}; lse from the kernel"
+
+
 def attend(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32) of a call ``reason`` accepted;
     differentiable in q/k/v."""
