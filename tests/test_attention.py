@@ -650,6 +650,35 @@ def test_flash_gate_without_kernels():
     assert flash_native.reason(p, None) == flash_native._unavailable()
 
 
+def _emulated_sequence(q, k, v, g, scale, left, right):
+    """One sequence of attention in float64, as the emulated kernels compute it: out [Sq, Hq, D],
+    lse [Hq, Sq] (+inf on empty rows) and, given g, the gradients by the closed-form softmax
+    backward: no autograd, which a custom op's implementation (the compiled path) runs without."""
+    sq, hq, sk, hk = q.shape[0], q.shape[1], k.shape[0], k.shape[1]
+    ke, ve = k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1)
+    diag = torch.arange(sq)[:, None] + sk - sq
+    j = torch.arange(sk)[None, :]
+    allowed = torch.ones(sq, sk, dtype=torch.bool)
+    if right >= 0:
+        allowed &= j <= diag + right
+    if left >= 0:
+        allowed &= j >= diag - left
+    scores = torch.einsum("qhd,khd->hqk", q, ke).mul(scale).masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # empty rows: all 0
+    out = torch.einsum("hqk,khd->qhd", probs, ve)
+    lse = lse.masked_fill(torch.isinf(lse), float("inf"))
+    if g is None:
+        return out, lse, None
+    dv = torch.einsum("hqk,qhd->khd", probs, g)
+    dp = torch.einsum("qhd,khd->hqk", g, ve)
+    ds = probs * (dp - (g * out).sum(-1).t()[..., None])
+    dq = torch.einsum("hqk,khd->qhd", ds, ke) * scale
+    dk = torch.einsum("hqk,qhd->khd", ds, q) * scale
+    fold = lambda t: t.view(sk, hk, hq // hk, t.shape[-1]).sum(2)  # noqa: E731
+    return out, lse, (dq, fold(dk), fold(dv))
+
+
 def _emulated_flash_kernels(monkeypatch, calls):
     """Stand-ins for aten's FlashAttention forward/backward that keep their contract (dense
     [B, S, H, D] without cu_seqlens or packed [T, H, D] with int32 cu_seqlens, unit last stride,
@@ -658,33 +687,7 @@ def _emulated_flash_kernels(monkeypatch, calls):
     runs on a CPU."""
     from turbo_dispatch.backends.torch import flash_native
 
-    def one_sequence(q, k, v, g, scale, left, right):
-        """float64 out [Sq, Hq, D], lse [Hq, Sq] (+inf on empty rows) and, given g, the
-        gradients by the closed-form softmax backward: no autograd, which a custom op's
-        implementation (the compiled path) runs without."""
-        sq, hq, sk, hk = q.shape[0], q.shape[1], k.shape[0], k.shape[1]
-        ke, ve = k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1)
-        diag = torch.arange(sq)[:, None] + sk - sq
-        j = torch.arange(sk)[None, :]
-        allowed = torch.ones(sq, sk, dtype=torch.bool)
-        if right >= 0:
-            allowed &= j <= diag + right
-        if left >= 0:
-            allowed &= j >= diag - left
-        scores = torch.einsum("qhd,khd->hqk", q, ke).mul(scale).masked_fill(~allowed, float("-inf"))
-        lse = torch.logsumexp(scores, -1)
-        probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # empty rows: all 0
-        out = torch.einsum("hqk,khd->qhd", probs, ve)
-        lse = lse.masked_fill(torch.isinf(lse), float("inf"))
-        if g is None:
-            return out, lse, None
-        dv = torch.einsum("hqk,qhd->khd", probs, g)
-        dp = torch.einsum("qhd,khd->hqk", g, ve)
-        ds = probs * (dp - (g * out).sum(-1).t()[..., None])
-        dq = torch.einsum("hqk,khd->qhd", ds, ke) * scale
-        dk = torch.einsum("hqk,qhd->khd", ds, q) * scale
-        fold = lambda t: t.view(sk, hk, hq // hk, t.shape[-1]).sum(2)  # noqa: E731
-        return out, lse, (dq, fold(dk), fold(dv))
+    made = []
 
     def per_sequence(p, x, grad_out=None):
         """(out, lse, grads) in the kernels' layouts: dense [B, S, H, D] with lse [B, Hq, Sq],
@@ -705,7 +708,7 @@ def _emulated_flash_kernels(monkeypatch, calls):
             if cu_q[i + 1] == cu_q[i]:
                 continue
             g = grad_out[sq_].double() if grad_out is not None else None
-            o, l_, gr = one_sequence(q[sq_], k[sk_], v[sk_], g, p.softmax_scale, p.window_left, p.window_right)
+            o, l_, gr = _emulated_sequence(q[sq_], k[sk_], v[sk_], g, p.softmax_scale, p.window_left, p.window_right)
             out[sq_], lse[:, sq_] = o, l_
             for acc, part, sl in zip(grads, gr or (), (sq_, sk_, sk_)):
                 acc[sl] += part
@@ -724,10 +727,13 @@ def _emulated_flash_kernels(monkeypatch, calls):
         assert all(t.stride(-1) == 1 for t in (x.q, x.k, x.v))
         out, lse, _ = per_sequence(p, x)
         calls.append("forward")
-        return out.to(x.q.dtype), lse.float(), None, None
+        made.append((out.to(x.q.dtype), lse.float()))
+        return made[-1] + (None, None)
 
     def backward(p, x, out, lse, rng_state, unused, grad_out):
         assert grad_out.shape == out.shape and (lse[torch.isinf(lse)] > 0).all()  # the raw lse
+        # The backward starts from the last forward's out and raw lse, not a recomputation's.
+        assert [torch.equal(got, want) for got, want in zip((out, lse), made[-1])] == [True, True]
         _, _, grads = per_sequence(p, x, grad_out)
         calls.append("backward")
         return tuple(g.to(t.dtype) for g, t in zip(grads, (x.q, x.k, x.v)))
@@ -737,13 +743,14 @@ def _emulated_flash_kernels(monkeypatch, calls):
     monkeypatch.setattr(flash_native, "_backward_raw", backward)
 
 
-#: id -> (shape, kwargs, whether the compiled backward takes the FlashAttention path: it needs no
-#: lse, so a call that only took the path for its lse recomputes through SDPA)
+#: id -> (shape, kwargs, whether eager calls take the FlashAttention path; compiled calls always
+#: do here, since it returns the lse their backward starts from)
 FLASH_WIRING = {
-    "dense-gqa-causal-lse": ((2, 19, 23, 4, 2, 16), dict(causal=True, return_lse=True), False),
+    "dense-gqa-causal-lse": ((2, 19, 23, 4, 2, 16), dict(causal=True, return_lse=True), True),
     "dense-sq>sk-causal-lse": ((1, 29, 13, 2, 2, 16), dict(causal=True, return_lse=True), True),
     "dense-window-lse": ((2, 21, 21, 2, 1, 16), dict(window_size=(3, 2), return_lse=True), True),
     "dense-window": ((1, 9, 21, 2, 2, 16), dict(window_size=(2, 2)), True),
+    "dense-gqa-causal": ((2, 17, 17, 4, 2, 16), dict(causal=True), False),
     "varlen-causal-lse": (([5, 0, 9], [7, 2, 9], 4, 2, 16), dict(causal=True, return_lse=True), True),
     "varlen-window": (([6, 11], [6, 11], 2, 2, 16), dict(window_size=(2, 0)), True),
 }
@@ -752,11 +759,12 @@ FLASH_WIRING = {
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("case", list(FLASH_WIRING))
 def test_flash_path_operands_on_cpu(case, compiled, monkeypatch, fresh_dynamo):
-    """The FlashAttention path's operands (dense and packed), lse layouts and -inf rows, and both backwards (eager autograd, the compiled path's recomputation), with the
-    two kernels emulated in float64: out, lse and every gradient against the reference."""
+    """The FlashAttention path's operands (dense and packed), lse layouts and -inf rows, and both
+    backwards (eager autograd; the compiled path's backward op from the forward op's out and lse),
+    with the two kernels emulated in float64: out, lse and every gradient against the reference."""
     calls = []
     _emulated_flash_kernels(monkeypatch, calls)
-    shape, kw, flash_backward = FLASH_WIRING[case]
+    shape, kw, eager_flash = FLASH_WIRING[case]
     if case.startswith("dense"):
         b, sq, sk, hq, hk, d = shape
         q, k, v, grad = randn((b, sq, hq, d)), randn((b, sk, hk, d)), randn((b, sk, hk, d)), randn((b, sq, hq, d))
@@ -780,11 +788,63 @@ def test_flash_path_operands_on_cpu(case, compiled, monkeypatch, fresh_dynamo):
         assert_lse(lse, ref_lse, FP32)
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref_g):
         assert_close(name, g, r, FP32)
-    # Eager: one forward, one backward from the saved out/lse. Compiled: the backward recomputes.
-    if not compiled:
-        assert calls == ["forward", "backward"]
-    else:
-        assert calls == ["forward"] + (["forward", "backward"] if flash_backward else [])
+    # One forward, one backward from its out and lse; eager calls SDPA serves well stay on SDPA.
+    assert calls == (["forward", "backward"] if compiled or eager_flash else [])
+
+
+def _emulated_cudnn_kernels(monkeypatch, calls):
+    """Stand-ins for SDPA's cuDNN kernel op and its backward op that keep their contract ([B, H, S, D]
+    views, out laid out like q, the lse as [B, H, Sq, 1], the output gradient laid out like the
+    output) and compute in float64, so the compiled path's cuDNN side runs on a CPU."""
+    from turbo_dispatch.backends.torch import cudnn_lse
+
+    made = []
+
+    def forward(p, qt, kt, vt):
+        assert all(t.dim() == 4 for t in (qt, kt, vt)) and qt.shape[1] == p.heads_q
+        outs, lses = zip(*(_emulated_sequence(*(t[b].transpose(0, 1).double() for t in (qt, kt, vt)), None,
+                                              p.softmax_scale, p.window_left, p.window_right)[:2]
+                           for b in range(p.batch)))
+        out = torch.stack(outs).to(qt.dtype).transpose(1, 2)  # [B, H, S, D] over [B, S, H, D] memory
+        made.append((out, torch.stack(lses).float()[..., None]))
+        calls.append("forward")
+        return made[-1]
+
+    def backward(p, gt, qt, kt, vt, ot, lse):
+        assert gt.stride() == ot.stride() and lse.shape == (p.batch, p.heads_q, p.seqlen_q, 1)
+        assert [torch.equal(got, want) for got, want in zip((ot, lse), made[-1])] == [True, True]
+        grads = [_emulated_sequence(*(t[b].transpose(0, 1).double() for t in (qt, kt, vt, gt)), p.softmax_scale,
+                                    p.window_left, p.window_right)[2] for b in range(p.batch)]
+        calls.append("backward")
+        return tuple(torch.stack(g).to(t.dtype).transpose(1, 2) for g, t in zip(zip(*grads), (qt, kt, vt)))
+
+    monkeypatch.setattr(cudnn_lse, "reason", lambda p: None)
+    monkeypatch.setattr(cudnn_lse, "_forward_raw", forward)
+    monkeypatch.setattr(cudnn_lse, "_backward_raw", backward)
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(return_lse=True), dict(causal=True, return_lse=True)],
+                         ids=["causal", "full-lse", "causal-lse"])
+def test_compiled_cudnn_path_on_cpu(kw, monkeypatch, fresh_dynamo):
+    """The compiled path's cuDNN side (asked for an lse or not): one kernel forward, one kernel
+    backward from its out and lse, with both ops emulated in float64; out, lse and every gradient
+    against the reference."""
+    calls = []
+    _emulated_cudnn_kernels(monkeypatch, calls)
+    q, k, v, grad = (randn((2, 13, 3, 16)) for _ in range(4))
+    ref_out, ref_lse, ref_g = ref_grads(q, k, v, grad, **ref_kwargs(kw))
+    turbo.GlobalBackendManager.set_attn_backend("TORCH")
+    try:
+        call = torch.compile(flash_attn_func, fullgraph=True, backend="aot_eager")
+        out, lse, grads = run_op(call, q, k, v, grad, **kw)
+    finally:
+        turbo.GlobalBackendManager.set_attn_backend(None)
+    assert_close("out", out, ref_out, FP32)
+    if kw.get("return_lse"):
+        assert_lse(lse, ref_lse, FP32)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_g):
+        assert_close(name, g, r, FP32)
+    assert calls == ["forward", "backward"]
 
 
 @pytest.mark.gpu
@@ -842,7 +902,7 @@ def test_gpu_flash_native_matches_reference(case):
 @pytest.mark.parametrize("case", ["varlen-causal", "dense-window-lse"])
 def test_gpu_compile_flash_native(case, fresh_dynamo):
     """torch.compile (fullgraph, aot_eager) of calls the FlashAttention path serves: the forward
-    and the backward (a recomputation, then the kernel backward) against eager calls."""
+    and the backward (the kernel backward from the forward op's out and lse) against eager calls."""
     if case == "varlen-causal":
         c = cu([100, 7, 250, 33]).cuda()
         q, k, v, grad = (randn((390, 4, 64), BF16, "cuda") for _ in range(4))
@@ -863,6 +923,69 @@ def test_gpu_compile_flash_native(case, fresh_dynamo):
         assert torch.equal(lse_c, lse_e)
     for g, r in zip(grads_c, grads_e):
         assert snr_db(g.float(), r.float()) > 40
+
+
+def _count_kernel_calls(monkeypatch, module, calls):
+    """Wraps a path's two raw kernel calls so a test sees how often each ran."""
+    for name in ("_forward_raw", "_backward_raw"):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+
+
+#: id -> (dense shape (B, Sq, Sk, Hq, Hkv) or varlen lengths, kwargs, the path a compiled call takes)
+COMPILED_SAVING = {
+    "dense-causal": ((2, 256, 256, 8, 8), dict(causal=True), "cudnn"),
+    "dense-full-lse": ((2, 200, 200, 4, 4), dict(return_lse=True), "cudnn"),
+    "dense-gqa-causal": ((2, 300, 300, 8, 2), dict(causal=True), "flash"),
+    "dense-sq>sk-causal": ((1, 300, 100, 4, 4), dict(causal=True), "flash"),
+    "varlen-causal-lse": (([100, 0, 250, 33], [120, 7, 250, 20]), dict(causal=True, return_lse=True), "flash"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(COMPILED_SAVING))
+def test_gpu_compiled_backward_starts_from_saved(case, monkeypatch, fresh_dynamo):
+    """Compiled (fullgraph, inductor) TORCH calls on the kernels that return the lse: against the
+    float64 reference (out, lse, every gradient), with one kernel forward and one kernel backward
+    per step, so nothing was recomputed."""
+    from turbo_dispatch.backends.torch import cudnn_lse, flash_native
+    from turbo_dispatch.backends.torch.attention import TorchAttention
+
+    shape, kw, path = COMPILED_SAVING[case]
+    if case.startswith("varlen"):
+        lens_q, lens_k = shape
+        c_q, c_k = cu(lens_q), cu(lens_k)
+        q, k, v = randn((sum(lens_q), 4, 64), BF16), randn((sum(lens_k), 2, 64), BF16), randn((sum(lens_k), 2, 64), BF16)
+        grad = randn((sum(lens_q), 4, 64), BF16)
+        args = (c_q.cuda(), c_k.cuda(), max(lens_q), max(lens_k))
+        ref_out, ref_lse, ref_g = varlen_reference(q, k, v, grad, c_q, c_k, kw)
+        fn = flash_attn_varlen_func
+        p = attn_mod.attention_varlen_problem(q.cuda(), k.cuda(), v.cuda(), *args, **kw)
+    else:
+        b, sq, sk, hq, hk = shape
+        q, k, v = randn((b, sq, hq, 128), BF16), randn((b, sk, hk, 128), BF16), randn((b, sk, hk, 128), BF16)
+        grad = randn((b, sq, hq, 128), BF16)
+        args = ()
+        ref_out, ref_lse, ref_g = ref_grads(q, k, v, grad, **ref_kwargs(kw))
+        fn = flash_attn_func
+        p = attn_mod.attention_problem(q.cuda(), k.cuda(), v.cuda(), **kw)
+    taken = TorchAttention()._saving_path(p)
+    if taken != path:
+        pytest.skip(f"the compiled call takes the {taken} path here, not {path}")
+    calls = []
+    _count_kernel_calls(monkeypatch, cudnn_lse if path == "cudnn" else flash_native, calls)
+    turbo.GlobalBackendManager.set_attn_backend("TORCH")
+    try:
+        call = torch.compile(lambda q, k, v: fn(q, k, v, *args, **kw), fullgraph=True)
+        out, lse, grads = run_op(call, q.cuda(), k.cuda(), v.cuda(), grad.cuda())
+    finally:
+        turbo.GlobalBackendManager.set_attn_backend(None)
+    assert calls == ["_forward_raw", "_backward_raw"]
+    assert_close("out", out.float(), ref_out, BF16)
+    if kw.get("return_lse"):
+        assert_lse(lse, ref_lse, BF16)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_g):
+        assert_close(name, g.float(), r, BF16)
 
 
 @pytest.mark.gpu

@@ -1,11 +1,14 @@
 """GPU probe for the attention backends: what SDPA's cuDNN kernel accepts on this machine, which
 kernel the TORCH backend reaches per mask kind, and forward+backward timings.
 
-Run on a GPU box: ``python3 tools/probe_attention.py``. Informs CUDNN's supports() limits
-(backends/cudnn/attention.py) and the notes in docs; it changes nothing.
+Run on a GPU box: ``python3 tools/probe_attention.py [--only compiled]``. Informs CUDNN's
+supports() limits (backends/cudnn/attention.py) and the notes in docs; it changes nothing.
+``--only compiled`` times torch.compile'd calls alone: the shipped compiled path (the backward op
+starts from the forward op's out and lse) against the one before it (the backward recomputes).
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import warnings
 
@@ -17,6 +20,9 @@ import turbo_dispatch as turbo
 from probe_record import event_ms
 
 dev, bf16 = "cuda", torch.bfloat16
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--only", choices=["compiled"], help="run one section alone")
+ARGS = parser.parse_args()
 print("torch", torch.__version__, "cudnn", torch.backends.cudnn.version(), torch.cuda.get_device_name())
 
 
@@ -27,6 +33,88 @@ def t(b, h, s, d, hk=None, sk=None, dv=None):
     v = torch.randn(b, hk, sk, dv, device=dev, dtype=bf16, requires_grad=True)
     return q, k, v
 
+
+def bench(fn, reps=20):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    return event_ms(fn, reps)
+
+
+def timed_step(call, q, k, v, g):
+    def step():
+        r = call(q, k, v)
+        (r[0] if isinstance(r, tuple) else r).backward(g)
+
+    return bench(step)
+
+
+@contextlib.contextmanager
+def compiled_pair_off():
+    """The compiled path as it was before the adapters' compiled_forward/compiled_backward: the
+    backward op gets q/k/v alone and recomputes (the ops look the pair up on every call, so no
+    recompilation is needed)."""
+    from turbo_dispatch.backends.torch.attention import TorchAttention
+
+    shipped = TorchAttention.compiled_forward, TorchAttention.compiled_backward
+    del TorchAttention.compiled_forward, TorchAttention.compiled_backward
+    try:
+        yield
+    finally:
+        TorchAttention.compiled_forward, TorchAttention.compiled_backward = shipped
+
+
+def compiled_section():
+    from turbo_dispatch.backends.torch.attention import TorchAttention
+    from turbo_dispatch.ops.attention import attention_problem, attention_varlen_problem
+
+    print("\n== torch.compile(fullgraph) fwd+bwd, TORCH, bf16, H=32, D=128, ms: eager | compiled | "
+          "compiled before (backward recomputes) ==")
+    b, s_, h, d = 2, 4096, 32, 128
+    dense = {
+        "causal": (h, dict(causal=True)),
+        "full": (h, {}),
+        "causal + lse": (h, dict(causal=True, return_lse=True)),
+        "gqa 32/8 causal": (8, dict(causal=True)),
+        "window (1024,0)": (8, dict(window_size=(1024, 0))),
+    }
+    turbo.GlobalBackendManager.set_attn_backend("TORCH")
+    for name, (hk, kw) in dense.items():
+        q = torch.randn(b, s_, h, d, device=dev, dtype=bf16, requires_grad=True)
+        k, v = (torch.randn(b, s_, hk, d, device=dev, dtype=bf16, requires_grad=True) for _ in range(2))
+        g = torch.randn(b, s_, h, d, device=dev, dtype=bf16)
+
+        def call(q, k, v, kw=kw):
+            return turbo.ops.flash_attn_func(q, k, v, **kw)
+
+        compiled = torch.compile(call, fullgraph=True)
+        ms = [timed_step(call, q, k, v, g), timed_step(compiled, q, k, v, g)]
+        with compiled_pair_off():
+            ms.append(timed_step(compiled, q, k, v, g))
+        path = TorchAttention()._saving_path(attention_problem(q, k, v, **kw))
+        print(f"  B={b} S={s_} {name:16s} {ms[0]:.3f} | {ms[1]:.3f} | {ms[2]:.3f}  "
+              f"(before/now {ms[2] / ms[1]:.2f}x, path {path})")
+    n, L = 8, 1024
+    q = torch.randn(n * L, h, d, device=dev, dtype=bf16, requires_grad=True)
+    cu = torch.arange(0, n * L + 1, L, device=dev, dtype=torch.int32)
+    g = torch.randn(n * L, h, d, device=dev, dtype=bf16)
+    for name, kw in (("causal", dict(causal=True)), ("causal + lse", dict(causal=True, return_lse=True))):
+        def varlen(q, k, v, kw=kw):
+            return turbo.ops.flash_attn_varlen_func(q, k, v, cu, cu, L, L, **kw)
+
+        compiled = torch.compile(varlen, fullgraph=True)
+        ms = [timed_step(varlen, q, q, q, g), timed_step(compiled, q, q, q, g)]
+        with compiled_pair_off():
+            ms.append(timed_step(compiled, q, q, q, g))
+        path = TorchAttention()._saving_path(attention_varlen_problem(q, q, q, cu, cu, L, L, **kw))
+        print(f"  varlen {n}x{L} {name:14s} {ms[0]:.3f} | {ms[1]:.3f} | {ms[2]:.3f}  "
+              f"(before/now {ms[2] / ms[1]:.2f}x, path {path})")
+    turbo.GlobalBackendManager.set_attn_backend(None)
+
+
+if ARGS.only == "compiled":
+    compiled_section()
+    raise SystemExit(0)
 
 print("\n== SDPA forced onto cuDNN (fwd+bwd) ==")
 cases = {
@@ -55,13 +143,6 @@ for name, ((q, k, v), kw) in cases.items():
             print(f"  {'':18s}   warning: {str(x.message).splitlines()[0][:110]}")
 
 
-def bench(fn, reps=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    return event_ms(fn, reps)
-
-
 from turbo_dispatch.backends.torch import cudnn_lse, flash_native  # noqa: E402
 from turbo_dispatch.backends.torch.attention import TorchAttention  # noqa: E402
 from turbo_dispatch.ops.attention import attention_problem, attention_varlen_problem  # noqa: E402
@@ -78,14 +159,6 @@ def flash_path_off():
         yield
     finally:
         flash_native.reason, cudnn_lse.reason = shipped
-
-
-def timed_step(call, q, k, v, g):
-    def step():
-        r = call(q, k, v)
-        (r[0] if isinstance(r, tuple) else r).backward(g)
-
-    return bench(step)
 
 
 print("\n== flash_attn_func fwd+bwd, bf16, B=2 S=4096 Hq=32 D=128, ms (TFLOP/s) ==")
@@ -185,3 +258,5 @@ for b, s_ in ((2, 4096), (8, 1024), (16, 512), (1, 8192), (4, 2048)):
         "FA2+lse fwd": bench(lambda: flash_native.attend(p, q.detach(), k.detach(), v.detach(), None, None)),
     }
     print(f"  B={b:2d} S={s_:5d} " + " | ".join(f"{name} {ms:.3f}" for name, ms in {**row, **fwd}.items()))
+
+compiled_section()

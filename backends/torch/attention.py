@@ -51,6 +51,11 @@ O(Sq*Sk) memory); on CPUs PyTorch's kernels are deterministic already.
 
 Dropout uses SDPA's own dropout (``dropout_p``); in eager mode the backward reuses the mask the
 forward drew (it is SDPA's own autograd graph).
+
+Under torch.compile (``compiled_forward`` / ``compiled_backward``) a call takes the first kernel
+that returns the lse, whether or not it asks for one: the cuDNN kernel op where it serves, else
+FlashAttention; the forward op hands out and the lse to the backward op, whose kernel backward
+starts from them. Only calls neither serves run SDPA and recompute the forward in the backward.
 """
 from __future__ import annotations
 
@@ -340,6 +345,41 @@ class TorchAttention(Adapter):
         # transform is what re-enables them for its own level.
         _, vjp = torch.func.vjp(lambda q, k, v: self._forward(p, q, k, v, cu_q, cu_k)[0], q, k, v)
         return vjp(grad_out.to(q.dtype))
+
+    # -- the compiled path: a forward that hands its out and lse to the backward -----------------
+    def _saving_path(self, p) -> str:
+        """Which kernel a compiled call takes: "cudnn" or "flash" (both return the lse, from which
+        with out their backward op starts) or "sdpa" (the backward recomputes the forward). The
+        lse is free on the first two, so they are taken whether or not the call asks for it."""
+        with_lse = p._replace(return_lse=True)
+        if self._cudnn_lse_reason(with_lse) is None:
+            return "cudnn"
+        if self._flash_refusal(with_lse) is None:
+            return "flash"
+        return "sdpa"
+
+    def compiled_forward(self, p, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, config=None):
+        """(out, lse or None) without autograd; the lse comes whenever the kernel returns one."""
+        path = self._saving_path(p)
+        if path == "cudnn":
+            out, lse = cudnn_lse.attend(p, q, k, v)
+            return out.contiguous(), lse
+        if path == "flash":
+            return flash_native.forward_saving(p, q, k, v, cu_seqlens_q, cu_seqlens_k)
+        out, lse, _ = self._forward(p, q, k, v, cu_seqlens_q, cu_seqlens_k)
+        return out, lse
+
+    def compiled_backward(self, p, saved, grad_out, config=None):
+        """(dq, dk, dv) from ``saved = (q, k, v, cu_q, cu_k, out, lse)``, ``compiled_forward``'s
+        out and lse: one kernel backward where that forward's kernel returned the lse, else the
+        recomputing ``backward``."""
+        q, k, v, cu_q, cu_k, out, lse = saved
+        path = self._saving_path(p)
+        if path == "cudnn":
+            return cudnn_lse.backward(p, q, k, v, out, lse, grad_out)
+        if path == "flash":
+            return flash_native.backward_saved(p, q, k, v, cu_q, cu_k, out, lse, grad_out)
+        return self.backward(p, saved[:5], grad_out, config)
 
     def run(self, p, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, config=None):
         return self.forward(p, q, k, v, cu_seqlens_q, cu_seqlens_k, config)[0]

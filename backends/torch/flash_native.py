@@ -21,10 +21,12 @@ and a torch whose kernels take windows and a softmax scale. Anything else keeps 
 the padded path (varlen), and ``describe()`` says why.
 
 Eager calls are differentiable through ``_FlashFunction`` (the forward saves out and the raw lse,
-the backward is one FlashAttention backward). The compiled path's backward (``backward``) takes
-only q/k/v, so it recomputes the forward first; torch.func cannot differentiate through an
-autograd.Function without ``setup_context`` nor through a custom op's registered autograd
-(torch 2.13), so it calls the two kernels itself instead.
+the backward is one FlashAttention backward). The compiled path does the same across its two
+custom ops: ``forward_saving`` returns out and the lse, which the forward op hands to its backward
+op, and ``backward_saved`` runs the kernel backward from them, so nothing is recomputed. The
+adapter protocol's ``backward``, which gets q/k/v alone, recomputes the forward first (``backward``
+here); torch.func cannot differentiate through an autograd.Function without ``setup_context`` nor
+through a custom op's registered autograd (torch 2.13), so it calls the two kernels itself.
 
 Rows that may attend no key (Sq > Sk causal, an empty sequence) come back as 0 with zero
 gradients; FlashAttention reports their lse as +inf, which ``attend`` turns into -inf like the
@@ -190,10 +192,37 @@ def attend(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Optional[
 
 
 @torch.no_grad()
+def forward_saving(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Optional[torch.Tensor],
+                   cu_k: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out shaped like q, lse in the API's layout) of a call ``reason`` accepted, without autograd
+    (the compiled path's forward); ``backward_saved`` takes both back."""
+    out, lse, _, _ = _forward_raw(p, _operands(p, q, k, v, cu_q, cu_k))
+    return out, _unpack_lse(p, lse)
+
+
+def _no_dropout_rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # The backward reads the philox seed and offset only when it applies dropout, which this path
+    # never does; tensors of the forward's dtypes and shapes stand in for them.
+    return torch.zeros(2, dtype=torch.uint64, device=device), torch.zeros((), dtype=torch.uint64, device=device)
+
+
+@torch.no_grad()
+def backward_saved(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Optional[torch.Tensor],
+                   cu_k: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor,
+                   grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) from ``forward_saving``'s out and lse: one kernel backward. The kernel wants
+    its raw lse back, +inf where a row attends nothing (-inf there would make exp(s - lse) infinite)."""
+    raw = lse.masked_fill(lse == float("-inf"), float("inf"))
+    seed, offset = _no_dropout_rng(q.device)
+    return _backward_raw(p, _operands(p, q, k, v, cu_q, cu_k), _last_dim_contiguous(out), raw, seed, offset,
+                         grad_out.to(q.dtype))
+
+
+@torch.no_grad()
 def backward(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Optional[torch.Tensor],
              cu_k: Optional[torch.Tensor], grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in the inputs' layouts from q/k/v alone: the forward recomputed, then its
-    backward (the compiled path's backward)."""
+    backward (the adapter protocol's ``backward``, which gets no out or lse)."""
     x = _operands(p, q, k, v, cu_q, cu_k)
     out, lse, rng_state, unused = _forward_raw(p, x)
     return _backward_raw(p, x, out, lse, rng_state, unused, grad_out.to(q.dtype))

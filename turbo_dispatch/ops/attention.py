@@ -19,14 +19,21 @@ Semantics follow FlashAttention (>= 2.1):
 
 Backends and autograd. The backend is resolved once per call, in the forward. An attention
 adapter exposes ``forward(problem, q, k, v, cu_q, cu_k, config) -> (out, lse | None, saved)`` and
-``backward(problem, saved, grad_out, config) -> (dq, dk, dv)``. Adapters built on differentiable
-torch ops (``native_autograd = True``: TORCH and CUDNN, both SDPA) are simply called with the
-autograd-tracked inputs in eager mode, so the backward is the autograd graph their forward built
-(SDPA's own backward node of the kernel that ran the forward; retain_graph, checkpointing and
-saved-tensor hooks work as for any torch op). Other adapters go through ``_AttentionFunction``,
+``backward(problem, saved, grad_out, config) -> (dq, dk, dv)``, and may add the compiled path's
+pair ``compiled_forward(problem, q, k, v, cu_q, cu_k, config) -> (out, lse | None)`` (no
+autograd; an lse whenever its kernel returns one, asked for or not) and
+``compiled_backward(problem, (q, k, v, cu_q, cu_k, out, lse), grad_out, config) -> (dq, dk, dv)``,
+which lets the backward start from the forward's out and lse instead of recomputing them.
+Adapters built on differentiable torch ops (``native_autograd = True``: TORCH and CUDNN) are
+simply called with the autograd-tracked inputs in eager mode, so the backward is the autograd
+graph their forward built (the backward node of the kernel that ran the forward; retain_graph,
+checkpointing and saved-tensor hooks work as for any torch op). Other adapters go through ``_AttentionFunction``,
 which keeps the deciding adapter in ``ctx`` and calls its ``backward``. Under torch.compile the
-public functions call the custom ops ``turbo_dispatch::flash_attn`` / ``::flash_attn_backward``;
-the backward op resolves the forward's problem key again, which returns the forward's (cached)
+public functions call the custom ops ``turbo_dispatch::flash_attn_fwd`` / ``::flash_attn_bwd``.
+The forward op always returns a float32 lse in the API's layout (the kernel's, or NaN when its
+kernel returned none), and the backward op gets q, k, v, out and that lse; adapters without the
+compiled pair get ``backward(problem, (q, k, v, cu_q, cu_k), ...)``, which recomputes. The
+backward op resolves the forward's problem key again, which returns the forward's (cached)
 decision unless backend settings were changed between the forward and the backward.
 """
 from __future__ import annotations
@@ -352,7 +359,10 @@ def _no_compiled_dropout(p: AttentionProblem) -> None:
             "recomputes the forward and would draw a different dropout mask; run this call eagerly")
 
 
-@torch.library.custom_op("turbo_dispatch::flash_attn", mutates_args=())
+# The ops were renamed (from flash_attn / flash_attn_backward) when the backward op gained out and
+# lse: torch's compiled-graph caches key a graph by the ops it calls, not by their registered
+# autograd, so a warm cache would otherwise replay a backward graph built for the old arguments.
+@torch.library.custom_op("turbo_dispatch::flash_attn_fwd", mutates_args=())
 def _flash_attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
                    cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
                    softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
@@ -361,9 +371,18 @@ def _flash_attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
                     causal, window_left, window_right, deterministic, return_lse)
     _no_compiled_dropout(p)
     decision = resolve(ATTENTION, p)
+    adapter = decision.entry.adapter
     with torch.no_grad():
-        out, lse, _ = decision.entry.adapter.forward(p, q, k, v, cu_seqlens_q, cu_seqlens_k, config=decision.config)
-    return out.contiguous(), (lse.contiguous() if lse is not None else q.new_empty(0, dtype=torch.float32))
+        if hasattr(adapter, "compiled_forward"):
+            out, lse = adapter.compiled_forward(p, q, k, v, cu_seqlens_q, cu_seqlens_k, config=decision.config)
+        else:
+            out, lse, _ = adapter.forward(p, q, k, v, cu_seqlens_q, cu_seqlens_k, config=decision.config)
+    if lse is None:
+        # No lse came with this forward: NaN rather than uninitialised memory, so that a backward
+        # that expected one (backend settings changed in between) gives NaN gradients, not
+        # plausible wrong ones.
+        lse = q.new_full(_out_shapes(p)[1], float("nan"), dtype=torch.float32)
+    return out.contiguous(), lse.contiguous()
 
 
 @_flash_attn_op.register_fake
@@ -373,20 +392,25 @@ def _flash_attn_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                     causal, window_left, window_right, deterministic, return_lse)
     _no_compiled_dropout(p)
     out_shape, lse_shape = _out_shapes(p)
-    return q.new_empty(out_shape), q.new_empty(lse_shape if return_lse else (0,), dtype=torch.float32)
+    return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("turbo_dispatch::flash_attn_backward", mutates_args=())
+@torch.library.custom_op("turbo_dispatch::flash_attn_bwd", mutates_args=())
 def _flash_attn_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
-                            max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: Optional[float],
-                            causal: bool, window_left: int, window_right: int, deterministic: bool,
+                            out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
+                            cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                            dropout_p: float, softmax_scale: Optional[float], causal: bool, window_left: int,
+                            window_right: int, deterministic: bool,
                             return_lse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     p = _op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                     causal, window_left, window_right, deterministic, return_lse)
     decision = resolve(ATTENTION, p)  # the forward's key: its cached decision
-    saved = (q, k, v, cu_seqlens_q, cu_seqlens_k)
-    dq, dk, dv = decision.entry.adapter.backward(p, saved, grad_out, config=decision.config)
+    adapter = decision.entry.adapter
+    if hasattr(adapter, "compiled_backward"):
+        saved = (q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
+        dq, dk, dv = adapter.compiled_backward(p, saved, grad_out, config=decision.config)
+    else:
+        dq, dk, dv = adapter.backward(p, (q, k, v, cu_seqlens_q, cu_seqlens_k), grad_out, config=decision.config)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
@@ -397,14 +421,18 @@ def _flash_attn_backward_fake(grad_out, q, k, v, *args):
 
 def _flash_attn_setup(ctx, inputs, output):
     q, k, v, cu_q, cu_k = inputs[:5]
-    ctx.save_for_backward(q, k, v, cu_q, cu_k)
+    out, lse = output
+    ctx.varlen = cu_q is not None
+    # No None among the saved tensors: compiled graphs do not hand those back in place.
+    ctx.save_for_backward(q, k, v, out, lse, *((cu_q, cu_k) if ctx.varlen else ()))
     ctx.args = inputs[5:]
-    ctx.mark_non_differentiable(output[1])
+    ctx.mark_non_differentiable(lse)
 
 
 def _flash_attn_backward(ctx, grad_out, _grad_lse):
-    q, k, v, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = torch.ops.turbo_dispatch.flash_attn_backward(grad_out, q, k, v, cu_q, cu_k, *ctx.args)
+    saved = ctx.saved_tensors
+    cu = saved[5:] if ctx.varlen else (None, None)
+    dq, dk, dv = torch.ops.turbo_dispatch.flash_attn_bwd(grad_out, *saved[:5], *cu, *ctx.args)
     return (dq, dk, dv) + (None,) * 11
 
 
@@ -432,7 +460,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     """
     if torch.compiler.is_compiling():
         left, right = _window("flash_attn_func", window_size)
-        out, lse = torch.ops.turbo_dispatch.flash_attn(q, k, v, None, None, 0, 0, dropout_p, softmax_scale,
+        out, lse = torch.ops.turbo_dispatch.flash_attn_fwd(q, k, v, None, None, 0, 0, dropout_p, softmax_scale,
                                                        causal, left, right, deterministic, return_lse)
         return (out, lse) if return_lse else out
     p = attention_problem(q, k, v, dropout_p, softmax_scale, causal, window_size, deterministic, return_lse)
@@ -462,7 +490,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     """
     if torch.compiler.is_compiling():
         left, right = _window("flash_attn_varlen_func", window_size)
-        out, lse = torch.ops.turbo_dispatch.flash_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        out, lse = torch.ops.turbo_dispatch.flash_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                        max_seqlen_k, dropout_p, softmax_scale, causal, left, right,
                                                        deterministic, return_lse)
         return (out, lse) if return_lse else out
