@@ -18,6 +18,7 @@ import torch
 import turbo_dispatch as turbo
 from turbo_dispatch import BackendUnsupportedError
 from turbo_dispatch.ops import attention as attn_mod
+from turbo_dispatch.backends.torch import attention as torch_attn
 from turbo_dispatch.ops._common import rel_error, snr_db
 
 FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
@@ -148,7 +149,6 @@ def test_dense_fwd_bwd_lse(case):
                                   "gqa-causal"])
 def test_lse_in_small_blocks(case, monkeypatch):
     """The lse pass in blocks of a few rows, each reading only the keys its rows may attend."""
-    from turbo_dispatch.backends.torch import attention as torch_attn
 
     monkeypatch.setattr(torch_attn, "_LSE_BLOCK", 1)  # one query row per block
     b, sq, sk, hq, hk, d, dv, kw = DENSE[case]
@@ -761,9 +761,11 @@ FLASH_WIRING = {
 def test_flash_path_operands_on_cpu(case, compiled, monkeypatch, fresh_dynamo):
     """The FlashAttention path's operands (dense and packed), lse layouts and -inf rows, and both
     backwards (eager autograd; the compiled path's backward op from the forward op's out and lse),
-    with the two kernels emulated in float64: out, lse and every gradient against the reference."""
+    with the two kernels emulated in float64: out, lse and every gradient against the reference.
+    SDPA is taken to pick FlashAttention, so compiled calls take it wherever eager ones take SDPA."""
     calls = []
     _emulated_flash_kernels(monkeypatch, calls)
+    monkeypatch.setattr(torch_attn, "_sdpa_choice", lambda *a: torch_attn.SDP_FLASH)
     shape, kw, eager_flash = FLASH_WIRING[case]
     if case.startswith("dense"):
         b, sq, sk, hq, hk, d = shape
@@ -790,6 +792,44 @@ def test_flash_path_operands_on_cpu(case, compiled, monkeypatch, fresh_dynamo):
         assert_close(name, g, r, FP32)
     # One forward, one backward from its out and lse; eager calls SDPA serves well stay on SDPA.
     assert calls == (["forward", "backward"] if compiled or eager_flash else [])
+
+
+@pytest.mark.parametrize("choice", ["efficient", "cudnn-unverified"])
+def test_compiled_sdpa_path_recomputes_on_cpu(choice, monkeypatch, fresh_dynamo):
+    """A compiled unmasked call whose SDPA kernel neither saving path runs (SDPA would pick the
+    memory-efficient kernel, or cuDNN on a call the CUDNN backend has not verified: GQA) stays on
+    SDPA and recomputes: no FlashAttention call, gradients right."""
+    calls = []
+    _emulated_flash_kernels(monkeypatch, calls)
+    answer = 2 if choice == "efficient" else torch_attn.SDP_CUDNN
+    monkeypatch.setattr(torch_attn, "_sdpa_choice", lambda *a: answer)
+    q, grad = randn((2, 13, 4, 16)), randn((2, 13, 4, 16))
+    k, v = randn((2, 13, 2, 16)), randn((2, 13, 2, 16))
+    ref_out, _, ref_g = ref_grads(q, k, v, grad, causal=True)
+    turbo.GlobalBackendManager.set_attn_backend("TORCH")
+    try:
+        call = torch.compile(flash_attn_func, fullgraph=True, backend="aot_eager")
+        out, _, grads = run_op(call, q, k, v, grad, causal=True)
+    finally:
+        turbo.GlobalBackendManager.set_attn_backend(None)
+    assert calls == []
+    assert_close("out", out, ref_out, FP32)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_g):
+        assert_close(name, g, r, FP32)
+
+
+def test_sdpa_choice_names_the_kernel():
+    """``_sdpa_choice`` asks torch which kernel SDPA runs for unmasked dense calls, names
+    FlashAttention for the lower-right causal bias, and cannot say for explicit masks."""
+    q, k = randn((2, 9, 4, 16)), randn((2, 9, 2, 16))
+    plain = attn_mod.attention_problem(q, k, k, causal=True)
+    want = torch._fused_sdp_choice(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2), is_causal=True,
+                                   scale=plain.softmax_scale, enable_gqa=True)
+    assert torch_attn._sdpa_choice(plain, q, k, k) == want
+    lower_right = attn_mod.attention_problem(q[:, :5], k, k, causal=True)
+    assert torch_attn._sdpa_choice(lower_right, q[:, :5], k, k) == torch_attn.SDP_FLASH
+    window = attn_mod.attention_problem(q, k, k, window_size=(2, 0))
+    assert torch_attn._sdpa_choice(window, q, k, k) is None
 
 
 def _emulated_cudnn_kernels(monkeypatch, calls):
@@ -828,9 +868,10 @@ def _emulated_cudnn_kernels(monkeypatch, calls):
 def test_compiled_cudnn_path_on_cpu(kw, monkeypatch, fresh_dynamo):
     """The compiled path's cuDNN side (asked for an lse or not): one kernel forward, one kernel
     backward from its out and lse, with both ops emulated in float64; out, lse and every gradient
-    against the reference."""
+    against the reference. SDPA is taken to pick cuDNN for the call without an lse."""
     calls = []
     _emulated_cudnn_kernels(monkeypatch, calls)
+    monkeypatch.setattr(torch_attn, "_sdpa_choice", lambda *a: torch_attn.SDP_CUDNN)
     q, k, v, grad = (randn((2, 13, 3, 16)) for _ in range(4))
     ref_out, ref_lse, ref_g = ref_grads(q, k, v, grad, **ref_kwargs(kw))
     turbo.GlobalBackendManager.set_attn_backend("TORCH")
@@ -936,8 +977,9 @@ def _count_kernel_calls(monkeypatch, module, calls):
 COMPILED_SAVING = {
     "dense-causal": ((2, 256, 256, 8, 8), dict(causal=True), "cudnn"),
     "dense-full-lse": ((2, 200, 200, 4, 4), dict(return_lse=True), "cudnn"),
-    "dense-gqa-causal": ((2, 300, 300, 8, 2), dict(causal=True), "flash"),
+    "dense-gqa-window": ((2, 300, 300, 8, 2), dict(window_size=(64, 0)), "flash"),
     "dense-sq>sk-causal": ((1, 300, 100, 4, 4), dict(causal=True), "flash"),
+    "dense-sq<sk-causal": ((2, 100, 300, 4, 4), dict(causal=True), "flash"),
     "varlen-causal-lse": (([100, 0, 250, 33], [120, 7, 250, 20]), dict(causal=True, return_lse=True), "flash"),
 }
 
@@ -969,7 +1011,7 @@ def test_gpu_compiled_backward_starts_from_saved(case, monkeypatch, fresh_dynamo
         ref_out, ref_lse, ref_g = ref_grads(q, k, v, grad, **ref_kwargs(kw))
         fn = flash_attn_func
         p = attn_mod.attention_problem(q.cuda(), k.cuda(), v.cuda(), **kw)
-    taken = TorchAttention()._saving_path(p)
+    taken = TorchAttention()._saving_path(p, q.cuda(), k.cuda(), v.cuda())
     if taken != path:
         pytest.skip(f"the compiled call takes the {taken} path here, not {path}")
     calls = []

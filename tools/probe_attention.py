@@ -76,6 +76,7 @@ def compiled_section():
         "full": (h, {}),
         "causal + lse": (h, dict(causal=True, return_lse=True)),
         "gqa 32/8 causal": (8, dict(causal=True)),
+        "gqa 32/8 causal + lse": (8, dict(causal=True, return_lse=True)),
         "window (1024,0)": (8, dict(window_size=(1024, 0))),
     }
     turbo.GlobalBackendManager.set_attn_backend("TORCH")
@@ -91,8 +92,8 @@ def compiled_section():
         ms = [timed_step(call, q, k, v, g), timed_step(compiled, q, k, v, g)]
         with compiled_pair_off():
             ms.append(timed_step(compiled, q, k, v, g))
-        path = TorchAttention()._saving_path(attention_problem(q, k, v, **kw))
-        print(f"  B={b} S={s_} {name:16s} {ms[0]:.3f} | {ms[1]:.3f} | {ms[2]:.3f}  "
+        path = TorchAttention()._saving_path(attention_problem(q, k, v, **kw), q, k, v)
+        print(f"  B={b} S={s_} {name:22s} {ms[0]:.3f} | {ms[1]:.3f} | {ms[2]:.3f}  "
               f"(before/now {ms[2] / ms[1]:.2f}x, path {path})")
     n, L = 8, 1024
     q = torch.randn(n * L, h, d, device=dev, dtype=bf16, requires_grad=True)
@@ -106,7 +107,7 @@ def compiled_section():
         ms = [timed_step(varlen, q, q, q, g), timed_step(compiled, q, q, q, g)]
         with compiled_pair_off():
             ms.append(timed_step(compiled, q, q, q, g))
-        path = TorchAttention()._saving_path(attention_varlen_problem(q, q, q, cu, cu, L, L, **kw))
+        path = TorchAttention()._saving_path(attention_varlen_problem(q, q, q, cu, cu, L, L, **kw), q, q, q)
         print(f"  varlen {n}x{L} {name:14s} {ms[0]:.3f} | {ms[1]:.3f} | {ms[2]:.3f}  "
               f"(before/now {ms[2] / ms[1]:.2f}x, path {path})")
     turbo.GlobalBackendManager.set_attn_backend(None)
