@@ -320,7 +320,6 @@ def test_cudnn_supports_reasons():
         "head dim": base._replace(head_dim_qk=256, head_dim_v=256),
         "multiples of 8": base._replace(head_dim_qk=60, head_dim_v=60),
         "v head dim": base._replace(head_dim_v=64),
-        "GQA": base._replace(heads_kv=2),
         "varlen": base._replace(varlen=True),
         "sliding window": base._replace(window_left=3, window_right=0, causal=True),
         "bottom-right": base._replace(seqlen_q=128, causal=True, window_right=0),
@@ -330,6 +329,22 @@ def test_cudnn_supports_reasons():
     for word, p in refused.items():
         reason = adapter.supports(p)
         assert reason is not None and word in reason, (word, reason)
+
+
+def test_cudnn_gqa_from_torch_2_11(monkeypatch):
+    """GQA/MQA goes to cuDNN on the torch releases the GPU grid checked it on, and is refused,
+    naming the release, before them."""
+    from turbo_dispatch.backends.cudnn import attention as cudnn_attention
+    from turbo_dispatch.backends.cudnn.attention import CudnnAttention
+
+    gqa = attn_mod.AttentionProblem(2, 256, 256, 512, 512, 8, 2, 128, 128, BF16, True, -1, 0, 0.0,
+                                    128 ** -0.5, False, True, False, "cuda")
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    assert CudnnAttention().supports(gqa) is None
+    assert CudnnAttention().supports(gqa._replace(heads_kv=1)) is None
+    monkeypatch.setattr(torch, "__version__", "2.10.1")
+    reason = CudnnAttention().supports(gqa)
+    assert "GQA/MQA" in reason and cudnn_attention.GQA_FROM_TORCH in reason and "2.10.1" in reason
 
 
 def test_cudnn_pinned_on_cpu_is_an_error():
@@ -483,7 +498,10 @@ GPU_GRID = [
     (1, 128, 384, 8, 2, 96, 64, BF16, dict(causal=True)),
     (1, 384, 128, 4, 4, 64, 64, BF16, dict(causal=True)),
     (2, 256, 256, 8, 2, 128, 128, BF16, dict(causal=True)),
+    (2, 256, 256, 8, 2, 128, 128, BF16, dict(causal=True, return_lse=True)),
     (2, 256, 256, 8, 1, 64, 64, BF16, {}),
+    (1, 200, 200, 8, 1, 64, 64, FP16, dict(return_lse=True)),
+    (3, 129, 129, 6, 3, 128, 128, BF16, dict(causal=True, return_lse=True)),
     (1, 256, 256, 4, 4, 128, 128, BF16, dict(window_size=(64, 0))),
     (1, 256, 256, 4, 4, 128, 128, BF16, dict(window_size=(32, 32))),
     (1, 128, 128, 4, 4, 192, 128, BF16, dict(causal=True)),
@@ -527,8 +545,8 @@ def test_gpu_cudnn_pinned_unsupported_raises_with_reason():
     turbo.GlobalBackendManager.set_attn_backend("CUDNN")
     q = randn((2, 64, 8, 128), BF16, "cuda")
     k = randn((2, 64, 2, 128), BF16, "cuda")
-    with pytest.raises(BackendUnsupportedError, match="GQA/MQA"):
-        flash_attn_func(q, k, k, causal=True)
+    with pytest.raises(BackendUnsupportedError, match="bottom-right"):
+        flash_attn_func(q[:, :32], k, k, causal=True)
     with pytest.raises(BackendUnsupportedError, match="sliding window"):
         flash_attn_func(q, q, q, window_size=(16, 0))
 
@@ -615,7 +633,7 @@ def test_flash_gate_honours_flash_sdp_switch(flash_kernels_present, monkeypatch)
 
 def test_cudnn_lse_gate(flash_kernels_present, monkeypatch):
     """Dense lse calls that the CUDNN backend has verified take SDPA's cuDNN kernel op (it
-    returns the lse, and beat FlashAttention-2 on an H100); GQA, windows and fp32 do not."""
+    returns the lse, and beat FlashAttention-2 on an H100), GQA included; windows and fp32 do not."""
     from turbo_dispatch.backends.cudnn import attention as cudnn_attention
     from turbo_dispatch.backends.torch.attention import TorchAttention
 
@@ -628,12 +646,13 @@ def test_cudnn_lse_gate(flash_kernels_present, monkeypatch):
                                                    "is_causal; lse from the kernel")
     assert "cuDNN kernel returns" in adapter._flash_reason(causal_lse)
     assert adapter._cudnn_lse_reason(causal_lse._replace(return_lse=False)) == "no lse asked for"
-    for name, p, word in (("gqa", causal_lse._replace(heads_kv=2), "GQA"),
+    assert adapter._cudnn_lse_reason(causal_lse._replace(heads_kv=2)) is None
+    for name, p, word in (("dv", causal_lse._replace(head_dim_v=8), "v head dim"),
                           ("window", causal_lse._replace(window_left=4), "sliding window"),
                           ("fp32", causal_lse._replace(dtype=FP32), "bf16/fp16")):
         assert word in adapter._cudnn_lse_reason(p), name
         assert not adapter.describe(p).startswith("SDPA's cuDNN kernel"), name
-    assert adapter.describe(causal_lse._replace(heads_kv=2)).startswith("FlashAttention")
+    assert adapter.describe(causal_lse._replace(window_left=4)).startswith("FlashAttention")
     monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: False)
     assert "enable_cudnn_sdp(False)" in adapter._cudnn_lse_reason(causal_lse)
 
@@ -890,7 +909,7 @@ def test_compiled_cudnn_path_on_cpu(kw, monkeypatch, fresh_dynamo):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["varlen-causal-gqa", "varlen-window", "varlen-sq>sk-causal-empty-rows",
-                                  "varlen-full-fp16-mqa", "dense-causal-gqa", "dense-window", "dense-sq>sk-causal",
+                                  "varlen-full-fp16-mqa", "dense-sq<sk-causal-gqa", "dense-window", "dense-sq>sk-causal",
                                   "dense-window-sq<sk-fp16"])
 def test_gpu_flash_native_matches_reference(case):
     """The FlashAttention path (the TORCH adapter's pick for these calls on NVIDIA GPUs) against
@@ -904,7 +923,7 @@ def test_gpu_flash_native_matches_reference(case):
         "varlen-full-fp16-mqa": ([31, 129], [31, 129], 4, 1, FP16, {}),
     }
     dense = {  # (B, Sq, Sk, Hq, Hkv, dtype, kwargs)
-        "dense-causal-gqa": (2, 300, 300, 8, 2, BF16, dict(causal=True)),
+        "dense-sq<sk-causal-gqa": (2, 200, 300, 8, 2, BF16, dict(causal=True)),
         "dense-window": (2, 257, 257, 4, 4, BF16, dict(window_size=(32, 5))),
         "dense-sq>sk-causal": (1, 300, 100, 4, 4, BF16, dict(causal=True)),
         "dense-window-sq<sk-fp16": (2, 96, 320, 4, 2, FP16, dict(window_size=(20, 20))),
@@ -977,6 +996,7 @@ def _count_kernel_calls(monkeypatch, module, calls):
 COMPILED_SAVING = {
     "dense-causal": ((2, 256, 256, 8, 8), dict(causal=True), "cudnn"),
     "dense-full-lse": ((2, 200, 200, 4, 4), dict(return_lse=True), "cudnn"),
+    "dense-gqa-causal-lse": ((2, 256, 256, 8, 2), dict(causal=True, return_lse=True), "cudnn"),
     "dense-gqa-window": ((2, 300, 300, 8, 2), dict(window_size=(64, 0)), "flash"),
     "dense-sq>sk-causal": ((1, 300, 100, 4, 4), dict(causal=True), "flash"),
     "dense-sq<sk-causal": ((2, 100, 300, 4, 4), dict(causal=True), "flash"),

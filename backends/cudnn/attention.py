@@ -12,7 +12,8 @@ kernel again.
 * platform other than CUDA (no ROCm build of cuDNN SDPA);
 * dtype other than bf16/fp16;
 * head dim above 128, or not a multiple of 8; a v head dim different from q/k's (MLA 192/128);
-* GQA/MQA (Hkv != Hq): not every torch release routes enable_gqa to cuDNN;
+* GQA/MQA (Hkv != Hq) on torch releases before 2.11: not every release routes enable_gqa to cuDNN,
+  and 2.11 is the first the GPU grid checked;
 * sliding windows, and causal masks with Sq != Sk (SDPA's is_causal is top-left aligned, the
   API promises bottom-right);
 * dropout, varlen (no packed layout through SDPA), deterministic=True (cuDNN's backward is not promised deterministic).
@@ -26,7 +27,8 @@ elsewhere at the same moment sees them too (a PyTorch limitation).
 
 On an H200 with torch 2.11 / cuDNN 9.19, tools/probe_attention.py saw the forced cuDNN kernel
 *run* GQA, Dv != Dqk, head dims 40 and 256, dropout and boolean masks; running is not being
-right, and other cuDNN versions differ, so those stay refused until the GPU grid checks them.
+right, and other cuDNN versions differ, so those stay refused until the GPU grid checks them
+(GQA has been checked since: torch 2.11, cuDNN 9.19, H100).
 
 The GPU tests (tests/test_attention.py, marker ``gpu``) run every case of their grid that
 ``supports()`` accepts against the float64 reference, forward and backward, so widening these
@@ -42,6 +44,13 @@ from turbo_dispatch.backends.torch import cudnn_lse
 from turbo_dispatch.backends.torch.attention import TorchAttention
 
 MAX_HEAD_DIM = 128
+#: The torch release from which SDPA hands GQA/MQA calls to cuDNN unexpanded and the GPU grid
+#: (tests/test_attention.py) checked them, forward, backward and lse (round 144, H100).
+GQA_FROM_TORCH = "2.11"
+
+
+def _gqa_verified() -> bool:
+    return torch.torch_version.TorchVersion(torch.__version__) >= GQA_FROM_TORCH
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,8 +97,9 @@ class CudnnAttention(TorchAttention):
             return f"v head dim {p.head_dim_v} differs from q/k head dim {p.head_dim_qk} (not enabled for cuDNN)"
         if p.head_dim_qk > MAX_HEAD_DIM or p.head_dim_qk % 8:
             return f"head dim {p.head_dim_qk}: cuDNN SDPA is enabled for multiples of 8 up to {MAX_HEAD_DIM}"
-        if p.heads_kv != p.heads_q:
-            return f"GQA/MQA (heads_q={p.heads_q}, heads_kv={p.heads_kv}) is not enabled for cuDNN"
+        if p.heads_kv != p.heads_q and not _gqa_verified():
+            return (f"GQA/MQA (heads_q={p.heads_q}, heads_kv={p.heads_kv}) is enabled for cuDNN from torch "
+                    f"{GQA_FROM_TORCH} (the first release the GPU grid checked it on); this is torch {torch.__version__}")
         if p.varlen:
             return "varlen (packed THD) inputs are not supported through SDPA's cuDNN kernel"
         if p.window_left >= 0 or p.window_right > 0:
