@@ -94,7 +94,8 @@ def compiled_section():
     from turbo_dispatch.ops.attention import attention_problem, attention_varlen_problem
 
     print("\n== fwd+bwd, TORCH, bf16, H=32, D=128: GPU ms (host issue time covered by a spin) / host ms ==")
-    print("  eager | compiled (fullgraph) | compiled before (backward recomputes) [| eager before cuDNN took GQA]")
+    print("  eager | compiled (fullgraph) | compiled before (backward recomputes) | compiled reduce-overhead "
+          "(CUDA graphs) [| eager before cuDNN took GQA]")
     b, s_, h, d = 2, 4096, 32, 128
     dense = {
         "causal": (h, dict(causal=True)),
@@ -121,6 +122,7 @@ def compiled_section():
         ms = [covered(call, q, k, v, g), covered(compiled, q, k, v, g)]
         with compiled_pair_off():
             ms.append(covered(compiled, q, k, v, g))
+        ms.append(covered(torch.compile(call, fullgraph=True, mode="reduce-overhead"), q, k, v, g))
         if hk != h:
             with cudnn_gqa_off():
                 ms.append(covered(call, q, k, v, g))
@@ -139,6 +141,7 @@ def compiled_section():
         ms = [covered(varlen, q, q, q, g), covered(compiled, q, q, q, g)]
         with compiled_pair_off():
             ms.append(covered(compiled, q, q, q, g))
+        ms.append(covered(torch.compile(varlen, fullgraph=True, mode="reduce-overhead"), q, q, q, g))
         path = TorchAttention()._saving_path(attention_varlen_problem(q, q, q, cu, cu, L, L, **kw), q, q, q)
         print(f"  varlen {n}x{L} {name:20s} " + " | ".join(map(fmt, ms)) +
               f"  (compiled before/now {ms[2][0] / ms[1][0]:.2f}x, path {path})")
