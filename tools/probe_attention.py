@@ -77,6 +77,15 @@ def cudnn_gqa_off():
         cudnn_attention._gqa_verified = shipped
 
 
+def covered_or_nan(call, q, k, v, g):
+    """``covered``, or NaNs with the error printed: one failing variant leaves the row's others."""
+    try:
+        return covered(call, q, k, v, g)
+    except Exception as exc:  # noqa: BLE001
+        print(f"  ({type(exc).__name__}: {str(exc).splitlines()[0][:150]})")
+        return float("nan"), float("nan")
+
+
 def covered(call, q, k, v, g):
     """(GPU ms with the host's issue time covered by a spin, host ms) of one fwd+bwd step."""
     from turbo_dispatch.host_cover import median_gpu_ms, typical_ms, untimed_host_ms
@@ -87,6 +96,13 @@ def covered(call, q, k, v, g):
 
     gpu = median_gpu_ms(step, q.device, reps=15)
     return gpu, typical_ms([untimed_host_ms(step, q.device) for _ in range(5)])
+
+
+def reduce_overhead(fn):
+    """fn compiled with CUDA graphs, on a fresh dynamo: the rows compile one closure's code
+    several ways, which the recompile limit (a hard failure under fullgraph) would stop."""
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, mode="reduce-overhead")
 
 
 def compiled_section():
@@ -118,11 +134,12 @@ def compiled_section():
         def call(q, k, v, kw=kw):
             return turbo.ops.flash_attn_func(q, k, v, **kw)
 
+        torch._dynamo.reset()
         compiled = torch.compile(call, fullgraph=True)
         ms = [covered(call, q, k, v, g), covered(compiled, q, k, v, g)]
         with compiled_pair_off():
             ms.append(covered(compiled, q, k, v, g))
-        ms.append(covered(torch.compile(call, fullgraph=True, mode="reduce-overhead"), q, k, v, g))
+        ms.append(covered_or_nan(reduce_overhead(call), q, k, v, g))
         if hk != h:
             with cudnn_gqa_off():
                 ms.append(covered(call, q, k, v, g))
@@ -137,11 +154,12 @@ def compiled_section():
         def varlen(q, k, v, kw=kw):
             return turbo.ops.flash_attn_varlen_func(q, k, v, cu, cu, L, L, **kw)
 
+        torch._dynamo.reset()
         compiled = torch.compile(varlen, fullgraph=True)
         ms = [covered(varlen, q, q, q, g), covered(compiled, q, q, q, g)]
         with compiled_pair_off():
             ms.append(covered(compiled, q, q, q, g))
-        ms.append(covered(torch.compile(varlen, fullgraph=True, mode="reduce-overhead"), q, q, q, g))
+        ms.append(covered_or_nan(reduce_overhead(varlen), q, q, q, g))
         path = TorchAttention()._saving_path(attention_varlen_problem(q, q, q, cu, cu, L, L, **kw), q, q, q)
         print(f"  varlen {n}x{L} {name:20s} " + " | ".join(map(fmt, ms)) +
               f"  (compiled before/now {ms[2][0] / ms[1][0]:.2f}x, path {path})")
