@@ -87,6 +87,17 @@ def assert_close(name, got, ref, dtype):
         assert db >= 40.0, f"{name}: SNR {db:.1f} dB < 40 dB"
 
 
+def assert_result(result, ref, dtype, with_lse):
+    """``run_op``'s (out, lse, grads) against the float64 reference's (out, lse, grads): out, the
+    lse where the call asked for it, and every gradient."""
+    (out, lse, grads), (ref_out, ref_lse, ref_g) = result, ref
+    assert_close("out", out.float(), ref_out, dtype)
+    if with_lse:
+        assert_lse(lse, ref_lse, dtype)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_g):
+        assert_close(name, g.float(), r, dtype)
+
+
 def assert_lse(got, ref, dtype):
     """lse: same -inf rows, finite values within the gate (relative error, or SNR on GPUs)."""
     assert got.dtype == torch.float32 and got.shape == ref.shape
@@ -173,9 +184,7 @@ def test_non_contiguous_inputs():
     grad = randn((2, 13, 4, 16))
     ref_out, _, ref_g = ref_grads(q, k, v, grad, causal=True)
     out, _, grads = run_op(flash_attn_func, q, k, v, grad, causal=True)
-    assert_close("out", out, ref_out, FP32)
-    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_g):
-        assert_close(name, g, r, FP32)
+    assert_result((out, None, grads), (ref_out, None, ref_g), FP32, False)
 
 
 def test_dropout_runs_and_backward_matches_its_mask():
@@ -469,11 +478,7 @@ def gpu_check(backend, b, sq, sk, hq, hk, d, dv, dtype, **kw):
     cuda = [x.to("cuda") for x in (q, k, v, grad)]
     out, lse, grads = run_op(flash_attn_func, *cuda[:3], cuda[3], **kw)
     assert out.dtype == dtype
-    assert_close("out", out.float(), ref_out, dtype)
-    if kw.get("return_lse"):
-        assert_lse(lse, ref_lse, dtype)
-    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_g):
-        assert_close(name, g.float(), r, dtype)
+    assert_result((out, lse, grads), (ref_out, ref_lse, ref_g), dtype, kw.get("return_lse"))
     return turbo.explain("attention", *cuda[:3], **kw)
 
 
@@ -804,11 +809,7 @@ def test_flash_path_operands_on_cpu(case, compiled, monkeypatch, fresh_dynamo):
         out, lse, grads = run_op(call, q, k, v, grad, *args, **kw)
     finally:
         turbo.GlobalBackendManager.set_attn_backend(None)
-    assert_close("out", out, ref_out, FP32)
-    if kw.get("return_lse"):
-        assert_lse(lse, ref_lse, FP32)
-    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_g):
-        assert_close(name, g, r, FP32)
+    assert_result((out, lse, grads), (ref_out, ref_lse, ref_g), FP32, kw.get("return_lse"))
     # One forward, one backward from its out and lse; eager calls SDPA serves well stay on SDPA.
     assert calls == (["forward", "backward"] if compiled or eager_flash else [])
 
@@ -832,9 +833,7 @@ def test_compiled_sdpa_path_recomputes_on_cpu(choice, monkeypatch, fresh_dynamo)
     finally:
         turbo.GlobalBackendManager.set_attn_backend(None)
     assert calls == []
-    assert_close("out", out, ref_out, FP32)
-    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_g):
-        assert_close(name, g, r, FP32)
+    assert_result((out, None, grads), (ref_out, None, ref_g), FP32, False)
 
 
 def test_sdpa_choice_names_the_kernel():
@@ -899,11 +898,7 @@ def test_compiled_cudnn_path_on_cpu(kw, monkeypatch, fresh_dynamo):
         out, lse, grads = run_op(call, q, k, v, grad, **kw)
     finally:
         turbo.GlobalBackendManager.set_attn_backend(None)
-    assert_close("out", out, ref_out, FP32)
-    if kw.get("return_lse"):
-        assert_lse(lse, ref_lse, FP32)
-    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_g):
-        assert_close(name, g, r, FP32)
+    assert_result((out, lse, grads), (ref_out, ref_lse, ref_g), FP32, kw.get("return_lse"))
     assert calls == ["forward", "backward"]
 
 
@@ -952,10 +947,7 @@ def test_gpu_flash_native_matches_reference(case):
         out, lse, grads = run_op(fn, q.cuda(), k.cuda(), v.cuda(), grad.cuda(), *args, return_lse=True, **kw)
     finally:
         turbo.GlobalBackendManager.set_attn_backend(None)
-    assert_close("out", out.float(), ref_out, BF16)
-    assert_lse(lse, ref_lse, BF16)
-    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_g):
-        assert_close(name, g.float(), r, BF16)
+    assert_result((out, lse, grads), (ref_out, ref_lse, ref_g), BF16, True)
 
 
 @pytest.mark.gpu
@@ -1043,11 +1035,7 @@ def test_gpu_compiled_backward_starts_from_saved(case, monkeypatch, fresh_dynamo
     finally:
         turbo.GlobalBackendManager.set_attn_backend(None)
     assert calls == ["_forward_raw", "_backward_raw"]
-    assert_close("out", out.float(), ref_out, BF16)
-    if kw.get("return_lse"):
-        assert_lse(lse, ref_lse, BF16)
-    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_g):
-        assert_close(name, g.float(), r, BF16)
+    assert_result((out, lse, grads), (ref_out, ref_lse, ref_g), BF16, kw.get("return_lse"))
 
 
 @pytest.mark.gpu

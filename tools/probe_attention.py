@@ -122,8 +122,20 @@ def compiled_section():
         "window (1024,0)": (8, dict(window_size=(1024, 0))),
     }
 
-    def fmt(pair):
-        return f"{pair[0]:.3f}/{pair[1]:.2f}"
+    def row(label, call, q, k, v, g, problem, gqa):
+        """One line: eager, compiled, compiled before, reduce-overhead [, eager before cuDNN's GQA]."""
+        torch._dynamo.reset()
+        compiled = torch.compile(call, fullgraph=True)
+        ms = [covered(call, q, k, v, g), covered(compiled, q, k, v, g)]
+        with compiled_pair_off():
+            ms.append(covered(compiled, q, k, v, g))
+        ms.append(covered_or_nan(reduce_overhead(call), q, k, v, g))
+        if gqa:
+            with cudnn_gqa_off():
+                ms.append(covered(call, q, k, v, g))
+        path = TorchAttention()._saving_path(problem, q, k, v)
+        print(f"  {label:33s} " + " | ".join(f"{gpu:.3f}/{host:.2f}" for gpu, host in ms) +
+              f"  (compiled before/now {ms[2][0] / ms[1][0]:.2f}x, path {path})")
 
     turbo.GlobalBackendManager.set_attn_backend("TORCH")
     for name, (hk, kw) in dense.items():
@@ -134,18 +146,7 @@ def compiled_section():
         def call(q, k, v, kw=kw):
             return turbo.ops.flash_attn_func(q, k, v, **kw)
 
-        torch._dynamo.reset()
-        compiled = torch.compile(call, fullgraph=True)
-        ms = [covered(call, q, k, v, g), covered(compiled, q, k, v, g)]
-        with compiled_pair_off():
-            ms.append(covered(compiled, q, k, v, g))
-        ms.append(covered_or_nan(reduce_overhead(call), q, k, v, g))
-        if hk != h:
-            with cudnn_gqa_off():
-                ms.append(covered(call, q, k, v, g))
-        path = TorchAttention()._saving_path(attention_problem(q, k, v, **kw), q, k, v)
-        print(f"  B={b} S={s_} {name:22s} " + " | ".join(map(fmt, ms)) +
-              f"  (compiled before/now {ms[2][0] / ms[1][0]:.2f}x, path {path})")
+        row(f"B={b} S={s_} {name}", call, q, k, v, g, attention_problem(q, k, v, **kw), hk != h)
     n, L = 8, 1024
     q = torch.randn(n * L, h, d, device=dev, dtype=bf16, requires_grad=True)
     cu = torch.arange(0, n * L + 1, L, device=dev, dtype=torch.int32)
@@ -154,15 +155,8 @@ def compiled_section():
         def varlen(q, k, v, kw=kw):
             return turbo.ops.flash_attn_varlen_func(q, k, v, cu, cu, L, L, **kw)
 
-        torch._dynamo.reset()
-        compiled = torch.compile(varlen, fullgraph=True)
-        ms = [covered(varlen, q, q, q, g), covered(compiled, q, q, q, g)]
-        with compiled_pair_off():
-            ms.append(covered(compiled, q, q, q, g))
-        ms.append(covered_or_nan(reduce_overhead(varlen), q, q, q, g))
-        path = TorchAttention()._saving_path(attention_varlen_problem(q, q, q, cu, cu, L, L, **kw), q, q, q)
-        print(f"  varlen {n}x{L} {name:20s} " + " | ".join(map(fmt, ms)) +
-              f"  (compiled before/now {ms[2][0] / ms[1][0]:.2f}x, path {path})")
+        row(f"varlen {n}x{L} {name}", varlen, q, q, q, g, attention_varlen_problem(q, q, q, cu, cu, L, L, **kw),
+            False)
     turbo.GlobalBackendManager.set_attn_backend(None)
 
 
