@@ -904,8 +904,8 @@ def test_compiled_cudnn_path_on_cpu(kw, monkeypatch, fresh_dynamo):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["varlen-causal-gqa", "varlen-window", "varlen-sq>sk-causal-empty-rows",
-                                  "varlen-full-fp16-mqa", "dense-sq<sk-causal-gqa", "dense-window", "dense-sq>sk-causal",
-                                  "dense-window-sq<sk-fp16"])
+                                  "varlen-full-fp16-mqa", "dense-sq<sk-causal-gqa", "dense-window",
+                                  "dense-sq>sk-causal", "dense-window-sq<sk-fp16"])
 def test_gpu_flash_native_matches_reference(case):
     """The FlashAttention path (the TORCH adapter's pick for these calls on NVIDIA GPUs) against
     the float64 reference: out, lse (-inf where a row attends nothing) and every gradient."""
@@ -1009,7 +1009,8 @@ def test_gpu_compiled_backward_starts_from_saved(case, monkeypatch, fresh_dynamo
     if case.startswith("varlen"):
         lens_q, lens_k = shape
         c_q, c_k = cu(lens_q), cu(lens_k)
-        q, k, v = randn((sum(lens_q), 4, 64), BF16), randn((sum(lens_k), 2, 64), BF16), randn((sum(lens_k), 2, 64), BF16)
+        q = randn((sum(lens_q), 4, 64), BF16)
+        k, v = randn((sum(lens_k), 2, 64), BF16), randn((sum(lens_k), 2, 64), BF16)
         grad = randn((sum(lens_q), 4, 64), BF16)
         args = (c_q.cuda(), c_k.cuda(), max(lens_q), max(lens_k))
         ref_out, ref_lse, ref_g = varlen_reference(q, k, v, grad, c_q, c_k, kw)

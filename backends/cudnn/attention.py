@@ -99,7 +99,8 @@ class CudnnAttention(TorchAttention):
             return f"head dim {p.head_dim_qk}: cuDNN SDPA is enabled for multiples of 8 up to {MAX_HEAD_DIM}"
         if p.heads_kv != p.heads_q and not _gqa_verified():
             return (f"GQA/MQA (heads_q={p.heads_q}, heads_kv={p.heads_kv}) is enabled for cuDNN from torch "
-                    f"{GQA_FROM_TORCH} (the first release the GPU grid checked it on); this is torch {torch.__version__}")
+                    f"{GQA_FROM_TORCH} (the first release the GPU grid checked it on); "
+                    f"this is torch {torch.__version__}")
         if p.varlen:
             return "varlen (packed THD) inputs are not supported through SDPA's cuDNN kernel"
         if p.window_left >= 0 or p.window_right > 0:

@@ -5,8 +5,8 @@ kernel through its aten op (``aten._scaled_dot_product_cudnn_attention`` with
 On an H100 (torch 2.11, round 137) SDPA's own choice for a causal B=2, S=4096, H=32, D=128 bf16
 forward+backward ran in 2.15 ms (cuDNN), PyTorch's FlashAttention-2 kernels in 3.6 ms, so where
 cuDNN can serve an lse call it is the faster of the two kernels that return one. The cases are the
-ones the CUDNN backend has verified (its ``supports()``: bf16/fp16, no GQA, equal head dims that
-are multiples of 8 up to 128, no window, causal only with Sq == Sk, no dropout, not
+ones the CUDNN backend has verified (its ``supports()``: bf16/fp16, GQA from torch 2.11, equal
+head dims that are multiples of 8 up to 128, no window, causal only with Sq == Sk, no dropout, not
 deterministic), and cuDNN SDP must not be switched off (``torch.backends.cuda.enable_cudnn_sdp``).
 The aten op is differentiable (PyTorch's own cuDNN backward); the lse is not.
 

@@ -422,17 +422,13 @@ def _flash_attn_backward_fake(grad_out, q, k, v, *args):
 def _flash_attn_setup(ctx, inputs, output):
     q, k, v, cu_q, cu_k = inputs[:5]
     out, lse = output
-    ctx.varlen = cu_q is not None
-    # No None among the saved tensors: compiled graphs do not hand those back in place.
-    ctx.save_for_backward(q, k, v, out, lse, *((cu_q, cu_k) if ctx.varlen else ()))
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
     ctx.args = inputs[5:]
     ctx.mark_non_differentiable(lse)
 
 
 def _flash_attn_backward(ctx, grad_out, _grad_lse):
-    saved = ctx.saved_tensors
-    cu = saved[5:] if ctx.varlen else (None, None)
-    dq, dk, dv = torch.ops.turbo_dispatch.flash_attn_bwd(grad_out, *saved[:5], *cu, *ctx.args)
+    dq, dk, dv = torch.ops.turbo_dispatch.flash_attn_bwd(grad_out, *ctx.saved_tensors, *ctx.args)
     return (dq, dk, dv) + (None,) * 11
 
 
