@@ -333,13 +333,21 @@ class TorchAttention(Adapter):
             parts.append("deterministic: math kernel")
         return "; ".join(parts)
 
+    def _path(self, p) -> str:
+        """The kernel an eager call takes: "cudnn" (an lse call on cuDNN's kernel op), "flash"
+        (FlashAttention) or "sdpa" (SDPA's paths)."""
+        if self._cudnn_lse_reason(p) is None:
+            return "cudnn"
+        return "flash" if self._flash_refusal(p) is None else "sdpa"
+
     # -- the attention adapter protocol ---------------------------------------------------------------
     def forward(self, p, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, config=None):
         """(out, lse or None, saved). Differentiable when q/k/v require grad."""
-        if self._cudnn_lse_reason(p) is None:
+        path = self._path(p)
+        if path == "cudnn":
             out, lse = cudnn_lse.attend(p, q, k, v)
             return out.contiguous(), lse, (q, k, v, cu_seqlens_q, cu_seqlens_k)
-        if self._flash_refusal(p) is None:
+        if path == "flash":
             out, lse = flash_native.attend(p, q, k, v, cu_seqlens_q, cu_seqlens_k)
             return out, lse, (q, k, v, cu_seqlens_q, cu_seqlens_k)
         return self._forward(p, q, k, v, cu_seqlens_q, cu_seqlens_k)
@@ -357,14 +365,13 @@ class TorchAttention(Adapter):
         return out.contiguous(), lse, (q, k, v, cu_seqlens_q, cu_seqlens_k)
 
     def backward(self, p, saved, grad_out, config=None):
-        """(dq, dk, dv) by recomputing the forward (the compiled path's backward)."""
+        """(dq, dk, dv) by recomputing the forward through SDPA's paths (the compiled path's
+        backward where its forward's kernel returned no lse)."""
         if p.dropout_p > 0:
             raise NotImplementedError("attention backward by recomputation cannot reproduce the forward's "
                                       "dropout mask; dropout_p > 0 needs the eager path")
         q, k, v, cu_q, cu_k = saved
         p = p._replace(return_lse=False)  # the lse is not differentiable; the backward needs none
-        if self._flash_refusal(p) is None:  # without an lse the cuDNN lse path never serves
-            return flash_native.backward(p, q, k, v, cu_q, cu_k, grad_out)
         # torch.func.vjp rather than enable_grad + autograd.grad: inside a custom op's
         # implementation the autograd dispatch keys are excluded, and functorch's grad
         # transform is what re-enables them for its own level.
@@ -381,12 +388,9 @@ class TorchAttention(Adapter):
         would pick, through the op that returns the lse, where that is cuDNN or FlashAttention.
         Taking FlashAttention where SDPA picks cuDNN would not pay: on an H100 (round 142) GQA
         causal ran 3.68 ms on FlashAttention against 2.63 for SDPA's cuDNN with the recomputation."""
-        if self._cudnn_lse_reason(p) is None:
-            return "cudnn"
-        if self._flash_refusal(p) is None:
-            return "flash"
-        if p.varlen or p.return_lse:
-            return "sdpa"
+        path = self._path(p)
+        if path != "sdpa" or p.varlen or p.return_lse:
+            return path
         choice = _sdpa_choice(p, q, k, v)
         if choice == SDP_CUDNN and self._cudnn_lse_reason(p._replace(return_lse=True)) is None:
             return "cudnn"

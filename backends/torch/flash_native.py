@@ -23,10 +23,7 @@ the padded path (varlen), and ``describe()`` says why.
 Eager calls are differentiable through ``_FlashFunction`` (the forward saves out and the raw lse,
 the backward is one FlashAttention backward). The compiled path does the same across its two
 custom ops: ``forward_saving`` returns out and the lse, which the forward op hands to its backward
-op, and ``backward_saved`` runs the kernel backward from them, so nothing is recomputed. The
-adapter protocol's ``backward``, which gets q/k/v alone, recomputes the forward first (``backward``
-here); torch.func cannot differentiate through an autograd.Function without ``setup_context`` nor
-through a custom op's registered autograd (torch 2.13), so it calls the two kernels itself.
+op, and ``backward_saved`` runs the kernel backward from them, so nothing is recomputed.
 
 Rows that may attend no key (Sq > Sk causal, an empty sequence) come back as 0 with zero
 gradients; FlashAttention reports their lse as +inf, which ``attend`` turns into -inf like the
@@ -216,13 +213,3 @@ def backward_saved(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: O
     seed, offset = _no_dropout_rng(q.device)
     return _backward_raw(p, _operands(p, q, k, v, cu_q, cu_k), _last_dim_contiguous(out), raw, seed, offset,
                          grad_out.to(q.dtype))
-
-
-@torch.no_grad()
-def backward(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Optional[torch.Tensor],
-             cu_k: Optional[torch.Tensor], grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) in the inputs' layouts from q/k/v alone: the forward recomputed, then its
-    backward (the adapter protocol's ``backward``, which gets no out or lse)."""
-    x = _operands(p, q, k, v, cu_q, cu_k)
-    out, lse, rng_state, unused = _forward_raw(p, x)
-    return _backward_raw(p, x, out, lse, rng_state, unused, grad_out.to(q.dtype))
