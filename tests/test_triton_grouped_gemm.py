@@ -452,7 +452,7 @@ _ROUTINGS = {
 def test_overlap_only_on_real_eager_cuda_tensors():
     """``overlappable`` (the gate of the blockwise step's two-stream paths) refuses CPU tensors and
     anything being traced: a fake CUDA tensor under FakeTensorMode (as AOT autograd and opcheck
-    trace the backward) and a tensor subclass, so no stream or record_stream enters a graph."""
+    trace the backward) and a tensor subclass, so no side stream enters a graph."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from turbo_dispatch.backends.quantizer import overlappable
@@ -1189,6 +1189,68 @@ def test_gpu_side_by_side_quantisers_match_serial():
     for got, want in zip(runs + tiles, serial, strict=True):
         assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
         assert torch.equal(got.scale, want.scale)
+
+
+class _FakeStream:
+    """Stands in for a CUDA stream in ``_wait_for_callers``: records what it waited on."""
+
+    def __init__(self, name: str):
+        self.name, self.waited = name, []
+
+    def wait_stream(self, other: "_FakeStream") -> None:
+        self.waited.append(other.name)
+
+
+def test_side_stream_waits_for_every_earlier_caller(monkeypatch):
+    """``side_by_side`` does not ``record_stream`` its side outputs, so a fork must make the side
+    stream wait for the current stream and for every stream an earlier fork on the device came
+    from (a freed side output's block is handed out again inside a fork); while capturing, for the
+    current stream only."""
+    from turbo_dispatch.backends import quantizer
+
+    monkeypatch.setattr(quantizer, "_FORK_CALLERS", {})
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    s1, s3, side = _FakeStream("s1"), _FakeStream("s3"), _FakeStream("side")
+    quantizer._wait_for_callers(side, s1, 0)
+    quantizer._wait_for_callers(side, s1, 0)
+    assert side.waited == ["s1", "s1"]
+    side.waited.clear()
+    quantizer._wait_for_callers(side, s3, 0)
+    assert side.waited == ["s3", "s1"]
+    side.waited.clear()
+    quantizer._wait_for_callers(side, s1, 1)  # another device keeps its own callers
+    assert side.waited == ["s1"]
+    side.waited.clear()
+    capturing[0] = True
+    graph = _FakeStream("capture")
+    quantizer._wait_for_callers(side, graph, 0)
+    assert side.waited == ["capture"] and quantizer._FORK_CALLERS[0] == [s1, s3]
+
+
+@pytest.mark.gpu
+def test_gpu_side_output_block_reused_after_the_caller_switched_streams():
+    """A side output freed while its caller's stream still reads it, its block handed out again by
+    a fork from another stream: the new fork's side work waits for the old caller's read (the
+    ``record_stream`` the fork no longer makes is not needed). The read sits behind a GPU spin, so
+    without the wait the second fork's fill lands first."""
+    from turbo_dispatch.backends.quantizer import side_by_side
+
+    dev, n = torch.device("cuda"), 1 << 20
+    s1, s3 = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s1):
+        _, out = side_by_side(lambda: None, lambda: torch.full((n,), 1.0, device=dev), dev)
+        ptr = out.data_ptr()
+        torch.cuda._sleep(100_000_000)
+        kept = out.clone()
+        del out
+    with torch.cuda.stream(s3):
+        _, again = side_by_side(lambda: None, lambda: torch.full((n,), 2.0, device=dev), dev)
+    torch.cuda.synchronize()
+    if again.data_ptr() != ptr:
+        pytest.skip("the caching allocator did not hand the freed side block out again")
+    assert torch.all(kept == 1.0) and torch.all(again == 2.0)
 
 
 @pytest.mark.gpu

@@ -7,7 +7,7 @@ import torch
 def tracing() -> bool:
     """True while torch.compile traces, or while any dispatch mode is active (fake, proxy or
     functional tensors: AOT autograd, opcheck, make_fx). Work that only makes sense on real
-    tensors in eager execution (side streams and ``record_stream``, caches of real tensors)
+    tensors in eager execution (side streams, caches of real tensors)
     checks this first.
 
     >>> tracing()
