@@ -89,19 +89,31 @@ def _init_distributed() -> None:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from .cli import UsageError, _device_arg, _table
-    from .device_platform import platform_of
-    from .manager import GlobalBackendManager
     from .presets import MODELS
-    from .tuning import keys as key_sources
-    from .tuning import offline
 
     if args.list_models:
         for name, model in MODELS.items():
             print(f"{name:16s} {model.note or ''}")
         return 0
-    if args.distributed:
-        _init_distributed()
+    if not args.distributed:
+        return _tune(args)
+    _init_distributed()
+    try:
+        return _tune(args)
+    finally:
+        # Without it, a rank could exit with gloo's threads still running and abort
+        # ("terminate called without an active exception", SIGABRT), failing the whole torchrun
+        # after the DB was written: CI saw it once in the 2-rank CPU tune test.
+        torch.distributed.destroy_process_group()
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from .cli import UsageError, _device_arg, _table
+    from .device_platform import platform_of
+    from .manager import GlobalBackendManager
+    from .tuning import keys as key_sources
+    from .tuning import offline
+
     device = _device_arg(args.device)
     platform = platform_of(device)
     db = args.db or GlobalBackendManager.get_tune_db()
