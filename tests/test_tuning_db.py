@@ -443,6 +443,30 @@ def test_cli_errors_are_clear(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("caller_group", [False, True])
+def test_distributed_tune_destroys_only_the_group_it_made(tmp_path, monkeypatch, caller_group):
+    """``tune --distributed`` in one process (world size 1, gloo): the process group it made is
+    destroyed before it returns (a rank that exits with gloo's threads alive can abort); a group
+    the caller made before is left to the caller."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29633" if caller_group else "29632")
+    if caller_group:
+        dist.init_process_group("gloo")
+    try:
+        code = cli(["tune", "--model", "tiny", "--ops", "gemm", "--db", str(tmp_path / "one.jsonl"), "--distributed",
+                    "--no-progress", "--device", "cpu"])
+        assert code == 0
+        assert dist.is_initialized() is caller_group
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.slow
 def test_distributed_tune_shards_keys_and_rank0_merges(tmp_path):
     db = tmp_path / "dist.jsonl"
     env = _env()

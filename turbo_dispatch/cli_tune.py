@@ -77,15 +77,19 @@ def add_parsers(sub) -> None:
 
 
 # -- tune ------------------------------------------------------------------------------------------
-def _init_distributed() -> None:
+def _init_distributed() -> bool:
+    """Joins the torchrun job; True when this call made the process group (a caller's own group
+    is left to the caller)."""
     from .cli import UsageError
 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise UsageError("--distributed needs torchrun (RANK and WORLD_SIZE are not set)")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.distributed.is_initialized():
+        return False
+    torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return True
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
@@ -97,14 +101,15 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         return 0
     if not args.distributed:
         return _tune(args)
-    _init_distributed()
+    made_group = _init_distributed()
     try:
         return _tune(args)
     finally:
         # Without it, a rank could exit with gloo's threads still running and abort
         # ("terminate called without an active exception", SIGABRT), failing the whole torchrun
         # after the DB was written: CI saw it once in the 2-rank CPU tune test.
-        torch.distributed.destroy_process_group()
+        if made_group:
+            torch.distributed.destroy_process_group()
 
 
 def _tune(args: argparse.Namespace) -> int:
