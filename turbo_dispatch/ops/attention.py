@@ -457,7 +457,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     if torch.compiler.is_compiling():
         left, right = _window("flash_attn_func", window_size)
         out, lse = torch.ops.turbo_dispatch.flash_attn_fwd(q, k, v, None, None, 0, 0, dropout_p, softmax_scale,
-                                                       causal, left, right, deterministic, return_lse)
+                                                           causal, left, right, deterministic, return_lse)
         return (out, lse) if return_lse else out
     p = attention_problem(q, k, v, dropout_p, softmax_scale, causal, window_size, deterministic, return_lse)
     return _run_eager(p, q, k, v, None, None)
@@ -487,8 +487,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     if torch.compiler.is_compiling():
         left, right = _window("flash_attn_varlen_func", window_size)
         out, lse = torch.ops.turbo_dispatch.flash_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                       max_seqlen_k, dropout_p, softmax_scale, causal, left, right,
-                                                       deterministic, return_lse)
+                                                           max_seqlen_k, dropout_p, softmax_scale, causal, left, right,
+                                                           deterministic, return_lse)
         return (out, lse) if return_lse else out
     p = attention_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                  softmax_scale, causal, window_size, deterministic, return_lse)
