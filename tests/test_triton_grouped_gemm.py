@@ -1083,17 +1083,14 @@ def test_gpu_dual_quantizer_matches_quantize_cells(fmt, kernel):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hint", [0, 1, 2])
 @pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_gpu_gluon_dual_quantizer_matches_triton_bit_for_bit(fmt, hint, monkeypatch):
+def test_gpu_gluon_dual_quantizer_matches_triton_bit_for_bit(fmt):
     """The Gluon quantisers give the Triton kernel's bits (which the interpreter checks against
     the reference quantize): token runs (the runs kernel) and 2-D tiles (the tiles kernel) at
     ragged rows and columns, strided rows, zero, NaN, inf, subnormal-sized and near-overflow
-    cells, groups; under every cache hint their fp8 stores can take (``STORE_HINT``)."""
+    cells, groups."""
     import turbo_dispatch.backends.triton.dual_quantize as DQ
     from turbo_dispatch.backends.triton import dual_quantize_gluon as DG
-
-    monkeypatch.setattr(DG, "STORE_HINT", hint)
 
     if DG.available(torch.empty(1, device="cuda", dtype=torch.bfloat16), 128):
         pytest.skip(DG.available(torch.empty(1, device="cuda", dtype=torch.bfloat16), 128))

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Twenty-ninth session, first call, on an NVIDIA H100: the dual quantisers' fp8 stores with a cache
+# Twenty-ninth session, first call, on an NVIDIA H100 (the code of commit 92b1636; its cache-hint switch was
+# reverted after this round): the dual quantisers' fp8 stores with a cache
 # hint (dual_quantize_gluon.STORE_HINT: 0 none, 1 streaming .cs, 2 evict_first), timed in turns
 # next to a clone on the sweep's activations, gradients and expert weights, every variant checked
 # bit for bit against the first; then the Gluon quantisers' bit-for-bit GPU tests under each hint.

@@ -298,21 +298,16 @@ TILE_OPERANDS = [(n, s) for n, s, t in SWEEP_OPERANDS if t] + [("dsv3_w_ep8", (3
 
 
 def quantiser_variants(spec: str) -> tuple[list, list]:
-    """``--quantiser-sweep`` SPEC, ``runs=S,P,R/...;tiles=ROWS,WARPS,R/...;hint=H/...``, as the runs and
-    tiles variants of ``quantiser_settings_sweep``: TMA_RUNS (ring stages, programs per SM, maxnreg),
-    TILES_LAUNCH (rows per thread, warps, maxnreg), and STORE_HINT (the fp8 copies' store hint, for
-    both kernels); the first of each is its baseline."""
+    """``--quantiser-sweep`` SPEC, ``runs=S,P,R/...;tiles=ROWS,WARPS,R/...``, as the runs and tiles
+    variants of ``quantiser_settings_sweep``: TMA_RUNS (ring stages, programs per SM, maxnreg) and
+    TILES_LAUNCH (rows per thread, warps, maxnreg); the first of each is its baseline."""
     attrs = {"runs": "TMA_RUNS", "tiles": "TILES_LAUNCH"}
     out = {kind: [] for kind in attrs}
     for part in filter(None, spec.split(";")):
         kind, _, values = (p.strip() for p in part.partition("="))
-        if kind not in (*attrs, "hint"):
-            raise SystemExit(f"--quantiser-sweep: {kind!r} must be 'runs', 'tiles' or 'hint' (spec {spec!r})")
+        if kind not in attrs:
+            raise SystemExit(f"--quantiser-sweep: {kind!r} must be 'runs' or 'tiles' (spec {spec!r})")
         for v in filter(None, values.split("/")):
-            if kind == "hint":
-                for k in attrs:
-                    out[k].append((f"hint {int(v)}", {"STORE_HINT": int(v)}))
-                continue
             launch = tuple(int(x) for x in v.split(","))
             out[kind].append((f"{kind} {launch}", {attrs[kind]: launch}))
     return out["runs"], out["tiles"]
@@ -769,7 +764,7 @@ def main() -> int:
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--quantiser-sweep", default=None, metavar="SPEC",
                     help="only time launches of the Gluon dual quantiser in turns, bit-checked against the first: "
-                         "'runs=S,P,R/...;tiles=ROWS,WARPS,R/...;hint=H/...' (quantiser_variants), and stop")
+                         "'runs=S,P,R/...;tiles=ROWS,WARPS,R/...' (quantiser_variants), and stop")
     ap.add_argument("--kernels", default=None, metavar="SHAPES",
                     help="only profile the GPU kernels of one step at these shapes (fp8 and bf16) and stop")
     args = ap.parse_args()

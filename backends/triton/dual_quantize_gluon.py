@@ -38,7 +38,9 @@ current chunk's arithmetic (0.165, within noise), a division-free scale for 16-b
 (0.166 vs 0.168, within noise), rcp.approx and a Newton step for the reciprocals (0.173), the
 row copy in a pass of its own over the shared tile with one quotient branch per tile (0.170),
 16- or 64-row chunks, 8 warps, 16-row transposed chunks, maxnreg 80 (0.170-0.216), and the
-register kernel below on runs (0.193; its code is in commit 2b1e3e1).
+register kernel below on runs (0.193; its code is in commit 2b1e3e1). A cache hint on both
+kernels' fp8 stores (streaming ``.cs``, or ``evict_first``; round 154, bit-identical) was slower
+on every operand: 0.971-0.994x for the runs kernel, 0.988-0.993x for the tiles kernel.
 
 ``_dual_quantize_tiles_kernel`` (2-D tiles, one scale per 128 x 128 tile) keeps the whole tile
 in registers, each thread holding 16 consecutive rows x 8 columns: the 16-byte row pieces load
@@ -97,11 +99,6 @@ RUNS_MIN_UNITS = 12
 TILES_LAUNCH = (16, 4, 0)
 #: Whether ``dual_quantize`` sends 2-D tiles here (the register kernel) rather than to Triton.
 SERVES_TILES = True
-#: Cache hint on the fp8 copies' stores of both kernels: 0 none (the compiler's default), 1 the
-#: streaming ``.cs`` modifier, 2 ``evict_first``. The copies are read only by later GEMMs, long
-#: after the quantiser has streamed far more than L2 holds, so a hint could only change how L2
-#: writes them back; ``tools/probe_grouped_step.py --quantiser-sweep 'hint=0/1/2'`` times them.
-STORE_HINT = 0
 
 if gluon is not None:
     from .dual_quantize import _corrected_quotient, _quotient, _scale_of, _step_operands
@@ -113,16 +110,6 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
     from .fp8_blockwise_gluon import GluonDescriptor, _cta_barrier, _tma_load
-
-    @gluon.jit
-    def _g_store_hinted(ptr, val, mask, HINT: gl.constexpr):
-        """``gl.store`` with ``STORE_HINT``'s cache hint (0: none)."""
-        if HINT == 1:
-            gl.store(ptr, val, mask=mask, cache_modifier=".cs")
-        elif HINT == 2:
-            gl.store(ptr, val, mask=mask, eviction_policy="evict_first")
-        else:
-            gl.store(ptr, val, mask=mask)
 
     @gluon.jit
     def _g_to_fp8_exact(v, scale, FP8_MAX: gl.constexpr):
@@ -141,7 +128,7 @@ if gluon is not None:
                      R, C, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
                      B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
                      TINY: gl.constexpr, WARPS: gl.constexpr, IN_SMEM: gl.constexpr, stash=None, stash0=0,
-                     STASH: gl.constexpr = False, HINT: gl.constexpr = 0):
+                     STASH: gl.constexpr = False):
         """Both copies and both scale sets of tile (g, rb, cb) of a token-run operand. The tile is
         read as ``chunks.index(chunk0 + i)`` ([REPS, 2 * WARPS, B] each) and, transposed, as
         ``slices.index(slice0 + j)`` ([TCH, B] each), two views of the same shared memory; it is
@@ -186,7 +173,7 @@ if gluon is not None:
                 gl.store(s_ptr + g * ssg + r64 * ssr + cb * ssc, row_scale, mask=r_ok)
             neg_k, kr, r, s_res = _g_step_of(row_scale)
             q = _g_quotient_of(v, neg_k[:, :, None], kr[:, :, None], r[:, :, None], s_res[:, :, None], FP8_MAX)
-            _g_store_hinted(q_ptr + g * sqg + r64[:, :, None] * sqr + c3, q.to(q_ptr.dtype.element_ty), ok, HINT)
+            gl.store(q_ptr + g * sqg + r64[:, :, None] * sqr + c3, q.to(q_ptr.dtype.element_ty), mask=ok)
         col_scale = _g_scale_of(gl.max(col_acc, axis=0).to(gl.float32, bitcast=True), FP8_MAX, TINY)
         gl.store(st_ptr + g * stg + rb * str_ + cc.to(gl.int64) * stc, col_scale, mask=c_ok)
         # every warp holds all the column scales, so this min stays inside each warp; a NaN scale
@@ -204,16 +191,16 @@ if gluon is not None:
                 rt = rb * B + j * TCH + gl.arange(0, TCH, layout=gl.SliceLayout(0, COL))
                 vt = slices.index(slice0 + j).permute([1, 0]).load(COL).to(gl.float32)
                 qt = _g_to_fp8_exact(vt, col_scale_t[:, None], FP8_MAX)
-                _g_store_hinted(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
-                                ct_ok[:, None] & (rt < R)[None, :], HINT)
+                gl.store(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
+                         mask=ct_ok[:, None] & (rt < R)[None, :])
         else:
             r_t, s_res_t = _g_step_operands(col_scale_t)
             for j in range(B // TCH):
                 rt = rb * B + j * TCH + gl.arange(0, TCH, layout=gl.SliceLayout(0, COL))
                 vt = slices.index(slice0 + j).permute([1, 0]).load(COL).to(gl.float32)
                 qt = _g_to_fp8_lean(vt, r_t[:, None], s_res_t[:, None], FP8_MAX)
-                _g_store_hinted(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
-                                ct_ok[:, None] & (rt < R)[None, :], HINT)
+                gl.store(qt_cols + rt.to(gl.int64)[None, :], qt.to(qt_ptr.dtype.element_ty),
+                         mask=ct_ok[:, None] & (rt < R)[None, :])
 
     @gluon.jit
     def _dual_quantize_runs_kernel(
@@ -221,7 +208,7 @@ if gluon is not None:
         R, C, n_rb,
         sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
         B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
-        TINY: gl.constexpr, WARPS: gl.constexpr, HINT: gl.constexpr = 0,
+        TINY: gl.constexpr, WARPS: gl.constexpr,
     ):
         # One program per tile, the tile read into shared memory by its own loads.
         pid = gl.program_id(0)
@@ -232,7 +219,7 @@ if gluon is not None:
                                      gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         _g_runs_tile(x_ptr + g * sxg, sxr, sxc, chunks, 0, slices, 0, q_ptr, qt_ptr, s_ptr, st_ptr, g, pid % n_rb,
                      gl.program_id(1), R, C, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
-                     B, CH, TCH, FP8_MAX, TINY, WARPS, False, HINT=HINT)
+                     B, CH, TCH, FP8_MAX, TINY, WARPS, False)
 
     @gluon.jit
     def _strip_of(u, n_rb, n_strips):
@@ -273,7 +260,6 @@ if gluon is not None:
         sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
         B: gl.constexpr, CH: gl.constexpr, TCH: gl.constexpr, FP8_MAX: gl.constexpr,
         TINY: gl.constexpr, WARPS: gl.constexpr, STAGES: gl.constexpr, SPAN: gl.constexpr = 0,
-        HINT: gl.constexpr = 0,
     ):
         # Persistent: a ring of STAGES tiles filled by TMA copies, so the next tiles stream in
         # while this one is quantised (the one-program-per-tile kernel waits on its own loads).
@@ -320,8 +306,7 @@ if gluon is not None:
             # the tile is in shared memory already (IN_SMEM), so no x pointer: q_ptr stands in
             _g_runs_tile(q_ptr, 0, 0, chunks, slot * (B // CH), slices, slot * (B // TCH), q_ptr, qt_ptr, s_ptr,
                          st_ptr, g.to(gl.int64), rb, strip * NSPAN + c, R, C, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc,
-                         stg, str_, stc, B, CH, TCH, FP8_MAX, TINY, WARPS, True, stash, ((done % 2) * NSPAN + c) * (B // CH), SPAN > 0,
-                         HINT=HINT)
+                         stg, str_, stc, B, CH, TCH, FP8_MAX, TINY, WARPS, True, stash, ((done % 2) * NSPAN + c) * (B // CH), SPAN > 0)
             _cta_barrier()  # every warp is done with the slot (and the stash) before they are reused
             fence_async_shared()
             live = ua < n_units
@@ -382,13 +367,12 @@ if gluon is not None:
         return gl.maximum(q, -FP8_MAX)
 
     @gluon.jit
-    def _g_store_t(qt8, base, r0, c0, R, C, sqtc, ROWS_: gl.constexpr, COLS_: gl.constexpr, LT: gl.constexpr,
-                   HINT: gl.constexpr = 0):
+    def _g_store_t(qt8, base, r0, c0, R, C, sqtc, ROWS_: gl.constexpr, COLS_: gl.constexpr, LT: gl.constexpr):
         """Stores ``qt8`` (layout LT; rows r0.. x columns c0.. of the tile) transposed at ``base``."""
         rt = r0 + gl.arange(0, ROWS_, layout=gl.SliceLayout(1, LT))
         ct = c0 + gl.arange(0, COLS_, layout=gl.SliceLayout(0, LT))
         okt = (rt < R)[:, None] & (ct < C)[None, :]
-        _g_store_hinted(base + ct.to(gl.int64)[None, :] * sqtc + rt.to(gl.int64)[:, None], qt8, okt, HINT)
+        gl.store(base + ct.to(gl.int64)[None, :] * sqtc + rt.to(gl.int64)[:, None], qt8, mask=okt)
 
     @gluon.jit
     def _dual_quantize_tiles_kernel(
@@ -396,7 +380,6 @@ if gluon is not None:
         R, C, n_rb,
         sxg, sxr, sxc, sqg, sqr, sqtg, sqtc, ssg, ssr, ssc, stg, str_, stc,
         B: gl.constexpr, L: gl.constexpr, LT: gl.constexpr, FP8_MAX: gl.constexpr, TINY: gl.constexpr,
-        HINT: gl.constexpr = 0,
     ):
         # L and LT (register_layouts) cover the B x B tile: each thread holds a few consecutive
         # rows x 8 consecutive columns. Its 16-byte row pieces load coalesced, and each of its
@@ -418,11 +401,11 @@ if gluon is not None:
         neg_k, kr, r, s_res = _g_step_of(scale)
         v = xv.to(gl.float32)  # after the divisions: not held across their slow-path branches
         q = _g_quotient_of(v, neg_k, kr, r, s_res, FP8_MAX)
-        _g_store_hinted(q_ptr + g * sqg + r64[:, None] * sqr + cc.to(gl.int64)[None, :],
-                        q.to(q_ptr.dtype.element_ty), ok, HINT)
+        gl.store(q_ptr + g * sqg + r64[:, None] * sqr + cc.to(gl.int64)[None, :], q.to(q_ptr.dtype.element_ty),
+                 mask=ok)
         # the renaming moves the float32 values; the fp8 bytes are packed after it
         qt8 = gl.convert_layout(q, LT).to(qt_ptr.dtype.element_ty)
-        _g_store_t(qt8, qt_ptr + g * sqtg, rb * B, cb * B, R, C, sqtc, B, B, LT, HINT)
+        _g_store_t(qt8, qt_ptr + g * sqtg, rb * B, cb * B, R, C, sqtc, B, B, LT)
 
 
 def register_layouts(rows: int, warps: int, block: int = BLOCK):
@@ -497,7 +480,7 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
         rows, warps, maxnreg = TILES_LAUNCH
         lay, lay_t = _layouts(rows, warps)
         _dual_quantize_tiles_kernel[(g * n_r, n_c)](
-            *args, B=BLOCK, L=lay, LT=lay_t, FP8_MAX=fp8_max, TINY=tiny, HINT=STORE_HINT, num_warps=warps,
+            *args, B=BLOCK, L=lay, LT=lay_t, FP8_MAX=fp8_max, TINY=tiny, num_warps=warps,
             **({"maxnreg": maxnreg} if maxnreg else {}))
         return
     chunk, t_chunk, warps, maxnreg = LAUNCH
@@ -512,11 +495,10 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
         grid = min(_units(g * n_r, n_c, span), programs)
         _dual_quantize_runs_tma_kernel[(grid,)](
             desc, *args[1:5], r, c, n_r, n_c, n_tiles, *args[11:], B=BLOCK, CH=chunk, TCH=t_chunk,
-            FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, STAGES=stages, SPAN=span, HINT=STORE_HINT, num_warps=warps,
+            FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, STAGES=stages, SPAN=span, num_warps=warps,
             **({"maxnreg": maxnreg} if maxnreg else {}))
         return
     _dual_quantize_runs_kernel[(g * n_r, n_c)](
-        *args, B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, HINT=STORE_HINT,
-        num_warps=warps,
+        *args, B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, num_warps=warps,
         **({"maxnreg": maxnreg} if maxnreg else {}))
 
