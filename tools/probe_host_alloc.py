@@ -15,7 +15,11 @@ Round 149's operator profile of the step (``probe_host_layers.py --aten``) showe
   (``host_cover``), and the caching allocator's counters (device allocations, retries, frees of
   cached blocks) over those steps, for the forks on and off and for the bf16 step.
 
-Usage (repo installed): ``python3 tools/probe_host_alloc.py --shape qwen3_down --out FILE``.
+``--graphed`` instead times, in turns, what the same loop sees with each step captured once in a
+CUDA graph and replayed (the remedy for a host-bound eager step) against the eager steps, fp8
+and bf16: wall per step over 50 steps (replays) back to back, and GPU time with the host covered.
+
+Usage (repo installed): ``python3 tools/probe_host_alloc.py --shape qwen3_down [--graphed] --out FILE``.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from turbo_dispatch.backends import quantizer
 sys.path.insert(0, str(Path(__file__).parent))
 from probe_grouped_step import OUT, emit, step_fn, step_operands, time_ms  # noqa: E402  (sibling in tools/)
 from probe_host_layers import SPIN_CYCLES, host_us  # noqa: E402
+from probe_record import capture_graph  # noqa: E402
 
 _grouped = importlib.import_module("turbo_dispatch.ops.grouped_gemm")
 
@@ -131,6 +136,27 @@ def wall(run, steps: int = 50) -> tuple[float, dict]:
     return ms, {k: after.get(k, 0) - before.get(k, 0) for k in ALLOC_STATS}
 
 
+def graphed_against_eager(shape: str, a, w, lens, offs, cfg, grad, turns: int = 3) -> None:
+    """Wall per step of 50 steps back to back, eager and as replays of one CUDA graph of the
+    step, fp8 blockwise (TRITON) and bf16 (TORCH), in turns; with each its GPU time (host
+    covered). The graphs run on fresh leaves sharing a and w's memory (``graph_ms`` says why)."""
+    pins = {"fp8": (BackendType.TRITON, "fp8"), "bf16": (BackendType.TORCH, "bf16")}
+    graphs = {}
+    for name, (backend, precision) in pins.items():
+        GlobalBackendManager.set_grouped_gemm_backend(backend, precision=precision)
+        la, lw = (x.detach().requires_grad_() for x in (a, w))
+        graphs[name] = capture_graph(step_fn(la, lw, lens, offs, cfg if name == "fp8" else None, grad), warmups=2,
+                                     empty_cache=True)
+    for _ in range(turns):
+        for name, (backend, precision) in pins.items():
+            GlobalBackendManager.set_grouped_gemm_backend(backend, precision=precision)
+            eager = step_fn(a, w, lens, offs, cfg if name == "fp8" else None, grad)
+            for mode, run in (("eager", eager), ("graph", graphs[name].replay)):
+                ms, stats = wall(run)
+                emit(probe="graphed", shape=shape, variant=name, mode=mode, wall_ms=ms, gpu_ms=time_ms(run),
+                     **stats)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3_down")
@@ -138,6 +164,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--record-only", action="store_true",
                     help="only the forks as they are, with record_stream as before round 153, and none, in turns")
+    ap.add_argument("--graphed", action="store_true",
+                    help="only eager steps against replays of one CUDA graph of the step, fp8 and bf16, in turns")
     args = ap.parse_args()
     if args.out:
         OUT.append(open(args.out, "w"))
@@ -145,6 +173,9 @@ def main() -> int:
     GlobalBackendManager.reset()
     GlobalBackendManager.set_grouped_gemm_backend(BackendType.TRITON, precision="fp8")
     step = step_fn(a, w, lens, offs, cfg, grad)
+    if args.graphed:
+        graphed_against_eager(args.shape, a, w, lens, offs, cfg, grad)
+        return 0
     if args.record_only:
         variants = (("forks", contextlib.nullcontext), ("forks_record_stream", with_record_stream),
                     ("no_forks", lambda: forks(False, False)))
