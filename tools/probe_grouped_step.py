@@ -534,18 +534,23 @@ def preset_shapes(spec: str) -> list[str]:
 GRAPHS = False  # --graphs
 
 
-def graph_ms(a, w, lens, offs, cfg, grad) -> float:
-    """Time of one replay of a whole step captured in a CUDA graph: the GPU time alone, without
-    the host's launch and dispatch overhead that the eager time includes.
+def step_graph(a, w, lens, offs, cfg, grad) -> torch.cuda.CUDAGraph:
+    """A whole step (``step_fn``) captured in a CUDA graph, on fresh leaves sharing a and w's memory.
 
-    The step runs on fresh leaves sharing a and w's memory. A leaf's AccumulateGrad node keeps
-    the stream of its first backward; a and w had theirs on the legacy default stream in the eager
-    runs, so the captured backward would have made the legacy stream wait on the capture
-    ("operation would make the legacy stream depend on a capturing blocking stream",
-    cudaErrorStreamCaptureImplicit: rounds 27, 28 and 136). Fresh leaves get theirs in the
-    warm-ups on the capture helper's side stream, as in a fresh process (probe_step_capture.py)."""
+    A leaf's AccumulateGrad node keeps the stream of its first backward; a and w had theirs on the
+    legacy default stream in the eager runs, so the captured backward would have made the legacy
+    stream wait on the capture ("operation would make the legacy stream depend on a capturing
+    blocking stream", cudaErrorStreamCaptureImplicit: rounds 27, 28 and 136). Fresh leaves get
+    theirs in the warm-ups on the capture helper's side stream, as in a fresh process
+    (probe_step_capture.py)."""
     a, w = (x.detach().requires_grad_() for x in (a, w))
-    graph = capture_graph(step_fn(a, w, lens, offs, cfg, grad), warmups=2, empty_cache=True)
+    return capture_graph(step_fn(a, w, lens, offs, cfg, grad), warmups=2, empty_cache=True)
+
+
+def graph_ms(a, w, lens, offs, cfg, grad) -> float:
+    """Time of one replay of a whole step captured in a CUDA graph (``step_graph``): the GPU time
+    alone, without the host's launch and dispatch overhead that the eager time includes."""
+    graph = step_graph(a, w, lens, offs, cfg, grad)
     ms = time_ms(graph.replay)
     del graph
     return ms

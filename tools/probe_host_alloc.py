@@ -36,9 +36,8 @@ from turbo_dispatch import BackendType, GlobalBackendManager
 from turbo_dispatch.backends import quantizer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from probe_grouped_step import OUT, emit, step_fn, step_operands, time_ms  # noqa: E402  (sibling in tools/)
+from probe_grouped_step import OUT, emit, step_fn, step_graph, step_operands, time_ms  # noqa: E402  (sibling in tools/)
 from probe_host_layers import SPIN_CYCLES, host_us  # noqa: E402
-from probe_record import capture_graph  # noqa: E402
 
 _grouped = importlib.import_module("turbo_dispatch.ops.grouped_gemm")
 
@@ -138,15 +137,13 @@ def wall(run, steps: int = 50) -> tuple[float, dict]:
 
 def graphed_against_eager(shape: str, a, w, lens, offs, cfg, grad, turns: int = 3) -> None:
     """Wall per step of 50 steps back to back, eager and as replays of one CUDA graph of the
-    step, fp8 blockwise (TRITON) and bf16 (TORCH), in turns; with each its GPU time (host
-    covered). The graphs run on fresh leaves sharing a and w's memory (``graph_ms`` says why)."""
+    step (``step_graph``), fp8 blockwise (TRITON) and bf16 (TORCH), in turns; with each its GPU
+    time (host covered)."""
     pins = {"fp8": (BackendType.TRITON, "fp8"), "bf16": (BackendType.TORCH, "bf16")}
     graphs = {}
     for name, (backend, precision) in pins.items():
         GlobalBackendManager.set_grouped_gemm_backend(backend, precision=precision)
-        la, lw = (x.detach().requires_grad_() for x in (a, w))
-        graphs[name] = capture_graph(step_fn(la, lw, lens, offs, cfg if name == "fp8" else None, grad), warmups=2,
-                                     empty_cache=True)
+        graphs[name] = step_graph(a, w, lens, offs, cfg if name == "fp8" else None, grad)
     for _ in range(turns):
         for name, (backend, precision) in pins.items():
             GlobalBackendManager.set_grouped_gemm_backend(backend, precision=precision)
