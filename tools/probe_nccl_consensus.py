@@ -1,0 +1,123 @@
+"""Online autotuning with rank consensus over NCCL, every rank writing one shared tuning DB.
+
+Run under torchrun on a machine with several GPUs (one process per GPU)::
+
+    PRIMUS_TURBO_TUNE_DB=/tmp/shared.jsonl torchrun --nproc_per_node 2 tools/probe_nccl_consensus.py
+
+Each rank turns autotuning and ``PRIMUS_TURBO_TUNE_CONSENSUS`` on, then runs the same calls: a
+bf16 GEMM, an fp8 rowwise GEMM and a bf16 grouped GEMM (one key each, the same on every rank).
+Rank ``r`` slows its own timing of every candidate but one by a rank-dependent factor
+(``--skew``), so that without consensus the ranks would crown different winners; with it, every
+rank must pick the same backend and config. Grouped GEMM keys are left out of consensus by design
+(their token counts vary across ranks), so there the skew should split the ranks: the control.
+Rank 0 prints one JSON line per key with every rank's choice, ``"agree": true|false``, and the
+shared DB's entry count, and the probe exits 1 when a consensus key disagrees or the DB holds
+fewer entries than keys. The CPU tests cover the same with gloo
+(tests/test_rank_consensus.py); this is the NCCL form on GPUs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def _skew_timings(rank: int, skew: float) -> None:
+    """Makes rank ``rank`` time every candidate of a key ``skew`` times slower except those whose
+    place in the key's candidate order is ``rank`` mod the world size, so that each rank alone
+    would crown another winner. Every rank plans the same candidates in the same order, so the
+    places line up across ranks."""
+    from turbo_dispatch import autotune
+
+    world = dist.get_world_size()
+    time_ms, profile = autotune._time_ms, autotune.profile
+    place = [0]
+
+    def skewed_time_ms(*args, **kwargs):
+        ms = time_ms(*args, **kwargs)
+        factor = 1.0 if place[0] % world == rank else skew
+        place[0] += 1
+        return ms * factor
+
+    def counted_profile(*args, **kwargs):
+        place[0] = 0
+        return profile(*args, **kwargs)
+
+    autotune._time_ms, autotune.profile = skewed_time_ms, counted_profile
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--m", type=int, default=4096)
+    parser.add_argument("--skew", type=float, default=3.0, help="slow-down of the other ranks' places")
+    args = parser.parse_args()
+
+    os.environ["PRIMUS_TURBO_AUTO_TUNE"] = "1"
+    os.environ["PRIMUS_TURBO_TUNE_CONSENSUS"] = "1"
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    _skew_timings(rank, args.skew)
+    import turbo_dispatch as turbo
+    from turbo_dispatch.low_precision import Float8QuantConfig, ScalingGranularity
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda", local)
+    m = args.m
+    a = torch.randn(m, 4096, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(8 * 1024, 2048, device=dev, dtype=torch.bfloat16)
+    gw = torch.randn(8, 1536, 2048, device=dev, dtype=torch.bfloat16)
+    lens = torch.full((8,), 1024, device=dev, dtype=torch.int64)
+    rowwise = Float8QuantConfig(granularity=ScalingGranularity.ROWWISE)
+
+    # (call, explain's arguments, whether consensus applies). Grouped GEMM keys vary across ranks
+    # under MoE routing, so consensus skips them by design (docs/tuning-db.md): under the skew the
+    # ranks should then disagree, the control that shows the skew would split the others too.
+    calls = {
+        "gemm": (lambda: turbo.ops.gemm(a, w, trans_b=True), ("gemm", a, w), dict(trans_b=True), True),
+        "gemm_fp8": (lambda: turbo.ops.gemm_fp8(a, w, trans_b=True, config=rowwise), ("gemm_fp8", a, w),
+                     dict(trans_b=True, config=rowwise), True),
+        "grouped_gemm": (lambda: turbo.ops.grouped_gemm(x, gw, lens, trans_b=True), ("grouped_gemm", x, gw, lens),
+                         dict(trans_b=True), False),
+    }
+    mine = {}
+    for name, (call, explain_args, explain_kwargs, _) in calls.items():
+        call()  # tunes the key (a collective under consensus) and runs the winner
+        torch.cuda.synchronize()
+        decision = turbo.explain(*explain_args, **explain_kwargs)
+        mine[name] = f"{decision.backend}[{decision.config}] ({decision.source})"
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, mine)
+    dist.barrier()
+    status = 0
+    if rank == 0:
+        from turbo_dispatch.tuning.report import inspect
+
+        db = os.environ.get("PRIMUS_TURBO_TUNE_DB")
+        entries = len(inspect(db).rows) if db and os.path.exists(db) else None
+        for name, (*_, consensus) in calls.items():
+            choices = [g[name] for g in gathered]
+            agree = len(set(choices)) == 1
+            if consensus:
+                status |= not agree
+            print(json.dumps({"probe": "nccl_consensus", "key": name, "world": world, "consensus": consensus,
+                              "choices": choices, "agree": agree, "db_entries": entries,
+                              "gpu": torch.cuda.get_device_name(dev)}))
+        if db and (entries is None or entries < len(calls)):
+            print(f"shared DB {db} holds {entries} entries, expected at least {len(calls)}")
+            status = 1
+    dist.destroy_process_group()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
