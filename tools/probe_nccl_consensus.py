@@ -60,9 +60,12 @@ def main() -> int:
 
     os.environ["PRIMUS_TURBO_AUTO_TUNE"] = "1"
     os.environ["PRIMUS_TURBO_TUNE_CONSENSUS"] = "1"
+    # The DBs shipped in the package hold some of these keys (the H100's holds the 4096^3 GEMMs),
+    # and a stored result is used without profiling: only the shared DB may serve here.
+    os.environ["PRIMUS_TURBO_TUNE_DB_SHIPPED"] = "0"
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
-    dist.init_process_group("nccl")
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank, world = dist.get_rank(), dist.get_world_size()
 
     _skew_timings(rank, args.skew)
