@@ -245,9 +245,25 @@ def _linear_peak_mib(fp8_config, m: int, k: int, n: int) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+#: The one (recipe, backend) whose peak is known to exceed the bar, and why. A strict xfail: if it
+#: stops exceeding it, the test fails and this entry must go. (H200, round 159: TORCH blockwise 387
+#: MiB against bf16's 224; TORCH tensorwise and rowwise 224.0 and 224.1, within the bar, so they are
+#: asserted like the others. On 2026-11-23 they measured 320 MiB and were xfailed unconditionally.)
+_PEAK_OVER_BF16 = {
+    ("blockwise128", "TORCH"): "TORCH's reference blockwise quantizer holds float32 temporaries of the gradient",
+}
+
+
+def _peak_cases():
+    for backend in ("TORCH", "TRITON", "CUBLASLT"):
+        for recipe in ("tensorwise", "rowwise", "blockwise128"):
+            reason = _PEAK_OVER_BF16.get((recipe, backend))
+            marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+            yield pytest.param(recipe, backend, marks=marks, id=f"{recipe}-{backend}")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["TORCH", "TRITON", "CUBLASLT"])
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise128"])
+@pytest.mark.parametrize(("recipe", "backend"), list(_peak_cases()))
 def test_gpu_fp8_linear_peak_memory_not_above_bf16(recipe, backend):
     """The issue's bar: the fp8 Linear's fwd+bwd peak is no higher than the bf16 Linear's."""
     m, k, n = 8192, 4096, 4096
@@ -256,10 +272,6 @@ def test_gpu_fp8_linear_peak_memory_not_above_bf16(recipe, backend):
     turbo.GlobalBackendManager.set_gemm_backend(backend, precision="fp8")
     fp8 = _linear_peak_mib(RECIPES[recipe], m, k, n)
     print(f"Linear {m}x{k}x{n} fwd+bwd peak: bf16 {bf16:.1f} MiB, fp8 {recipe} on {backend} {fp8:.1f} MiB")
-    if backend == "TORCH":
-        # Measured on an H100 (2026-11-23): 320 MiB (tensorwise/rowwise) and 387 MiB (blockwise) vs
-        # 224 MiB: the reference quantizer's float32 quotient of the gradient. Not the cuda default.
-        pytest.xfail(f"TORCH's plain-torch quantizer holds a float32 temporary: {fp8:.1f} vs {bf16:.1f} MiB")
     # Here the peak falls after the Linear's backward (activation grad, input grad, output, weight
     # grad), which both recipes share; fp8 may exceed it only by its scale tensors (H100: +0 MiB
     # tensorwise/rowwise, +3-4 MiB blockwise of 224 MiB).
