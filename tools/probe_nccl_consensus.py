@@ -6,9 +6,11 @@ Run under torchrun on a machine with several GPUs (one process per GPU)::
 
 Each rank turns autotuning and ``PRIMUS_TURBO_TUNE_CONSENSUS`` on, then runs the same calls: a
 bf16 GEMM, an fp8 rowwise GEMM and a bf16 grouped GEMM (one key each, the same on every rank).
-Rank ``r`` slows its own timing of every candidate but one by a rank-dependent factor
-(``--skew``), so that without consensus the ranks would crown different winners; with it, every
-rank must pick the same backend and config. Grouped GEMM keys are left out of consensus by design
+Rank ``r`` multiplies its timings by ``--skew`` except for the candidates whose place in the
+key's candidate order is ``r`` modulo the world size, so that without consensus the ranks would
+crown different winners; with it (each candidate's worst time over the ranks), every rank must
+pick the same backend and config. With one rank the skew is a no-op and agreement trivial: the
+probe then only shows the NCCL collectives and the shared DB working. Grouped GEMM keys are left out of consensus by design
 (their token counts vary across ranks), so there the skew should split the ranks: the control.
 Rank 0 prints one JSON line per key with every rank's choice, ``"agree": true|false``, and the
 shared DB's entry count, and the probe exits 1 when a consensus key disagrees or the DB holds
