@@ -65,9 +65,10 @@ def main() -> int:
     # The DBs shipped in the package hold some of these keys (the H100's holds the 4096^3 GEMMs),
     # and a stored result is used without profiling: only the shared DB may serve here.
     os.environ["PRIMUS_TURBO_TUNE_DB_SHIPPED"] = "0"
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    from turbo_dispatch.cli_tune import _init_distributed
+
+    _init_distributed()  # torchrun's environment, this rank's GPU, an NCCL group: as `tune --distributed`
+    local = torch.cuda.current_device()
     rank, world = dist.get_rank(), dist.get_world_size()
 
     _skew_timings(rank, args.skew)
