@@ -10,7 +10,8 @@ call, the median (and minimum) over ``--reps`` batches. From the top down:
 * the forward's pieces: ``quantize_runs_both`` (activation), ``quantize_tiles_both`` (weight),
   ``run_fp8`` (resolve + the adapter), ``adapter_run`` (the adapter with its config),
   ``ws_gemm`` (the Gluon kernel's wrapper), ``ws_launch_args`` (descriptors and arguments),
-  ``ws_launch`` (the Triton launch of prepared arguments), ``runs_launch`` (the activation
+  ``ws_launch`` (the Triton launch of prepared arguments), ``ws_binder`` (Triton's argument binding
+  alone), ``ws_launch_direct`` (the compiled kernel's launcher, arguments bound once), ``runs_launch`` (the activation
   quantiser's launch into prepared outputs), ``side_by_side_nothing`` (the two-stream fork and join
   around nothing), ``empty`` (one output allocation);
 * floors: ``triton_noop`` (a one-argument Triton kernel) and ``torch_add`` (one torch op).
@@ -81,20 +82,43 @@ def host_us(fn: Callable[[], object], reps: int, setup: Callable[[], object] | N
     return statistics.median(per_call), min(per_call)
 
 
-def aten_profile(fn: Callable[[], object], calls: int = 5, rows: int = 40) -> str:
+def aten_profile(fn: Callable[[], object], calls: int = 5, rows: int = 40, stacks: bool = False) -> str:
     """The aten operators ``calls`` calls of ``fn`` dispatch (CPU side only), by count and by their
-    own CPU time: how many tensor operations a step makes on the host."""
+    own CPU time: how many tensor operations a step makes on the host. With ``stacks``, grouped by
+    the innermost Python frames that made them, so each operator's count names its callers."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
     torch.cuda._sleep(SPIN_CYCLES)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], with_stack=stacks) as prof:
         for _ in range(calls):
             fn()
     torch.cuda.synchronize()
+    if stacks:
+        averages = prof.key_averages(group_by_stack_n=6)
+        return averages.table(sort_by="count", row_limit=rows, max_src_column_width=120)
     averages = prof.key_averages()
     return "\n".join(averages.table(sort_by=key, row_limit=rows) for key in ("count", "self_cpu_time_total"))
+
+
+def _direct_launch(jit, grid: tuple, args: tuple, kwargs: dict) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(the compiled kernel's own launcher called with arguments bound once, Triton's argument
+    binder alone) for ``jit[grid](*args, **kwargs)``: what a launch costs without Triton's
+    per-call binding, cache lookup and knob reads (Triton 3.6's ``JITFunction.run``)."""
+    from triton.runtime.driver import driver
+
+    kernel = jit[grid](*args, **kwargs)
+    device = driver.active.get_current_device()
+    binder = jit.device_caches[device][4]
+    bound = tuple(binder(*args, **kwargs)[0].values())
+    g = tuple(grid) + (1,) * (3 - len(grid))
+
+    def run():
+        stream = driver.active.get_current_stream(device)
+        kernel.run(*g, stream, kernel.function, kernel.packed_metadata, None, None, None, *bound)
+
+    return run, lambda: binder(*args, **kwargs)
 
 
 def layers(shape: str) -> dict[str, Callable[[], object]]:
@@ -136,6 +160,7 @@ def layers(shape: str) -> dict[str, Callable[[], object]]:
     x3 = x.unsqueeze(0)
     runs_out = DQ.dual_quantize(x3, fp8, 128, False)
     dev = torch.device("cuda")
+    ws_run, ws_binder = _direct_launch(GWS._fp8_blockwise_ws_kernel, (progs,), *launch)
     return {
         "config": str(config),
         "step": step,
@@ -150,6 +175,8 @@ def layers(shape: str) -> dict[str, Callable[[], object]]:
                                                   (sa.stride(0), sa.stride(1)), sb, sb.stride(), ws_cfg, 1, 128,
                                                   progs),
         "ws_launch": lambda: GWS._fp8_blockwise_ws_kernel[(progs,)](*launch[0], **launch[1]),
+        "ws_binder": ws_binder,
+        "ws_launch_direct": ws_run,
         "runs_launch": lambda: DQG.launch(x3, runs_out[0], runs_out[2], runs_out[1], runs_out[3], DQ.FP8_MAX[fp8],
                                           DQ._TINY, False),
         "side_by_side_nothing": lambda: quantizer.side_by_side(lambda: None, lambda: None, dev),
@@ -165,6 +192,8 @@ def main() -> int:
     ap.add_argument("--shape", default="qwen3_down")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--aten", action="store_true", help="also list the aten operators of 5 fp8 steps and 5 bf16 steps")
+    ap.add_argument("--aten-stacks", action="store_true",
+                    help="also list the aten operators of 5 fp8 steps grouped by the Python frames that made them")
     ap.add_argument("--layers", default=None, help="comma-separated layer names to time (default: all)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -196,6 +225,10 @@ def main() -> int:
         GlobalBackendManager.reset()
         GlobalBackendManager.set_grouped_gemm_backend(BackendType.TORCH, precision="bf16")
         print(aten_profile(calls["bf16_step"][1]), flush=True)
+    if args.aten_stacks:
+        GlobalBackendManager.reset()
+        GlobalBackendManager.set_grouped_gemm_backend(BackendType.TRITON, precision="fp8")
+        print(aten_profile(calls["step"], rows=80, stacks=True), flush=True)
     GlobalBackendManager.reset()
     return 0
 
