@@ -99,3 +99,20 @@ class EvenTokensGroupedGemm(_Fixture):
             outs.append(a[rows].t() @ b[rows] if p.variable_k else a[rows] @ (b[i].t() if p.trans_b else b[i]))
             start += length
         return torch.stack(outs) if p.variable_k else torch.cat(outs)
+
+
+class ConfiguredGemm(_Fixture):
+    """Correct for every layout, with two configs: ``"slow"`` (the first, what a call without a
+    config runs) sleeps ``delay_s``, ``"fast"`` does not."""
+
+    delay_s = 0.003
+
+    def configs(self, p):
+        return ["slow", "fast"]
+
+    def run(self, p, a, b, config=None):
+        if config in (None, "slow"):
+            time.sleep(self.delay_s)
+        lhs = a.t() if p.trans_a else a
+        rhs = b.t() if p.trans_b else b
+        return torch.matmul(lhs, rhs).to(p.out_dtype)

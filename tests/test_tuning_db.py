@@ -21,7 +21,7 @@ import turbo_dispatch as turbo
 from turbo_dispatch import GlobalBackendManager, autotune
 from turbo_dispatch.cli import main as cli
 from turbo_dispatch.registry import get_registry, reload_registry
-from turbo_dispatch.tuning import store
+from turbo_dispatch.tuning import offline, store
 from turbo_dispatch.tuning.codec import decode_key, encode_key
 from turbo_dispatch.tuning.database import judge
 from turbo_dispatch.tuning.report import inspect
@@ -418,6 +418,29 @@ def test_tune_model_preset_cli_and_db_show(tmp_path, capsys):
     count = len(store.parse(db.read_text()).results)
     assert count >= 6 and last == f"{count} entries ({count} usable here, 0 skipped)"
     assert cli(["db", "validate", str(db)]) == 0
+
+
+def test_tune_reports_a_configured_default_by_its_first_config(tmp_path, monkeypatch):
+    """A default backend that has configs is timed by the config it runs without one (its first):
+    the tune report gives that time and the winner's speedup over it, not a blank."""
+    path = tmp_path / "configured.yaml"
+    path.write_text("version: 1\nops:\n  gemm:\n    defaults: {cpu: CONFIGURED}\n    backends:\n"
+                    "      - name: CONFIGURED\n        adapter: fixture_backends:ConfiguredGemm\n"
+                    "        platforms: [cpu]\n")
+    monkeypatch.setenv("PRIMUS_TURBO_EXTRA_REGISTRY", str(path))
+    monkeypatch.syspath_prepend(str(HERE))
+    reload_registry()
+    GlobalBackendManager.reset()
+    try:
+        report, _ = offline.tune_one("gemm", _gemm_problem(m=77), db=tmp_path / "db.jsonl")
+    finally:
+        monkeypatch.undo()
+        reload_registry()
+        GlobalBackendManager.reset()
+    assert (report.status, report.default) == ("tuned", "CONFIGURED")
+    # "slow" sleeps 3 ms per call; the winner ("fast", or the built-in TORCH: the same matmul) not at all.
+    assert report.default_ms >= 3.0 > report.winner_ms
+    assert report.speedup > 1.0
 
 
 def test_prune_drops_stale_entries_only(tmp_path):

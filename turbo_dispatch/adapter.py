@@ -41,7 +41,9 @@ class Adapter:
         return None
 
     def configs(self, problem: Any) -> Sequence[Hashable]:
-        """Configs the autotuner may try for ``problem``; ``[None]`` means "just the default"."""
+        """Configs the autotuner may try for ``problem``; ``[None]`` means "just the default".
+        The first is the one ``run`` uses when called without a config (reports time it as the
+        backend's default)."""
         return [None]
 
     def describe(self, problem: Any) -> str | None:

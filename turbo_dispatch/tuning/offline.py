@@ -68,6 +68,16 @@ def _default_label(op: str, problem: Any) -> str | None:
     return get_registry().default(op, get_op_spec(op).platform_of(problem))
 
 
+def _default_ms(default: str, timings: Sequence[tuple[str, float]]) -> float:
+    """The default backend's time among a profile's labelled ``timings``: its unconfigured label,
+    else its first config's (``Adapter.configs`` lists the config a call without one runs first,
+    and the profile times each backend's configs in that order). NaN where it was not timed."""
+    for label, ms in timings:
+        if label == default or label.startswith(default + "["):
+            return ms if math.isfinite(ms) else math.nan
+    return math.nan
+
+
 def stored_in(db: Path, spec, problem: Any) -> "store.Result | None":
     """The fastest result in ``db`` that serves ``problem`` on this machine, if any."""
     contents = store.read(db)
@@ -99,7 +109,7 @@ def tune_one(op: str, problem: Any, force: bool = False,
     started = time.perf_counter()
     record = autotune.profile(spec, problem, candidates)
     seconds = time.perf_counter() - started
-    default_ms = dict(record.timings).get(default, math.nan)
+    default_ms = _default_ms(default, record.timings)
     if record.backend is None:
         note = "; ".join(f"{label}: {why}" for label, why in record.rejected)
         return KeyReport(op, key, "failed", default=default, default_ms=default_ms, seconds=seconds, note=note), None
