@@ -291,6 +291,32 @@ def test_read_only_layers_are_never_modified(tmp_path, plugins, monkeypatch):
     assert (ro.read_bytes(), ro.stat().st_mtime_ns) == before
 
 
+def test_turning_a_db_layer_off_stops_its_cached_hits(tmp_path, monkeypatch):
+    """A DB hit is cached, but under the DB settings it was read with: once the shipped DBs are
+    turned off (or a read-only path dropped), the key goes back to the platform default."""
+    from turbo_dispatch.tuning import config
+
+    shipped = tmp_path / "tuned"
+    shipped.mkdir()
+    store.update(shipped / "this-machine.jsonl", _contents_with([_result(_gemm_problem(m=52))]))
+    read_only = tmp_path / "cluster.jsonl"
+    store.update(read_only, _contents_with([_result(_gemm_problem(m=53))]))
+    monkeypatch.setattr(config, "SHIPPED_DIR", shipped)
+    a, b = torch.randn(52, 5), torch.randn(5, 6)
+    GlobalBackendManager.set_shipped_tune_db(True)
+    assert turbo.explain("gemm", a, b).source == "tuned-db"
+    turbo.ops.gemm(a, b)
+    GlobalBackendManager.set_shipped_tune_db(False)
+    assert turbo.explain("gemm", a, b).source == "default"
+    GlobalBackendManager.set_shipped_tune_db(True)
+    assert turbo.explain("gemm", a, b).source == "tuned-db"
+    c = torch.randn(53, 5)
+    GlobalBackendManager.set_tune_db_path([read_only])
+    assert turbo.explain("gemm", c, b).source == "tuned-db"
+    GlobalBackendManager.set_tune_db_path(None)
+    assert turbo.explain("gemm", c, b).source == "default"
+
+
 def test_no_writable_db_keeps_results_in_memory(tmp_path, monkeypatch):
     monkeypatch.setenv("PRIMUS_TURBO_TUNE_DB", "off")
     monkeypatch.setenv("PRIMUS_TURBO_AUTO_TUNE", "1")

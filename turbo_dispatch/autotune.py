@@ -21,6 +21,7 @@ from typing import Any, Hashable, Sequence
 import torch
 
 from . import host_cover
+from . import manager as _manager
 from .op_spec import OpSpec, format_key
 from .tuning import database as _tunedb
 
@@ -64,13 +65,18 @@ class TuneOutcome:
 
 
 _memory: dict[tuple[str, Any], TuneRecord] = {}
+#: DB hits, by (op, problem, the DB settings they were read under): a hit found with a layer that
+#: is since turned off or renamed (``set_shipped_tune_db(False)``, another read-only path) must not
+#: keep applying, so hits are not kept with this process's own results in ``_memory``.
+_db_hits: dict[tuple[str, Any, Any], TuneRecord] = {}
 _lock = threading.Lock()
 
 
 def clear_memory() -> None:
-    """Forgets every in-memory tuning result (GlobalBackendManager.reset calls this)."""
+    """Forgets every in-memory tuning result and cached DB hit (GlobalBackendManager.reset calls this)."""
     with _lock:
         _memory.clear()
+        _db_hits.clear()
 
 
 def profiling_blocked() -> str | None:
@@ -88,8 +94,13 @@ def lookup(op: str, problem: Any) -> TuneRecord | None:
 
 
 def _stored(spec: OpSpec, problem: Any) -> TuneRecord | None:
-    """The memory layer, then the database layers (a DB hit is cached in memory)."""
+    """The memory layer, then the database layers (a DB hit is cached under the DB settings in
+    force, ``_db_hits``)."""
     record = _memory.get((spec.name, problem))
+    if record is not None:
+        return record
+    db_settings = _manager.current_settings().db
+    record = _db_hits.get((spec.name, problem, db_settings))
     if record is not None:
         return record
     try:
@@ -100,7 +111,7 @@ def _stored(spec: OpSpec, problem: Any) -> TuneRecord | None:
     if hit is None:
         return None
     record = TuneRecord(hit.backend, hit.config, hit.time_ms, source="tuned-db", note=hit.note())
-    _memory[(spec.name, problem)] = record
+    _db_hits[(spec.name, problem, db_settings)] = record
     return record
 
 
