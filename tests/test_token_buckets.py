@@ -2,6 +2,7 @@
 M_total every step, and an exact key would be tuned, stored and cached anew each time."""
 from __future__ import annotations
 
+import functools
 import importlib
 from pathlib import Path
 
@@ -142,3 +143,70 @@ def test_doctests():
 
     result = doctest.testmod(importlib.import_module("turbo_dispatch.tuning.buckets"))
     assert result.attempted > 0 and result.failed == 0, result
+
+
+@pytest.mark.parametrize("total,g", [(4096 * 32, 32), (1000, 7), (64, 4), (5, 8), (0, 3)])
+def test_near_balanced_split(total, g):
+    torch.manual_seed(total + g)
+    lens = gg._near_balanced_lens(total, g)
+    share = total / g
+    jitter = gg.TIMING_JITTER
+    lo, hi = share * (1 - jitter) / (1 + jitter), share * (1 + jitter) / (1 - jitter)
+    assert lens.dtype == torch.int64 and lens.numel() == g and int(lens.sum()) == total
+    assert all(lo - 1 <= n <= hi + 1 for n in lens.tolist()), lens
+
+
+class _RecordingGroupedGemm:
+    """Correct grouped GEMM that remembers the group sizes of every call."""
+
+    def __init__(self):
+        self.seen: list[list[int]] = []
+
+    def configs(self, p):
+        return [None]
+
+    def run(self, p, a, b, group_lens, group_offs, config=None):
+        self.seen.append(group_lens.tolist())
+        return torch.cat([x @ (w.t() if p.trans_b else w) for x, w in zip(a.split(group_lens.tolist()), b)])
+
+
+@pytest.mark.parametrize("op", ["grouped_gemm", "grouped_gemm_fp8"])
+def test_the_tuner_checks_on_the_random_split_and_times_on_near_balanced_routing(op, monkeypatch):
+    """The correctness gate runs on ``make_inputs`` (here: every token in one group, the kind of
+    extreme a random split makes), the timing on ``make_timing_inputs`` (near-balanced)."""
+    import dataclasses
+    import types
+
+    spec = gg.GROUPED_GEMM if op == "grouped_gemm" else gg.GROUPED_GEMM_FP8
+    one_group = lambda total, g: torch.tensor([total] + [0] * (g - 1))
+    make = functools.partial(gg._make_inputs if op == "grouped_gemm" else gg._fp8_make_inputs, split=one_group)
+    checked_spec = dataclasses.replace(spec, make_inputs=make)
+    a, b = torch.randn(256, 8), torch.randn(4, 6, 8)
+    lens = torch.tensor([64] * 4)
+    if op == "grouped_gemm":
+        p = gg.grouped_gemm_problem(a, b, lens, None, True)
+        adapter = _RecordingGroupedGemm()
+    else:
+        from turbo_dispatch.backends.torch.grouped_gemm import TorchGroupedGemmFp8
+        from turbo_dispatch.low_precision import Float8QuantConfig
+
+        p = gg._forward_fp8_problem(a, b, lens, gg._offsets(lens, 256), True, None,
+                                    Float8QuantConfig(granularity="rowwise"))
+        seen = []
+        inner = TorchGroupedGemmFp8()
+
+        class _Recording:
+            def configs(self, q):
+                return [None]
+
+            def run(self, q, x, y, group_lens, group_offs, config=None):
+                seen.append(group_lens.tolist())
+                return inner.run(q, x, y, group_lens, group_offs, config=config)
+
+        adapter = _Recording()
+        adapter.seen = seen
+    record = autotune.profile(checked_spec, p, [types.SimpleNamespace(name="REC", adapter=adapter)])
+    assert record.backend == "REC", record
+    assert adapter.seen[0] == [256, 0, 0, 0]  # the gate's call
+    timed = adapter.seen[1:]
+    assert timed and all(sum(t) == 256 and 40 <= min(t) and max(t) <= 104 for t in timed), timed

@@ -152,15 +152,20 @@ def _budget_s() -> float:
     return float(os.environ.get(BUDGET_ENV, _DEFAULT_BUDGET_MS)) / 1e3
 
 
-def _input_sets(spec: OpSpec, problem: Any, device: torch.device) -> list[Sequence[Any]]:
-    """Enough independent input sets that rotating through them defeats the L2 cache."""
-    first = spec.make_inputs(problem, device)
+def _input_sets(spec: OpSpec, problem: Any,
+                device: torch.device) -> tuple[Sequence[Any], list[Sequence[Any]]]:
+    """(the inputs candidates are checked on, the input sets they are timed on): enough
+    independent timing sets that rotating through them defeats the L2 cache, drawn by the op's
+    ``make_timing_inputs`` where it has one (the checked set is then not timed)."""
+    checked = spec.make_inputs(problem, device)
+    draw = spec.make_timing_inputs
+    first = checked if draw is None else draw(problem, device)
     if device.type != "cuda":
-        return [first]
+        return checked, [first]
     nbytes = sum(t.numel() * t.element_size() for t in first if isinstance(t, torch.Tensor))
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
     count = max(1, min(8, math.ceil(2 * l2 / max(nbytes, 1))))
-    return [first] + [spec.make_inputs(problem, device) for _ in range(count - 1)]
+    return checked, [first] + [(draw or spec.make_inputs)(problem, device) for _ in range(count - 1)]
 
 
 def _time_ms(fn, sets: list, device: torch.device, deadline: float) -> float:
@@ -215,8 +220,8 @@ def profile(spec: OpSpec, problem: Any, candidates: Sequence[Any]) -> TuneRecord
     device = torch.device("cuda", torch.cuda.current_device()) if platform in ("cuda", "rocm") else torch.device("cpu")
     key = format_key(problem)
     STATS["keys_profiled"] += 1
-    sets = _input_sets(spec, problem, device)
-    reference = spec.reference(problem, sets[0])
+    checked, sets = _input_sets(spec, problem, device)
+    reference = spec.reference(problem, checked)
     budget = _budget_s()
     spent = 0.0  # seconds in timing loops; compiles and correctness runs are not budgeted
     timings: list[tuple[str, Hashable, float]] = []  # (backend, config, ms); inf = rejected
@@ -229,7 +234,7 @@ def profile(spec: OpSpec, problem: Any, candidates: Sequence[Any]) -> TuneRecord
             continue
         STATS["candidate_runs"] += 1
         try:
-            out = spec.run(entry.adapter, problem, sets[0], config)
+            out = spec.run(entry.adapter, problem, checked, config)
             reason = spec.check(problem, out, reference)
             if reason is None:
                 run = lambda inputs: spec.run(entry.adapter, problem, inputs, config)

@@ -101,6 +101,12 @@ class OpSpec:
     #: True when ranks of one job meet different keys for this op (e.g. token counts under expert
     #: parallelism): online rank consensus, a collective, is skipped for it (docs/tuning-db.md).
     keys_vary_across_ranks: bool = False
+    #: Draws the inputs candidates are *timed* on, where those should differ from the checked
+    #: ones (``make_inputs``), or None: both the same. Grouped GEMMs check on a random split of the
+    #: tokens (empty and tiny groups catch wrong kernels) but time on near-balanced routing, the
+    #: design point of a load-balanced MoE layer: a random split's few huge groups favour other
+    #: backends than the routing the op meets in training.
+    make_timing_inputs: Callable[[Any, torch.device], Sequence[Any]] | None = None
     #: Builds the problem from the public call's arguments (what explain() uses).
     problem_from_call: Callable[..., Any] | None = None
     #: Maps a call's problem to the problem whose decision (and tuning) it shares, or None: every

@@ -306,18 +306,37 @@ def _random_lens(total: int, g: int) -> torch.Tensor:
     return torch.diff(torch.cat([cuts.new_zeros(1), cuts, cuts.new_full((1,), total)]))
 
 
-def _make_inputs(p, device) -> tuple[torch.Tensor, ...]:
+#: How far a group of ``_near_balanced_lens`` may stray from an even share, either way.
+TIMING_JITTER = 0.25
+
+
+def _near_balanced_lens(total: int, g: int) -> torch.Tensor:
+    """``total`` tokens over ``g`` groups, each within ``TIMING_JITTER`` of an even share (before
+    rounding): the routing a load-balanced MoE layer meets, which the tuner times on."""
+    if g == 0:
+        return torch.zeros(0, dtype=_I64)
+    weights = 1.0 + TIMING_JITTER * (2.0 * torch.rand(g, dtype=torch.float64) - 1.0)
+    lens = torch.floor(weights / weights.sum() * total).to(_I64)
+    lens[: total - int(lens.sum())] += 1  # the rounding remainder, at most g - 1 tokens
+    return lens
+
+
+def _make_inputs(p, device, split: Callable[[int, int], torch.Tensor] = _random_lens) -> tuple[torch.Tensor, ...]:
     a_dtype = getattr(p, "a_dtype", None) or p.dtype
     b_dtype = getattr(p, "b_dtype", None) or p.dtype
     if p.variable_k:
         x = torch.randn((p.k, p.m), device=device, dtype=a_dtype)
         y = torch.randn((p.k, p.n), device=device, dtype=b_dtype)
-        lens = _random_lens(p.k, p.g).to(device)
+        lens = split(p.k, p.g).to(device)
     else:
         x = torch.randn((p.m, p.k), device=device, dtype=a_dtype)
         y = torch.randn((p.g, p.n, p.k) if p.trans_b else (p.g, p.k, p.n), device=device, dtype=b_dtype)
-        lens = _random_lens(p.m, p.g).to(device)
+        lens = split(p.m, p.g).to(device)
     return x, y, lens, _offsets(lens, x.shape[0])
+
+
+def _timing_inputs(p, device) -> tuple[torch.Tensor, ...]:
+    return _make_inputs(p, device, _near_balanced_lens)
 
 
 def grouped_reference(p, inputs) -> torch.Tensor:
@@ -356,19 +375,24 @@ def _quantized_kmajor(t: torch.Tensor, dtype: torch.dtype, p: GroupedGemmFp8Prob
     return dataclasses.replace(q, data=_kmajor(q.data, k_dim))
 
 
-def _fp8_make_inputs(p: GroupedGemmFp8Problem, device) -> tuple:
+def _fp8_make_inputs(p: GroupedGemmFp8Problem, device,
+                     split: Callable[[int, int], torch.Tensor] = _random_lens) -> tuple:
     """Inputs for a grouped_gemm_fp8 key. An operand whose key dtype is fp8 arrives pre-quantised
     as the training step passes it (``_quantize_for_step``): K-major data, token runs for the
     wgrad, 2-D tiles for a ``b_2d`` weight."""
     hp = p._replace(a_dtype=torch.float32 if p.a_dtype in _FP8 else p.a_dtype,
                     b_dtype=torch.float32 if p.b_dtype in _FP8 else p.b_dtype)
-    x, y, lens, offs = _make_inputs(hp, device)
+    x, y, lens, offs = _make_inputs(hp, device, split)
     k_a, k_b = (0, 0) if p.variable_k else (1, 2 if p.trans_b else 1)
     if p.a_dtype in _FP8:
         x = _quantized_kmajor(x, p.a_fp8, p, k_a, False)
     if p.b_dtype in _FP8:
         y = _quantized_kmajor(y, p.b_fp8, p, k_b, p.b_2d and not p.variable_k)
     return x, y, lens, offs
+
+
+def _fp8_timing_inputs(p: GroupedGemmFp8Problem, device) -> tuple:
+    return _fp8_make_inputs(p, device, _near_balanced_lens)
 
 
 def _fp8_reference(p: GroupedGemmFp8Problem, inputs) -> torch.Tensor:
@@ -397,6 +421,7 @@ GROUPED_GEMM = register_op(OpSpec(
     problem_type=GroupedGemmProblem,
     precision_of=lambda p: precision_of_dtype(p.dtype),
     make_inputs=_make_inputs,
+    make_timing_inputs=_timing_inputs,
     reference=grouped_reference,
     check=lambda p, out, ref: check_rel(out, ref),
     flops=lambda p: 2.0 * p.m * p.n * p.k,
@@ -410,6 +435,7 @@ GROUPED_GEMM_FP8 = register_op(OpSpec(
     problem_type=GroupedGemmFp8Problem,
     precision_of=lambda p: PrecisionType.FP8,
     make_inputs=_fp8_make_inputs,
+    make_timing_inputs=_fp8_timing_inputs,
     reference=_fp8_reference,
     check=_fp8_check,
     flops=lambda p: 2.0 * p.m * p.n * p.k,
