@@ -3,7 +3,8 @@
 # near-balanced routing (checked on a random split as before), written over the shipped H100 DB's
 # grouped keys; then round 165's probe of what the shipped DB gives against the platform default.
 source tools/gpu_round_common.sh
-TPES="4096 512" bash -c 'source tools/gpu_round164.sh' 2>&1 | grep -E "rc=|keys:"
+export OUT
+BUDGET_MS=600 TPES="4096 512" bash -c 'source tools/gpu_round164.sh' 2>&1 | grep -E "rc=|keys:"
 python3 - <<'PY'
 import json, os, pathlib
 out = pathlib.Path(os.environ["OUT"])
