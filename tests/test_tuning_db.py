@@ -482,6 +482,28 @@ def test_prune_drops_stale_entries_only(tmp_path):
     assert {r.key["m"] for r in store.parse(db.read_text()).results.values()} == {91}
 
 
+def test_prune_min_speedup_keeps_only_clear_wins_over_the_default(tmp_path, plugins, capsys):
+    """``db prune --min-speedup X`` drops the entries whose winner was not X times faster than the
+    op's default (TORCH for gemm on the CPU) in its own profile, or whose profile never timed it."""
+    import dataclasses
+
+    def entry(m, candidates, backend="SLOW"):
+        return dataclasses.replace(_result(_gemm_problem(m=m), backend=backend), candidates=candidates)
+
+    db = tmp_path / "ship.jsonl"
+    store.update(db, _contents_with([
+        entry(61, {"TORCH": 2.0, "SLOW": 1.0}),  # 2x the default: kept
+        entry(62, {"TORCH": 1.1, "SLOW": 1.0}),  # 1.1x: dropped at 1.25
+        entry(63, {"SLOW": 1.0}),  # the default not timed: dropped
+        entry(64, {"TORCH": 1.0}, backend="TORCH"),  # the default itself: dropped (a miss runs it anyway)
+    ]))
+    assert cli(["db", "prune", str(db), "--min-speedup", "1.25"]) == 0
+    assert "removed 3 entries, kept 1" in capsys.readouterr().out
+    assert {r.key["m"] for r in store.parse(db.read_text()).results.values()} == {61}
+    assert cli(["db", "prune", str(db), "--min-speedup", "0"]) == 2
+    assert "--min-speedup must be a positive number" in capsys.readouterr().err
+
+
 def test_cli_errors_are_clear(tmp_path, capsys):
     assert cli(["db", "show", str(tmp_path / "missing.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -69,6 +69,9 @@ def add_parsers(sub) -> None:
     prune = db_sub.add_parser("prune", help="drop the entries that are stale for this machine")
     prune.add_argument("file", type=Path)
     prune.add_argument("--foreign", action="store_true", help="also drop entries tuned on other machines")
+    prune.add_argument("--min-speedup", type=float, default=None, metavar="X",
+                       help="also drop entries whose winner was not at least X times faster than the op's "
+                            "default in its own profile (keys left out run the default)")
     prune.set_defaults(func=_cmd_db_prune)
     merge = db_sub.add_parser("merge", help="merge files into OUT (the faster result of one key wins)")
     merge.add_argument("-o", "--output", type=Path, required=True)
@@ -202,7 +205,9 @@ def _cmd_db_prune(args: argparse.Namespace) -> int:
 
     if not args.file.exists():
         raise UsageError(f"db prune: {args.file} does not exist")
-    removed, kept = prune(args.file, foreign_too=args.foreign)
+    if args.min_speedup is not None and not args.min_speedup > 0:
+        raise UsageError(f"db prune: --min-speedup must be a positive number, got {args.min_speedup}")
+    removed, kept = prune(args.file, foreign_too=args.foreign, min_speedup=args.min_speedup)
     print(f"{args.file}: removed {removed} entr{'y' if removed == 1 else 'ies'}, kept {kept}")
     return 0
 

@@ -68,7 +68,7 @@ def _default_label(op: str, problem: Any) -> str | None:
     return get_registry().default(op, get_op_spec(op).platform_of(problem))
 
 
-def _default_ms(default: str, timings: Sequence[tuple[str, float]]) -> float:
+def default_ms(default: str, timings: Sequence[tuple[str, float]]) -> float:
     """The default backend's time among a profile's labelled ``timings``: its unconfigured label,
     else its first config's (``Adapter.configs`` lists the config a call without one runs first,
     and the profile times each backend's configs in that order). NaN where it was not timed."""
@@ -109,13 +109,13 @@ def tune_one(op: str, problem: Any, force: bool = False,
     started = time.perf_counter()
     record = autotune.profile(spec, problem, candidates)
     seconds = time.perf_counter() - started
-    default_ms = _default_ms(default, record.timings)
+    default_time = default_ms(default, record.timings)
     if record.backend is None:
         note = "; ".join(f"{label}: {why}" for label, why in record.rejected)
-        return KeyReport(op, key, "failed", default=default, default_ms=default_ms, seconds=seconds, note=note), None
+        return KeyReport(op, key, "failed", default=default, default_ms=default_time, seconds=seconds, note=note), None
     autotune._memory[(spec.name, problem)] = record
     winner = record.backend if record.config is None else f"{record.backend}[{record.config}]"
-    report = KeyReport(op, key, "tuned", winner, record.time_ms, default, default_ms, seconds)
+    report = KeyReport(op, key, "tuned", winner, record.time_ms, default, default_time, seconds)
     return report, result_for(spec, problem, record, candidates)
 
 

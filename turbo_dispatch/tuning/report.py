@@ -1,6 +1,8 @@
 """What ``turbo-dispatch db show|validate|prune|merge`` compute (the CLI only prints it)."""
 from __future__ import annotations
 
+import math
+
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -93,22 +95,41 @@ def validate_problems(report: FileReport) -> list[str]:
     return problems
 
 
-def prune(path: "str | os.PathLike[str]", foreign_too: bool = False) -> tuple[int, int]:
+def prune(path: "str | os.PathLike[str]", foreign_too: bool = False,
+          min_speedup: float | None = None) -> tuple[int, int]:
     """Drops the entries that are unusable on this machine (stale identity, undecodable key,
-    unknown op/backend; with ``foreign_too`` also entries of other machines). Returns
-    (removed, kept)."""
+    unknown op/backend; with ``foreign_too`` also entries of other machines) and, with
+    ``min_speedup``, every entry whose winner was not at least that many times faster than the
+    op's platform default in its own profile (``speedup_over_default``; unknown counts as not):
+    a key left out runs the default, so a DB to ship keeps only the wins that are worth their risk.
+    Returns (removed, kept)."""
     removed = 0
 
     def change(contents: store.Contents) -> None:
         nonlocal removed
         for mk, result in list(contents.results.items()):
             reason = judge(result, contents.stamps).reason
-            if reason is not None and (foreign_too or not reason.startswith("tuned on another machine")):
+            stale = reason is not None and (foreign_too or not reason.startswith("tuned on another machine"))
+            if stale or (min_speedup is not None and not speedup_over_default(result) >= min_speedup):
                 contents.discard(mk)
                 removed += 1
 
     written = store.rewrite(path, change)
     return removed, len(written.results)
+
+
+def speedup_over_default(result: store.Result) -> float:
+    """How many times faster the stored winner ran than the op's platform default did in the same
+    profile (the default backend's first config where it has configs); NaN where the default was
+    not timed there or has no default on the entry's platform."""
+    from ..registry import get_registry
+    from .offline import default_ms
+
+    default = get_registry().default(result.op, result.key.get("platform", ""))
+    if default is None or not result.time_ms > 0:
+        return math.nan
+    timings = [(label, math.inf if ms is None else ms) for label, ms in result.candidates.items()]
+    return default_ms(default, timings) / result.time_ms
 
 
 def merge(output: "str | os.PathLike[str]", inputs: Sequence["str | os.PathLike[str]"]) -> tuple[int, list[str]]:
