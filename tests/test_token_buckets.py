@@ -157,9 +157,10 @@ def test_near_balanced_split(total, g):
 
 
 class _RecordingGroupedGemm:
-    """Correct grouped GEMM that remembers the group sizes of every call."""
+    """A real grouped GEMM adapter (``inner``) that remembers the group sizes of every call."""
 
-    def __init__(self):
+    def __init__(self, inner):
+        self.inner = inner
         self.seen: list[list[int]] = []
 
     def configs(self, p):
@@ -167,7 +168,7 @@ class _RecordingGroupedGemm:
 
     def run(self, p, a, b, group_lens, group_offs, config=None):
         self.seen.append(group_lens.tolist())
-        return torch.cat([x @ (w.t() if p.trans_b else w) for x, w in zip(a.split(group_lens.tolist()), b)])
+        return self.inner.run(p, a, b, group_lens, group_offs, config=config)
 
 
 @pytest.mark.parametrize("op", ["grouped_gemm", "grouped_gemm_fp8"])
@@ -177,6 +178,9 @@ def test_the_tuner_checks_on_the_random_split_and_times_on_near_balanced_routing
     import dataclasses
     import types
 
+    from turbo_dispatch.backends.torch.grouped_gemm import TorchGroupedGemm, TorchGroupedGemmFp8
+    from turbo_dispatch.low_precision import Float8QuantConfig
+
     spec = gg.GROUPED_GEMM if op == "grouped_gemm" else gg.GROUPED_GEMM_FP8
     one_group = lambda total, g: torch.tensor([total] + [0] * (g - 1))
     make = functools.partial(gg._make_inputs if op == "grouped_gemm" else gg._fp8_make_inputs, split=one_group)
@@ -185,26 +189,11 @@ def test_the_tuner_checks_on_the_random_split_and_times_on_near_balanced_routing
     lens = torch.tensor([64] * 4)
     if op == "grouped_gemm":
         p = gg.grouped_gemm_problem(a, b, lens, None, True)
-        adapter = _RecordingGroupedGemm()
+        adapter = _RecordingGroupedGemm(TorchGroupedGemm())
     else:
-        from turbo_dispatch.backends.torch.grouped_gemm import TorchGroupedGemmFp8
-        from turbo_dispatch.low_precision import Float8QuantConfig
-
         p = gg._forward_fp8_problem(a, b, lens, gg._offsets(lens, 256), True, None,
                                     Float8QuantConfig(granularity="rowwise"))
-        seen = []
-        inner = TorchGroupedGemmFp8()
-
-        class _Recording:
-            def configs(self, q):
-                return [None]
-
-            def run(self, q, x, y, group_lens, group_offs, config=None):
-                seen.append(group_lens.tolist())
-                return inner.run(q, x, y, group_lens, group_offs, config=config)
-
-        adapter = _Recording()
-        adapter.seen = seen
+        adapter = _RecordingGroupedGemm(TorchGroupedGemmFp8())
     record = autotune.profile(checked_spec, p, [types.SimpleNamespace(name="REC", adapter=adapter)])
     assert record.backend == "REC", record
     assert adapter.seen[0] == [256, 0, 0, 0]  # the gate's call

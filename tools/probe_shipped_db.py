@@ -35,15 +35,14 @@ from turbo_dispatch import GlobalBackendManager  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import probe_grouped_step as P  # noqa: E402  (sibling in tools/)
-from bench_grouped_gemm import TorchGroupedMM, references  # noqa: E402
+from bench_grouped_gemm import TorchGroupedMM, plain, references  # noqa: E402
 
 import harness as H  # noqa: E402  (benchmarks/harness.py: the bench's correctness gate)
 
 
 def _setting(shipped: bool):
     def prepare() -> None:
-        GlobalBackendManager.set_grouped_gemm_backend(None)
-        GlobalBackendManager.set_auto_tune(False)
+        plain()  # the bench's unpinned, autotune-off setting
         GlobalBackendManager.set_shipped_tune_db(shipped)
     return prepare
 
