@@ -93,12 +93,55 @@ class EvenTokensGroupedGemm(_Fixture):
 
     def run(self, p, a, b, group_lens, group_offs, config=None):
         type(self).calls += 1
-        outs, start = [], 0
-        for i, length in enumerate(group_lens.tolist()):
-            rows = slice(start, start + length)
-            outs.append(a[rows].t() @ b[rows] if p.variable_k else a[rows] @ (b[i].t() if p.trans_b else b[i]))
-            start += length
-        return torch.stack(outs) if p.variable_k else torch.cat(outs)
+        return _grouped_math(p, a, b, group_lens)
+
+
+def _grouped_math(p, a, b, group_lens):
+    """The grouped GEMM of ``p`` (M-grouped, or the variable-K wgrad), group by group."""
+    outs, start = [], 0
+    for i, length in enumerate(group_lens.tolist()):
+        rows = slice(start, start + length)
+        outs.append(a[rows].t() @ b[rows] if p.variable_k else a[rows] @ (b[i].t() if p.trans_b else b[i]))
+        start += length
+    return torch.stack(outs) if p.variable_k else torch.cat(outs)
+
+
+class _RoleTimedGroupedGemm(_Fixture):
+    """Correct grouped GEMM that sleeps ``delay(p, config)`` seconds: the step tuner's tests
+    control what each role (forward, dgrad, wgrad) costs with each config."""
+
+    def delay(self, p, config) -> float:
+        return 0.0
+
+    def run(self, p, a, b, group_lens, group_offs, config=None):
+        time.sleep(self.delay(p, config))
+        return _grouped_math(p, a, b, group_lens)
+
+
+class SteadyGroupedGemm(_RoleTimedGroupedGemm):
+    """3 ms per GEMM, every role."""
+
+    def delay(self, p, config):
+        return 0.003
+
+
+class WgradFastGroupedGemm(_RoleTimedGroupedGemm):
+    """Configs ``"lazy"`` (first: 9 ms everywhere) and ``"quick"`` (no sleep in the wgrad, 9 ms in
+    the forward and dgrad): only the wgrad with ``"quick"`` beats SteadyGroupedGemm."""
+
+    def configs(self, p):
+        return ["lazy", "quick"]
+
+    def delay(self, p, config):
+        return 0.0 if p.variable_k and config == "quick" else 0.009
+
+
+class WrongFastGroupedGemm(_Fixture):
+    """Instant and wrong in every role: must never be chosen."""
+
+    def run(self, p, a, b, group_lens, group_offs, config=None):
+        out = _grouped_math(p, a, b, group_lens)
+        return out + 1.0
 
 
 class ConfiguredGemm(_Fixture):

@@ -14,8 +14,12 @@ the package's files. Each way's three GEMM decisions are recorded (backend, conf
 the ``shipped`` step's output and gradients pass the bench's correctness gate against its float32
 reference.
 
+With ``--db FILE``, ``shipped`` is that file instead, read as the only DB (a read-only layer;
+the package's DBs off in both ways): how a DB a user made (e.g. ``turbo-dispatch tune --step``)
+does against the default.
+
 Usage (repo installed): ``python3 tools/probe_shipped_db.py --dtype fp8 --ep 8 --tokens-per-expert 4096
-[--out FILE]``.
+[--db FILE] [--out FILE]``.
 """
 from __future__ import annotations
 
@@ -40,10 +44,17 @@ from bench_grouped_gemm import TorchGroupedMM, plain, references  # noqa: E402
 import harness as H  # noqa: E402  (benchmarks/harness.py: the bench's correctness gate)
 
 
+DB: list = []  # --db FILE, when given
+
+
 def _setting(shipped: bool):
     def prepare() -> None:
         plain()  # the bench's unpinned, autotune-off setting
-        GlobalBackendManager.set_shipped_tune_db(shipped)
+        if DB:
+            GlobalBackendManager.set_shipped_tune_db(False)
+            GlobalBackendManager.set_tune_db_path(DB if shipped else [])
+        else:
+            GlobalBackendManager.set_shipped_tune_db(shipped)
     return prepare
 
 
@@ -74,12 +85,15 @@ def main() -> int:
     ap.add_argument("--tokens-per-expert", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--db", default=None, help="a DB file to measure instead of the package's")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.out:
         P.OUT.append(open(args.out, "w"))
+    if args.db:
+        DB.append(args.db)
     P.emit(gpu=torch.cuda.get_device_name(), torch=torch.__version__, dtype=args.dtype, ep=args.ep,
-           tokens_per_expert=args.tokens_per_expert)
+           tokens_per_expert=args.tokens_per_expert, db=args.db or "shipped")
     shipped_vs_default, shipped_vs_bf16, default_vs_bf16 = [], [], []
     for shape in P.preset_shapes(f"presets:{args.ep}:{args.tokens_per_expert}"):
         t, n, k, lens, offs, a, w, grad, cfg = P.step_operands(shape)

@@ -214,6 +214,22 @@ def _plan(candidates: Sequence[Any], problem: Any) -> list[tuple[Any, Hashable, 
     return plan
 
 
+def candidate_label(backend: str, config: Hashable) -> str:
+    """How reports and the tuning DB name one candidate: ``TRITON[(128, 256, 64, 8, 3, 8)]``, or the
+    backend alone where it has no configs."""
+    return backend if config is None else f"{backend}[{config}]"
+
+
+def gate(spec: OpSpec, problem: Any, entry: Any, config: Hashable, checked: Sequence[Any],
+         reference: Any) -> str | None:
+    """The correctness gate: None when ``entry`` with ``config`` computes ``problem`` right on the
+    ``checked`` inputs (against ``reference``), else why not. A candidate that raises fails it."""
+    try:
+        return spec.check(problem, spec.run(entry.adapter, problem, checked, config), reference)
+    except Exception as exc:  # a broken candidate loses, it does not take the job down
+        return f"raised {type(exc).__name__}: {exc}"
+
+
 def profile(spec: OpSpec, problem: Any, candidates: Sequence[Any]) -> TuneRecord:
     """Times every (backend, config) that first passes the op's correctness check."""
     platform = spec.platform_of(problem)
@@ -227,22 +243,21 @@ def profile(spec: OpSpec, problem: Any, candidates: Sequence[Any]) -> TuneRecord
     timings: list[tuple[str, Hashable, float]] = []  # (backend, config, ms); inf = rejected
     rejected: list[tuple[str, str]] = []
     for entry, config, first in _plan(candidates, problem):
-        label = entry.name if config is None else f"{entry.name}[{config}]"
+        label = candidate_label(entry.name, config)
         if not first and spent > budget and any(math.isfinite(t[2]) for t in timings):
             rejected.append((label, "not profiled: the key's time budget ran out"))
             timings.append((entry.name, config, math.inf))
             continue
         STATS["candidate_runs"] += 1
-        try:
-            out = spec.run(entry.adapter, problem, checked, config)
-            reason = spec.check(problem, out, reference)
-            if reason is None:
+        reason = gate(spec, problem, entry, config, checked, reference)
+        if reason is None:
+            try:
                 run = lambda inputs: spec.run(entry.adapter, problem, inputs, config)
                 started = time.monotonic()
                 ms = _time_ms(run, sets, device, started + max(budget - spent, 0.0))
                 spent += time.monotonic() - started
-        except Exception as exc:  # a broken candidate loses, it does not take the job down
-            reason = f"raised {type(exc).__name__}: {exc}"
+            except Exception as exc:  # a broken candidate loses, it does not take the job down
+                reason = f"raised {type(exc).__name__}: {exc}"
         if reason is not None:
             rejected.append((label, f"failed the correctness gate: {reason}"))
             log.info("autotune %s %s: %s rejected: %s", spec.name, key, label, reason)
@@ -257,7 +272,7 @@ def profile(spec: OpSpec, problem: Any, candidates: Sequence[Any]) -> TuneRecord
                      "for one choice on every rank", spec.name, key)
         else:
             timings = agree_across_ranks(key, timings)
-    labelled = [(name if config is None else f"{name}[{config}]", ms) for name, config, ms in timings]
+    labelled = [(candidate_label(name, config), ms) for name, config, ms in timings]
     finite = [t for t in timings if math.isfinite(t[2])]
     best = min(((ms, name, config) for name, config, ms in finite), default=None, key=lambda t: t[0])
     if best is None:

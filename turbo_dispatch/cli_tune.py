@@ -53,6 +53,14 @@ def add_parsers(sub) -> None:
     tune.add_argument("--db", type=Path, default=None, help="DB to write (default: the writable DB in force)")
     tune.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when a GPU is visible")
     tune.add_argument("--force", action="store_true", help="re-tune keys that already have a stored result")
+    tune.add_argument("--step", action="store_true",
+                      help="tune the grouped ops by whole training steps of each layer (forward, dgrad and wgrad "
+                           "choices timed together) instead of one GEMM at a time")
+    tune.add_argument("--min-speedup", type=float, default=1.02, metavar="X",
+                      help="with --step: store a layer's choices only where its tuned step ran at least X times "
+                           "faster than the default step, timed in turns (default 1.02)")
+    tune.add_argument("--step-budget-ms", type=float, default=100.0, metavar="MS",
+                      help="with --step: time spent timing each candidate step (at least 5 steps; default 100)")
     tune.add_argument("--distributed", action="store_true", help="under torchrun: shard keys over ranks")
     tune.add_argument("--no-progress", action="store_true", help="no progress bar")
     tune.add_argument("--list-models", action="store_true", help="list the model presets and exit")
@@ -121,31 +129,54 @@ def _tune(args: argparse.Namespace) -> int:
     from .manager import GlobalBackendManager
     from .tuning import keys as key_sources
     from .tuning import offline
+    from .tuning import step as step_tuner
+    from .tuning.step import STEP_OPS
 
     device = _device_arg(args.device)
     platform = platform_of(device)
     db = args.db or GlobalBackendManager.get_tune_db()
     if db is None:
         raise UsageError("no writable tuning DB: PRIMUS_TURBO_TUNE_DB is off; pass --db FILE")
+    for flag, value in (("--min-speedup", args.min_speedup), ("--step-budget-ms", args.step_budget_ms)):
+        if not value > 0:
+            raise UsageError(f"tune: {flag} must be a positive number, got {value}")
+    stepped = [op for op in args.ops if op in STEP_OPS] if args.step else []
+    if args.step and not stepped:
+        raise UsageError(f"tune --step tunes {' and '.join(STEP_OPS)}; --ops names neither")
+    layers = []
     if args.from_recorded is not None:
         if args.model is not None:
             raise UsageError("pass either --model or --from-recorded, not both")
+        if args.step:
+            raise UsageError("tune --step needs --model: a recorded key does not say which layer it belongs to")
         keys = offline.recorded_keys(args.from_recorded)
         source = str(args.from_recorded)
     else:
         models = args.model or (["llama3.1-8b"] if device == "cuda" else ["tiny"])
         keys = []
+        per_key = [op for op in args.ops if op not in stepped]
         for model in models:
-            keys += key_sources.model_keys(model, args.ops, platform, args.micro_batches, args.seq_len, args.fp8,
-                                           args.ep, args.tokens_per_expert)
+            keys += key_sources.model_keys(model, per_key, platform, args.micro_batches, args.seq_len, args.fp8,
+                                           args.ep, args.tokens_per_expert) if per_key else []
+            layers += step_tuner.model_layers(model, stepped, args.fp8, args.ep, args.tokens_per_expert)
         keys = list(dict.fromkeys(keys))
         source = ",".join(models)
     rank = torch.distributed.get_rank() if args.distributed else 0
     if rank == 0:
-        print(f"tuning {len(keys)} key(s) from {source} on {device} into {db}", file=sys.stderr)
-    reports = offline.run(keys, db, force=args.force, progress=not args.no_progress, distributed=args.distributed)
+        print(f"tuning {len(keys)} key(s)" + (f" and {len(layers)} layer(s) by steps" if args.step else "")
+              + f" from {source} on {device} into {db}", file=sys.stderr)
+    reports = offline.run(keys, db, force=args.force, progress=not args.no_progress,
+                          distributed=args.distributed) if keys else []
+    step_reports = step_tuner.run(layers, db, torch.device(device), force=args.force, progress=not args.no_progress,
+                                  distributed=args.distributed, min_speedup=args.min_speedup,
+                                  candidate_s=args.step_budget_ms / 1e3) if layers else []
     if rank != 0:
         return 0
+    if args.step:
+        _print_step_reports(step_reports, args.min_speedup)
+        if not keys:
+            failed = [r for r in step_reports if r.status == "failed"]
+            return 1 if failed and len(failed) == len(step_reports) else 0
     rows = []
     for r in reports:
         speedup = f"{r.speedup:.2f}x" if math.isfinite(r.speedup) else "-"
@@ -163,6 +194,26 @@ def _tune(args: argparse.Namespace) -> int:
     return 1 if failed and not tuned else 0
 
 
+def _print_step_reports(reports, min_speedup: float) -> None:
+    from .cli import _table
+
+    rows = []
+    for r in reports:
+        speedup = f"{r.speedup:.3f}x" if math.isfinite(r.speedup) else "-"
+        winners = {role.role: role.winner + (" (held)" if role.held else "") for role in r.roles}
+        rows.append([r.layer, r.status, _ms(r.default_ms), _ms(r.tuned_ms), speedup,
+                     *(winners.get(role, "-") for role in ("forward", "dgrad", "wgrad"))])
+    print(_table(["LAYER", "STATUS", "DEFAULT STEP MS", "TUNED STEP MS", "SPEEDUP", "FORWARD", "DGRAD", "WGRAD"], rows))
+    counts = {status: sum(r.status == status for r in reports)
+              for status in ("tuned", "default kept", "held", "stored", "failed")}
+    print(f"{len(reports)} layers by steps: {counts['tuned']} tuned (stored), {counts['default kept']} kept the "
+          f"default (no confirmed gain of {min_speedup}x), {counts['held']} shared an earlier layer's keys, "
+          f"{counts['stored']} already stored, {counts['failed']} failed; {sum(r.seconds for r in reports):.1f} s")
+    for r in reports:
+        if r.note and r.status != "stored":
+            print(f"  {r.status}: {r.layer}: {r.note}")
+
+
 def _ms(value: float) -> str:
     return f"{value:.4f}" if math.isfinite(value) else "-"
 
@@ -175,9 +226,9 @@ def _cmd_db_show(args: argparse.Namespace) -> int:
     report = inspect(args.file)
     if report.missing:
         raise UsageError(f"db show: {args.file} does not exist")
-    rows = [[r.op, r.key, r.backend, str(r.config), f"{r.time_ms:.4f}", r.gpu, r.status] for r in report.rows]
+    rows = [[r.op, r.key, r.backend, str(r.config), f"{r.time_ms:.4f}", r.scope, r.gpu, r.status] for r in report.rows]
     if rows:
-        print(_table(["OP", "KEY", "BACKEND", "CONFIG", "MS", "GPU", "STATUS"], rows, indent=""))
+        print(_table(["OP", "KEY", "BACKEND", "CONFIG", "MS", "TIMED", "GPU", "STATUS"], rows, indent=""))
     print(report.summary())
     return 0
 

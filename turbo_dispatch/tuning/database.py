@@ -105,16 +105,18 @@ def lookup(spec: OpSpec, problem: Any) -> Hit | None:
                 log.info("tuning DB %s: entry for %s %s skipped: %s", path, spec.name, format_key(problem),
                          verdict.reason)
         if usable:
-            result, verdict = min(usable, key=lambda rv: rv[0].time_ms)
+            result, verdict = min(usable, key=lambda rv: rv[0].preference)
             return Hit(result.backend, decode_config(result.config), result.time_ms, layer, path, verdict.soft)
     return None
 
 
-def result_for(spec: OpSpec, problem: Any, record: Any, candidates: Sequence[Any]) -> tuple[store.Result, Stamp]:
+def result_for(spec: OpSpec, problem: Any, record: Any, candidates: Sequence[Any],
+               scope: str = "gemm") -> tuple[store.Result, Stamp]:
     """The stored form of one tuning outcome on this machine, and the stamp it references.
 
     ``record`` is an ``autotune.TuneRecord`` with a winner; ``candidates`` the registry entries
-    it was tuned over (the winner's adapter gives the identity).
+    it was tuned over (the winner's adapter gives the identity); ``scope`` what its times time
+    (``store.Result.scope``).
     """
     entry = next(c for c in candidates if c.name == record.backend)
     stamp = current_stamp(spec.platform_of(problem))
@@ -125,6 +127,7 @@ def result_for(spec: OpSpec, problem: Any, record: Any, candidates: Sequence[Any
         candidates={label: (round(ms, 6) if math.isfinite(ms) else None) for label, ms in record.timings},
         rejected=tuple((label, why) for label, why in record.rejected),
         tuned=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        scope=scope,
     )
     return result, stamp
 

@@ -120,6 +120,26 @@ def _grouped_fp8_keys(shape: presets.GroupedShape, dtype: torch.dtype, granulari
     return keys
 
 
+def layer_keys(op: str, shape: presets.GroupedShape, dtype: torch.dtype = torch.bfloat16,
+               granularity: str | None = None) -> list[tuple[str, Any]]:
+    """The (op, problem) keys of one grouped layer's training step in the order the step meets
+    them, forward, dgrad, wgrad (``op`` grouped_gemm, or grouped_gemm_fp8 with ``granularity``);
+    the call's own problems, before token bucketing and with the platform left as built.
+
+    Example:
+        >>> [p.variable_k for _, p in layer_keys("grouped_gemm", presets.GroupedShape("up", 4, 64, 32, 16))]
+        [False, False, True]
+    """
+    if op == "grouped_gemm":
+        return _grouped_keys(shape, dtype)
+    if op == "grouped_gemm_fp8":
+        if granularity not in FP8_GRANULARITIES:
+            raise ValueError(f"layer_keys: granularity must be one of {', '.join(FP8_GRANULARITIES)} for "
+                             f"grouped_gemm_fp8, got {granularity!r}")
+        return _grouped_fp8_keys(shape, dtype, granularity)
+    raise ValueError(f"layer_keys: op must be grouped_gemm or grouped_gemm_fp8, got {op!r}")
+
+
 def _attention_keys(shape: tuple, dtype: torch.dtype) -> list[tuple[str, Any]]:
     batch, seq, heads, kv_heads, head_dim = shape
     q = _meta(batch, seq, heads, head_dim, dtype=dtype)
@@ -162,11 +182,11 @@ def model_keys(model: str, ops: Sequence[str], platform: str, micro_batches: Seq
         grouped = presets.moe_grouped_shapes(preset, ep, tokens_per_expert)
         if "grouped_gemm" in ops:
             for shape in grouped:
-                keys += _grouped_keys(shape, dtype)
+                keys += layer_keys("grouped_gemm", shape, dtype)
         if "grouped_gemm_fp8" in ops:
             for granularity in fp8_granularities:
                 for shape in grouped:
-                    keys += _grouped_fp8_keys(shape, dtype, granularity)
+                    keys += layer_keys("grouped_gemm_fp8", shape, dtype, granularity)
     # Stored under the key that calls look up (grouped GEMMs: the top of the token bucket).
     return _dedupe((op, decision_problem(get_op_spec(op), problem._replace(platform=platform)))
                    for op, problem in keys)

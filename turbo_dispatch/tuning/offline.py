@@ -13,7 +13,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -83,7 +83,7 @@ def stored_in(db: Path, spec, problem: Any) -> "store.Result | None":
     contents = store.read(db)
     usable = [r for r in contents.for_key(spec.name, store.key_text(encode_key(problem)))
               if judge(r, contents.stamps).reason is None]
-    return min(usable, key=lambda r: r.time_ms, default=None)
+    return min(usable, key=lambda r: r.preference, default=None)
 
 
 def tune_one(op: str, problem: Any, force: bool = False,
@@ -119,33 +119,46 @@ def tune_one(op: str, problem: Any, force: bool = False,
     return report, result_for(spec, problem, record, candidates)
 
 
-def _progress(items: Sequence, enabled: bool, desc: str):
+def _progress(items: Sequence, enabled: bool, desc: str, unit: str):
     if not enabled:
         return items
     from tqdm import tqdm
 
-    return tqdm(items, desc=desc, unit="key", dynamic_ncols=True)
+    return tqdm(items, desc=desc, unit=unit, dynamic_ncols=True)
 
 
 def run(keys: Sequence[tuple[str, Any]], db: Path, *, force: bool = False, progress: bool = True,
         distributed: bool = False) -> list[KeyReport]:
     """Tunes ``keys`` and merges the winners into ``db``; returns one report per key (on rank 0
     under ``distributed``, every rank's keys; elsewhere this rank's)."""
+    def tune_key(item: tuple[str, Any]) -> tuple[KeyReport, list]:
+        report, stored = tune_one(*item, force, db)
+        log.info("tune %s %s: %s %s (%.1f s)", item[0], report.key, report.status, report.winner, report.seconds)
+        return report, [] if stored is None else [stored]
+
+    return run_sharded(keys, db, tune_key, progress=progress, distributed=distributed, unit="key")
+
+
+def run_sharded(items: Sequence[Any], db: Path, tune_item: Callable[[Any], tuple[Any, list]], *,
+                progress: bool = True, distributed: bool = False, unit: str = "key") -> list:
+    """The loop of the offline tuners: ``tune_item(item)`` gives (report, [(result, stamp), ...]),
+    and the results are merged into ``db``. Under ``distributed`` each rank takes every
+    world_size-th item and rank 0 gathers and writes everything (and returns every report);
+    alone, results are written as they come, so an interrupted run keeps what it measured."""
     rank, world = 0, 1
     if distributed:
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    mine = list(keys)[rank::world]
-    reports: list[KeyReport] = []
+    mine = list(items)[rank::world]
+    reports: list = []
     results: list[tuple[dict, dict]] = []  # (result json, stamp json): stamps travel with results
-    for op, problem in _progress(mine, progress and rank == 0, f"tuning (rank {rank}/{world})" if world > 1 else "tuning"):
-        report, stored = tune_one(op, problem, force, db)
+    desc = f"tuning (rank {rank}/{world})" if world > 1 else "tuning"
+    for item in _progress(mine, progress and rank == 0, desc, unit):
+        report, stored = tune_item(item)
         reports.append(report)
-        log.info("tune %s %s: %s %s (%.1f s)", op, report.key, report.status, report.winner, report.seconds)
-        if stored is not None:
-            result, stamp = stored
-            results.append((result.to_json(), stamp.to_json()))
-            if world == 1:  # save as we go, so an interrupted run keeps what it measured
-                _write(db, results[-1:])
+        fresh = [(result.to_json(), stamp.to_json()) for result, stamp in stored]
+        results += fresh
+        if world == 1:
+            _write(db, fresh)
     if world > 1:
         gathered_reports: list = [None] * world
         gathered_results: list = [None] * world

@@ -22,6 +22,7 @@ class EntryRow:
     time_ms: float
     gpu: str
     status: str  # "ok", "ok (soft: driver)", or "skipped: <reason>"
+    scope: str = "gemm"  # what time_ms times (store.Result.scope)
 
 
 @dataclass
@@ -78,7 +79,8 @@ def inspect(path: "str | os.PathLike[str]") -> FileReport:
             status = f"skipped: {verdict.reason}"
             report.entry_skips[_reason_class(verdict.reason)] += 1
         key = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in result.key.items())
-        report.rows.append(EntryRow(result.op, key, result.backend, result.config, result.time_ms, stamp.gpu, status))
+        report.rows.append(EntryRow(result.op, key, result.backend, result.config, result.time_ms, stamp.gpu, status,
+                                    result.scope))
     return report
 
 

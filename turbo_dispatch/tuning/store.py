@@ -31,6 +31,7 @@ log = logging.getLogger("turbo_dispatch.tuning")
 FORMAT = "turbo_dispatch-tunedb"
 VERSION = 1
 _RESULT_FIELDS = ("stamp", "op", "key", "backend", "config", "identity", "time_ms")
+SCOPES = ("gemm", "step")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,16 @@ class Result:
     candidates: dict = field(default_factory=dict)  # label -> ms, None when rejected
     rejected: tuple = ()  # (label, reason) pairs
     tuned: str = ""
+    #: What ``time_ms`` and ``candidates`` time: ``gemm``, the GEMM alone (the offline and online
+    #: tuners), or ``step``, a whole training step of the layer with this GEMM in it (the step tuner,
+    #: ``tuning.step``): then every label's time is a step's, with the layer's other GEMMs as stored.
+    scope: str = "gemm"
+
+    @property
+    def preference(self) -> tuple[bool, float]:
+        """Sort key among results of one key: a step measurement first (it saw the GEMM among its
+        neighbours, which a GEMM timed alone does not), then the faster."""
+        return self.scope != "step", self.time_ms
 
     @property
     def key_text(self) -> str:
@@ -59,7 +70,8 @@ class Result:
     def to_json(self) -> dict:
         return {"type": "result", "stamp": self.stamp, "op": self.op, "key": self.key, "backend": self.backend,
                 "config": self.config, "identity": self.identity, "time_ms": self.time_ms,
-                "candidates": self.candidates, "rejected": [list(r) for r in self.rejected], "tuned": self.tuned}
+                "candidates": self.candidates, "rejected": [list(r) for r in self.rejected], "tuned": self.tuned,
+                **({} if self.scope == "gemm" else {"scope": self.scope})}
 
     @classmethod
     def from_json(cls, obj: dict) -> "Result":
@@ -79,8 +91,11 @@ class Result:
         rejected = obj.get("rejected", [])
         if not isinstance(candidates, dict) or not isinstance(rejected, list):
             raise ValueError("candidates must be an object and rejected a list")
+        scope = obj.get("scope", "gemm")
+        if scope not in SCOPES:
+            raise ValueError(f"scope must be one of {', '.join(SCOPES)}, got {scope!r}")
         return cls(obj["stamp"], obj["op"], obj["key"], obj["backend"], obj["config"], obj["identity"],
-                   float(time_ms), candidates, tuple(tuple(r) for r in rejected), str(obj.get("tuned", "")))
+                   float(time_ms), candidates, tuple(tuple(r) for r in rejected), str(obj.get("tuned", "")), scope)
 
 
 def key_text(key: dict) -> str:
@@ -100,9 +115,10 @@ class Contents:
     foreign: str | None = None  # why the whole file is not ours (then nothing else is read)
 
     def add_result(self, result: Result) -> bool:
-        """Keeps the faster of two measurements of one (stamp, op, key); True if ``result`` won."""
+        """Keeps the preferred of two measurements of one (stamp, op, key) (``Result.preference``:
+        a step's over a lone GEMM's, then the faster); True if ``result`` won."""
         old = self.results.get(result.merge_key)
-        if old is not None and old.time_ms <= result.time_ms:
+        if old is not None and old.preference <= result.preference:
             return False
         self.results[result.merge_key] = result
         self.__dict__.pop("_index", None)

@@ -1,0 +1,383 @@
+"""Step tuning: a grouped GEMM layer's forward, dgrad and wgrad choices, timed together in whole
+training steps.
+
+The offline tuner (``tuning.offline``) times each GEMM alone. For grouped GEMMs that is a poor
+guide below about 10% margins: inside a step the dgrad runs beside the wgrad on a second stream,
+the GEMMs share the power cap and the caches with their neighbours (and, for fp8, with the
+quantisers), and a choice that wins alone can lose in the step (H100, rounds 165-166: DeepSeek-V2
+up_gate's per-GEMM winner ran its step 0.965x). This tuner times what the job runs: the public
+op's forward and backward on near-balanced routing.
+
+Search: coordinate descent from the platform defaults. Each role (forward, dgrad, wgrad) in turn
+tries every candidate that passes the op's correctness gate (``autotune.gate``, on a random split
+of the tokens, as the other tuners do) with the other roles held at their current choices, and
+keeps the fastest step; passes repeat until none changes (``max_passes``). A choice is made by
+putting it in the autotuner's memory for the role's key, where the resolver finds it first.
+
+Only a confirmed gain is stored: the tuned step and the default step are then timed in turns,
+and the layer's three entries are written (``store.Result.scope`` = ``"step"``: their times are
+whole steps) only where the tuned one ran at least ``min_speedup`` times faster. Otherwise nothing
+is written and the keys keep running the default.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Hashable, Sequence
+
+import torch
+
+from .. import autotune
+from .. import manager as _manager
+from .. import presets
+from .. import resolver
+from ..backend_type import BackendType
+from ..low_precision import Float8QuantConfig
+from ..op_spec import decision_problem, format_key, get_op_spec
+from ..registry import get_registry
+from .database import result_for
+from .keys import layer_keys
+
+_grouped = importlib.import_module("turbo_dispatch.ops.grouped_gemm")
+
+log = logging.getLogger("turbo_dispatch.tuning")
+
+ROLES = ("forward", "dgrad", "wgrad")
+#: The ops the step tuner tunes (``tune --step``); others are tuned one key at a time.
+STEP_OPS = ("grouped_gemm", "grouped_gemm_fp8")
+#: A role's new choice must beat its current one by this much in the sweep to replace it, so that
+#: timing noise between equal candidates does not keep a pass going.
+SWEEP_MARGIN = 0.01
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One grouped layer: ``op`` grouped_gemm or grouped_gemm_fp8 (then ``granularity``), the
+    weight [groups, n, k] applied as in GroupedLinear (trans_b=True) to ``m_total`` routed tokens."""
+
+    op: str
+    shape: presets.GroupedShape
+    dtype: torch.dtype = torch.bfloat16
+    granularity: str | None = None
+    model: str = ""
+
+    @property
+    def label(self) -> str:
+        s = self.shape
+        recipe = f" fp8 {self.granularity}" if self.op == "grouped_gemm_fp8" else ""
+        return f"{self.model + '/' if self.model else ''}{s.name} G={s.groups} M={s.m_total} N={s.n} K={s.k}{recipe}"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    backend: str
+    config: Hashable
+    entry: Any = field(compare=False, hash=False)
+
+    @property
+    def label(self) -> str:
+        return autotune.candidate_label(self.backend, self.config)
+
+
+@dataclass(frozen=True)
+class RoleReport:
+    """One role's sweep: every candidate's step time (ms) with the other roles as they then were."""
+
+    role: str
+    op: str
+    key: str
+    winner: str
+    default: str
+    timings: tuple[tuple[str, float], ...]
+    rejected: tuple[tuple[str, str], ...] = ()
+    held: str = ""  # why the role was not swept (its key was chosen for an earlier layer)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What step-tuning one layer gave. ``default_ms`` and ``tuned_ms`` are the confirmation's
+    medians, timed in turns; ``status`` is "tuned" (entries written), "default kept", "held" (every
+    key was chosen for an earlier layer of the run), "stored" (already in the DB) or "failed"."""
+
+    layer: str
+    status: str
+    default_ms: float = math.nan
+    tuned_ms: float = math.nan
+    roles: tuple[RoleReport, ...] = ()
+    seconds: float = 0.0
+    note: str = ""
+
+    @property
+    def speedup(self) -> float:
+        return self.default_ms / self.tuned_ms if self.tuned_ms > 0 else math.nan
+
+
+@dataclass(frozen=True)
+class _Role:
+    name: str
+    op: str
+    problem: Any  # the decision (bucketed) problem: the key calls look up
+    candidates: tuple[Candidate, ...]  # those that passed the gate, in profiling order
+    rejected: tuple[tuple[str, str], ...]
+    default: Candidate | None
+
+
+def model_layers(model: str, ops: Sequence[str], granularities: Sequence[str], ep: int = 8,
+                 tokens_per_expert: int = 4096, dtype: torch.dtype = torch.bfloat16) -> list[Layer]:
+    """The grouped layers of an MoE preset (up_gate and down) for the grouped ops among ``ops``.
+
+    Example:
+        >>> [l.label for l in model_layers("tiny", ["grouped_gemm"], [], ep=1, tokens_per_expert=8)]
+        ['tiny/up_gate G=4 M=32 N=64 K=64', 'tiny/down G=4 M=32 N=64 K=32']
+    """
+    preset = presets.get_model(model)
+    if not preset.is_moe:
+        return []
+    shapes = presets.moe_grouped_shapes(preset, ep, tokens_per_expert)
+    layers = [Layer("grouped_gemm", s, dtype, None, model) for s in shapes if "grouped_gemm" in ops]
+    if "grouped_gemm_fp8" in ops:
+        layers += [Layer("grouped_gemm_fp8", s, dtype, g, model) for g in granularities for s in shapes]
+    return layers
+
+
+def _pin_error(op: str, problem: Any) -> str | None:
+    spec = get_op_spec(op)
+    choice, origin = _manager.current_settings().backend_choice(spec.family, spec.precision_of(problem).value)
+    if choice is None or choice is BackendType.AUTOTUNE:
+        return None
+    where = f"GlobalBackendManager.set_{spec.family}_backend" if origin == "code" else spec.env_var
+    return (f"step tuning needs {op} unpinned: {where} pins {choice}, and a pinned backend overrides every "
+            f"tuned choice; unset it to tune")
+
+
+def _gated_role(name: str, op: str, problem: Any, device: torch.device) -> _Role:
+    """The role's candidates (every backend x config that serves it) that pass the gate."""
+    spec = get_op_spec(op)
+    platform = spec.platform_of(problem)
+    entries = [e for e in get_registry().backends(op) if e.check(problem, platform) is None]
+    checked = spec.make_inputs(problem, device)
+    reference = spec.reference(problem, checked)
+    passed, rejected = [], []
+    for entry, config, _ in autotune._plan(entries, problem):
+        candidate = Candidate(entry.name, config, entry)
+        reason = autotune.gate(spec, problem, entry, config, checked, reference)
+        if reason is None:
+            passed.append(candidate)
+        else:
+            rejected.append((candidate.label, f"failed the correctness gate: {reason}"))
+            log.info("step tune %s %s: %s rejected: %s", op, format_key(problem), candidate.label, reason)
+    default_name = get_registry().default(op, platform)
+    # The default is what a call with nothing stored runs: its backend with no config, which is
+    # the adapter's first config (Adapter.configs).
+    default = next((c for c in passed if c.backend == default_name), None)
+    return _Role(name, op, problem, tuple(passed), tuple(rejected), default)
+
+
+def _step_inputs(layer: Layer, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    """Input sets for the step (enough of them that rotating defeats the L2 cache), each on
+    near-balanced routing: (a, w, group_lens, group_offs, grad)."""
+    s = layer.shape
+
+    def draw() -> tuple[torch.Tensor, ...]:
+        lens = _grouped._near_balanced_lens(s.m_total, s.groups).to(device)
+        a = torch.randn(s.m_total, s.k, device=device, dtype=layer.dtype).requires_grad_()
+        w = (torch.randn(s.groups, s.n, s.k, device=device, dtype=layer.dtype) * s.k ** -0.5).requires_grad_()
+        grad = torch.randn(s.m_total, s.n, device=device, dtype=layer.dtype)
+        return a, w, lens, _grouped._offsets(lens, s.m_total), grad
+
+    first = draw()
+    if device.type != "cuda":
+        return [first]
+    nbytes = sum(t.numel() * t.element_size() for t in first)
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    return [first] + [draw() for _ in range(max(1, min(4, math.ceil(2 * l2 / max(nbytes, 1)))) - 1)]
+
+
+def step_fn(layer: Layer) -> Callable[[Sequence[torch.Tensor]], None]:
+    """One training step of ``layer`` through the public op: forward, then backward of ``grad``."""
+    from ..ops import grouped_gemm, grouped_gemm_fp8
+
+    fp8 = None
+    if layer.op == "grouped_gemm_fp8":
+        fp8 = Float8QuantConfig(granularity=layer.granularity,
+                                block_size=128 if layer.granularity == "blockwise" else None)
+
+    def step(inputs: Sequence[torch.Tensor]) -> None:
+        a, w, lens, offs, grad = inputs
+        a.grad = w.grad = None
+        if fp8 is None:
+            out = grouped_gemm(a, w, lens, offs, trans_b=True)
+        else:
+            out = grouped_gemm_fp8(a, w, lens, offs, trans_b=True, config=fp8)
+        out.backward(grad)
+
+    return step
+
+
+@contextmanager
+def _chosen(choices: dict[tuple[str, Any], Candidate]):
+    """Makes every call of the keys in ``choices`` run its candidate: the resolver finds a
+    result in the autotuner's memory before any DB. What memory held is restored afterwards."""
+    with autotune._lock:
+        saved = {key: autotune._memory.get(key) for key in choices}
+        for key, c in choices.items():
+            autotune._memory[key] = autotune.TuneRecord(c.backend, c.config, math.nan, note=f"step tune: {c.label}")
+    resolver.clear_cache()
+    try:
+        yield
+    finally:
+        with autotune._lock:
+            for key, record in saved.items():
+                if record is None:
+                    autotune._memory.pop(key, None)
+                else:
+                    autotune._memory[key] = record
+        resolver.clear_cache()
+
+
+class _Timer:
+    """Times the step under a set of choices (host time covered on CUDA, ``autotune._time_ms``)."""
+
+    def __init__(self, layer: Layer, device: torch.device, candidate_s: float):
+        self.step = step_fn(layer)
+        self.sets = _step_inputs(layer, device)
+        self.device = device
+        self.candidate_s = candidate_s
+
+    def __call__(self, choices: dict[tuple[str, Any], Candidate]) -> float:
+        with _chosen(choices):
+            return autotune._time_ms(self.step, self.sets, self.device, time.monotonic() + self.candidate_s)
+
+
+def tune_layer(layer: Layer, device: torch.device, *, min_speedup: float = 1.02, max_passes: int = 2,
+               confirm_rounds: int = 3, candidate_s: float = 0.1,
+               held: dict[tuple[str, Any], tuple[Candidate, str]] | None = None,
+               ) -> tuple[StepReport, list]:
+    """Step-tunes one layer; returns its report and the (result, stamp) pairs to store (empty
+    unless the tuned step was confirmed ``min_speedup`` times faster than the default's).
+
+    ``held`` maps role keys already chosen (for an earlier layer of the same run) to (choice,
+    that layer's label): such a role is held at its choice, not swept, so one key never gets two
+    answers; keys this layer chooses are added to it.
+    """
+    held = {} if held is None else held
+    started = time.perf_counter()
+    platform = "cuda" if device.type == "cuda" else "cpu"
+    roles: list[_Role] = []
+    for name, (op, problem) in zip(ROLES, layer_keys(layer.op, layer.shape, layer.dtype, layer.granularity)):
+        problem = decision_problem(get_op_spec(op), problem._replace(platform=platform))
+        pinned = _pin_error(op, problem)
+        if pinned is not None:
+            raise ValueError(pinned)
+        roles.append(_gated_role(name, op, problem, device))
+    broken = [r for r in roles if not r.candidates]
+    if broken:
+        why = "; ".join(f"{r.name}: " + ("; ".join(f"{label}: {reason}" for label, reason in r.rejected)
+                                          or "no backend serves it") for r in broken)
+        return StepReport(layer.label, "failed", seconds=time.perf_counter() - started, note=why), []
+    key = lambda role: (role.op, role.problem)  # noqa: E731
+    was_held = {key(r): held[key(r)] for r in roles if key(r) in held}
+    if len(was_held) == len(roles):
+        return StepReport(layer.label, "held", seconds=time.perf_counter() - started,
+                          note=f"its keys were chosen for {next(iter(was_held.values()))[1]}"), []
+    # The baseline is what a call runs with nothing stored (the default; its first passing
+    # candidate where the default itself failed the gate), except for held roles.
+    default = {key(r): was_held[key(r)][0] if key(r) in was_held else r.default or r.candidates[0] for r in roles}
+    choice = dict(default)
+    timer = _Timer(layer, device, candidate_s)
+    sweeps: dict[str, dict[str, float]] = {}
+    for _ in range(max_passes):
+        changed = False
+        for role in roles:
+            if key(role) in was_held or len(role.candidates) < 2:
+                continue
+            times = {}
+            for candidate in role.candidates:
+                times[candidate] = timer({**choice, key(role): candidate})
+                log.info("step tune %s %s %s: %.4f ms", layer.label, role.name, candidate.label, times[candidate])
+            sweeps[role.name] = {c.label: ms for c, ms in times.items()}
+            best = min(times, key=times.get)
+            if best != choice[key(role)] and times[best] < times[choice[key(role)]] * (1 - SWEEP_MARGIN):
+                choice[key(role)] = best
+                changed = True
+        if not changed:
+            break
+    reports = tuple(RoleReport(
+        r.name, r.op, format_key(r.problem), choice[key(r)].label, default[key(r)].label,
+        tuple(sweeps.get(r.name, {}).items()), r.rejected,
+        held=f"held at its choice for {was_held[key(r)][1]}" if key(r) in was_held else "") for r in roles)
+    if choice == default:
+        baseline = [times[default[key(r)].label] for r in roles for times in [sweeps.get(r.name, {})]
+                    if default[key(r)].label in times]
+        return StepReport(layer.label, "default kept", statistics.median(baseline) if baseline else math.nan,
+                          roles=reports, seconds=time.perf_counter() - started,
+                          note="no role's choice beat the default" if sweeps else "no role has a choice"), []
+    rounds: dict[str, list[float]] = {"default": [], "tuned": []}
+    for _ in range(confirm_rounds):
+        rounds["default"].append(timer(default))
+        rounds["tuned"].append(timer(choice))
+    default_ms, tuned_ms = (statistics.median(rounds[k]) for k in ("default", "tuned"))
+    report = StepReport(layer.label, "tuned", default_ms, tuned_ms, reports, time.perf_counter() - started)
+    if not default_ms >= min_speedup * tuned_ms:
+        return StepReport(layer.label, "default kept", default_ms, tuned_ms, reports, report.seconds,
+                          note=f"tuned step {default_ms / tuned_ms:.3f}x the default's in turns, under "
+                               f"--min-speedup {min_speedup}"), []
+    stored = []
+    for role in roles:
+        if key(role) in was_held:  # stored with the layer that chose it
+            continue
+        chosen = choice[key(role)]
+        held[key(role)] = (chosen, layer.label)
+        timings = tuple(sweeps.get(role.name, {chosen.label: tuned_ms}).items())
+        record = autotune.TuneRecord(chosen.backend, chosen.config, tuned_ms, role.rejected,
+                                     timings + tuple((label, math.inf) for label, _ in role.rejected))
+        stored.append(result_for(get_op_spec(role.op), role.problem, record, [c.entry for c in role.candidates],
+                                 scope="step"))
+    return report, stored
+
+
+def _stored_layer(layer: Layer, db: Path, platform: str) -> bool:
+    """Whether ``db`` already holds a usable step result for each of the layer's three keys."""
+    from .offline import stored_in
+
+    for op, problem in layer_keys(layer.op, layer.shape, layer.dtype, layer.granularity):
+        spec = get_op_spec(op)
+        stored = stored_in(db, spec, decision_problem(spec, problem._replace(platform=platform)))
+        if stored is None or stored.scope != "step":
+            return False
+    return True
+
+
+def run(layers: Sequence[Layer], db: Path, device: torch.device, *, force: bool = False, progress: bool = True,
+        distributed: bool = False, **tune_kwargs: Any) -> list[StepReport]:
+    """Step-tunes ``layers`` and merges the confirmed choices into ``db`` (sharded over ranks
+    under ``distributed``, as ``offline.run``); one report per layer. A layer whose three keys
+    already have step results in ``db`` is skipped unless ``force``. ``tune_kwargs`` go to
+    ``tune_layer``.
+
+    Example (CPU, the TORCH backend alone, so there is no choice to make):
+        >>> import tempfile, pathlib
+        >>> layers = model_layers("tiny", ["grouped_gemm"], [], ep=1, tokens_per_expert=8)[:1]
+        >>> db = pathlib.Path(tempfile.mkdtemp()) / "steps.jsonl"
+        >>> [r.status for r in run(layers, db, torch.device("cpu"), progress=False)]
+        ['default kept']
+    """
+    from .offline import run_sharded
+
+    platform = "cuda" if device.type == "cuda" else "cpu"
+    held: dict = {}
+
+    def tune(layer: Layer) -> tuple[StepReport, list]:
+        if not force and _stored_layer(layer, db, platform):
+            return StepReport(layer.label, "stored", note=str(db)), []
+        report, stored = tune_layer(layer, device, held=held, **tune_kwargs)
+        log.info("step tune %s: %s, %.3fx (%.1f s)", layer.label, report.status, report.speedup, report.seconds)
+        return report, stored
+
+    return run_sharded(layers, db, tune, progress=progress, distributed=distributed, unit="layer")
