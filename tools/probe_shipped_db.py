@@ -86,6 +86,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--db", default=None, help="a DB file to measure instead of the package's")
+    ap.add_argument("--routing", choices=["balanced", "near-balanced"], default="balanced",
+                    help="the bench's balanced routing (equal groups), or the near-balanced routing the tuners "
+                         "time on (each group within 25%% of an even share, seeded)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.out:
@@ -93,10 +96,14 @@ def main() -> int:
     if args.db:
         DB.append(args.db)
     P.emit(gpu=torch.cuda.get_device_name(), torch=torch.__version__, dtype=args.dtype, ep=args.ep,
-           tokens_per_expert=args.tokens_per_expert, db=args.db or "shipped")
+           tokens_per_expert=args.tokens_per_expert, db=args.db or "shipped", routing=args.routing)
     shipped_vs_default, shipped_vs_bf16, default_vs_bf16 = [], [], []
     for shape in P.preset_shapes(f"presets:{args.ep}:{args.tokens_per_expert}"):
         t, n, k, lens, offs, a, w, grad, cfg = P.step_operands(shape)
+        if args.routing == "near-balanced":
+            torch.manual_seed(1)
+            lens = P._grouped._near_balanced_lens(t, lens.numel()).cuda()
+            offs = torch.nn.functional.pad(torch.cumsum(lens, 0, dtype=torch.int32), (1, 0))
         cfg = None if args.dtype == "bf16" else cfg
         ends = offs[1:].contiguous()
         step = P.step_fn(a, w, lens, offs, cfg, grad)
