@@ -57,8 +57,9 @@ def add_parsers(sub) -> None:
                       help="tune the grouped ops by whole training steps of each layer (forward, dgrad and wgrad "
                            "choices timed together) instead of one GEMM at a time")
     tune.add_argument("--min-speedup", type=float, default=1.02, metavar="X",
-                      help="with --step: store a layer's choices only where its tuned step ran at least X times "
-                           "faster than the default step, timed in turns (default 1.02)")
+                      help="with --step: store a layer's choices only where its tuned step, timed in turns with "
+                           "the default step, ran faster in every round and at least X times faster in the median "
+                           "(default 1.02)")
     tune.add_argument("--step-budget-ms", type=float, default=100.0, metavar="MS",
                       help="with --step: time spent timing each candidate step (at least 5 steps; default 100)")
     tune.add_argument("--distributed", action="store_true", help="under torchrun: shard keys over ranks")
