@@ -122,6 +122,22 @@ def test_it_finds_the_per_role_choice_that_makes_the_step_fastest_and_stores_it(
                                       ("WGRAD_FAST", "quick", "tuned-db")]
 
 
+def test_db_prune_min_speedup_keeps_or_drops_a_step_tuned_layer_whole(fixtures, tmp_path):
+    """The three entries of a layer carry its confirmed speedup (``default_ms``), so pruning by
+    speedup never splits the combination the step was measured with."""
+    from turbo_dispatch.tuning.report import prune, speedup_over_default
+
+    report, stored = step_tuner.tune_layer(_layer(), CPU, **FAST)
+    assert report.status == "tuned"
+    assert {round(speedup_over_default(result), 6) for result, _ in stored} == {
+        round(report.default_ms / report.tuned_ms, 6)}
+    db = tmp_path / "steps.jsonl"
+    store.update(db, _contents(stored))
+    assert json.loads(db.read_text().splitlines()[-1])["default_ms"] > 0
+    assert prune(db, min_speedup=1.2) == (0, 3)
+    assert prune(db, min_speedup=2.0) == (3, 0)
+
+
 def _contents(pairs):
     from turbo_dispatch.tuning.database import contents_of
 

@@ -111,12 +111,12 @@ def lookup(spec: OpSpec, problem: Any) -> Hit | None:
 
 
 def result_for(spec: OpSpec, problem: Any, record: Any, candidates: Sequence[Any],
-               scope: str = "gemm") -> tuple[store.Result, Stamp]:
+               scope: str = "gemm", default_ms: float | None = None) -> tuple[store.Result, Stamp]:
     """The stored form of one tuning outcome on this machine, and the stamp it references.
 
     ``record`` is an ``autotune.TuneRecord`` with a winner; ``candidates`` the registry entries
     it was tuned over (the winner's adapter gives the identity); ``scope`` what its times time
-    (``store.Result.scope``).
+    and ``default_ms`` the default step's time, for step results (``store.Result``).
     """
     entry = next(c for c in candidates if c.name == record.backend)
     stamp = current_stamp(spec.platform_of(problem))
@@ -128,6 +128,7 @@ def result_for(spec: OpSpec, problem: Any, record: Any, candidates: Sequence[Any
         rejected=tuple((label, why) for label, why in record.rejected),
         tuned=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         scope=scope,
+        default_ms=None if default_ms is None else round(float(default_ms), 6),
     )
     return result, stamp
 

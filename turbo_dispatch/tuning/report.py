@@ -122,13 +122,18 @@ def prune(path: "str | os.PathLike[str]", foreign_too: bool = False,
 
 def speedup_over_default(result: store.Result) -> float:
     """How many times faster the stored winner ran than the op's platform default did in the same
-    profile (the default backend's first config where it has configs); NaN where the default was
+    profile (the default backend's first config where it has configs), or, for a step result, the
+    layer's default step against its tuned step in the confirmation; NaN where the default was
     not timed there or has no default on the entry's platform."""
     from ..registry import get_registry
     from .offline import default_ms
 
+    if not result.time_ms > 0:
+        return math.nan
+    if result.default_ms is not None:  # a step result: its layer's confirmed speedup
+        return result.default_ms / result.time_ms
     default = get_registry().default(result.op, result.key.get("platform", ""))
-    if default is None or not result.time_ms > 0:
+    if default is None:
         return math.nan
     timings = [(label, math.inf if ms is None else ms) for label, ms in result.candidates.items()]
     return default_ms(default, timings) / result.time_ms

@@ -367,7 +367,7 @@ def tune_layer(layer: Layer, device: torch.device, *, min_speedup: float = 1.02,
         record = autotune.TuneRecord(chosen.backend, chosen.config, tuned_ms, role.rejected,
                                      timings + tuple((label, math.inf) for label, _ in role.rejected))
         stored.append(result_for(get_op_spec(role.op), role.problem, record, [c.entry for c in role.candidates],
-                                 scope="step"))
+                                 scope="step", default_ms=default_ms))
     return report, stored
 
 

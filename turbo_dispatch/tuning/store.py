@@ -52,6 +52,9 @@ class Result:
     #: tuners), or ``step``, a whole training step of the layer with this GEMM in it (the step tuner,
     #: ``tuning.step``): then every label's time is a step's, with the layer's other GEMMs as stored.
     scope: str = "gemm"
+    #: Step results only: the default step's time in the step tuner's confirmation, the same on
+    #: the layer's three entries, so that their speedup over the default is the layer's.
+    default_ms: float | None = None
 
     @property
     def preference(self) -> tuple[bool, float]:
@@ -71,7 +74,8 @@ class Result:
         return {"type": "result", "stamp": self.stamp, "op": self.op, "key": self.key, "backend": self.backend,
                 "config": self.config, "identity": self.identity, "time_ms": self.time_ms,
                 "candidates": self.candidates, "rejected": [list(r) for r in self.rejected], "tuned": self.tuned,
-                **({} if self.scope == "gemm" else {"scope": self.scope})}
+                **({} if self.scope == "gemm" else {"scope": self.scope}),
+                **({} if self.default_ms is None else {"default_ms": self.default_ms})}
 
     @classmethod
     def from_json(cls, obj: dict) -> "Result":
@@ -94,8 +98,13 @@ class Result:
         scope = obj.get("scope", "gemm")
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {', '.join(SCOPES)}, got {scope!r}")
+        default_ms = obj.get("default_ms")
+        if default_ms is not None and (isinstance(default_ms, bool) or not isinstance(default_ms, (int, float))
+                                       or not math.isfinite(default_ms) or default_ms <= 0):
+            raise ValueError(f"default_ms must be a finite positive number, got {default_ms!r}")
         return cls(obj["stamp"], obj["op"], obj["key"], obj["backend"], obj["config"], obj["identity"],
-                   float(time_ms), candidates, tuple(tuple(r) for r in rejected), str(obj.get("tuned", "")), scope)
+                   float(time_ms), candidates, tuple(tuple(r) for r in rejected), str(obj.get("tuned", "")), scope,
+                   None if default_ms is None else float(default_ms))
 
 
 def key_text(key: dict) -> str:
