@@ -246,6 +246,32 @@ def test_cli_tune_step_refuses_what_it_cannot_do(fixtures, tmp_path, capsys, ext
     assert message in capsys.readouterr().err
 
 
+def test_distributed_step_tune_shards_layers_and_rank0_writes_them(tmp_path):
+    """``tune --step --distributed`` under torchrun (2 ranks, gloo): each rank tunes its share of
+    the layers (here TORCH, the product backend, beats the sleeping STEADY default everywhere) and
+    rank 0 writes every layer's three step entries."""
+    import os
+    import subprocess
+    import sys
+
+    plugins = tmp_path / "plugins.yaml"
+    plugins.write_text(PLUGINS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRIMUS_TURBO_")}
+    env.update(PRIMUS_TURBO_EXTRA_REGISTRY=str(plugins), PRIMUS_TURBO_TUNE_DB_SHIPPED="0",
+               PRIMUS_TURBO_TUNE_DB="off",
+               PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE), env.get("PYTHONPATH", "")]))
+    db = tmp_path / "dist.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29637",
+           "-m", "turbo_dispatch.cli", "tune", "--model", "tiny", "--ops", "grouped_gemm", "--step", "--ep", "1",
+           "--tokens-per-expert", "16", "--step-budget-ms", "30", "--db", str(db), "--distributed", "--no-progress",
+           "--device", "cpu"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 layers by steps: 2 tuned (stored)" in proc.stdout, proc.stdout
+    results = store.parse(db.read_text()).results.values()
+    assert len(results) == 6 and {r.scope for r in results} == {"step"} and {r.backend for r in results} == {"TORCH"}
+
+
 def test_doctests():
     import doctest
 
