@@ -100,7 +100,7 @@ def test_it_finds_the_per_role_choice_that_makes_the_step_fastest_and_stores_it(
     for role in report.roles:
         assert [label for label, _ in role.rejected] == ["WRONG_FAST"], role.rejected
         assert "WRONG_FAST" not in dict(role.timings)
-    # Default step 3 x 3 ms, tuned 2 x 3 ms: confirmed in turns.
+    # Default step 3 x 6 ms, tuned 2 x 6 ms: confirmed in turns.
     assert 1.25 < report.speedup < 1.8, report
     assert len(stored) == 3 and all(result.scope == "step" for result, _ in stored)
 
@@ -163,12 +163,22 @@ def test_a_gain_under_min_speedup_stores_nothing(fixtures):
 def test_without_a_better_choice_the_default_is_kept(fixtures, monkeypatch):
     from fixture_backends import WgradFastGroupedGemm
 
-    monkeypatch.setattr(WgradFastGroupedGemm, "delay", lambda self, p, config: 0.009)
+    monkeypatch.setattr(WgradFastGroupedGemm, "delay", lambda self, p, config: 0.018)
     report, stored = step_tuner.tune_layer(_layer(), CPU, **FAST)
     assert report.status == "default kept" and stored == [], report
     assert report.note == "no role's choice beat the default"
     assert {r.winner for r in report.roles} == {"STEADY"}
     assert report.default_ms > 0
+
+
+def test_a_default_that_fails_the_gate_is_reported_and_the_baseline_named(fixtures, monkeypatch):
+    from fixture_backends import SteadyGroupedGemm
+
+    monkeypatch.setattr(SteadyGroupedGemm, "run", lambda self, p, a, b, lens, offs, config=None: torch.zeros(1))
+    report, stored = step_tuner.tune_layer(_layer(), CPU, **FAST)
+    assert "forward: the default failed the gate, baseline WGRAD_FAST[lazy]" in report.note, report.note
+    assert {r.default for r in report.roles} == {"WGRAD_FAST[lazy]"}
+    assert "STEADY" in dict(report.roles[0].rejected)
 
 
 def test_a_layer_whose_keys_an_earlier_layer_chose_is_held_not_retuned(fixtures):
@@ -218,7 +228,11 @@ def test_a_step_result_outranks_a_faster_gemm_result_of_the_same_key():
     assert not parsed.results and "scope must be one of gemm, step" in next(iter(parsed.skipped))
 
 
-def test_cli_tune_step_tunes_stores_and_shows_step_entries(fixtures, tmp_path, capsys):
+def test_cli_tune_step_tunes_stores_and_shows_step_entries(fixtures, tmp_path, capsys, monkeypatch):
+    # The CLI's plumbing is under test here, not the confirmation (the tests above and the
+    # doctests of step.unconfirmed cover it): on a loaded 2-core machine, five rounds of
+    # millisecond steps can fail to confirm even the fixtures' 1.5x.
+    monkeypatch.setattr(step_tuner, "unconfirmed", lambda default_rounds, tuned_rounds, min_speedup: None)
     db = tmp_path / "cli.jsonl"
     args = ["tune", "--model", "tiny", "--ops", "grouped_gemm", "--step", "--ep", "1", "--tokens-per-expert", "16",
             "--db", str(db), "--no-progress"]

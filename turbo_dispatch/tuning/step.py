@@ -166,19 +166,20 @@ def _gated_role(name: str, op: str, problem: Any, device: torch.device) -> _Role
     entries = [e for e in get_registry().backends(op) if e.check(problem, platform) is None]
     checked = spec.make_inputs(problem, device)
     reference = spec.reference(problem, checked)
-    passed, rejected = [], []
-    for entry, config, _ in autotune._plan(entries, problem):
+    default_name = get_registry().default(op, platform)
+    passed, rejected, default = [], [], None
+    for entry, config, first in autotune._plan(entries, problem):
         candidate = Candidate(entry.name, config, entry)
         reason = autotune.gate(spec, problem, entry, config, checked, reference)
         if reason is None:
             passed.append(candidate)
+            # The default is what a call with nothing stored runs: the default backend with no
+            # config, which is its adapter's first config (Adapter.configs).
+            if entry.name == default_name and first:
+                default = candidate
         else:
             rejected.append((candidate.label, f"failed the correctness gate: {reason}"))
             log.info("step tune %s %s: %s rejected: %s", op, format_key(problem), candidate.label, reason)
-    default_name = get_registry().default(op, platform)
-    # The default is what a call with nothing stored runs: its backend with no config, which is
-    # the adapter's first config (Adapter.configs).
-    default = next((c for c in passed if c.backend == default_name), None)
     return _Role(name, op, problem, tuple(passed), tuple(rejected), default)
 
 
@@ -319,6 +320,15 @@ def tune_layer(layer: Layer, device: torch.device, *, min_speedup: float = 1.02,
     # candidate where the default itself failed the gate), except for held roles.
     default = {key(r): was_held[key(r)][0] if key(r) in was_held else r.default or r.candidates[0] for r in roles}
     choice = dict(default)
+    # A default that failed the gate is a finding in itself; the baseline is then the role's first
+    # correct candidate, and the report says so.
+    broken_defaults = "; ".join(f"{r.name}: the default failed the gate, baseline {default[key(r)].label}"
+                                for r in roles if r.default is None and key(r) not in was_held)
+    if broken_defaults:
+        log.warning("step tune %s: %s", layer.label, broken_defaults)
+
+    def noted(note: str) -> str:
+        return "; ".join(part for part in (note, broken_defaults) if part)
     timer = _Timer(layer, device, candidate_s)
     sweeps: dict[str, dict[str, float]] = {}
     for _ in range(max_passes):
@@ -346,17 +356,17 @@ def tune_layer(layer: Layer, device: torch.device, *, min_speedup: float = 1.02,
                     if default[key(r)].label in times]
         return StepReport(layer.label, "default kept", statistics.median(baseline) if baseline else math.nan,
                           roles=reports, seconds=time.perf_counter() - started,
-                          note="no role's choice beat the default" if sweeps else "no role has a choice"), []
+                          note=noted("no role's choice beat the default" if sweeps else "no role has a choice")), []
     rounds: dict[str, list[float]] = {"default": [], "tuned": []}
     for _ in range(confirm_rounds):
         rounds["default"].append(timer(default))
         rounds["tuned"].append(timer(choice))
     default_ms, tuned_ms = (statistics.median(rounds[k]) for k in ("default", "tuned"))
     report = StepReport(layer.label, "tuned", default_ms, tuned_ms, reports, time.perf_counter() - started,
-                        rounds=(tuple(rounds["default"]), tuple(rounds["tuned"])))
+                        note=noted(""), rounds=(tuple(rounds["default"]), tuple(rounds["tuned"])))
     doubt = unconfirmed(rounds["default"], rounds["tuned"], min_speedup)
     if doubt is not None:
-        return dataclasses.replace(report, status="default kept", note=doubt), []
+        return dataclasses.replace(report, status="default kept", note=noted(doubt)), []
     stored = []
     for role in roles:
         if key(role) in was_held:  # stored with the layer that chose it
