@@ -152,6 +152,17 @@ def _budget_s() -> float:
     return float(os.environ.get(BUDGET_ENV, _DEFAULT_BUDGET_MS)) / 1e3
 
 
+def timing_set_count(sample: Sequence[Any], device: torch.device, most: int) -> int:
+    """How many independent input sets like ``sample`` rotating timed calls need so that none
+    finds its operands in L2: enough for twice the L2 size, at least 1, at most ``most`` (1 off
+    CUDA)."""
+    if device.type != "cuda":
+        return 1
+    nbytes = sum(t.numel() * t.element_size() for t in sample if isinstance(t, torch.Tensor))
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    return max(1, min(most, math.ceil(2 * l2 / max(nbytes, 1))))
+
+
 def _input_sets(spec: OpSpec, problem: Any,
                 device: torch.device) -> tuple[Sequence[Any], list[Sequence[Any]]]:
     """(the inputs candidates are checked on, the input sets they are timed on): enough
@@ -160,11 +171,7 @@ def _input_sets(spec: OpSpec, problem: Any,
     checked = spec.make_inputs(problem, device)
     draw = spec.make_timing_inputs
     first = checked if draw is None else draw(problem, device)
-    if device.type != "cuda":
-        return checked, [first]
-    nbytes = sum(t.numel() * t.element_size() for t in first if isinstance(t, torch.Tensor))
-    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
-    count = max(1, min(8, math.ceil(2 * l2 / max(nbytes, 1))))
+    count = timing_set_count(first, device, 8)
     return checked, [first] + [(draw or spec.make_inputs)(problem, device) for _ in range(count - 1)]
 
 

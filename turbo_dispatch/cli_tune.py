@@ -82,7 +82,7 @@ def add_parsers(sub) -> None:
                        help="also drop entries whose winner was not at least X times faster than the op's "
                             "default in its own profile (keys left out run the default)")
     prune.set_defaults(func=_cmd_db_prune)
-    merge = db_sub.add_parser("merge", help="merge files into OUT (the faster result of one key wins)")
+    merge = db_sub.add_parser("merge", help="merge files into OUT (per key, a step result over a GEMM's, then the faster)")
     merge.add_argument("-o", "--output", type=Path, required=True)
     merge.add_argument("inputs", type=Path, nargs="+")
     merge.set_defaults(func=_cmd_db_merge)

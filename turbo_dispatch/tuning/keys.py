@@ -27,7 +27,8 @@ def _meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def _fp8_config(granularity: str) -> Float8QuantConfig:
+def fp8_config(granularity: str) -> Float8QuantConfig:
+    """The fp8 recipe the presets' keys assume for ``granularity`` (blockwise: 128-wide blocks)."""
     return Float8QuantConfig(granularity=granularity, block_size=128 if granularity == "blockwise" else None)
 
 
@@ -45,7 +46,7 @@ def _linear_gemm_keys(shape: presets.LinearShape, dtype: torch.dtype) -> list[tu
 
 
 def _linear_fp8_keys(shape: presets.LinearShape, dtype: torch.dtype, granularity: str) -> list[tuple[str, Any]]:
-    cfg = _fp8_config(granularity)
+    cfg = fp8_config(granularity)
     x, w, dy = _meta(shape.m, shape.k, dtype=dtype), _meta(shape.n, shape.k, dtype=dtype), _meta(shape.m, shape.n, dtype=dtype)
     keys = [("gemm_fp8", _gemm._forward_fp8_problem(x, w, False, True, None, cfg))]
 
@@ -83,7 +84,7 @@ def _grouped_keys(shape: presets.GroupedShape, dtype: torch.dtype) -> list[tuple
 
 
 def _grouped_fp8_keys(shape: presets.GroupedShape, dtype: torch.dtype, granularity: str) -> list[tuple[str, Any]]:
-    cfg = _fp8_config(granularity)
+    cfg = fp8_config(granularity)
     x, w, dy, lens = _grouped_operands(shape, dtype)
     keys = [("grouped_gemm_fp8", _grouped._forward_fp8_problem(x, w, lens, None, True, None, cfg))]
 
@@ -187,9 +188,13 @@ def model_keys(model: str, ops: Sequence[str], platform: str, micro_batches: Seq
             for granularity in fp8_granularities:
                 for shape in grouped:
                     keys += layer_keys("grouped_gemm_fp8", shape, dtype, granularity)
-    # Stored under the key that calls look up (grouped GEMMs: the top of the token bucket).
-    return _dedupe((op, decision_problem(get_op_spec(op), problem._replace(platform=platform)))
-                   for op, problem in keys)
+    return _dedupe(looked_up(op, problem, platform) for op, problem in keys)
+
+
+def looked_up(op: str, problem: Any, platform: str) -> tuple[str, Any]:
+    """``(op, problem)`` as a call on ``platform`` looks it up, which is where its tuning is
+    stored: the platform set, and grouped GEMMs' token count at the top of its bucket."""
+    return op, decision_problem(get_op_spec(op), problem._replace(platform=platform))
 
 
 def _dedupe(keys: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -141,7 +140,8 @@ def speedup_over_default(result: store.Result) -> float:
 
 def merge(output: "str | os.PathLike[str]", inputs: Sequence["str | os.PathLike[str]"]) -> tuple[int, list[str]]:
     """Merges ``inputs`` into ``output`` (created if missing; its own entries are kept, and the
-    faster measurement of one stamp/op/key wins). Returns (entries written, warnings)."""
+    preferred measurement of one stamp/op/key wins, ``store.Result.preference``). Returns (entries
+    written, warnings)."""
     combined = store.Contents()
     warnings = []
     for path in inputs:

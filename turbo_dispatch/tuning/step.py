@@ -40,11 +40,11 @@ from .. import manager as _manager
 from .. import presets
 from .. import resolver
 from ..backend_type import BackendType
-from ..low_precision import Float8QuantConfig
-from ..op_spec import decision_problem, format_key, get_op_spec
+from ..op_spec import format_key, get_op_spec
 from ..registry import get_registry
 from .database import result_for
-from .keys import layer_keys
+from ..device_platform import platform_of
+from .keys import fp8_config, layer_keys, looked_up
 
 _grouped = importlib.import_module("turbo_dispatch.ops.grouped_gemm")
 
@@ -196,21 +196,14 @@ def _step_inputs(layer: Layer, device: torch.device) -> list[tuple[torch.Tensor,
         return a, w, lens, _grouped._offsets(lens, s.m_total), grad
 
     first = draw()
-    if device.type != "cuda":
-        return [first]
-    nbytes = sum(t.numel() * t.element_size() for t in first)
-    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
-    return [first] + [draw() for _ in range(max(1, min(4, math.ceil(2 * l2 / max(nbytes, 1)))) - 1)]
+    return [first] + [draw() for _ in range(autotune.timing_set_count(first, device, 4) - 1)]
 
 
 def step_fn(layer: Layer) -> Callable[[Sequence[torch.Tensor]], None]:
     """One training step of ``layer`` through the public op: forward, then backward of ``grad``."""
     from ..ops import grouped_gemm, grouped_gemm_fp8
 
-    fp8 = None
-    if layer.op == "grouped_gemm_fp8":
-        fp8 = Float8QuantConfig(granularity=layer.granularity,
-                                block_size=128 if layer.granularity == "blockwise" else None)
+    fp8 = fp8_config(layer.granularity) if layer.op == "grouped_gemm_fp8" else None
 
     def step(inputs: Sequence[torch.Tensor]) -> None:
         a, w, lens, offs, grad = inputs
@@ -298,10 +291,8 @@ def tune_layer(layer: Layer, device: torch.device, *, min_speedup: float = 1.02,
     """
     held = {} if held is None else held
     started = time.perf_counter()
-    platform = "cuda" if device.type == "cuda" else "cpu"
     roles: list[_Role] = []
-    for name, (op, problem) in zip(ROLES, layer_keys(layer.op, layer.shape, layer.dtype, layer.granularity)):
-        problem = decision_problem(get_op_spec(op), problem._replace(platform=platform))
+    for name, (op, problem) in zip(ROLES, _layer_problems(layer, platform_of(device.type))):
         pinned = _pin_error(op, problem)
         if pinned is not None:
             raise ValueError(pinned)
@@ -381,13 +372,19 @@ def tune_layer(layer: Layer, device: torch.device, *, min_speedup: float = 1.02,
     return report, stored
 
 
+def _layer_problems(layer: Layer, platform: str) -> list[tuple[str, Any]]:
+    """The layer's three (op, problem) keys, forward, dgrad, wgrad, as calls on ``platform`` look
+    them up."""
+    return [looked_up(op, problem, platform)
+            for op, problem in layer_keys(layer.op, layer.shape, layer.dtype, layer.granularity)]
+
+
 def _stored_layer(layer: Layer, db: Path, platform: str) -> bool:
     """Whether ``db`` already holds a usable step result for each of the layer's three keys."""
     from .offline import stored_in
 
-    for op, problem in layer_keys(layer.op, layer.shape, layer.dtype, layer.granularity):
-        spec = get_op_spec(op)
-        stored = stored_in(db, spec, decision_problem(spec, problem._replace(platform=platform)))
+    for op, problem in _layer_problems(layer, platform):
+        stored = stored_in(db, get_op_spec(op), problem)
         if stored is None or stored.scope != "step":
             return False
     return True
@@ -409,7 +406,7 @@ def run(layers: Sequence[Layer], db: Path, device: torch.device, *, force: bool 
     """
     from .offline import run_sharded
 
-    platform = "cuda" if device.type == "cuda" else "cpu"
+    platform = platform_of(device.type)
     held: dict = {}
 
     def tune(layer: Layer) -> tuple[StepReport, list]:

@@ -339,5 +339,6 @@ def rewrite(path: "str | os.PathLike[str]", change: Callable[[Contents], None]) 
 
 
 def update(path: "str | os.PathLike[str]", new: Contents) -> Contents:
-    """Merges ``new`` into the file at ``path`` (faster result wins) and returns what was written."""
+    """Merges ``new`` into the file at ``path`` (``Contents.add_result`` picks between two results
+    of one key) and returns what was written."""
     return rewrite(path, lambda current: current.merge(new))
