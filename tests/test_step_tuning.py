@@ -235,7 +235,7 @@ def test_cli_tune_step_tunes_stores_and_shows_step_entries(fixtures, tmp_path, c
     monkeypatch.setattr(step_tuner, "unconfirmed", lambda default_rounds, tuned_rounds, min_speedup: None)
     db = tmp_path / "cli.jsonl"
     args = ["tune", "--model", "tiny", "--ops", "grouped_gemm", "--step", "--ep", "1", "--tokens-per-expert", "16",
-            "--db", str(db), "--no-progress"]
+            "--db", str(db), "--no-progress", "--device", "cpu"]  # the fixtures serve the CPU only
     assert cli(args) == 0
     out = capsys.readouterr().out
     assert "2 layers by steps: 2 tuned (stored)" in out and "WGRAD_FAST[quick]" in out

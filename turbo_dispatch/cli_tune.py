@@ -89,18 +89,20 @@ def add_parsers(sub) -> None:
 
 
 # -- tune ------------------------------------------------------------------------------------------
-def _init_distributed() -> bool:
+def _init_distributed(gpu: bool | None = None) -> bool:
     """Joins the torchrun job; True when this call made the process group (a caller's own group
-    is left to the caller)."""
+    is left to the caller). ``gpu``: each rank on its own GPU (LOCAL_RANK) over NCCL; else gloo
+    on the CPU, where a rank needs no GPU of its own (default: a GPU when torch sees one)."""
     from .cli import UsageError
 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise UsageError("--distributed needs torchrun (RANK and WORLD_SIZE are not set)")
-    if torch.cuda.is_available():
+    gpu = torch.cuda.is_available() if gpu is None else gpu
+    if gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if torch.distributed.is_initialized():
         return False
-    torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    torch.distributed.init_process_group("nccl" if gpu else "gloo")
     return True
 
 
@@ -113,7 +115,11 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         return 0
     if not args.distributed:
         return _tune(args)
-    made_group = _init_distributed()
+    from .cli import _device_arg
+
+    # `tune --device cpu` under torchrun takes gloo: binding every rank to a GPU would fail on a
+    # machine with fewer GPUs than ranks ("invalid device ordinal", round 178 on one H100).
+    made_group = _init_distributed(_device_arg(args.device) == "cuda")
     try:
         return _tune(args)
     finally:
