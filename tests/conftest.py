@@ -9,13 +9,18 @@
   the package's shipped DBs switched off (``PRIMUS_TURBO_TUNE_DB_SHIPPED=0``).
 * Every test gets its own deterministic seed (from its node id), so a failure reproduces when
   the test runs alone. ``TURBO_TEST_SEED=<int>`` shifts all seeds (to check a margin is not luck).
+* ``gluon_off_here`` makes a test see a machine where the Gluon kernels cannot run, on any host;
+  ``interpreter_refusal`` says why this triton's interpreter cannot run our kernels (None: it can).
 * ``device`` runs a test on the CPU and, as a ``gpu``-marked param, on CUDA. ``@pytest.mark.gpu``
   tests (and the CUDA params) are skipped when ``torch.cuda.is_available()`` is False. The
   ``gpu``/``slow`` markers themselves are declared in pyproject.toml.
 """
 from __future__ import annotations
 
+import functools
 import os
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -81,3 +86,53 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def gluon_off_here(monkeypatch):
+    """For tests of what happens where the Gluon kernels cannot run: on a CPU-only machine they
+    already cannot; on an sm_90 GPU host they are switched off with their env switch, so the same
+    assertions hold there (the refusal then names the switch, not the missing GPU)."""
+    from turbo_dispatch.backends.triton import fp8_blockwise_gluon as GLK
+
+    if GLK.available() is None:
+        monkeypatch.setenv(GLK.GLUON_ENV, "0")
+    return GLK.available()
+
+
+_INTERPRETER_PROBE = """
+import torch, triton, triton.language as tl
+
+@triton.jit
+def _loop_over_a_scalar_argument(out_ptr, n):
+    for i in range(n):
+        tl.store(out_ptr + i, i)
+
+out = torch.zeros(3, dtype=torch.int32)
+_loop_over_a_scalar_argument[(1,)](out, 3)
+assert out.tolist() == [0, 1, 2], out
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def _interpreter_refusal() -> str | None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_PROBE], env=env, capture_output=True, text=True,
+                          timeout=120)
+    if proc.returncode == 0:
+        return None
+    import numpy
+    import triton
+
+    last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+    return (f"triton {triton.__version__}'s interpreter cannot loop over a scalar kernel argument with "
+            f"numpy {numpy.__version__} (probe: {last[:200]}); the compiled kernels' GPU tests cover this host")
+
+
+@pytest.fixture(scope="session")
+def interpreter_refusal() -> str | None:
+    """Why the Triton interpreter of this environment cannot run our kernels, or None. Seen on
+    triton 3.6 with numpy 2.4 (the GPU image): its interpreter takes ``int()`` of a one-element
+    array for a scalar argument's ``__index__``, which that numpy refuses; triton 3.9 runs it."""
+    pytest.importorskip("triton")
+    return _interpreter_refusal()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cpu_caps import cpu_scaled_mm_takes
 
 import turbo_dispatch as turbo
 from turbo_dispatch.backends import quantizer
@@ -323,22 +324,15 @@ def test_gpu_autotune_considers_cublaslt_configs():
     assert rel_error(out, _ref(a, b, False, True)) <= REL_TOL[torch.bfloat16]
 
 
-def _cpu_scaled_mm_works() -> bool:
-    try:
-        x = torch.ones(16, 16).to(E4M3)
-        torch._scaled_mm(x, x.t(), torch.ones(()), torch.ones(()), out_dtype=torch.bfloat16)
-        return True
-    except Exception:
-        return False
-
-
-@pytest.mark.skipif(not _cpu_scaled_mm_works(), reason="this torch has no CPU torch._scaled_mm")
+@pytest.mark.skipif(not cpu_scaled_mm_takes(TW), reason="this torch has no CPU torch._scaled_mm")
 @pytest.mark.parametrize("gran", [TW, RW])
 @pytest.mark.parametrize("trans_a, trans_b", [(False, False), (False, True), (True, False), (True, True)])
 @pytest.mark.parametrize("config", ["fp32_accum", "fast_accum"])
 def test_fp8_run_operand_layouts_on_cpu_scaled_mm(gran, trans_a, trans_b, config):
     """run()'s operand/scale layouts for every trans flag, checked where torch has a CPU _scaled_mm
     (the GPU tests repeat this on cuBLASLt/CUTLASS)."""
+    if not cpu_scaled_mm_takes(gran):
+        pytest.skip(f"this torch's CPU torch._scaled_mm does not take {gran.value} scales")
     m, n, k = 40, 48, 96
     a = torch.randn((k, m) if trans_a else (m, k), dtype=torch.bfloat16)
     b = torch.randn((n, k) if trans_b else (k, n), dtype=torch.bfloat16)

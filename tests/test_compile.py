@@ -74,7 +74,14 @@ def rel_error(x, ref):
     return float((x.double() - ref).norm() / ref.norm())
 
 
-def assert_matches(got: dict, want: dict, backend: str, dtype: torch.dtype) -> None:
+def exact_twin(model, device) -> torch.nn.Module:
+    """``model`` in float32 without fp8: the same weights, the result fp8 rounding approximates."""
+    twin = mlp(device, FP32, None)
+    twin.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    return twin
+
+
+def assert_matches(got: dict, want: dict, backend: str, dtype: torch.dtype, exact: dict | None = None) -> None:
     assert got.keys() == want.keys()
     for name in want:
         assert got[name] is not None and torch.isfinite(got[name]).all(), name
@@ -86,9 +93,17 @@ def assert_matches(got: dict, want: dict, backend: str, dtype: torch.dtype) -> N
             # Inductor fuses bias + GELU and, unless told to emulate eager's casts, skips the bf16
             # rounding between them; in the fp8 MLP a one-ulp change of a hidden activation can
             # move its fp8 rounding (a 2**-3 step), hence the looser gate without emulation.
+            # Emulated casts leave the hidden activations' bf16 rounding to inductor's own GELU, which
+            # need not match eager's to the ulp (torch 2.11's CPU inductor: 1.4e-2 at this MLP,
+            # round 179); a changed ulp can move a rowwise scale and so every fp8 rounding of its
+            # row. Compile may therefore differ from eager by up to half of what fp8 itself costs
+            # (``exact``: eager without fp8, in float32); a graph that skipped or misplaced a
+            # quantisation differs by all of it or more.
             tol = 1e-4 if dtype == FP32 else (1e-2 if EMULATE_CASTS else 3e-2)
+            if exact is not None:
+                tol = max(tol, 0.5 * rel_error(want[name], exact[name]))
             err = rel_error(got[name], want[name])
-            assert err <= tol, f"{name}: compiled vs eager relative error {err:.3e} > {tol:.0e}"
+            assert err <= tol, f"{name}: compiled vs eager relative error {err:.3e} > {tol:.1e}"
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -98,11 +113,12 @@ def test_compiled_mlp_matches_eager(device, case):
     x = randn((2, 8, IN), dtype, device)  # [B, S, in]
     grad = randn((2, 8, IN), dtype, device)
     want = forward_backward(model, x, grad)
+    exact = None if cfg is None else forward_backward(exact_twin(model, device), x.float(), grad.float())
 
     compiled = torch.compile(model, fullgraph=True, backend=backend)  # fullgraph: a break raises
-    assert_matches(forward_backward(compiled, x, grad), want, backend, dtype)
+    assert_matches(forward_backward(compiled, x, grad), want, backend, dtype, exact)
     # A second call runs the cached graph; it must still agree (and not retrace into a break).
-    assert_matches(forward_backward(compiled, x, grad), want, backend, dtype)
+    assert_matches(forward_backward(compiled, x, grad), want, backend, dtype, exact)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.endswith("aot_eager")])

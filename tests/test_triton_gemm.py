@@ -275,8 +275,9 @@ _CPU_NAMES = (
 
 
 @pytest.fixture(scope="module")
-def _interpreter_results() -> dict:
-    pytest.importorskip("triton")
+def _interpreter_results(interpreter_refusal) -> dict:
+    if interpreter_refusal:
+        pytest.skip(interpreter_refusal)
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, __file__, "--interpreter-checks"], env=env, capture_output=True,
                           text=True, timeout=240)
@@ -297,7 +298,7 @@ def test_interpreter(_interpreter_results, name):
     assert res[name]["ok"], res[name]["detail"]
 
 
-def test_adapter_metadata_without_a_device():
+def test_adapter_metadata_without_a_device(gluon_off_here):
     """supports()/configs()/identity() are host-side and work everywhere."""
     from turbo_dispatch.backends.triton import configs as C
     from turbo_dispatch.backends.triton.gemm import TritonGemm, TritonGemmFp8
@@ -335,7 +336,7 @@ def test_adapter_metadata_without_a_device():
     assert all(c[1] <= 128 for c in big)
 
 
-def test_gluon_blockwise_configs_and_refusals():
+def test_gluon_blockwise_configs_and_refusals(gluon_off_here):
     """The Gluon blockwise configs: after every Triton config, an eighth field that round-trips,
     within the kernel's constraints; where the kernel cannot run they are not offered, and a
     pinned one raises with the reason instead of running something else."""
@@ -407,7 +408,7 @@ def test_gluon_blockwise_configs_and_refusals():
     f8 = GemmFp8Problem(256, 256, 256, False, True, torch.bfloat16, torch.bfloat16, torch.bfloat16,
                         torch.float8_e4m3fn, torch.float8_e4m3fn, G.BLOCKWISE, 128, False, True, "cuda")
     ad = TritonGemmFp8()
-    assert all(len(c) < 8 for c in ad.configs(f8)), "no sm_90 GPU here: Gluon configs are not offered"
+    assert all(len(c) < 8 for c in ad.configs(f8)), f"Gluon configs offered where they cannot run ({gluon_off_here})"
     a = torch.randn(256, 256, dtype=torch.bfloat16)
     pinned = (128, 128, 128, 8, 5, 8, 1, C.KERNEL_GLUON)
     with pytest.raises(ValueError, match="selects the Gluon kernel, but .*(NVIDIA|sm_90|Gluon)"):

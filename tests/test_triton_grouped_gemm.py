@@ -392,10 +392,11 @@ _CASES = {"half": _case_half, "dual_quantize": _case_dual_quantize, "fp8_step": 
 
 
 @pytest.fixture(scope="module")
-def interpreter_runs():
+def interpreter_runs(interpreter_refusal):
     """Starts every interpreter case at once (they are independent processes), so the file's CPU
     tests take about as long as the slowest case; each test then waits for its own."""
-    pytest.importorskip("triton")
+    if interpreter_refusal:
+        pytest.skip(interpreter_refusal)
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     procs = {case: subprocess.Popen([sys.executable, _HERE, case], env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True) for case in _CASES}
@@ -769,9 +770,9 @@ if __name__ == "__main__":
     print(f"OK {sys.argv[1]}")
 
 
-def test_warp_specialised_grouped_config_and_refusals():
+def test_warp_specialised_grouped_config_and_refusals(gluon_off_here):
     """The ninth config field selects the warp-specialised Gluon kernel: validated, never offered
-    where it cannot run (no sm_90 GPU here), a pinned one raises with the reason, and its
+    where it cannot run (no sm_90 GPU, or switched off), a pinned one raises with the reason, and its
     identity carries the kernel's own revision."""
     from turbo_dispatch.backends.triton import configs as C
     from turbo_dispatch.backends.triton.grouped_gemm import TritonGroupedGemmFp8, _check_config
@@ -793,6 +794,46 @@ def test_warp_specialised_grouped_config_and_refusals():
         ad.run(p._replace(b_2d=False), a, b, lens, offs, config=ws)
     assert "gluon-ws-r" in ad.identity(ws) and "gluon-ws" not in ad.identity(ws[:8])
     assert "gluon-wgrad-r" in ad.identity(ws) and "gluon-wgrad" not in ad.identity(ws[:8])
+
+
+def test_gluon_entry_points_name_a_tensor_off_the_gpu():
+    """The Gluon kernels' public entry points check every tensor's device before Triton's launcher
+    sees it: a CPU tensor (or one on another GPU) is named, instead of Triton's "cannot be accessed
+    from Triton (cpu tensor?)" after descriptors were built (round 179, an H100 host)."""
+    from types import SimpleNamespace
+
+    from turbo_dispatch.backends.triton.fp8_blockwise_gluon import device_error
+
+    on = lambda dev: SimpleNamespace(device=torch.device(dev))  # noqa: E731 - devices need no GPU to name
+    assert device_error(a=on("cuda:0"), b=on("cuda:0"), sa=on("cuda:0")) is None
+    assert device_error(a=on("cuda:0"), sb=on("cpu")) == "sb is on cpu; the Gluon kernels take CUDA tensors only"
+    assert "b is on cuda:1 but a on cuda:0" in device_error(a=on("cuda:0"), b=on("cuda:1"))
+    assert "a is on meta" in device_error(a=torch.empty(1, device="meta"))
+
+
+@pytest.mark.gpu
+def test_gluon_entry_points_refuse_cpu_tensors_on_a_gpu_host():
+    """On an sm_90 GPU each public Gluon entry point names the CPU tensor it was given."""
+    from turbo_dispatch.backends.triton import fp8_blockwise_gluon as GLK
+    from turbo_dispatch.backends.triton import fp8_blockwise_gluon_ws as GWS
+    from turbo_dispatch.backends.triton import fp8_blockwise_wgrad_ws as GWW
+
+    if GLK.available() is not None:
+        pytest.skip(GLK.available())
+    e4, dev = torch.float8_e4m3fn, "cuda"
+    a, b = torch.randn(256, 256, device=dev).to(e4), torch.randn(256, 256, device=dev).to(e4)
+    s = torch.ones(2, 2, device=dev)
+    cfg = (128, 128, 128, 8, 4, 8)
+    with pytest.raises(ValueError, match="fp8_blockwise_gemm: sa is on cpu"):
+        GLK.fp8_blockwise_gemm(a, b, s.cpu(), s, torch.bfloat16, (128, 128, 128, 8, 5, 8), b_group=128)
+    with pytest.raises(ValueError, match="warp-specialised.*b is on cpu"):
+        GWS.fp8_blockwise_gemm(a, b.cpu(), s, s, torch.bfloat16, cfg, b_group=128)
+    out, offs = torch.empty(256, 256, device=dev, dtype=torch.bfloat16), torch.tensor([0, 100, 256], device=dev)
+    with pytest.raises(ValueError, match="fp8_blockwise_grouped_gemm: offs is on cpu"):
+        GWS.fp8_blockwise_grouped_gemm(a, b.view(1, 256, 256), out, offs[:2].cpu(), s, s.stride(), s, (0, 1, 1), cfg)
+    x = a.t().contiguous().t()
+    with pytest.raises(ValueError, match="fp8_blockwise_wgrad: out is on cpu"):
+        GWW.fp8_blockwise_wgrad(x, x, torch.empty(2, 256, 256), offs, s, s.stride(), s, s.stride(), cfg)
 
 
 def test_warp_specialised_wgrad_config_errors():
@@ -822,7 +863,8 @@ def test_warp_specialised_wgrad_config_errors():
     out = torch.empty(2, 64, 32)
     offs = torch.tensor([0, 100, 256], dtype=torch.int32)
     s = torch.ones(2, 64)
-    with pytest.raises(ValueError, match="fp8_blockwise_wgrad: .*(NVIDIA|sm_90|Gluon|interpreter)"):
+    # Off an sm_90 GPU the machine is named; on one, that these CPU tensors cannot feed the kernel.
+    with pytest.raises(ValueError, match="fp8_blockwise_wgrad: .*(NVIDIA|sm_90|Gluon|interpreter|x is on cpu)"):
         GWW.fp8_blockwise_wgrad(x, y, out, offs, s, s.stride(), s, s.stride(), ok)
     with pytest.raises(ValueError, match="offs must have G \\+ 1 = 3 entries"):
         GWW.fp8_blockwise_wgrad(x, y, out, offs[:2], s, s.stride(), s, s.stride(), ok)

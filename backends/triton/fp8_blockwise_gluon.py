@@ -273,17 +273,33 @@ def operands_error(a: torch.Tensor, b: torch.Tensor) -> str | None:
     return None
 
 
+def device_error(**tensors: torch.Tensor) -> str | None:
+    """Why the named tensors cannot all feed one Gluon launch, or None: each must be a CUDA tensor
+    and all on one GPU. Checked by the public entry points, so that a CPU tensor on a GPU machine is
+    named here instead of failing inside Triton's launcher ("cannot be accessed from Triton")."""
+    first = None
+    for name, t in tensors.items():
+        if t.device.type != "cuda":
+            return f"{name} is on {t.device}; the Gluon kernels take CUDA tensors only"
+        if first is None:
+            first = (name, t.device)
+        elif t.device != first[1]:
+            return f"{name} is on {t.device} but {first[0]} on {first[1]}; all operands must be on one GPU"
+    return None
+
+
 def checked_output(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, config_why: str | None,
-                   label: str) -> torch.Tensor:
+                   label: str, **others: torch.Tensor) -> torch.Tensor:
     """The uninitialised output [M, N] of a dense Gluon blockwise GEMM of ``a`` [M, K] and ``b``
     [N, K], after the checks every Gluon kernel makes: the shapes, then the first of this machine
-    (``available``), the config (``config_why``, the kernel's own ``config_error``) and the
-    operands (``operands_error``) that refuses. Raises ValueError prefixed with ``label``."""
+    (``available``), the tensors' devices (``a``, ``b`` and the named ``others``, ``device_error``),
+    the config (``config_why``, the kernel's own ``config_error``) and the operands
+    (``operands_error``) that refuses. Raises ValueError prefixed with ``label``."""
     M, K = a.shape
     N = b.shape[0]
     if b.shape[1] != K:
         raise ValueError(f"{label}: a is {tuple(a.shape)}, b is {tuple(b.shape)}; both must be [*, K]")
-    why = available(a.device.index) or config_why or operands_error(a, b)
+    why = available(a.device.index) or device_error(a=a, b=b, **others) or config_why or operands_error(a, b)
     if why:
         raise ValueError(f"{label}: {why}")
     return torch.empty((M, N), dtype=out_dtype, device=a.device)
@@ -302,7 +318,7 @@ def fp8_blockwise_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: t
     >>> qw, sw = quantize_kmajor(w, torch.float8_e4m3fn, ScalingGranularity.BLOCKWISE, 128, True)  # doctest: +SKIP
     >>> y = fp8_blockwise_gemm(qa, qw, sa, sw, torch.bfloat16, (128, 128, 128, 8, 5, 8), b_group=128)  # doctest: +SKIP
     """
-    c = checked_output(a, b, out_dtype, config_error(cfg, b_group), "fp8_blockwise_gemm")
+    c = checked_output(a, b, out_dtype, config_error(cfg, b_group), "fp8_blockwise_gemm", sa=sa, sb=sb)
     M, K = a.shape
     N = b.shape[0]
     if M == 0 or N == 0:
@@ -343,5 +359,5 @@ def make_descriptor(t: torch.Tensor, block: list[int]):
     return GluonDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-__all__ = ["GLUON_ENV", "KERNEL_REVISION", "available", "checked_output", "config_error", "fp8_blockwise_gemm",
-           "make_descriptor", "operands_error", "shared_layout"]
+__all__ = ["GLUON_ENV", "KERNEL_REVISION", "available", "checked_output", "config_error", "device_error",
+           "fp8_blockwise_gemm", "make_descriptor", "operands_error", "shared_layout"]

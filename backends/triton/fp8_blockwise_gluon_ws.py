@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import torch
 
-from .fp8_blockwise_gluon import available, checked_output, gluon, make_descriptor, operands_error, shared_layout
+from .fp8_blockwise_gluon import (available, checked_output, device_error, gluon, make_descriptor, operands_error,
+                                  shared_layout)
 from .gemm_kernels import num_programs
 
 if gluon is not None:
@@ -483,7 +484,8 @@ def fp8_blockwise_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: t
 
     >>> y = fp8_blockwise_gemm(qa, qw, sa, sw, torch.bfloat16, (128, 128, 128, 8, 6, 8), b_group=128)  # doctest: +SKIP
     """
-    c = checked_output(a, b, out_dtype, config_error(cfg, b_group), "fp8_blockwise_gemm (warp-specialised)")
+    c = checked_output(a, b, out_dtype, config_error(cfg, b_group), "fp8_blockwise_gemm (warp-specialised)",
+                       sa=sa, sb=sb)
     if c.numel() == 0:
         return c
     _launch(a, b, c, None, 1, b.shape[0], sa, (sa.stride(0), sa.stride(1)), sb, (0, sb.stride(0), sb.stride(1)), cfg,
@@ -523,7 +525,8 @@ def fp8_blockwise_grouped_gemm(a: torch.Tensor, b_gnk: torch.Tensor, out: torch.
                          f"{tuple(out.shape)}; need a [M, K], b_gnk [G, N, K], out [M, N]")
     if offs.numel() != G + 1:
         raise ValueError(f"fp8_blockwise_grouped_gemm: offs must have G + 1 = {G + 1} entries, got {offs.numel()}")
-    why = available(a.device.index) or config_error(cfg, b_group) or grouped_operands_error(a, b_gnk)
+    why = (available(a.device.index) or device_error(a=a, b_gnk=b_gnk, out=out, offs=offs, sa=sa, sb=sb)
+           or config_error(cfg, b_group) or grouped_operands_error(a, b_gnk))
     if why:
         raise ValueError(f"fp8_blockwise_grouped_gemm: {why}")
     return launch_grouped(a, b_gnk, out, offs, sa, sa_strides, sb, sb_strides, cfg, b_group)

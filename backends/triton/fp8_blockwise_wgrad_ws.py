@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8_blockwise_gluon import available, gluon, make_descriptor
+from .fp8_blockwise_gluon import available, device_error, gluon, make_descriptor
 from .fp8_blockwise_gluon_ws import LOAD_REGS, MATH_REGS, MAXNREG, SMEM_PER_CTA, output_descriptor, tma_storable
 from .gemm_kernels import num_programs, tma_ok
 
@@ -447,7 +447,8 @@ def fp8_blockwise_wgrad(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, off
         raise ValueError(f"fp8_blockwise_wgrad: offs must have G + 1 = {G + 1} entries, got {offs.numel()}")
     if not out.is_contiguous():
         raise ValueError("fp8_blockwise_wgrad: out must be contiguous")
-    why = available(x.device.index) or config_error(cfg, qblock) or operands_error(x, y)
+    why = (available(x.device.index) or device_error(x=x, y=y, out=out, offs=offs, sx=sx, sy=sy)
+           or config_error(cfg, qblock) or operands_error(x, y))
     if why:
         raise ValueError(f"fp8_blockwise_wgrad: {why}")
     return launch_wgrad(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock)
