@@ -81,6 +81,15 @@ class FastOnRank1(_RankDependent):
     fast_rank = 1
 
 
+class SteadyOnEveryRank(_RankDependent):
+    """Correct; the same middling speed on every rank: slower than either rank's own fast backend
+    there, faster than both at their worst, so agreeing by worst time picks it."""
+
+    def run(self, p, a, b, config=None):
+        time.sleep(0.001)
+        return torch.matmul(a.t() if p.trans_a else a, b.t() if p.trans_b else b).to(p.out_dtype)
+
+
 class EvenTokensGroupedGemm(_Fixture):
     """Correct grouped GEMM that serves only an even token count (M_total, or a wgrad's K): its
     refusal reads the very field the grouped ops bucket, which the product adapters never do."""

@@ -51,21 +51,27 @@ def _worker(rank, world, port, registry, consensus, results):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("consensus", [False, True])
-def test_ranks_agree_only_with_consensus(tmp_path, consensus):
-    registry = tmp_path / "plugins.yaml"
-    registry.write_text(PLUGINS)
+def run_ranks(worker, world: int, *args) -> dict:
+    """Runs ``worker(rank, world, port, *args, results)`` in ``world`` spawned processes and returns
+    what each put in ``results`` under its rank; every process must exit cleanly."""
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
         port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, 2, port, str(registry), consensus, results)) for r in range(2)]
+        procs = [ctx.Process(target=worker, args=(r, world, port, *args, results)) for r in range(world)]
         for p in procs:
             p.start()
         for p in procs:
             p.join(120)
             assert p.exitcode == 0
-        picks = dict(results)
+        return dict(results)
+
+
+@pytest.mark.parametrize("consensus", [False, True])
+def test_ranks_agree_only_with_consensus(tmp_path, consensus):
+    registry = tmp_path / "plugins.yaml"
+    registry.write_text(PLUGINS)
+    picks = run_ranks(_worker, 2, str(registry), consensus)
     if consensus:
         assert picks[0] == picks[1]
     else:  # each rank's own fastest differs: the hazard consensus exists for

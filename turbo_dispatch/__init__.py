@@ -12,6 +12,7 @@ from .decision import Decision
 from .errors import BackendUnsupportedError, ConfigError, NoBackendError, RegistryError, TurboDispatchError
 from .explain import explain
 from .manager import GlobalBackendManager
+from .tuning.rank_sync import SyncReport, sync_tuning
 
 __version__ = "0.1.0"
 
@@ -24,9 +25,11 @@ __all__ = [
     "NoBackendError",
     "PrecisionType",
     "RegistryError",
+    "SyncReport",
     "TurboDispatchError",
     "explain",
     "low_precision",
     "modules",
     "ops",
+    "sync_tuning",
 ]

@@ -43,7 +43,9 @@ class TuneRecord:
     """The outcome of tuning one key: the winner (None when every candidate failed).
 
     ``source`` is "autotune" (profiled in this process) or "tuned-db" (read from a database);
-    ``timings`` holds every candidate's median (inf when rejected) for reports and the DB.
+    ``timings`` holds every candidate's median (inf when rejected) for reports and the DB;
+    ``measured`` the same as (backend, config, ms), where this process profiled the key, so that
+    ranks can agree on it later (``tuning.rank_sync``).
     """
 
     backend: str | None
@@ -53,6 +55,7 @@ class TuneRecord:
     timings: tuple[tuple[str, float], ...] = ()
     source: str = "autotune"
     note: str = ""
+    measured: tuple[tuple[str, Hashable, float], ...] = ()
 
 
 @dataclass
@@ -77,6 +80,25 @@ def clear_memory() -> None:
     with _lock:
         _memory.clear()
         _db_hits.clear()
+
+
+def known_records() -> list[tuple[str, Any, TuneRecord]]:
+    """(op, problem, record) for every key this process has a result for: profiled here (memory)
+    or read from a tuning DB under the DB settings now in force. A snapshot, for ``rank_sync``."""
+    db_settings = _manager.current_settings().db
+    with _lock:
+        known = {(op, problem): record for (op, problem), record in _memory.items()}
+        for (op, problem, settings), record in _db_hits.items():
+            if settings == db_settings:
+                known.setdefault((op, problem), record)
+    return [(op, problem, record) for (op, problem), record in known.items()]
+
+
+def adopt(op: str, problem: Any, record: TuneRecord) -> None:
+    """Makes ``record`` this process's result for (op, problem), ahead of every DB layer (the
+    resolver's cached decisions must be dropped by the caller)."""
+    with _lock:
+        _memory[(op, problem)] = record
 
 
 def profiling_blocked() -> str | None:
@@ -275,7 +297,8 @@ def profile(spec: OpSpec, problem: Any, candidates: Sequence[Any]) -> TuneRecord
     if consensus_enabled():
         if spec.keys_vary_across_ranks:
             # A collective on a key other ranks may never meet would hang them (docs/tuning-db.md).
-            log.info("autotune %s %s: rank consensus skipped (keys vary across ranks); tune this op offline "
+            log.info("autotune %s %s: rank consensus skipped (keys vary across ranks); call "
+                     "turbo_dispatch.sync_tuning() on every rank after a warm-up step, or tune this op offline, "
                      "for one choice on every rank", spec.name, key)
         else:
             timings = agree_across_ranks(key, timings)
@@ -284,9 +307,9 @@ def profile(spec: OpSpec, problem: Any, candidates: Sequence[Any]) -> TuneRecord
     best = min(((ms, name, config) for name, config, ms in finite), default=None, key=lambda t: t[0])
     if best is None:
         log.warning("autotune %s %s: every candidate failed; remembered for this key", spec.name, key)
-        return TuneRecord(None, None, math.inf, tuple(rejected), tuple(labelled))
+        return TuneRecord(None, None, math.inf, tuple(rejected), tuple(labelled), measured=tuple(timings))
     log.info("autotune %s %s: winner %s (%.4f ms)", spec.name, key, best[1], best[0])
-    return TuneRecord(best[1], best[2], best[0], tuple(rejected), tuple(labelled))
+    return TuneRecord(best[1], best[2], best[0], tuple(rejected), tuple(labelled), measured=tuple(timings))
 
 
 def consensus_enabled() -> bool:
