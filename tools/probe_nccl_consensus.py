@@ -12,9 +12,11 @@ crown different winners; with it (each candidate's worst time over the ranks), e
 pick the same backend and config. With one rank the skew is a no-op and agreement trivial: the
 probe then only shows the NCCL collectives and the shared DB working. Grouped GEMM keys are left out of consensus by design
 (their token counts vary across ranks), so there the skew should split the ranks: the control.
-Rank 0 prints one JSON line per key with every rank's choice, ``"agree": true|false``, and the
-shared DB's entry count, and the probe exits 1 when a consensus key disagrees or the DB holds
-fewer entries than keys. The CPU tests cover the same with gloo
+Then every rank calls ``turbo_dispatch.sync_tuning()``, after which every key, the grouped
+control included, must have one choice on every rank. Rank 0 prints one JSON line per key with
+every rank's choice before and after the sync (``"agree"``, ``"agree_after_sync"``) and the shared
+DB's entry count, and the probe exits 1 when a consensus key disagrees, any key disagrees after
+the sync, or the DB holds fewer entries than keys. The CPU tests cover the same with gloo
 (tests/test_rank_consensus.py); this is the NCCL form on GPUs.
 """
 from __future__ import annotations
@@ -95,14 +97,25 @@ def main() -> int:
         "grouped_gemm": (lambda: turbo.ops.grouped_gemm(x, gw, lens, trans_b=True), ("grouped_gemm", x, gw, lens),
                          dict(trans_b=True), False),
     }
-    mine = {}
+    def every_ranks_choices() -> list[dict]:
+        mine = {}
+        for name, (_, explain_args, explain_kwargs, _) in calls.items():
+            decision = turbo.explain(*explain_args, **explain_kwargs)
+            mine[name] = f"{decision.backend}[{decision.config}]"
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, mine)
+        return gathered
+
+    sources = {}
     for name, (call, explain_args, explain_kwargs, _) in calls.items():
         call()  # tunes the key (a collective under consensus) and runs the winner
         torch.cuda.synchronize()
-        decision = turbo.explain(*explain_args, **explain_kwargs)
-        mine[name] = f"{decision.backend}[{decision.config}] ({decision.source})"
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, mine)
+        sources[name] = turbo.explain(*explain_args, **explain_kwargs).source
+    gathered = every_ranks_choices()
+    # Then the agreement that covers keys varying across ranks too: after it every key, the grouped
+    # control included, must have one choice on every rank.
+    report = turbo.sync_tuning()
+    synced = every_ranks_choices()
     dist.barrier()
     status = 0
     if rank == 0:
@@ -115,9 +128,14 @@ def main() -> int:
             agree = len(set(choices)) == 1
             if consensus:
                 status |= not agree
+            after = [g[name] for g in synced]
+            agree_after_sync = len(set(after)) == 1
+            status |= not agree_after_sync
             print(json.dumps({"probe": "nccl_consensus", "key": name, "world": world, "consensus": consensus,
-                              "choices": choices, "agree": agree, "db_entries": entries,
-                              "gpu": torch.cuda.get_device_name(dev)}))
+                              "choices": choices, "source_rank0": sources[name], "agree": agree,
+                              "after_sync_tuning": after, "agree_after_sync": agree_after_sync,
+                              "db_entries": entries, "gpu": torch.cuda.get_device_name(dev)}))
+        print(json.dumps({"probe": "nccl_consensus", "sync_tuning_rank0": str(report)}))
         if db and (entries is None or entries < len(calls)):
             print(f"shared DB {db} holds {entries} entries, expected at least {len(calls)}")
             status = 1
