@@ -58,8 +58,13 @@ def _skew_timings(rank: int, skew: float) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--m", type=int, default=4096)
+    # (no option may start like one of torchrun's: it reads "--m" as an abbreviation of its own)
+    parser.add_argument("--rows", type=int, default=4096, help="the dense GEMMs' M")
+    parser.add_argument("--hidden", type=int, default=4096, help="the dense GEMMs' N and K")
+    parser.add_argument("--tokens-per-group", type=int, default=1024, help="the grouped GEMM's (8 groups, K 2048, N 1536)")
     parser.add_argument("--skew", type=float, default=3.0, help="slow-down of the other ranks' places")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: gloo and the CPU backends (the CPU tests run the probe's plumbing so)")
     args = parser.parse_args()
 
     os.environ["PRIMUS_TURBO_AUTO_TUNE"] = "1"
@@ -69,8 +74,8 @@ def main() -> int:
     os.environ["PRIMUS_TURBO_TUNE_DB_SHIPPED"] = "0"
     from turbo_dispatch.cli_tune import _init_distributed
 
-    _init_distributed()  # torchrun's environment, this rank's GPU, an NCCL group: as `tune --distributed`
-    local = torch.cuda.current_device()
+    gpu = args.device == "cuda"
+    _init_distributed(gpu)  # torchrun's environment, this rank's GPU, an NCCL group: as `tune --distributed`
     rank, world = dist.get_rank(), dist.get_world_size()
 
     _skew_timings(rank, args.skew)
@@ -78,13 +83,13 @@ def main() -> int:
     from turbo_dispatch.low_precision import Float8QuantConfig, ScalingGranularity
 
     torch.manual_seed(0)
-    dev = torch.device("cuda", local)
-    m = args.m
-    a = torch.randn(m, 4096, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
-    x = torch.randn(8 * 1024, 2048, device=dev, dtype=torch.bfloat16)
+    dev = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    m, h, t = args.rows, args.hidden, args.tokens_per_group
+    a = torch.randn(m, h, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(h, h, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(8 * t, 2048, device=dev, dtype=torch.bfloat16)
     gw = torch.randn(8, 1536, 2048, device=dev, dtype=torch.bfloat16)
-    lens = torch.full((8,), 1024, device=dev, dtype=torch.int64)
+    lens = torch.full((8,), t, device=dev, dtype=torch.int64)
     rowwise = Float8QuantConfig(granularity=ScalingGranularity.ROWWISE)
 
     # (call, explain's arguments, whether consensus applies). Grouped GEMM keys vary across ranks
@@ -109,7 +114,8 @@ def main() -> int:
     sources = {}
     for name, (call, explain_args, explain_kwargs, _) in calls.items():
         call()  # tunes the key (a collective under consensus) and runs the winner
-        torch.cuda.synchronize()
+        if gpu:
+            torch.cuda.synchronize()
         sources[name] = turbo.explain(*explain_args, **explain_kwargs).source
     gathered = every_ranks_choices()
     # Then the agreement that covers keys varying across ranks too: after it every key, the grouped
@@ -134,7 +140,7 @@ def main() -> int:
             print(json.dumps({"probe": "nccl_consensus", "key": name, "world": world, "consensus": consensus,
                               "choices": choices, "source_rank0": sources[name], "agree": agree,
                               "after_sync_tuning": after, "agree_after_sync": agree_after_sync,
-                              "db_entries": entries, "gpu": torch.cuda.get_device_name(dev)}))
+                              "db_entries": entries, "device": torch.cuda.get_device_name(dev) if gpu else "cpu"}))
         print(json.dumps({"probe": "nccl_consensus", "sync_tuning_rank0": str(report)}))
         if db and (entries is None or entries < len(calls)):
             print(f"shared DB {db} holds {entries} entries, expected at least {len(calls)}")
