@@ -5,7 +5,6 @@ import math
 import os
 import sys
 from pathlib import Path
-
 from typing import NamedTuple
 
 import pytest

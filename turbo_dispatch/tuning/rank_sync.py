@@ -61,16 +61,15 @@ def _agree_on(key: tuple[str, Any], records: list[autotune.TuneRecord]) -> autot
         first = next((r for r in records if r.backend is not None), records[0])
         return autotune.TuneRecord(first.backend, first.config, first.time_ms, first.rejected, first.timings,
                                    first.source, _note(first.note, "the lowest rank's stored result", len(records)))
-    tables = [{(name, _hashable(config)): (name, config, ms) for name, config, ms in r.measured} for r in profiled]
-    worst: dict[Hashable, tuple[str, Hashable, float]] = {}
-    for label in tables[0]:  # the first table's order keeps ties deterministic
-        times = [table[label][2] if label in table else math.inf for table in tables]
-        name, config, _ = tables[0][label]
-        worst[label] = (name, config, max(times))
-    for table in tables[1:]:  # a candidate some rank did not plan is not one every rank can run
+    # Configs compare by value across processes, so candidates are matched by (backend, repr(config)).
+    tables = [{(name, repr(config)): (name, config, ms) for name, config, ms in r.measured} for r in profiled]
+    candidates: dict[Hashable, tuple[str, Hashable]] = {}
+    for table in tables:  # in rank order, first seen first: ties break the same way on every rank
         for label, (name, config, _) in table.items():
-            worst.setdefault(label, (name, config, math.inf))
-    measured = tuple(worst.values())
+            candidates.setdefault(label, (name, config))
+    # A candidate some rank did not plan counts as inf there: it is not one every rank can run.
+    measured = tuple((name, config, max(table[label][2] if label in table else math.inf for table in tables))
+                     for label, (name, config) in candidates.items())
     labelled = tuple((autotune.candidate_label(name, config), ms) for name, config, ms in measured)
     rejected = tuple(dict.fromkeys(why for r in profiled for why in r.rejected))
     finite = [(ms, name, config) for name, config, ms in measured if math.isfinite(ms)]
@@ -83,10 +82,6 @@ def _agree_on(key: tuple[str, Any], records: list[autotune.TuneRecord]) -> autot
     return autotune.TuneRecord(name, config, ms, rejected, labelled, measured=measured,
                                note=_note(f"tuned: {ms:.4f} ms", "each candidate at its worst rank's time",
                                           len(profiled)))
-
-
-def _hashable(config: Hashable) -> Hashable:
-    return repr(config)  # configs compare by value across processes; repr is their stable name
 
 
 def _note(base: str, how: str, ranks: int) -> str:
