@@ -20,9 +20,11 @@ Every benchmark script builds ``Row`` objects through ``Bench`` and calls ``writ
   the best plain-PyTorch peer;
 * the score: geomean over shapes of TFLOPS and of the ratio, per backend, over the shapes where
   both the backend and a peer passed (coverage shown);
-* results land in ``benchmarks/results/<gpu>_<date>_<name>.{csv,md,png}``; the markdown header
-  names the GPU, date, torch/triton/CUDA versions and the command line. matplotlib is optional:
-  without it the PNG is skipped with a message.
+* results land in ``<out>/<gpu>_<date>_<name>.{csv,md,png}``, where ``<out>`` is ``--out`` (alias
+  ``--out-dir``), else ``$TURBO_BENCH_OUT``, else ``bench-out/`` at the repository root (ignored by
+  git: results are run artifacts, and docs/performance.md keeps the figures that last); the
+  markdown header names the GPU, date, torch/triton/CUDA versions and the command line.
+  matplotlib is optional: without it the PNG is skipped with a message.
 """
 from __future__ import annotations
 
@@ -43,9 +45,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from bench_out import DEFAULT_OUT, OUT_ENV, resolve_out_dir
 from turbo_dispatch import host_cover
-
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 #: CSV columns every op writes, in order; op-specific extras (``Row.extra``) follow them.
 BASE_COLUMNS = ["op", "shape", "model", "mb", "m", "n", "k", "backend", "check", "snr_db", "rel_err", "fwd_ms",
@@ -497,10 +498,11 @@ def _score_cells(s: dict[str, Any]) -> str:
 def write_reports(rows: list[Row], *, name: str, device: torch.device, out_dir: Path | str | None = None,
                   title: str = "", notes: Sequence[str] = (), plot_metric: str = "step",
                   breakdown: Sequence[str] = ()) -> dict[str, Path]:
-    """Writes <out_dir>/<gpu>_<date>_<name>.{csv,md,png}; returns the paths written. Each column
-    of ``breakdown`` (a key of the rows' ``extra``) adds a score table per value of it."""
+    """Writes <out>/<gpu>_<date>_<name>.{csv,md,png} (``out``: see ``resolve_out_dir``); returns
+    the paths written. Each column of ``breakdown`` (a key of the rows' ``extra``) adds a score
+    table per value of it."""
     assign_ratios(rows)
-    out_dir = Path(out_dir) if out_dir else RESULTS_DIR
+    out_dir = resolve_out_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{gpu_slug(device)}_{_dt.date.today().isoformat()}_{name}"
     paths = {"csv": out_dir / f"{stem}.csv", "md": out_dir / f"{stem}.md"}
@@ -595,7 +597,8 @@ def plot(rows: list[Row], path: Path, *, metric: str = "step", title: str = "") 
 def add_common_args(parser) -> None:
     parser.add_argument("--device", default=None, help="cuda (default when a GPU is present) or cpu")
     parser.add_argument("--quick", action="store_true", help="few shapes, few repeats (smoke run)")
-    parser.add_argument("--out-dir", default=None, help=f"where reports go (default {RESULTS_DIR})")
+    parser.add_argument("--out", "--out-dir", dest="out_dir", default=None,
+                        help=f"where reports go (default ${OUT_ENV}, else {DEFAULT_OUT})")
     parser.add_argument("--name", default=None, help="report name suffix (default from the options)")
     parser.add_argument("--target-ms", type=float, default=None, help="time budget of one measurement")
     parser.add_argument("--tune-budget-ms", type=float, default=None,

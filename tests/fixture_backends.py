@@ -1,12 +1,34 @@
 """Test fixtures: deterministic plugin backends whose behaviour and speed the tests control.
 
-These are not product backends; they exist to exercise the resolver and autotuner.
+These are not product backends; they exist to exercise the resolver and autotuner. A fixture's
+cost is declared, not slept: ``spend(seconds)`` advances a virtual clock that importing this module
+installs as the autotuner's CPU clock (real time plus every declared cost). Declared costs are
+hundreds of milliseconds, far beyond what a loaded 2-core machine's scheduling adds to a real
+call, and cost no wall time, so no outcome depends on the machine's load.
 """
+import threading
 import time
 
 import torch
 
+from turbo_dispatch import autotune
 from turbo_dispatch.adapter import Adapter
+
+_declared = [0.0]
+_declared_lock = threading.Lock()
+
+
+def spend(seconds: float) -> None:
+    """Charges ``seconds`` of virtual time to the call in progress."""
+    with _declared_lock:
+        _declared[0] += seconds
+
+
+def _virtual_clock() -> float:
+    return time.perf_counter() + _declared[0]
+
+
+autotune._clock = _virtual_clock
 
 
 class _Fixture(Adapter):
@@ -32,12 +54,12 @@ class NNOnlyGemm(_Fixture):
 
 
 class SlowGemm(_Fixture):
-    """Correct and slow (sleeps), for every layout."""
+    """Correct and slow (declares 200 ms a call), for every layout."""
 
-    delay_s = 0.002
+    delay_s = 0.2
 
     def run(self, p, a, b, config=None):
-        time.sleep(self.delay_s)
+        spend(self.delay_s)
         lhs = a.t() if p.trans_a else a
         rhs = b.t() if p.trans_b else b
         return torch.matmul(lhs, rhs).to(p.out_dtype)
@@ -67,7 +89,7 @@ class _RankDependent(_Fixture):
         import os
 
         if int(os.environ.get("FIXTURE_RANK", "0")) != self.fast_rank:
-            time.sleep(0.003)
+            spend(0.3)
         lhs = a.t() if p.trans_a else a
         rhs = b.t() if p.trans_b else b
         return torch.matmul(lhs, rhs).to(p.out_dtype)
@@ -86,7 +108,7 @@ class SteadyOnEveryRank(_RankDependent):
     there, faster than both at their worst, so agreeing by worst time picks it."""
 
     def run(self, p, a, b, config=None):
-        time.sleep(0.001)
+        spend(0.1)
         return torch.matmul(a.t() if p.trans_a else a, b.t() if p.trans_b else b).to(p.out_dtype)
 
 
@@ -116,34 +138,33 @@ def _grouped_math(p, a, b, group_lens):
 
 
 class _RoleTimedGroupedGemm(_Fixture):
-    """Correct grouped GEMM that sleeps ``delay(p, config)`` seconds: the step tuner's tests
+    """Correct grouped GEMM that declares ``delay(p, config)`` seconds: the step tuner's tests
     control what each role (forward, dgrad, wgrad) costs with each config."""
 
     def delay(self, p, config) -> float:
         return 0.0
 
     def run(self, p, a, b, group_lens, group_offs, config=None):
-        time.sleep(self.delay(p, config))
+        spend(self.delay(p, config))
         return _grouped_math(p, a, b, group_lens)
 
 
 class SteadyGroupedGemm(_RoleTimedGroupedGemm):
-    """6 ms per GEMM, every role (margins of milliseconds: a loaded 2-core CI machine's scheduling
-    jitter must not decide the step tuner's rounds)."""
+    """600 ms per GEMM, every role."""
 
     def delay(self, p, config):
-        return 0.006
+        return 0.6
 
 
 class WgradFastGroupedGemm(_RoleTimedGroupedGemm):
-    """Configs ``"lazy"`` (first: 18 ms everywhere) and ``"quick"`` (no sleep in the wgrad, 18 ms
-    in the forward and dgrad): only the wgrad with ``"quick"`` beats SteadyGroupedGemm."""
+    """Configs ``"lazy"`` (first: 1.8 s everywhere) and ``"quick"`` (free in the wgrad, 1.8 s in
+    the forward and dgrad): only the wgrad with ``"quick"`` beats SteadyGroupedGemm."""
 
     def configs(self, p):
         return ["lazy", "quick"]
 
     def delay(self, p, config):
-        return 0.0 if p.variable_k and config == "quick" else 0.018
+        return 0.0 if p.variable_k and config == "quick" else 1.8
 
 
 class WrongFastGroupedGemm(_Fixture):
@@ -156,16 +177,16 @@ class WrongFastGroupedGemm(_Fixture):
 
 class ConfiguredGemm(_Fixture):
     """Correct for every layout, with two configs: ``"slow"`` (the first, what a call without a
-    config runs) sleeps ``delay_s``, ``"fast"`` does not."""
+    config runs) declares ``delay_s``, ``"fast"`` does not."""
 
-    delay_s = 0.003
+    delay_s = 0.3
 
     def configs(self, p):
         return ["slow", "fast"]
 
     def run(self, p, a, b, config=None):
         if config in (None, "slow"):
-            time.sleep(self.delay_s)
+            spend(self.delay_s)
         lhs = a.t() if p.trans_a else a
         rhs = b.t() if p.trans_b else b
         return torch.matmul(lhs, rhs).to(p.out_dtype)

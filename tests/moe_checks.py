@@ -1,10 +1,10 @@
 """Multi-rank checks of moe_dispatch / moe_combine / the Buffer facade.
 
 Shared by tests/test_moe.py (gloo processes on the CPU; NCCL on two GPUs for the gpu-marked test)
-and tools/moe_gpu_check.py (NCCL). Every rank regenerates every rank's inputs from per-rank seeds,
-so each rank can compute, in one process and without communication, what it must receive and what
-its combine and gradients must return. Each check returns nothing or raises AssertionError;
-``run_checks`` records "ok" or the failure per check name.
+and benchmarks/probes/moe_gpu_check.py (NCCL). Every rank regenerates every rank's inputs from
+per-rank seeds, so each rank can compute, in one process and without communication, what it must
+receive and what its combine and gradients must return. Each check returns nothing or raises
+AssertionError; ``run_checks`` records "ok" or the failure per check name.
 """
 from __future__ import annotations
 

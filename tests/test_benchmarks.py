@@ -2,16 +2,22 @@
 
 CPU timings are meaningless; this checks the plumbing: the presets feed the scripts, every row
 carries a PASS/FAIL/SKIP Check, FAIL voids TFLOPS, the markdown has its header and score table,
-and the PNG exists exactly when matplotlib is importable. Each script runs in a subprocess (as
-users run it), with the env vars that would pin a backend removed.
+the PNG exists exactly when matplotlib is importable, and the reports land where ``--out``,
+``--out-dir`` or ``$TURBO_BENCH_OUT`` say. Each script runs in a subprocess (as users run it), with
+the env vars that would pin a backend removed. benchmarks/suite.py, which runs the scripts by
+family, is checked here too.
 """
 from __future__ import annotations
 
 import csv
+import importlib
 import importlib.util
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,11 +29,21 @@ REPO = Path(__file__).resolve().parent.parent
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 
 
-def _run(script: str, args: list[str], out_dir: Path) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PRIMUS_TURBO_")}
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRIMUS_TURBO_") and k != "TURBO_BENCH_OUT"}
     env["CUDA_VISIBLE_DEVICES"] = ""
-    cmd = [sys.executable, str(REPO / "benchmarks" / script), "--quick", "--device", "cpu", "--out-dir",
-           str(out_dir), *args]
+    return env
+
+
+def _run(script: str, args: list[str], out_dir: Path, how: str = "--out") -> list[dict]:
+    """Runs ``script`` --quick on the CPU with its reports sent to ``out_dir`` by ``how``: the
+    ``--out`` or ``--out-dir`` option, or ``env`` ($TURBO_BENCH_OUT)."""
+    env = _env()
+    cmd = [sys.executable, str(REPO / "benchmarks" / script), "--quick", "--device", "cpu", *args]
+    if how == "env":
+        env["TURBO_BENCH_OUT"] = str(out_dir)
+    else:
+        cmd += [how, str(out_dir)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     csvs = list(out_dir.glob("cpu_*.csv"))
@@ -50,11 +66,12 @@ def _run(script: str, args: list[str], out_dir: Path) -> list[dict]:
     return rows
 
 
-@pytest.mark.parametrize("args", [["--dtype", "bf16"], ["--dtype", "fp8", "--granularity", "rowwise"]])
-def test_bench_gemm_cpu_smoke(tmp_path, args):
+@pytest.mark.parametrize("args,how", [(["--dtype", "bf16"], "--out"),
+                                      (["--dtype", "fp8", "--granularity", "rowwise"], "--out-dir")])
+def test_bench_gemm_cpu_smoke(tmp_path, args, how):
     if "rowwise" in args and not cpu_scaled_mm_takes(ScalingGranularity.ROWWISE):
         pytest.skip("the rowwise peer is torch._scaled_mm, which this torch's CPU path runs per-tensor only")
-    rows = _run("bench_gemm.py", args, tmp_path)
+    rows = _run("bench_gemm.py", args, tmp_path, how)
     peers = [r for r in rows if r["peer"] == "yes"]
     assert peers and all(r["check"] == "PASS" and r["ratio_vs_best_peer"] for r in peers)
     assert any(r["backend"] == "turbo TORCH" and r["check"] == "PASS" for r in rows)
@@ -72,7 +89,7 @@ def test_bench_gemm_cpu_smoke(tmp_path, args):
 def test_bench_gemm_blockwise_cpu_smoke(tmp_path):
     """GEMM only on pre-quantised operands: the dispatched op's rows (default and autotuned) pass
     and are timed; F.scaled_mm says why it did not run on a CPU."""
-    rows = _run("bench_gemm.py", ["--dtype", "fp8", "--granularity", "blockwise"], tmp_path)
+    rows = _run("bench_gemm.py", ["--dtype", "fp8", "--granularity", "blockwise"], tmp_path, "env")
     gemm_rows = [r for r in rows if r["op"] == "gemm_fp8_blockwise_gemm_only"]
     for backend in ("turbo TORCH", "turbo autotune"):
         mine = [r for r in gemm_rows if r["backend"] == backend]
@@ -106,13 +123,16 @@ def test_summary_by_a_column_scores_each_value_apart():
     assert abs(parts["empty"]["geomean_ratio"] - 0.25) < 1e-12 and parts["empty"]["shapes"] == "1/1"
 
 
-def _harness():
+def _bench_module(name: str):
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
-        import harness
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
-    return harness
+
+
+def _harness():
+    return _bench_module("harness")
 
 
 def test_time_interleaved_takes_turns():
@@ -247,3 +267,81 @@ def test_fp8_grouped_bound_arithmetic(tmp_path):
     (only,) = B.bounds(rows, 1000.0, 2.0, "turbo autotune", "bf16 ")
     assert only["shape"] == "s" and abs(only["measured_ratio"] - 0.8) < 1e-12
     assert abs(only["bound_ratio"] - 0.8 / (flops_ms + bytes_ms)) < 1e-12
+
+
+def test_reports_default_to_the_ignored_bench_out_folder(monkeypatch):
+    """Without --out the reports go to $TURBO_BENCH_OUT, else bench-out/ at the repository root,
+    which git ignores: results are run artifacts, not files of the tree."""
+    H = _harness()
+    monkeypatch.delenv("TURBO_BENCH_OUT", raising=False)
+    assert H.resolve_out_dir() == REPO / "bench-out" and H.resolve_out_dir("x") == Path("x")
+    monkeypatch.setenv("TURBO_BENCH_OUT", str(REPO / "elsewhere"))
+    assert H.resolve_out_dir() == REPO / "elsewhere" and H.resolve_out_dir("x") == Path("x")
+    assert "/bench-out/" in (REPO / ".gitignore").read_text().splitlines()
+
+
+def _suite(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "suite.py"), *args], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_suite_lists_every_family():
+    proc = _suite("--list")
+    assert proc.returncode == 0, proc.stderr
+    families = dict(line.split("\t") for line in proc.stdout.splitlines())
+    assert set(families) >= {"gemm", "gemm_fp8", "grouped_gemm", "grouped_gemm_fp8", "dispatch_overhead",
+                             "blaslt_switch"}
+    assert families["gemm_fp8"].split(",") == ["fp8_tensorwise_gemm", "fp8_rowwise_gemm", "fp8_blockwise_gemm"]
+
+
+def test_suite_dry_run_names_each_command_or_why_it_cannot_run(tmp_path):
+    """On a CPU, --quick runs every bench's smoke form once (the grouped sweeps share one) and
+    names the families that need a GPU; without --quick the benches need one; on a GPU the full
+    commands carry the published sizes, --only picks runs and arguments after -- reach them."""
+    quick = _suite("--family", "all", "--quick", "--device", "cpu", "--dry-run", "--out", str(tmp_path))
+    assert quick.returncode == 0, quick.stderr
+    out = quick.stdout
+    assert f"bench_gemm.py --dtype bf16 --quick --device cpu --out {tmp_path} --name bf16_gemm_quick" in out
+    assert f"bench_dispatch_overhead.py --iters 2000 --rounds 3 --device cpu --json {tmp_path}" in out
+    assert "bf16_grouped_gemm_tpe4096: skipped (its quick form is bf16_grouped_gemm_tpe512's)" in out
+    assert "blaslt_switch/blaslt_switch: skipped (needs a CUDA/ROCm GPU" in out
+    assert not any(tmp_path.iterdir())  # a dry run writes nothing
+    full = _suite("--family", "grouped_gemm_fp8", "--family", "dispatch_overhead", "--device", "cpu", "--dry-run")
+    assert full.stdout.count("a full run needs a GPU") == 2 and "dispatch_overhead: dry-run" in full.stdout
+    gpu = _suite("--family", "grouped_gemm_fp8", "--device", "cuda", "--dry-run", "--only",
+                 "fp8_blockwise_grouped_gemm_ep8_tpe4096", "--", "--models", "deepseek-v3")
+    assert gpu.returncode == 0 and "rowwise" not in gpu.stdout
+    assert ("--dtype fp8 --granularity blockwise --ep 8 --tokens-per-expert 4096 --backends TRITON --target-ms 60 "
+            "--tune-budget-ms 300 --device cuda") in gpu.stdout
+    assert gpu.stdout.count("--models deepseek-v3") == 1
+    bad = _suite("--family", "gemm", "--only", "nothing", "--dry-run")
+    assert bad.returncode == 2 and "no run named nothing" in bad.stderr
+
+
+def test_suite_runs_a_family_and_records_each_run(tmp_path):
+    proc = _suite("--family", "dispatch_overhead", "--family", "blaslt_switch", "--quick", "--device", "cpu",
+                  "--out", str(tmp_path), "--", "--iters", "200", "--rounds", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "dispatch_overhead_quick.json").read_text())
+    assert [r["case"][:3] for r in result["results"]] == ["(a)", "(b)", "(c)", "(d)"]
+    assert "rounds" in (tmp_path / "dispatch_overhead_quick.log").read_text()
+    records = [json.loads(line) for line in (tmp_path / "suite.jsonl").read_text().splitlines()]
+    assert [(r["run"], r["status"]) for r in records] == [("dispatch_overhead", "ok"), ("blaslt_switch", "skipped")]
+
+
+def test_suite_fails_a_run_whose_own_rows_fail_and_stops_one_out_of_time(tmp_path):
+    """A turbo_dispatch row that failed the gate fails the run; a peer's FAIL row is only counted;
+    another run's report is not read. A run past its time gets SIGTERM (the benches then write
+    their partial reports)."""
+    S = _bench_module("suite")
+    head = "op,shape,backend,check\n"
+    rows = "g,s,turbo TRITON,FAIL\ng,s,torch peer,FAIL\ng,s,turbo TORCH,PASS\n"
+    (tmp_path / "cpu_2026-01-01_x.csv").write_text(head + rows)
+    (tmp_path / "cpu_2026-01-01_y_x.csv").write_text(head + "g,s,turbo TRITON,FAIL\n")
+    assert S.failed_rows(tmp_path, "x", 0.0) == (1, 1)
+    assert S.failed_rows(tmp_path, "x", time.time() + 60) == (0, 0)  # written before the run started
+    sleeper = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: (print('stopped'), sys.exit(0))); "
+               "print('up', flush=True); time.sleep(60)")
+    t0 = time.monotonic()
+    rc, limited = S.execute([sys.executable, "-c", sleeper], tmp_path / "s.log", 1.0)
+    assert limited and rc in (0, -signal.SIGTERM) and time.monotonic() - t0 < 30

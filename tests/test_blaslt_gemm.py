@@ -14,7 +14,7 @@ import torch
 from cpu_caps import cpu_scaled_mm_takes
 
 import turbo_dispatch as turbo
-from turbo_dispatch.backends import quantizer
+from turbo_dispatch.low_precision import fast_quantize as quantizer
 from turbo_dispatch.backends.blaslt import gemm as blaslt
 from turbo_dispatch.backends.torch import gemm as torch_gemm
 from turbo_dispatch.low_precision import Float8QuantConfig, Format, ScalingGranularity

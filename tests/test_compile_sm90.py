@@ -37,11 +37,15 @@ def test_occupancy_configs_fit_on_sm90(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "compile_sm90.py"), "--occupancy-only",
                            "--json", str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    rows = json.loads(out.read_text())["rows"]
+    report = json.loads(out.read_text())
+    rows = report["rows"]
     families = {r["family"] for r in rows}
-    # Each family's default compiled; the blockwise families offer multi-program configs.
-    assert {"dense_fp8_blockwise", "dense_fp8_blockwise_gluon", "dense_bf16", "grouped_fp8_blockwise",
-            "grouped_wgrad_bf16"} <= families
+    # Each family's default compiled; the blockwise families offer multi-program configs. The
+    # Gluon families compile on the releases the library runs them on, and only there.
+    assert {"dense_fp8_blockwise", "dense_bf16", "grouped_fp8_blockwise", "grouped_wgrad_bf16"} <= families
+    gluon_families = {"dense_fp8_blockwise_gluon", "dense_fp8_blockwise_gluon_ws", "grouped_fp8_blockwise_gluon_ws",
+                      "grouped_wgrad_fp8_blockwise_gluon_ws"}
+    assert gluon_families <= families if report["gluon_checked"] else not gluon_families & families
     multi = [r for r in rows if r["occupancy"] > 1]
     assert {r["family"] for r in multi} >= {"dense_fp8_blockwise", "grouped_fp8_blockwise"}
     for r in rows:
@@ -55,7 +59,7 @@ def test_occupancy_configs_fit_on_sm90(tmp_path):
     # The reason the Gluon kernel exists: it waits for all but the newest wgmma, and ptxas keeps
     # them asynchronous (no serialisation note).
     gluon = [r for r in rows if r["family"] == "dense_fp8_blockwise_gluon"]
-    assert gluon and all(1 in r["wgmma_waits"] for r in gluon), gluon
+    assert all(1 in r["wgmma_waits"] for r in gluon) and (gluon or not report["gluon_checked"]), gluon
 
 
 @pytest.mark.skipif(_nvidia_toolchain() is not None, reason=str(_nvidia_toolchain()))
@@ -157,3 +161,16 @@ def test_loop_spill_check_sees_only_the_wgmma_loop():
              _LOOP_SASS.replace("/*0110*/                   WARPGROUP.ARRIVE ;", "/*0110*/ LDL R6, [R1] ;")
              % "STL [R1+0x4], R5 ;"]
     assert _tool_output("mma_loop_spills", f"[f(s) for s in {cases!r}]") == "[0, 1, 2]"
+
+
+def test_gluon_kernels_are_refused_on_an_unchecked_triton_release(monkeypatch):
+    """On a Triton release the Gluon kernels were not compiled on, every Gluon kernel says so
+    through available(), so the TRITON backends leave them out of their candidates instead of
+    failing inside the compiler at call time."""
+    pytest.importorskip("triton.experimental.gluon")
+    from turbo_dispatch.backends.triton import fp8_blockwise_gluon as GB
+
+    monkeypatch.delenv("PRIMUS_TURBO_GLUON_KERNELS", raising=False)
+    monkeypatch.setattr(GB, "_triton_release", lambda: "3.7")
+    why = GB.available()
+    assert why is not None and "checked on triton 3.6" in why and "this is triton 3.7" in why

@@ -6,6 +6,7 @@ import torch
 
 import turbo_dispatch as turbo
 from turbo_dispatch import BackendType, GlobalBackendManager, autotune, resolver
+from turbo_dispatch.backend_type import BackendChoice
 from turbo_dispatch.env import parse_backend_setting
 from turbo_dispatch.errors import BackendUnsupportedError, ConfigError, NoBackendError
 from turbo_dispatch.low_precision import Float8QuantConfig, Format, ScalingGranularity
@@ -71,12 +72,16 @@ def test_env_grammar_forms():
         "fp8": BackendType.AUTOTUNE, "*": BackendType.TORCH}
     assert parse_backend_setting(" FP16 : native , mylib ", "V", plugins) == {"fp16": BackendType.TORCH, "*": "MYLIB"}
     assert parse_backend_setting("blaslt", "V", plugins) == {"*": BackendType.BLASLT}
+    assert parse_backend_setting("bf16_fp16_fp32:triton,other:torch", "V", plugins) == {
+        "bf16": BackendType.TRITON, "fp16": BackendType.TRITON, "fp32": BackendType.TRITON, "*": BackendType.TORCH}
 
 
 @pytest.mark.parametrize("value, message", [
     ("bogus", "unknown backend 'bogus'; valid backends: AITER, AUTOTUNE"),
-    ("fp7:torch", "unknown precision 'fp7'; valid precisions: bf16, fp16, fp32, fp8, other"),
+    ("fp7:torch", "unknown precision 'fp7'; valid precisions: bf16, fp16, fp32, fp8, bf16_fp16_fp32, other"),
     ("fp8:torch,fp8:triton", "is set twice"),
+    ("bf16:torch,bf16_fp16_fp32:triton", "precision 'bf16' is set twice"),
+    ("fp4:torch", "precision FP4 cannot be set: turbo_dispatch has no FP4 ops"),
 ])
 def test_env_grammar_errors_list_valid_values(value, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
@@ -167,20 +172,22 @@ def test_hazard_set_none_really_unsets(plugins, monkeypatch):
     GlobalBackendManager.set_gemm_backend("NN_ONLY")
     assert turbo.explain("gemm", a, b).backend == "NN_ONLY"
     GlobalBackendManager.set_gemm_backend(None)
-    assert GlobalBackendManager.get_gemm_backend() is None
+    assert GlobalBackendManager.get_gemm_backend().source == "env"  # the code setting is gone
     assert turbo.explain("gemm", a, b).source == "env"
     GlobalBackendManager.set_gemm_backend("NN_ONLY", precision="fp32")
     GlobalBackendManager.set_gemm_backend("TORCH", precision="bf16")
     GlobalBackendManager.set_gemm_backend(None, precision="fp32")  # only fp32 is unset
-    assert GlobalBackendManager.get_gemm_backend("fp32") is None
-    assert GlobalBackendManager.get_gemm_backend("bf16") is BackendType.TORCH
+    assert GlobalBackendManager.get_gemm_backend("fp32") == BackendChoice("SLOW", source="env")
+    assert GlobalBackendManager.get_gemm_backend("bf16").backend is BackendType.TORCH
     assert turbo.explain("gemm", a, b).source == "env"
 
 
 def test_setter_rejects_unknown_backend_and_precision():
     with pytest.raises(ConfigError, match="unknown backend 'nope'.*valid backends"):
         GlobalBackendManager.set_gemm_backend("nope")
-    with pytest.raises(ValueError, match="unknown precision 'fp4'"):
+    with pytest.raises(ValueError, match="unknown precision 'fp7'"):
+        GlobalBackendManager.set_attn_backend("TORCH", precision="fp7")
+    with pytest.raises(ValueError, match="precision FP4 cannot be set: turbo_dispatch has no FP4 ops"):
         GlobalBackendManager.set_attn_backend("TORCH", precision="fp4")
     with pytest.raises(ValueError, match="not both"):
         GlobalBackendManager.set_grouped_gemm_backend("TORCH", auto_tune=True)
@@ -206,7 +213,7 @@ def test_manager_is_thread_safe():
         t.join()
     assert not errors
     for precision in ("bf16", "fp16", "fp32", "fp8"):
-        assert GlobalBackendManager.get_gemm_backend(precision) is BackendType.TORCH
+        assert GlobalBackendManager.get_gemm_backend(precision).backend is BackendType.TORCH
 
 
 # -- autotune and its hazards ---------------------------------------------------------------------------

@@ -15,7 +15,6 @@ here, on the CPU unless marked ``gpu``:
 """
 from __future__ import annotations
 
-import importlib
 import itertools
 
 import pytest
@@ -25,7 +24,10 @@ import turbo_dispatch as turbo
 from turbo_dispatch.low_precision import Float8QuantConfig, QuantizedTensor, ScalingGranularity as G
 from turbo_dispatch.low_precision import dequantize, quantize
 
-G_OPS = importlib.import_module("turbo_dispatch.ops.gemm")  # the module (turbo_dispatch.ops.gemm is also a function)
+from turbo_dispatch.ops.gemm_fp8_step import wgrad_operand
+from turbo_dispatch.ops.gemm_grads import fp8_grads
+from turbo_dispatch.ops.gemm_problem import GemmFp8Problem, gemm_fp8_problem
+from turbo_dispatch.ops.gemm_spec import GEMM_FP8
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 RECIPES = {
@@ -65,7 +67,7 @@ def test_saved_operand_is_what_the_wgrad_quantised(recipe, trans_a, trans_b):
     every backend's wgrad did with the bf16 a (the adapters' quantisers agree bit for bit)."""
     cfg = RECIPES[recipe]
     a, _ = _inputs(trans_a, trans_b, dtype=torch.bfloat16)
-    saved = G_OPS._wgrad_operand(a.detach(), trans_a, cfg)
+    saved = wgrad_operand(a.detach(), trans_a, cfg)
     old = quantize(a.detach(), cfg.format.fwd_dtype(), cfg.granularity, axis=1 if trans_a else 0,
                    block_size=cfg.block_size)
     old_kmajor = old if trans_a else old.t()
@@ -84,8 +86,8 @@ def test_grads_match_float64_of_the_quantised_operands(recipe, trans_a, trans_b)
     grad = torch.randn(M, N)
     out = turbo.ops.gemm_fp8(a, b, trans_a=trans_a, trans_b=trans_b, config=cfg)
     out.backward(grad)
-    ref_a, ref_b = G_OPS._fp8_grads(_ref_mm8(cfg), a.detach(), b.detach(), grad, trans_a, trans_b,
-                                    cfg.format.fwd_dtype(), cfg.format.bwd_dtype(), cfg.granularity, True, True)
+    ref_a, ref_b = fp8_grads(_ref_mm8(cfg), a.detach(), b.detach(), grad, trans_a, trans_b,
+                             cfg.format.fwd_dtype(), cfg.format.bwd_dtype(), cfg.granularity, True, True)
     for name, got, ref in (("dA", a.grad, ref_a), ("dB", b.grad, ref_b)):
         assert got.shape == ref.shape and got.dtype == torch.float32
         err = float((got.double() - ref).norm() / ref.norm())
@@ -104,8 +106,8 @@ def test_grads_when_one_operand_needs_none(need):
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = turbo.ops.gemm_fp8(a, b, trans_b=True, config=cfg)
     out.backward(grad)
-    ref_a, ref_b = G_OPS._fp8_grads(_ref_mm8(cfg), a.detach(), b.detach(), grad, False, True,
-                                    cfg.format.fwd_dtype(), cfg.format.bwd_dtype(), cfg.granularity, True, True)
+    ref_a, ref_b = fp8_grads(_ref_mm8(cfg), a.detach(), b.detach(), grad, False, True,
+                             cfg.format.fwd_dtype(), cfg.format.bwd_dtype(), cfg.granularity, True, True)
     assert [t.dtype for t in saved] == {"both": [E4, torch.float32, torch.float32], "a_only": [torch.float32],
                                         "b_only": [E4, torch.float32]}[need]
     if need != "b_only":
@@ -171,26 +173,26 @@ def test_prequantised_key_round_trips_and_names_fp8():
 
     cfg = RECIPES["blockwise128"]
     a = torch.randn(M, K)
-    qa = G_OPS._wgrad_operand(a, False, cfg)
+    qa = wgrad_operand(a, False, cfg)
     grad = torch.randn(M, N, dtype=torch.bfloat16)
-    p = G_OPS.gemm_fp8_problem(qa, grad, False, False, torch.bfloat16, E4, E4, cfg.granularity, 128, False, False)
+    p = gemm_fp8_problem(qa, grad, False, False, torch.bfloat16, E4, E4, cfg.granularity, 128, False, False)
     assert (p.m, p.n, p.k, p.a_dtype, p.b_dtype) == (K, N, M, E4, torch.bfloat16)
     enc = encode_key(p)
     assert enc["a_dtype"] == "e4m3" and enc["b_dtype"] == "bf16"
-    assert decode_key(G_OPS.GemmFp8Problem, enc) == p
+    assert decode_key(GemmFp8Problem, enc) == p
 
 
 def test_prequantised_operand_mismatch_is_a_clear_error():
     cfg = RECIPES["rowwise"]
-    qa = G_OPS._wgrad_operand(torch.randn(M, K), False, cfg)  # [K, M] along dim 1
+    qa = wgrad_operand(torch.randn(M, K), False, cfg)  # [K, M] along dim 1
     grad = torch.randn(M, N)
     with pytest.raises(ValueError, match="along dim 0, but this GEMM's reduction dim of a is dim 1"):
-        G_OPS.gemm_fp8_problem(qa.t(), torch.randn(K, N), False, False, torch.float32, E4, E4, G.ROWWISE, None,
-                               False, False)
+        gemm_fp8_problem(qa.t(), torch.randn(K, N), False, False, torch.float32, E4, E4, G.ROWWISE, None,
+                         False, False)
     with pytest.raises(ValueError, match="pre-quantised a is"):
-        G_OPS.gemm_fp8_problem(qa, grad, False, False, torch.float32, E5, E4, G.ROWWISE, None, False, False)
+        gemm_fp8_problem(qa, grad, False, False, torch.float32, E5, E4, G.ROWWISE, None, False, False)
     with pytest.raises(TypeError, match="out_dtype is required"):
-        G_OPS.gemm_fp8_problem(qa, grad, False, False, None, E4, E4, G.ROWWISE, None, False, False)
+        gemm_fp8_problem(qa, grad, False, False, None, E4, E4, G.ROWWISE, None, False, False)
 
 
 def test_training_step_keys_carry_the_prequantised_wgrad():
@@ -211,14 +213,14 @@ def test_autotune_profiles_a_prequantised_key():
     cfg = RECIPES["rowwise"]
     a, b = _inputs(False, True)
     turbo.ops.gemm_fp8(a, b, trans_b=True, config=cfg).sum().backward()
-    qa = G_OPS._wgrad_operand(a.detach(), False, cfg)
-    p = G_OPS.gemm_fp8_problem(qa, torch.randn(M, N), False, False, torch.float32, E4, E4, G.ROWWISE, None,
-                               False, False)
+    qa = wgrad_operand(a.detach(), False, cfg)
+    p = gemm_fp8_problem(qa, torch.randn(M, N), False, False, torch.float32, E4, E4, G.ROWWISE, None,
+                         False, False)
     decision = turbo.explain("gemm_fp8", a, b, trans_b=True, config=cfg)
     assert decision is not None
     from turbo_dispatch.resolver import resolve
 
-    d = resolve(G_OPS.GEMM_FP8, p)
+    d = resolve(GEMM_FP8, p)
     assert d.source in ("autotune", "tuned-db"), d
 
 
@@ -289,11 +291,11 @@ def test_gpu_prequantised_wgrad_matches_float64(backend, recipe, trans_a, trans_
     m, k, n = 264, 384, 512
     a = torch.randn((k, m) if trans_a else (m, k), device="cuda", dtype=torch.bfloat16)
     grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    qa = G_OPS._wgrad_operand(a, trans_a, cfg)
-    p = (G_OPS.gemm_fp8_problem(grad, qa, True, True, torch.float32, E4, E4, cfg.granularity, cfg.block_size,
-                                False, False) if trans_b else
-         G_OPS.gemm_fp8_problem(qa, grad, False, False, torch.float32, E4, E4, cfg.granularity, cfg.block_size,
-                                False, False))
+    qa = wgrad_operand(a, trans_a, cfg)
+    p = (gemm_fp8_problem(grad, qa, True, True, torch.float32, E4, E4, cfg.granularity, cfg.block_size,
+                          False, False) if trans_b else
+         gemm_fp8_problem(qa, grad, False, False, torch.float32, E4, E4, cfg.granularity, cfg.block_size,
+                          False, False))
     from turbo_dispatch.registry import get_registry
 
     entry = get_registry().get("gemm_fp8", backend)
@@ -321,12 +323,12 @@ def test_opcheck_prequantised_custom_ops(recipe):
     a = torch.randn(M, K)
     opcheck(torch.ops.turbo_dispatch.fp8_quantize_rows.default, (a.t(), E4, cfg.granularity.value, cfg.block_size),
             test_utils=utils)
-    qa = G_OPS._wgrad_operand(a, False, cfg)
+    qa = wgrad_operand(a, False, cfg)
     grad = torch.randn(M, N)
     args = (grad, qa.data, True, True, torch.float32, E4, E4, cfg.granularity.value, cfg.block_size, False, False,
             None, qa.scale)
     opcheck(torch.ops.turbo_dispatch.gemm_fp8_raw.default, args, test_utils=utils)
     out = torch.ops.turbo_dispatch.gemm_fp8_raw(*args)
-    ref = G_OPS._fp8_grads(_ref_mm8(cfg), a, None, grad, False, True, E4, E4, cfg.granularity, False, True,
-                           b_dtype=torch.float32)[1]
+    ref = fp8_grads(_ref_mm8(cfg), a, None, grad, False, True, E4, E4, cfg.granularity, False, True,
+                    b_dtype=torch.float32)[1]
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-6

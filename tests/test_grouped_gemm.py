@@ -308,13 +308,12 @@ def test_fp8_custom_op_matches_eager(device, trans_b, fmt_gran):
 @pytest.mark.parametrize("fmt", ["E4M3", "HYBRID"])
 @pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True)], ids=["both", "a", "b"])
 @pytest.mark.parametrize("trans_b", [False, True], ids=["NN", "NT"])
-def test_fp8_blockwise_step_op_matches_eager(device, trans_b, needs, fmt):
+def test_fp8_blockwise_step_op_matches_eager(device, trans_b, needs, fmt, monkeypatch):
     """The compiled path's blockwise step (grouped_gemm_fp8_step: each operand quantised once,
     the backward's GEMMs on pre-quantised operands) against the eager step, and both against the
     per-GEMM quantisation they replace: the same values, so the same bits on the CPU."""
-    import importlib
+    from turbo_dispatch.ops import grouped_gemm_autograd
 
-    grouped = importlib.import_module("turbo_dispatch.ops.grouped_gemm")
     cfg = Float8QuantConfig(format=fmt, granularity="blockwise", block_size=32)
     a0, b0 = operands(FP8_LENS, FP8_K, FP8_N, trans_b, BF16, device, requires_grad=False)
     group_lens = lens_tensor(FP8_LENS, device)
@@ -333,12 +332,8 @@ def test_fp8_blockwise_step_op_matches_eager(device, trans_b, needs, fmt):
 
     eager = run(lambda x, y: grouped_gemm_fp8(x, y, group_lens, None, trans_b, None, cfg))
     op = run(step_op)
-    saved = grouped._step_reuses_quantization
-    grouped._step_reuses_quantization = lambda c: False
-    try:
-        per_gemm = run(lambda x, y: grouped_gemm_fp8(x, y, group_lens, None, trans_b, None, cfg))
-    finally:
-        grouped._step_reuses_quantization = saved
+    monkeypatch.setattr(grouped_gemm_autograd, "step_reuses_quantization", lambda c: False)
+    per_gemm = run(lambda x, y: grouped_gemm_fp8(x, y, group_lens, None, trans_b, None, cfg))
     for name, x, y, z in zip(("out", "a.grad", "b.grad"), eager, op, per_gemm):
         assert (x is None) == (y is None) == (z is None), name
         if x is not None:
@@ -783,9 +778,9 @@ def test_group_offs_int32_and_int64_give_the_same_result_and_grads(offs_dtype):
 
 
 def test_computed_offsets_are_int32_when_the_tokens_fit():
-    from turbo_dispatch.ops.grouped_gemm import _offsets
+    from turbo_dispatch.ops.grouped_gemm_routing import offsets
 
     lens = torch.tensor([4, 0, 6])
-    offs = _offsets(lens, 10)
+    offs = offsets(lens, 10)
     assert offs.dtype == torch.int32 and offs.tolist() == [0, 4, 4, 10]
-    assert _offsets(lens, 2**31).dtype == torch.int64
+    assert offsets(lens, 2**31).dtype == torch.int64

@@ -55,7 +55,10 @@ def test_config_defaults_strings_hash_and_tag() -> None:
     assert cfg.tag() == "e4m3/tensorwise/fp32"
     mx = Float8QuantConfig(granularity="mx_blockwise", scale_dtype="E8M0")
     assert mx.block_size == 32 and mx.tag() == "e4m3/mx_blockwise32/e8m0"
-    assert Float8QuantConfig(granularity=G.BLOCKWISE, block_size=7).block_size == 7  # any positive int
+    assert Float8QuantConfig(granularity=G.BLOCKWISE, block_size=16).block_size == 16
+    for bad in (7, 48, 1024, 10**6):  # not a power of two, or beyond any useful block
+        with pytest.raises(ValueError, match="block_size, a power of two"):
+            Float8QuantConfig(granularity=G.BLOCKWISE, block_size=bad)
     with pytest.raises(Exception):
         cfg.block_size = 3  # type: ignore[misc]  # frozen
 
@@ -88,7 +91,7 @@ def test_config_validation(kwargs: dict, needle: str) -> None:
 def test_config_error_message_lists_choices() -> None:
     with pytest.raises(ValueError, match="TENSORWISE, ROWWISE, BLOCKWISE, MX_BLOCKWISE"):
         Float8QuantConfig(granularity="columnwise")
-    with pytest.raises(ValueError, match=r"block_size \(a positive int, e.g. 128\); got None"):
+    with pytest.raises(ValueError, match=r"block_size, a power of two \(one of 16, 32, 64, 128, 256, 512, e.g. 128\); got None"):
         Float8QuantConfig(granularity="blockwise")
 
 
@@ -328,7 +331,9 @@ def test_bad_dequantize_and_config_args() -> None:
 
 
 def test_doctests() -> None:
-    for mod in (config_mod, quantize_mod):
+    from turbo_dispatch.low_precision import dual_quantize, fast_quantize
+
+    for mod in (config_mod, quantize_mod, fast_quantize, dual_quantize):
         result = doctest.testmod(mod, extraglobs={"torch": torch})
         assert result.failed == 0, mod.__name__
 

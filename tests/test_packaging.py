@@ -55,7 +55,7 @@ def test_wheel_installs_and_runs(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "turbo_dispatch/registry.yaml" in names
     assert "turbo_dispatch/backends/torch/gemm.py" in names
-    assert "turbo_dispatch/cli.py" in names
+    assert "turbo_dispatch/cli/__init__.py" in names and "turbo_dispatch/cli/__main__.py" in names
     shipped = sorted(p.name for p in (REPO / "turbo_dispatch" / "tuned").glob("*.jsonl"))
     assert shipped and all(f"turbo_dispatch/tuned/{name}" in names for name in shipped), "shipped tuning DBs missing"
     assert not [n for n in names if n.split("/")[0] == "backends"], "wheel ships a top-level 'backends'"

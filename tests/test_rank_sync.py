@@ -129,16 +129,16 @@ def test_sync_tuning_needs_an_initialised_process_group():
 
 
 def test_the_nccl_probe_runs_its_checks_on_two_gloo_ranks(tmp_path):
-    """tools/probe_nccl_consensus.py (the GPU check of consensus and sync_tuning) on the CPU: only
-    its plumbing can be shown here (one CPU backend per op, so nothing to disagree on), and that
-    plumbing is what would otherwise first break on a GPU machine's scarce time."""
+    """benchmarks/probes/probe_nccl_consensus.py (the GPU check of consensus and sync_tuning) on the
+    CPU: only its plumbing can be shown here (one CPU backend per op, so nothing to disagree on),
+    and that plumbing is what would otherwise first break on a GPU machine's scarce time."""
     import json
     import subprocess
 
     env = {**os.environ, "PRIMUS_TURBO_TUNE_DB": str(tmp_path / "shared.jsonl")}
+    probe = HERE.parent / "benchmarks" / "probes" / "probe_nccl_consensus.py"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(HERE.parent / "tools" / "probe_nccl_consensus.py"), "--device", "cpu", "--rows", "64",
-                           "--hidden", "128", "--tokens-per-group", "16"],
+                           str(probe), "--device", "cpu", "--rows", "64", "--hidden", "128", "--tokens-per-group", "16"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -131,3 +131,45 @@ def test_entry_point_plugins_are_loaded(monkeypatch, tmp_path):
     reg = load_registry(extra_files=[])
     assert reg.get("gemm", "EP_SLOW") is not None
     assert metadata  # the real module stays importable
+
+
+def test_kernel_modules_are_named_in_the_registry_and_imported_on_first_use(tmp_path, monkeypatch):
+    """The core reaches kernel modules by name (registry.yaml ``kernels``); a plugin registry may
+    point a name elsewhere; a missing name or a module that does not import gives None and why."""
+    from turbo_dispatch import registry
+
+    reg = load_registry(extra_files=[])
+    assert reg.kernels == {"fp8_quantize": "turbo_dispatch.backends.triton.quantize",
+                           "fp8_dual_quantize": "turbo_dispatch.backends.triton.dual_quantize"}
+    extra = write(tmp_path, """
+        version: 1
+        ops: {}
+        kernels:
+          fp8_quantize: json
+          broken: no_such_module_anywhere
+        """)
+    monkeypatch.setenv("PRIMUS_TURBO_EXTRA_REGISTRY", extra)
+    try:
+        registry.reload_registry()
+        module, why = registry.kernel_module("fp8_quantize")
+        assert module is __import__("json") and why == ""
+        assert registry.kernel_module("fp8_quantize")[0] is module  # cached
+        module, why = registry.kernel_module("broken")
+        assert module is None and "no_such_module_anywhere is not importable" in why
+        module, why = registry.kernel_module("nothing")
+        assert module is None and "no kernel module 'nothing'" in why
+    finally:
+        monkeypatch.delenv("PRIMUS_TURBO_EXTRA_REGISTRY")
+        registry.reload_registry()
+    assert registry.kernel_module("fp8_quantize")[0] is not __import__("json")
+
+
+def test_a_kernel_must_name_a_module(tmp_path):
+    extra = write(tmp_path, """
+        version: 1
+        ops: {}
+        kernels:
+          fp8_quantize: "package.module:function"
+        """)
+    with pytest.raises(RegistryError, match="kernel 'fp8_quantize' must name a module"):
+        load_registry(extra_files=[extra])

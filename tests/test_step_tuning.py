@@ -45,7 +45,7 @@ FAST = dict(candidate_s=0.05, confirm_rounds=3)
 @pytest.fixture
 def fixtures(tmp_path, monkeypatch):
     """STEADY (the default), WGRAD_FAST and WRONG_FAST for grouped_gemm on the CPU; the product
-    TORCH backend is switched off, so the fixtures' sleeps decide every timing."""
+    TORCH backend is switched off, so the fixtures' declared costs decide every timing."""
     path = tmp_path / "plugins.yaml"
     path.write_text(PLUGINS)
     monkeypatch.setenv("PRIMUS_TURBO_EXTRA_REGISTRY", str(path))
@@ -74,7 +74,7 @@ def _role_keys(layer) -> list:
 
 def _run_layer_step(layer):
     """One step of ``layer`` through the public op; the backends its three GEMMs resolved to."""
-    gg = importlib.import_module("turbo_dispatch.ops.grouped_gemm")
+    gg = importlib.import_module("turbo_dispatch.ops.grouped_gemm_spec")  # where the ops' GEMMs resolve
     seen, resolve = [], gg.resolve
 
     def recording(spec, problem):
@@ -163,7 +163,7 @@ def test_a_gain_under_min_speedup_stores_nothing(fixtures):
 def test_without_a_better_choice_the_default_is_kept(fixtures, monkeypatch):
     from fixture_backends import WgradFastGroupedGemm
 
-    monkeypatch.setattr(WgradFastGroupedGemm, "delay", lambda self, p, config: 0.018)
+    monkeypatch.setattr(WgradFastGroupedGemm, "delay", lambda self, p, config: 1.8)
     report, stored = step_tuner.tune_layer(_layer(), CPU, **FAST)
     assert report.status == "default kept" and stored == [], report
     assert report.note == "no role's choice beat the default"
@@ -266,7 +266,7 @@ def test_cli_tune_step_refuses_what_it_cannot_do(fixtures, tmp_path, capsys, ext
 
 def test_distributed_step_tune_shards_layers_and_rank0_writes_them(tmp_path):
     """``tune --step --distributed`` under torchrun (2 ranks, gloo): each rank tunes its share of
-    the layers (here TORCH, the product backend, beats the sleeping STEADY default everywhere) and
+    the layers (here TORCH, the product backend, beats the costly STEADY default everywhere) and
     rank 0 writes every layer's three step entries."""
     import os
     import subprocess

@@ -12,11 +12,12 @@ import torch
 import turbo_dispatch as turbo
 from turbo_dispatch import GlobalBackendManager, autotune, resolver
 from turbo_dispatch.errors import BackendUnsupportedError
+from turbo_dispatch.ops import grouped_gemm_routing, grouped_gemm_spec
+from turbo_dispatch.ops.grouped_gemm_problem import forward_fp8_problem, grouped_gemm_problem, variable_k_problem
 from turbo_dispatch.registry import reload_registry
 from turbo_dispatch.tuning import offline, store
 from turbo_dispatch.tuning.buckets import PER_OCTAVE, SMALL, token_bucket
 
-gg = importlib.import_module("turbo_dispatch.ops.grouped_gemm")
 HERE = Path(__file__).resolve().parent
 
 PLUGINS = """
@@ -101,8 +102,8 @@ def test_autotune_profiles_once_per_bucket_and_stores_the_bucket_top():
 
 
 def test_the_weight_gradient_buckets_its_tokens():
-    p = gg.variable_k_problem(torch.randn(300, 8), torch.randn(300, 5), torch.tensor([100, 200]))
-    shared = gg.GROUPED_GEMM.shared_problem(p)
+    p = variable_k_problem(torch.randn(300, 8), torch.randn(300, 5), torch.tensor([100, 200]))
+    shared = grouped_gemm_spec.GROUPED_GEMM.shared_problem(p)
     assert (p.k, shared.k, shared.m, shared.n) == (300, 320, p.m, p.n)
 
 
@@ -125,7 +126,7 @@ def test_a_pinned_backend_refuses_the_call_by_its_own_key(even_tokens):
 
 
 def test_offline_tuning_stores_the_shared_key(tmp_path):
-    p = gg.grouped_gemm_problem(torch.randn(300, 8), torch.randn(2, 8, 5), torch.tensor([100, 200]))
+    p = grouped_gemm_problem(torch.randn(300, 8), torch.randn(2, 8, 5), torch.tensor([100, 200]))
     db = tmp_path / "offline.jsonl"
     report, result = offline.tune_one("grouped_gemm", p, db=db)
     assert report.status == "tuned" and "m=320" in report.key, report
@@ -148,9 +149,9 @@ def test_doctests():
 @pytest.mark.parametrize("total,g", [(4096 * 32, 32), (1000, 7), (64, 4), (5, 8), (0, 3)])
 def test_near_balanced_split(total, g):
     torch.manual_seed(total + g)
-    lens = gg._near_balanced_lens(total, g)
+    lens = grouped_gemm_routing.near_balanced_lens(total, g)
     share = total / g
-    jitter = gg.TIMING_JITTER
+    jitter = grouped_gemm_routing.TIMING_JITTER
     lo, hi = share * (1 - jitter) / (1 + jitter), share * (1 + jitter) / (1 - jitter)
     assert lens.dtype == torch.int64 and lens.numel() == g and int(lens.sum()) == total
     assert all(lo - 1 <= n <= hi + 1 for n in lens.tolist()), lens
@@ -181,18 +182,19 @@ def test_the_tuner_checks_on_the_random_split_and_times_on_near_balanced_routing
     from turbo_dispatch.backends.torch.grouped_gemm import TorchGroupedGemm, TorchGroupedGemmFp8
     from turbo_dispatch.low_precision import Float8QuantConfig
 
-    spec = gg.GROUPED_GEMM if op == "grouped_gemm" else gg.GROUPED_GEMM_FP8
+    specs = grouped_gemm_spec
+    spec = specs.GROUPED_GEMM if op == "grouped_gemm" else specs.GROUPED_GEMM_FP8
     one_group = lambda total, g: torch.tensor([total] + [0] * (g - 1))
-    make = functools.partial(gg._make_inputs if op == "grouped_gemm" else gg._fp8_make_inputs, split=one_group)
+    make = functools.partial(specs._make_inputs if op == "grouped_gemm" else specs._fp8_make_inputs, split=one_group)
     checked_spec = dataclasses.replace(spec, make_inputs=make)
     a, b = torch.randn(256, 8), torch.randn(4, 6, 8)
     lens = torch.tensor([64] * 4)
     if op == "grouped_gemm":
-        p = gg.grouped_gemm_problem(a, b, lens, None, True)
+        p = grouped_gemm_problem(a, b, lens, None, True)
         adapter = _RecordingGroupedGemm(TorchGroupedGemm())
     else:
-        p = gg._forward_fp8_problem(a, b, lens, gg._offsets(lens, 256), True, None,
-                                    Float8QuantConfig(granularity="rowwise"))
+        p = forward_fp8_problem(a, b, lens, grouped_gemm_routing.offsets(lens, 256), True, None,
+                                Float8QuantConfig(granularity="rowwise"))
         adapter = _RecordingGroupedGemm(TorchGroupedGemmFp8())
     record = autotune.profile(checked_spec, p, [types.SimpleNamespace(name="REC", adapter=adapter)])
     assert record.backend == "REC", record

@@ -55,7 +55,8 @@ def _interpreter_checks() -> None:  # pragma: no cover - runs in the subprocess
     from turbo_dispatch.backends.triton.gemm import TritonGemm, TritonGemmFp8
     from turbo_dispatch.backends.torch.gemm import TorchGemmFp8
     from turbo_dispatch.low_precision import ScalingGranularity as G, quantize
-    from turbo_dispatch.ops.gemm import _fp8_grads, gemm_fp8_problem, gemm_problem
+    from turbo_dispatch.ops.gemm import gemm_fp8_problem, gemm_problem
+    from turbo_dispatch.ops.gemm_grads import fp8_grads
 
     torch.manual_seed(1234)
     E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -220,16 +221,16 @@ def _interpreter_checks() -> None:  # pragma: no cover - runs in the subprocess
             return out
 
         mm8(a, b, ta, tb, torch.float32, fwd, fwd, False, g is G.BLOCKWISE)
-        _fp8_grads(mm8, a, b, grad, ta, tb, fwd, bwd, g, True, True)
+        fp8_grads(mm8, a, b, grad, ta, tb, fwd, bwd, g, True, True)
         _emit(f"fp8_adapter[{g.name}-{'T' if ta else 'N'}{'T' if tb else 'N'}-{fmt}]", ok and len(msgs) == 3,
               "; ".join(msgs))
 
 
     # 5. the wgrad with the activation the op saved pre-quantised ([K, M] along M, see
-    # ops.gemm._wgrad_operand): TRITON takes it as is (odd M: the 16-byte row padding copy) and
+    # ops.gemm_fp8_step.wgrad_operand): TRITON takes it as is (odd M: the 16-byte row padding copy) and
     # agrees with TORCH's emulation on the same quantised values.
     from turbo_dispatch.low_precision import Float8QuantConfig, dequantize
-    from turbo_dispatch.ops.gemm import _wgrad_operand
+    from turbo_dispatch.ops.gemm_fp8_step import wgrad_operand
 
     m, n, k = 37, 40, 96
     for (g, bs), (ta, tb) in itertools.product([(G.TENSORWISE, None), (G.ROWWISE, None), (G.BLOCKWISE, 32)],
@@ -238,7 +239,7 @@ def _interpreter_checks() -> None:  # pragma: no cover - runs in the subprocess
         a = torch.randn((k, m) if ta else (m, k))
         b = torch.randn((n, k) if tb else (k, n))
         grad = torch.randn(m, n)
-        qa = _wgrad_operand(a, ta, cfg8)
+        qa = wgrad_operand(a, ta, cfg8)
         msgs, ok = [], True
 
         def mm8_q(x, y, xta, ytb, od, xf, yf, x2d, y2d):
@@ -251,8 +252,8 @@ def _interpreter_checks() -> None:  # pragma: no cover - runs in the subprocess
             msgs.append(f"{p.m}x{p.n}x{p.k} dtypes={p.a_dtype},{p.b_dtype} vs_emul={agree:.1e}")
             return out
 
-        _, gb = _fp8_grads(mm8_q, qa, None, grad, ta, tb, E4, E4, g, False, True, a_dtype=torch.float32,
-                           b_dtype=torch.float32)
+        _, gb = fp8_grads(mm8_q, qa, None, grad, ta, tb, E4, E4, g, False, True, a_dtype=torch.float32,
+                          b_dtype=torch.float32)
         ref = dequantize(qa, torch.float64) @ dequantize(quantize(grad, E4, g, axis=0, block_size=bs), torch.float64)
         snr = _snr(gb.t() if tb else gb, ref)
         _emit(f"fp8_prequantized_wgrad[{g.name}-{'T' if ta else 'N'}{'T' if tb else 'N'}]",
@@ -489,7 +490,8 @@ def test_gpu_fp8_fwd_dgrad_wgrad(recipe, shape, ta, tb, fmt):
     """The forward GEMM and the exact dgrad / wgrad problems the op's backward builds."""
     from turbo_dispatch.backends.triton.gemm import TritonGemmFp8
     from turbo_dispatch.low_precision import ScalingGranularity as G
-    from turbo_dispatch.ops.gemm import _fp8_grads, gemm_fp8_problem
+    from turbo_dispatch.ops.gemm import gemm_fp8_problem
+    from turbo_dispatch.ops.gemm_grads import fp8_grads
 
     g, bs = {"tensorwise": (G.TENSORWISE, None), "rowwise": (G.ROWWISE, None),
              "blockwise128": (G.BLOCKWISE, 128), "blockwise64": (G.BLOCKWISE, 64)}[recipe]
@@ -512,7 +514,7 @@ def test_gpu_fp8_fwd_dgrad_wgrad(recipe, shape, ta, tb, fmt):
         return out
 
     mm8(a, b, ta, tb, torch.bfloat16, fwd, fwd, False, g is G.BLOCKWISE)
-    _fp8_grads(mm8, a, b, grad, ta, tb, fwd, bwd, g, True, True)
+    fp8_grads(mm8, a, b, grad, ta, tb, fwd, bwd, g, True, True)
 
 
 @pytest.mark.gpu
@@ -634,7 +636,8 @@ def test_gpu_gluon_blockwise_fwd_dgrad_wgrad(cfg, ta, tb):
     from turbo_dispatch.backends.triton import configs as C
     from turbo_dispatch.backends.triton.gemm import TritonGemmFp8
     from turbo_dispatch.low_precision import ScalingGranularity as G
-    from turbo_dispatch.ops.gemm import _fp8_grads, gemm_fp8_problem
+    from turbo_dispatch.ops.gemm import gemm_fp8_problem
+    from turbo_dispatch.ops.gemm_grads import fp8_grads
 
     E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
     m, n, k = 257, 384, 1000
@@ -662,7 +665,7 @@ def test_gpu_gluon_blockwise_fwd_dgrad_wgrad(cfg, ta, tb):
         return out
 
     mm8(a, b, ta, tb, torch.bfloat16, E4, E4, False, True)
-    _fp8_grads(mm8, a, b, grad, ta, tb, E4, E5, G.BLOCKWISE, True, True)
+    fp8_grads(mm8, a, b, grad, ta, tb, E4, E5, G.BLOCKWISE, True, True)
 
 
 @pytest.mark.gpu

@@ -349,8 +349,9 @@ def _case_fp8_step():
     from turbo_dispatch.backends.triton.grouped_gemm import TritonGroupedGemmFp8
     from turbo_dispatch.low_precision import Float8QuantConfig
 
-    grouped = importlib.import_module("turbo_dispatch.ops.grouped_gemm")
-    # TRITON is registered for GPUs only: every fp8 GEMM of the step goes to its adapter directly.
+    # The eager step runs its GEMMs (run_fp8) and picks once or per GEMM (step_reuses_quantization)
+    # here. TRITON is registered for GPUs only: every fp8 GEMM of the step goes to its adapter directly.
+    grouped = importlib.import_module("turbo_dispatch.ops.grouped_gemm_autograd")
     adapter = TritonGroupedGemmFp8()
     seen = []
 
@@ -359,7 +360,7 @@ def _case_fp8_step():
         assert adapter.supports(p) is None, adapter.supports(p)
         return adapter.run(p, x, y, lens_, offs)
 
-    grouped._run_fp8 = run_triton
+    grouped.run_fp8 = run_triton
     lens, _ = _lens_offs([37, 0, 64, 27])
     m, k, n = 128, 64, 96
     for trans_b in (True, False):
@@ -370,15 +371,15 @@ def _case_fp8_step():
             grad = torch.randn(m, n)
             results = []
             for reuse in (True, False):
-                saved = grouped._step_reuses_quantization
+                saved = grouped.step_reuses_quantization
                 if not reuse:
-                    grouped._step_reuses_quantization = lambda c: False
+                    grouped.step_reuses_quantization = lambda c: False
                 try:
                     a, b = a0.clone().requires_grad_(need[0]), b0.clone().requires_grad_(need[1])
                     out = turbo.ops.grouped_gemm_fp8(a, b, lens, trans_b=trans_b, config=cfg)
                     out.backward(grad)
                 finally:
-                    grouped._step_reuses_quantization = saved
+                    grouped.step_reuses_quantization = saved
                 results.append((out.detach(), a.grad, b.grad))
             for x, y in zip(*results):
                 assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), (trans_b, fmt, need)
@@ -456,7 +457,7 @@ def test_overlap_only_on_real_eager_cuda_tensors():
     trace the backward) and a tensor subclass, so no side stream enters a graph."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from turbo_dispatch.backends.quantizer import overlappable
+    from turbo_dispatch.low_precision.side_streams import overlappable
 
     assert not overlappable(torch.empty(2))
     with FakeTensorMode():
@@ -596,12 +597,11 @@ def _token_runs(t: torch.Tensor, dtype: torch.dtype):
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
 @pytest.mark.parametrize("offs_dtype", [torch.int32, torch.int64])
-def test_gpu_wgrad_warp_specialised_vs_float64(out_dtype, fmt, offs_dtype, monkeypatch):
+def test_gpu_wgrad_warp_specialised_vs_float64(out_dtype, fmt, offs_dtype):
     """The warp-specialised blockwise wgrad kernel against a float64 product of the dequantised
-    operands, every config it offers, the 256-row tile and the scales read from global memory:
-    group bounds off the 128-token grid, groups shorter than a
-    step and inside one step, empty groups first, in the middle and last, M and N that end inside
-    a tile (masked stores) and N whose rows TMA cannot store (333, pointer stores); NaN bytes put
+    operands, every config it offers and the 256-row tile: group bounds off the 128-token grid,
+    groups shorter than a step and inside one step, empty groups first, in the middle and last, M
+    and N that end inside a tile (masked stores) and N whose rows TMA cannot store (333, pointer stores); NaN bytes put
     into the fp8 data of one group's last token and another's first stay in their groups."""
     from turbo_dispatch.backends.triton import fp8_blockwise_wgrad_ws as GWW
     from turbo_dispatch.backends.triton.grouped_gemm import WGRAD_WS_CONFIGS
@@ -620,10 +620,7 @@ def test_gpu_wgrad_warp_specialised_vs_float64(out_dtype, fmt, offs_dtype, monke
     qy.view(torch.uint8)[6, 9] = 0x7F  # the first token of group 3 ([6, 76))
     ref = _reference(dx.nan_to_num(0.0), dy.nan_to_num(0.0), lens.cpu(), False, True)
     tol = 1e-3 if out_dtype == torch.float32 else 8e-3
-    first = WGRAD_WS_CONFIGS[0][:6]
-    variants = [(c[:6], True) for c in WGRAD_WS_CONFIGS] + [((256, 128, 128, 8, 3, 8), True), (first, False)]
-    for cfg, smem in variants:
-        monkeypatch.setattr(GWW, "SCALES_IN_SMEM", smem)
+    for cfg in [c[:6] for c in WGRAD_WS_CONFIGS] + [(256, 128, 128, 8, 3, 8)]:
         out = torch.full((len(lens_l), m, n), float("nan"), device="cuda", dtype=out_dtype)
         GWW.fp8_blockwise_wgrad(qx, qy, out, offs, sx, (sx.stride(1), sx.stride(0)), sy,
                                 (sy.stride(1), sy.stride(0)), cfg)
@@ -944,8 +941,8 @@ def test_default_config_falls_back_for_operands_tma_cannot_take(monkeypatch):
     from turbo_dispatch.backends.triton import fp8_blockwise_gluon_ws as GWS
     from turbo_dispatch.backends.triton import fp8_blockwise_wgrad_ws as GWW
     from turbo_dispatch.backends.triton import grouped_gemm as GG
-    from turbo_dispatch.backends.quantizer import empty_padded_rows
     from turbo_dispatch.low_precision import ScalingGranularity as SG
+    from turbo_dispatch.low_precision.dual_quantize import empty_padded_rows
 
     monkeypatch.setattr(GWS, "available", lambda device_index=None: None)
     e4 = torch.float8_e4m3fn
@@ -1108,20 +1105,17 @@ def test_gpu_dual_quantizer_matches_quantize_cells(fmt, kernel):
             return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
         return torch.equal(torch.nan_to_num(a, nan=-1.0), torch.nan_to_num(b, nan=-1.0))
 
-    DQ.GLUON = kernel != "triton"
-    try:
-        for block in (128, 64):
-            d, s, d_t, s_t = DQ.dual_quantize(x, fmt, block, False)
-            r, rs = quantize_cells(x, fmt, 1, block)
-            c, cs = quantize_cells(x.transpose(1, 2), fmt, 1, block, scale_rows_inner=True)
-            assert same(d, r) and same(s, rs) and same(d_t, c) and same(s_t.transpose(1, 2), cs), block
-            w = x.transpose(1, 2)
-            d, s, d_t, s_t = DQ.dual_quantize(w, fmt, block, True)
-            q, qs = quantize_cells(w, fmt, block, block)
-            qt, _ = quantize_cells(w.transpose(1, 2), fmt, block, block)
-            assert same(d, q) and same(s, qs) and same(d_t, qt), block
-    finally:
-        DQ.GLUON = True
+    gluon = kernel != "triton"
+    for block in (128, 64):
+        d, s, d_t, s_t = DQ.dual_quantize(x, fmt, block, False, gluon=gluon)
+        r, rs = quantize_cells(x, fmt, 1, block)
+        c, cs = quantize_cells(x.transpose(1, 2), fmt, 1, block, scale_rows_inner=True)
+        assert same(d, r) and same(s, rs) and same(d_t, c) and same(s_t.transpose(1, 2), cs), block
+        w = x.transpose(1, 2)
+        d, s, d_t, s_t = DQ.dual_quantize(w, fmt, block, True, gluon=gluon)
+        q, qs = quantize_cells(w, fmt, block, block)
+        qt, _ = quantize_cells(w.transpose(1, 2), fmt, block, block)
+        assert same(d, q) and same(s, qs) and same(d_t, qt), block
 
 
 @pytest.mark.gpu
@@ -1150,13 +1144,10 @@ def test_gpu_gluon_dual_quantizer_matches_triton_bit_for_bit(fmt):
     even = torch.randn(2, 256, 384, device="cuda", dtype=torch.bfloat16)
     outs = {}
     for gluon in (True, False):
-        DQ.GLUON = gluon
-        try:
-            outs[gluon] = ()
-            for src in (x, even):
-                outs[gluon] += DQ.dual_quantize(src, fmt, 128, False) + DQ.dual_quantize(src, fmt, 128, True)
-        finally:
-            DQ.GLUON = True
+        outs[gluon] = ()
+        for src in (x, even):
+            outs[gluon] += (DQ.dual_quantize(src, fmt, 128, False, gluon=gluon)
+                            + DQ.dual_quantize(src, fmt, 128, True, gluon=gluon))
     for a, b in zip(outs[True], outs[False], strict=True):
         if a.dtype.is_floating_point and a.element_size() == 1:
             a, b = a.view(torch.uint8), b.view(torch.uint8)
@@ -1184,8 +1175,7 @@ def test_gpu_runs_kernel_strips_match_triton_bit_for_bit(spans, monkeypatch):
     monkeypatch.setattr(DG, "RUNS_MIN_UNITS", 0)
     got = DQ.dual_quantize(x, torch.float8_e4m3fn, 128, False)
     assert DG._span(got[1], 1, 1) == spans[0]  # the strips ran (x is TMA-readable)
-    monkeypatch.setattr(DQ, "GLUON", False)
-    want = DQ.dual_quantize(x, torch.float8_e4m3fn, 128, False)
+    want = DQ.dual_quantize(x, torch.float8_e4m3fn, 128, False, gluon=False)
     assert got[1].stride(1) % 16 == 0
     for a, b in zip(got, want, strict=True):
         if a.element_size() == 1:
@@ -1200,7 +1190,7 @@ def test_gpu_dual_quantizer_float32_matches_reference(tile_2d):
     and both scale sets equal the reference quantisation's (two quantize calls on the CPU). Its
     transposed store of float32 2-D tiles had every fourth row wrong on an H100 (round 99); a
     float32 weight's transposed copy is now torch's copy of its row copy."""
-    from turbo_dispatch.backends.quantizer import quantize_both_tensors
+    from turbo_dispatch.low_precision.dual_quantize import quantize_both_tensors
     from turbo_dispatch.backends.triton.dual_quantize import dual_quantize
 
     # (No NaN cell: the CPU reference and the GPU encode fp8 NaNs differently; the GPU kernels'
@@ -1220,7 +1210,8 @@ def test_gpu_dual_quantizer_float32_matches_reference(tile_2d):
 def test_gpu_side_by_side_quantisers_match_serial():
     """The step's activation and weight quantisers on two streams (``side_by_side``) give the bits
     of the two run one after the other, ready on the current stream without a host sync."""
-    from turbo_dispatch.backends.quantizer import quantize_runs_both, quantize_tiles_both, side_by_side
+    from turbo_dispatch.low_precision.dual_quantize import quantize_runs_both, quantize_tiles_both
+    from turbo_dispatch.low_precision.side_streams import side_by_side
 
     a = torch.randn(5000 + 3, 384, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(3, 256, 384, device="cuda", dtype=torch.bfloat16)
@@ -1248,26 +1239,26 @@ def test_side_stream_waits_for_every_earlier_caller(monkeypatch):
     stream wait for the current stream and for every stream an earlier fork on the device came
     from (a freed side output's block is handed out again inside a fork); while capturing, for the
     current stream only."""
-    from turbo_dispatch.backends import quantizer
+    from turbo_dispatch.low_precision import side_streams
 
-    monkeypatch.setattr(quantizer, "_FORK_CALLERS", {})
+    monkeypatch.setattr(side_streams, "_FORK_CALLERS", {})
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     s1, s3, side = _FakeStream("s1"), _FakeStream("s3"), _FakeStream("side")
-    quantizer._wait_for_callers(side, s1, 0)
-    quantizer._wait_for_callers(side, s1, 0)
+    side_streams._wait_for_callers(side, s1, 0)
+    side_streams._wait_for_callers(side, s1, 0)
     assert side.waited == ["s1", "s1"]
     side.waited.clear()
-    quantizer._wait_for_callers(side, s3, 0)
+    side_streams._wait_for_callers(side, s3, 0)
     assert side.waited == ["s3", "s1"]
     side.waited.clear()
-    quantizer._wait_for_callers(side, s1, 1)  # another device keeps its own callers
+    side_streams._wait_for_callers(side, s1, 1)  # another device keeps its own callers
     assert side.waited == ["s1"]
     side.waited.clear()
     capturing[0] = True
     graph = _FakeStream("capture")
-    quantizer._wait_for_callers(side, graph, 0)
-    assert side.waited == ["capture"] and quantizer._FORK_CALLERS[0] == [s1, s3]
+    side_streams._wait_for_callers(side, graph, 0)
+    assert side.waited == ["capture"] and side_streams._FORK_CALLERS[0] == [s1, s3]
 
 
 @pytest.mark.gpu
@@ -1276,7 +1267,7 @@ def test_gpu_side_output_block_reused_after_the_caller_switched_streams():
     a fork from another stream: the new fork's side work waits for the old caller's read (the
     ``record_stream`` the fork no longer makes is not needed). The read sits behind a GPU spin, so
     without the wait the second fork's fill lands first."""
-    from turbo_dispatch.backends.quantizer import side_by_side
+    from turbo_dispatch.low_precision.side_streams import side_by_side
 
     dev, n = torch.device("cuda"), 1 << 20
     s1, s3 = torch.cuda.Stream(), torch.cuda.Stream()
@@ -1310,8 +1301,6 @@ def test_gpu_tma_launch_as_first_cuda_work_of_a_fresh_thread():
     x = torch.randn(1, 512, 384, device="cuda", dtype=torch.bfloat16) * 5
     if DG.available(x, 128):
         pytest.skip(DG.available(x, 128))
-    if DG.TMA_RUNS is None:
-        pytest.skip("the token-run quantiser's TMA form is off (dual_quantize_gluon.TMA_RUNS)")
     ref = DQ.dual_quantize(x, torch.float8_e4m3fn, 128, False)
     spare = DQ.dual_quantize(x, torch.float8_e4m3fn, 128, False)
     del spare  # its blocks stay cached: the thread allocates without a cudaMalloc, which binds a context

@@ -11,7 +11,7 @@ must at least run its three GEMMs and move its quantisation bytes:
   wgmma reads its B operand only K-major, so the forward (reducing over K) and the dgrad
   (reducing over N) each need the weight laid out with their own reduction axis contiguous:
   ``--weight-copies 2`` (the default). One copy (3 bytes) is the bound of an MMA that can read
-  fp8 either way round; rounds before 2026-11-24's twenty-first session quoted that one.
+  fp8 either way round.
 
 Each GEMM also reads its two fp8 operands and writes its bf16 output (the forward x and the
 weight, writing y [M, N]; the dgrad the gradient and the weight, writing dx [M, K]; the wgrad
@@ -24,8 +24,10 @@ the quantisation bytes over ``--tbps``. Dividing the CSV's measured bf16 step ti
 the largest ratio kernels at those rates could show for that case.
 
 Usage:
-    python tools/fp8_grouped_bound.py benchmarks/results/h100_2026-11-24r105_fp8_blockwise_grouped_gemm_ep8_tpe4096.csv \
-        --tflops 1226 --tbps 3.0 [--wgrad-tflops 960] [--weight-copies 2]
+    python tools/fp8_grouped_bound.py bench-out/h100_<date>_fp8_blockwise_grouped_gemm_ep8_tpe4096.csv \
+        --tflops 1224 --wgrad-tflops 958 --tbps 2.5 [--weight-copies 2]
+
+(the CSV of ``python benchmarks/suite.py --family grouped_gemm_fp8``, or of bench_grouped_gemm.py).
 """
 from __future__ import annotations
 

@@ -46,6 +46,20 @@ class Adapter:
         backend's default)."""
         return [None]
 
+    def check_config(self, problem: Any, config: Hashable) -> str | None:
+        """None when ``run(problem, ..., config=config)`` may be called, else why not. A config
+        read from a tuning DB passes through here before it can win, so a hand-edited or hostile
+        entry (a tile of 3 rows, a split of 10**11) is skipped instead of failing every call.
+
+        The default accepts ``None`` and the configs ``configs(problem)`` offers; an adapter whose
+        config space is larger than what it offers overrides this with a schema check."""
+        if config is None:
+            return None
+        offered = self.configs(problem)
+        if config in offered:
+            return None
+        return f"config {config!r} is not among the {len(offered)} this backend offers for the key"
+
     def describe(self, problem: Any) -> str | None:
         """Optional one-line note on how this backend would run ``problem`` (shown by explain)."""
         return None

@@ -16,12 +16,13 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
 from . import host_cover
 from . import manager as _manager
+from .env import parse_bool, parse_nonnegative_float
 from .op_spec import OpSpec, format_key
 from .tuning import database as _tunedb
 
@@ -80,6 +81,9 @@ def clear_memory() -> None:
     with _lock:
         _memory.clear()
         _db_hits.clear()
+
+
+_manager.on_reset(clear_memory)
 
 
 def known_records() -> list[tuple[str, Any, TuneRecord]]:
@@ -171,7 +175,7 @@ def tune(spec: OpSpec, problem: Any, candidates: Sequence[Any], profile_allowed:
 
 
 def _budget_s() -> float:
-    return float(os.environ.get(BUDGET_ENV, _DEFAULT_BUDGET_MS)) / 1e3
+    return parse_nonnegative_float(os.environ.get(BUDGET_ENV), BUDGET_ENV, _DEFAULT_BUDGET_MS) / 1e3
 
 
 def timing_set_count(sample: Sequence[Any], device: torch.device, most: int) -> int:
@@ -197,13 +201,17 @@ def _input_sets(spec: OpSpec, problem: Any,
     return checked, [first] + [(draw or spec.make_inputs)(problem, device) for _ in range(count - 1)]
 
 
+#: The host clock that times CPU candidates. Tests substitute a clock that also counts the cost
+#: their fixture backends declare, so a loaded machine's scheduling cannot decide their outcome.
+_clock: "Callable[[], float]" = time.perf_counter
+
+
 def _time_ms(fn, sets: list, device: torch.device, deadline: float) -> float:
     """Median GPU milliseconds of ``fn`` over rotating input sets. On CUDA a spin sized to the
     call's host issue time (measured in the warm-ups) precedes each timed call
     (``host_cover``): without it a small problem's events time the host, and the tuner picks the
-    candidate with the cheapest launch path rather than the fastest kernel. (H100, round 37,
-    before the cover: at GPT-OSS-20B's down GEMM the tuned forward ran 24% slower than the
-    default config's; the fp8 grouped adapters' host paths differ by more than such kernels.)"""
+    candidate with the cheapest launch path rather than the fastest kernel (the fp8 grouped
+    adapters' host paths differ by more than such kernels; docs/kernels.md)."""
     host = [host_cover.untimed_host_ms(lambda: fn(sets[i % len(sets)]), device) for i in range(_WARMUP)]
     samples = []
     if device.type == "cuda":
@@ -215,9 +223,9 @@ def _time_ms(fn, sets: list, device: torch.device, deadline: float) -> float:
                 break
     else:
         for i in range(_MAX_REPEATS):
-            t0 = time.perf_counter()
+            t0 = _clock()
             fn(sets[i % len(sets)])
-            samples.append((time.perf_counter() - t0) * 1e3)
+            samples.append((_clock() - t0) * 1e3)
             if len(samples) >= _MIN_REPEATS and time.monotonic() > deadline:
                 break
     return statistics.median(samples)
@@ -314,7 +322,7 @@ def profile(spec: OpSpec, problem: Any, candidates: Sequence[Any]) -> TuneRecord
 
 def consensus_enabled() -> bool:
     """Rank consensus is opt-in (PRIMUS_TURBO_TUNE_CONSENSUS=1) and needs torch.distributed."""
-    if os.environ.get(CONSENSUS_ENV, "").strip().lower() not in ("1", "true", "yes", "on"):
+    if not parse_bool(os.environ.get(CONSENSUS_ENV), CONSENSUS_ENV):
         return False
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 

@@ -2,7 +2,8 @@
 
 ``PRIMUS_TURBO_<FAMILY>_BACKEND`` holds a comma-separated list of items. An item is either a
 bare backend name (all precisions not listed elsewhere) or ``<precision>:<backend>``, where
-precision is one of bf16/fp16/fp32/fp8 or ``other`` (= every precision not listed). The backend
+precision is one of bf16/fp16/fp32/fp8, ``bf16_fp16_fp32`` (= bf16, fp16 and fp32) or ``other``
+(= every precision not listed); ``fp4`` is refused with the reason (there are no FP4 ops). The backend
 may be ``autotune``. Names are case-insensitive. Examples: ``TRITON``,
 ``fp8:triton,bf16:cublaslt``, ``fp8:autotune,other:torch``.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from .backend_type import BackendType, PrecisionType
+from .backend_type import BackendType, PrecisionType, settable_precisions
 from .errors import ConfigError
 
 ALL_PRECISIONS = "*"
@@ -26,8 +27,12 @@ def valid_backend_names(plugin_names: Iterable[str]) -> list[str]:
 
 def check_backend_name(backend: "BackendType | str", plugin_names: Iterable[str], where: str) -> "BackendType | str":
     """Parses a backend name, rejecting one that is neither built in nor registered by a plugin."""
-    parsed = BackendType.parse(backend)
     plugin_names = set(plugin_names)
+    try:
+        parsed = BackendType.parse(backend)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: {backend!r} is not a backend name; valid backends: "
+                          f"{', '.join(valid_backend_names(plugin_names))}") from None
     if not isinstance(parsed, BackendType) and parsed not in plugin_names:
         raise ConfigError(
             f"{where}: unknown backend {backend!r}; valid backends: {', '.join(valid_backend_names(plugin_names))}"
@@ -43,21 +48,28 @@ def parse_backend_setting(raw: str, env_var: str, plugin_names: Iterable[str]) -
         if not item:
             continue
         precision_text, sep, backend_text = item.rpartition(":")
-        if not sep:
-            key = ALL_PRECISIONS
-        elif precision_text.strip().lower() in _OTHER_NAMES:
-            key = ALL_PRECISIONS
+        if not backend_text.strip():
+            raise ConfigError(f"{env_var}={raw!r}: item {item!r} names no backend; valid backends: "
+                              f"{', '.join(valid_backend_names(plugin_names))}")
+        if not sep or precision_text.strip().lower() in _OTHER_NAMES:
+            keys: tuple[str, ...] = (ALL_PRECISIONS,)
         else:
             try:
-                key = PrecisionType.parse(precision_text).value
+                precision = PrecisionType.parse(precision_text)
             except ValueError:
-                valid = ", ".join([p.value for p in PrecisionType] + ["other"])
+                valid = ", ".join(settable_precisions() + ["other"])
                 raise ConfigError(
                     f"{env_var}={raw!r}: unknown precision {precision_text.strip()!r}; valid precisions: {valid}"
                 ) from None
-        if key in setting:
-            raise ConfigError(f"{env_var}={raw!r}: precision {key if key != '*' else 'other'!r} is set twice")
-        setting[key] = check_backend_name(backend_text.strip(), plugin_names, f"{env_var}={raw!r}")
+            try:
+                keys = precision.setting_keys()
+            except ValueError as exc:
+                raise ConfigError(f"{env_var}={raw!r}: {exc}") from None
+        for key in keys:
+            if key in setting:
+                raise ConfigError(f"{env_var}={raw!r}: precision {key if key != '*' else 'other'!r} is set twice")
+        backend = check_backend_name(backend_text.strip(), plugin_names, f"{env_var}={raw!r}")
+        setting.update(dict.fromkeys(keys, backend))
     return setting
 
 
@@ -71,3 +83,17 @@ def parse_bool(raw: str | None, env_var: str) -> bool | None:
     if value in _FALSE:
         return False
     raise ConfigError(f"{env_var}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
+
+
+def parse_nonnegative_float(raw: str | None, env_var: str, default: float) -> float:
+    """Parses a finite number >= 0 from an environment variable; ``default`` when unset or blank.
+    A bad value raises ConfigError naming the variable, never a bare ValueError."""
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (value >= 0 and value != float("inf")):
+        raise ConfigError(f"{env_var}={raw!r}: expected a number >= 0 (default {default:g})")
+    return value

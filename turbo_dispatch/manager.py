@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .backend_type import BackendLike, BackendType, PrecisionType
+from .backend_type import BackendChoice, BackendLike, BackendType, PrecisionType
 from .env import ALL_PRECISIONS, AUTO_TUNE_ENV, check_backend_name, parse_backend_setting, parse_bool
 from .op_spec import FAMILY_ENV
 from .tuning import config as _db_config
@@ -64,6 +64,7 @@ _generation = itertools.count(1)
 _lock = threading.RLock()
 _settings: Settings | None = None
 _listeners: list[Callable[[], None]] = []
+_reset_listeners: list[Callable[[], None]] = []
 
 
 def _plugin_names() -> set[str]:
@@ -111,6 +112,12 @@ def on_change(listener: Callable[[], None]) -> None:
     _listeners.append(listener)
 
 
+def on_reset(listener: Callable[[], None]) -> None:
+    """Registers a callback run by ``GlobalBackendManager.reset()``, also when re-reading the
+    environment fails (e.g. to forget in-memory tuning results)."""
+    _reset_listeners.append(listener)
+
+
 def _family_setter(family: str):
     def setter(backend: BackendLike | None = None, precision: PrecisionType | str | None = None,
                auto_tune: bool = False) -> None:
@@ -118,7 +125,7 @@ def _family_setter(family: str):
             raise ValueError(
                 f"set_{family}_backend: pass either backend=... (pin it) or auto_tune=True (tune it), not both"
             )
-        key = ALL_PRECISIONS if precision is None else PrecisionType.parse(precision).value
+        keys = (ALL_PRECISIONS,) if precision is None else PrecisionType.parse(precision).setting_keys()
         value = BackendType.AUTOTUNE if auto_tune else None
         if backend is not None:
             value = check_backend_name(backend, _plugin_names(), f"set_{family}_backend(backend={backend!r})")
@@ -127,10 +134,11 @@ def _family_setter(family: str):
             per_family = dict(settings.code.get(family, {}))
             if value is None and precision is None:
                 per_family.clear()  # set_*(None) unsets every precision of the family
-            elif value is None:
-                per_family.pop(key, None)
-            else:
-                per_family[key] = value
+            for key in keys:
+                if value is None:
+                    per_family.pop(key, None)
+                else:
+                    per_family[key] = value
             code = dict(settings.code)
             if per_family:
                 code[family] = per_family
@@ -141,29 +149,36 @@ def _family_setter(family: str):
     setter.__name__ = f"set_{family}_backend"
     setter.__doc__ = f"""Pins (or, with ``auto_tune=True``, autotunes) the {family} backend in code.
 
-    ``precision`` limits the setting to one precision class; the env var keeps governing the
+    ``precision`` limits the setting to one precision class (``BF16_FP16_FP32``: the three
+    high precisions; FP4 is refused, there are no FP4 ops); the env var keeps governing the
     others. ``backend=None`` unsets: for one precision, or (with ``precision=None``) all of them.
 
     Example:
         >>> from turbo_dispatch import GlobalBackendManager, BackendType
         >>> GlobalBackendManager.set_{family}_backend(BackendType.TORCH, precision="bf16")
         >>> GlobalBackendManager.get_{family}_backend("bf16")
-        <BackendType.TORCH: 'TORCH'>
+        BackendChoice(backend=<BackendType.TORCH: 'TORCH'>, auto_tune=False)
         >>> GlobalBackendManager.set_{family}_backend(None)
     """
     return staticmethod(setter)
 
 
 def _family_getter(family: str):
-    def getter(precision: PrecisionType | str | None = None) -> "BackendType | str | None":
-        per_family = current_settings().code.get(family, {})
-        if precision is None:
-            return per_family.get(ALL_PRECISIONS)
-        key = PrecisionType.parse(precision).value
-        return per_family.get(key, per_family.get(ALL_PRECISIONS))
+    def getter(precision: PrecisionType | str | None = None) -> BackendChoice | None:
+        settings = current_settings()
+        keys = (ALL_PRECISIONS,) if precision is None else PrecisionType.parse(precision).setting_keys()
+        choices = {key: BackendChoice.from_setting(*settings.backend_choice(family, key)) for key in keys}
+        if len(set(choices.values())) > 1:
+            each = ", ".join(f"{key}={choice}" for key, choice in choices.items())
+            raise ValueError(f"get_{family}_backend({precision!r}): the precisions it covers are set apart "
+                             f"({each}); ask for one of them")
+        return choices[keys[0]]
 
     getter.__name__ = f"get_{family}_backend"
-    getter.__doc__ = f"The code-level {family} setting for ``precision`` (None: not set in code)."
+    getter.__doc__ = f"""The {family} setting in force for ``precision``: a ``BackendChoice`` (the
+    backend, or ``auto_tune=True``; its ``source`` says "code" or "env"), None when neither code
+    nor the environment sets one. ``precision=None`` reads the family-wide setting;
+    ``BF16_FP16_FP32`` the one its three precisions share (ValueError if they differ)."""
     return staticmethod(getter)
 
 
@@ -184,7 +199,7 @@ class GlobalBackendManager:
     Example:
         >>> from turbo_dispatch import GlobalBackendManager, BackendType
         >>> GlobalBackendManager.set_gemm_backend(BackendType.TORCH, precision="fp8")
-        >>> GlobalBackendManager.get_gemm_backend("fp8")
+        >>> GlobalBackendManager.get_gemm_backend("fp8").backend
         <BackendType.TORCH: 'TORCH'>
         >>> GlobalBackendManager.reset()
         >>> GlobalBackendManager.get_gemm_backend("fp8") is None
@@ -212,6 +227,9 @@ class GlobalBackendManager:
     def get_auto_tune() -> bool:
         """Whether autotuning is globally on (code setting, else PRIMUS_TURBO_AUTO_TUNE)."""
         return current_settings().global_auto_tune()[0]
+
+    #: ``get_auto_tune`` under the name code written for Primus-Turbo calls.
+    auto_tune_enabled = get_auto_tune
 
     # -- tuning database ------------------------------------------------------------------------------
     @staticmethod
@@ -263,9 +281,7 @@ class GlobalBackendManager:
     @staticmethod
     def reset() -> None:
         """Clears every code setting, re-reads the environment and drops all cached decisions
-        and in-memory tuning results."""
-        from . import autotune
-
+        and in-memory tuning results (through the ``on_reset`` callbacks)."""
         global _settings
         with _lock:
             # Drop the old snapshot first: if the environment is now invalid, every later call
@@ -274,4 +290,5 @@ class GlobalBackendManager:
             try:
                 _publish(Settings(0))
             finally:
-                autotune.clear_memory()
+                for listener in list(_reset_listeners):
+                    listener()

@@ -10,6 +10,8 @@ Schema (see docs/architecture.md)::
           - name: <BACKEND>            # BackendType value, or a plugin's own name
             adapter: package.module:Class
             platforms: [cuda, rocm, cpu]
+    kernels:                           # optional: kernel modules the core uses without an adapter
+      <name>: package.module           # imported on first use by kernel_module(<name>)
 
 Third-party backends arrive through the ``turbo_dispatch.backends`` entry-point group (an
 object that is a registry path, a dict in this schema, or a callable returning either) and
@@ -24,6 +26,7 @@ import threading
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Iterable
 
 import yaml
@@ -85,10 +88,11 @@ class _LineLoader(yaml.SafeLoader):
 
 @dataclass
 class Registry:
-    """All backends per op, with each op's default per platform."""
+    """All backends per op, with each op's default per platform, and the named kernel modules."""
 
     entries: dict[str, list[BackendEntry]] = field(default_factory=dict)
     defaults: dict[str, dict[str, str]] = field(default_factory=dict)
+    kernels: dict[str, str] = field(default_factory=dict)
 
     def backends(self, op: str, platform: str | None = None) -> list[BackendEntry]:
         """The op's entries in fallback order, optionally only those registered for a platform."""
@@ -119,6 +123,7 @@ class Registry:
         version = doc.get("version", 1)
         if version != 1:
             raise RegistryError(f"{where(doc)}: unsupported registry version {version!r} (expected 1)")
+        self._add_kernels(doc.get("kernels") or {}, origin, where)
         for op, spec in doc["ops"].items():
             if op == _LINE:
                 continue
@@ -149,6 +154,21 @@ class Registry:
                 if previous is not None and previous != name:
                     log.info("%s: %s default on %s changed from %s to %s", origin, op, platform, previous, name)
                 self.defaults[op][platform] = name
+
+    def _add_kernels(self, kernels: Any, origin: str, where) -> None:
+        """Records ``kernels: {name: package.module}``; a later document may point a name elsewhere."""
+        if not isinstance(kernels, dict):
+            raise RegistryError(f"{origin}: 'kernels' must map kernel names to module paths")
+        for name, path in kernels.items():
+            if name == _LINE:
+                continue
+            if not isinstance(path, str) or not path or ":" in path or any(not p for p in path.split(".")):
+                raise RegistryError(f"{where(kernels)}: kernel {name!r} must name a module ('package.module'); "
+                                    f"got {path!r}")
+            previous = self.kernels.get(str(name))
+            if previous is not None and previous != path:
+                log.info("%s: kernel %s changed from %s to %s", origin, name, previous, path)
+            self.kernels[str(name)] = path
 
     def _add_entry(self, op: str, item: Any, origin: str, where) -> None:
         if not isinstance(item, dict):
@@ -277,4 +297,31 @@ def reload_registry() -> Registry:
     global _registry
     with _lock:
         _registry = load_registry()
+        _kernel_modules.clear()
         return _registry
+
+
+#: name -> (module, "") or (None, why not), filled by kernel_module.
+_kernel_modules: dict[str, tuple[ModuleType | None, str]] = {}
+
+
+def kernel_module(name: str) -> tuple[ModuleType | None, str]:
+    """The kernel module registered as ``name`` under ``kernels``, imported on first use and cached:
+    ``(module, "")``, or ``(None, why not)`` when none is registered or it does not import (no
+    triton here, say). This is how the core reaches kernels without importing
+    ``turbo_dispatch.backends``; a caller without the module takes its reference path."""
+    found = _kernel_modules.get(name)
+    if found is None:
+        try:
+            path = get_registry().kernels.get(name)
+        except RegistryError as exc:
+            return None, f"the registry did not load ({exc})"
+        if path is None:
+            found = (None, f"no kernel module {name!r} is registered (registry.yaml 'kernels')")
+        else:
+            try:
+                found = (importlib.import_module(path), "")
+            except Exception as exc:  # ImportError without triton, or a broken module
+                found = (None, f"{path} is not importable ({type(exc).__name__}: {exc})")
+        _kernel_modules[name] = found
+    return found

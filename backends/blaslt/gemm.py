@@ -12,7 +12,7 @@ PyTorch names the vendor BLAS-Lt of both platforms the same way, so only ``libra
   cuBLASLt does not implement may still run on another library.
   Configs: ``"cublaslt"`` (the default) and ``"cublas"`` (the classic cuBLAS API, PyTorch's usual
   pick), so the autotuner can compare the two libraries per shape.
-* ``BlasLtGemmFp8``: quantise both operands (``turbo_dispatch.backends.quantizer``: the Triton
+* ``BlasLtGemmFp8``: quantise both operands (``turbo_dispatch.low_precision.fast_quantize``: the Triton
   quantizer when it is available, else the reference ``turbo_dispatch.low_precision.quantize``;
   ``describe`` says which), then
   ``torch._scaled_mm`` (tensorwise, rowwise) or ``torch.nn.functional.scaled_mm`` (blockwise
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from typing import Any, Callable, Hashable
 
 import torch
@@ -38,8 +39,9 @@ import torch
 from turbo_dispatch.adapter import Adapter
 from turbo_dispatch.low_precision import QuantizedTensor, ScalingGranularity
 
-from ..quantizer import quantize_operand, quantizer_name
+from turbo_dispatch.low_precision.fast_quantize import quantize_operand, quantizer_name
 from ..torch.gemm import _capability, _row_major, _scaled, _scaled_mm_unsupported
+from . import rocm
 
 log = logging.getLogger("turbo_dispatch.backends.blaslt.gemm")
 
@@ -127,25 +129,38 @@ class _BlasLtAdapter(Adapter):
 # -- bf16 / fp16 -----------------------------------------------------------------------------------
 #: config -> name in torch's _BlasBackend enum. "hipblas*" are ROCm spellings of the same members.
 _LIBRARY_CONFIGS = {"cublaslt": "Cublaslt", "hipblaslt": "Cublaslt", "cublas": "Cublas", "hipblas": "Cublas"}
+#: Every library ``run_with_preferred_blas`` switches to: the configs above and CK (the CK adapter's).
+_BLAS_MEMBERS = {**_LIBRARY_CONFIGS, "ck": "Ck"}
+#: Held from setting a preference until it is restored (``run_switched``): two threads switching
+#: at once would otherwise restore each other's choice and leave the process-global value changed.
+_SWITCH_LOCK = threading.RLock()
 
 
 def run_with_preferred_blas(library: str, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
     """Runs ``fn`` with torch's preferred BLAS library set to ``library`` (a key of
-    ``_LIBRARY_CONFIGS``) and restores the previous preference afterwards, also on an exception.
-    When the preference already is ``library``, nothing is switched."""
+    ``_LIBRARY_CONFIGS``, or ``"ck"``) and restores the previous preference afterwards, also on an
+    exception. When the preference already is ``library``, nothing is switched."""
     switch = _blas_switch()
     if switch is None:
         raise RuntimeError(f"this torch ({torch.__version__}) has no preferred-BLAS-library switch")
     get, put, kind = switch
-    target = getattr(kind, _LIBRARY_CONFIGS[library])
-    previous = get()
-    if previous == target:
-        return fn()
-    put(target)
-    try:
-        return fn()
-    finally:
-        put(previous)
+    return run_switched(get, put, getattr(kind, _BLAS_MEMBERS[library]), fn)
+
+
+def run_switched(get: Callable[[], Any], put: Callable[[Any], None], target: Any, fn: Callable[[], Any]) -> Any:
+    """Runs ``fn`` with a process-global torch preference (read by ``get``, written by ``put``) set
+    to ``target``, and restores the previous value afterwards, also on an exception; nothing is
+    switched when it already is ``target``. Every switch made through here holds ``_SWITCH_LOCK``
+    until it is restored."""
+    with _SWITCH_LOCK:
+        previous = get()
+        if previous == target:
+            return fn()
+        put(target)
+        try:
+            return fn()
+        finally:
+            put(previous)
 
 
 class BlasLtGemm(_BlasLtAdapter):
@@ -197,7 +212,7 @@ def _swapped(p):
 
 
 def _rocm_fp8_reason() -> str | None:
-    arch = torch.cuda.get_device_properties(torch.cuda.current_device()).gcnArchName.split(":")[0]
+    arch = rocm.gfx_arch()
     if arch == "gfx950" or arch.startswith("gfx12"):
         return None
     return (f"hipBLASLt runs the OCP fp8 encodings (e4m3fn/e5m2) on gfx950/gfx12; {arch} uses the fnuz "
@@ -226,6 +241,10 @@ class BlasLtGemmFp8(_BlasLtAdapter):
                 return reason
             if g is ScalingGranularity.BLOCKWISE:
                 return "blockwise fp8 through hipBLASLt is not verified; use TORCH or TRITON"
+            if g is ScalingGranularity.ROWWISE:
+                reason = rocm.rowwise_scaled_mm_reason()
+                if reason is not None:
+                    return reason
         if p.a_2d and p.b_2d:
             return "both operands in 2-D tiles: cuBLASLt takes 128x128 tiles on one operand only"
         q = _swapped(p) if p.a_2d else p

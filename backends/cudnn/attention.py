@@ -25,10 +25,9 @@ that the public SDPA call drops.
 ``sdpa_kernel`` toggles process-wide flags for the duration of the call, so a thread running SDPA
 elsewhere at the same moment sees them too (a PyTorch limitation).
 
-On an H200 with torch 2.11 / cuDNN 9.19, tools/probe_attention.py saw the forced cuDNN kernel
-*run* GQA, Dv != Dqk, head dims 40 and 256, dropout and boolean masks; running is not being
-right, and other cuDNN versions differ, so those stay refused until the GPU grid checks them
-(GQA has been checked since: torch 2.11, cuDNN 9.19, H100).
+The forced cuDNN kernel also *runs* Dv != Dqk, head dims 40 and 256, dropout and boolean masks
+(H200, torch 2.11, cuDNN 9.19); running is not being right, and other cuDNN versions differ, so
+those stay refused until the GPU grid checks them. GQA/MQA is checked (``GQA_FROM_TORCH``).
 
 The GPU tests (tests/test_attention.py, marker ``gpu``) run every case of their grid that
 ``supports()`` accepts against the float64 reference, forward and backward, so widening these
@@ -45,7 +44,7 @@ from turbo_dispatch.backends.torch.attention import TorchAttention
 
 MAX_HEAD_DIM = 128
 #: The torch release from which SDPA hands GQA/MQA calls to cuDNN unexpanded and the GPU grid
-#: (tests/test_attention.py) checked them, forward, backward and lse (round 144, H100).
+#: (tests/test_attention.py) checks them, forward, backward and lse (H100, cuDNN 9.19).
 GQA_FROM_TORCH = "2.11"
 
 

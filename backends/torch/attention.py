@@ -19,8 +19,7 @@ is needed: there k/v are expanded with ``repeat_interleave``, because the masked
 which materialises every score.
 
 cuDNN lse path (``cudnn_lse``): dense calls that ask for the lse and that the CUDNN backend has
-verified run SDPA's cuDNN kernel op, which returns the lse (on an H100 as fast as the call
-without it, round 140).
+verified run SDPA's cuDNN kernel op, which returns the lse at no extra cost (docs/kernels.md).
 
 FlashAttention path (``flash_native``): on NVIDIA GPUs PyTorch's own FlashAttention-2 kernels,
 called directly, serve every varlen call and the other dense calls SDPA serves badly (an lse
@@ -31,18 +30,16 @@ What neither serves takes the paths below, and ``describe()`` says which path an
 lse elsewhere: SDPA does not return it, so ``return_lse`` adds a separate pass that computes the
 scores in float32 query block by query block (at most 2**26 scores at a time; a dense block reads
 only the keys its rows may attend) and takes their logsumexp. It runs without autograd (the lse
-is not differentiable) and costs one extra QK^T plus a few memory-bound passes over the scores:
-on an H100 (torch 2.11) a causal B=2, S=4096, H=32, D=128 bf16 forward+backward took 13.6 ms
-with the lse against 2.2 ms without (tools/probe_attention.py, round 133) before the FlashAttention
-path took these calls.
+is not differentiable) and costs one extra QK^T plus a few memory-bound passes over the scores,
+several times the attention itself (docs/kernels.md), so it serves only what the two kernel
+paths above cannot.
 
 Varlen elsewhere: the packed tokens are scattered into padded [B, max_seqlen, H, D] tensors with
 indices computed on the device from cu_seqlens (searchsorted), attended with a per-sequence
 boolean mask, and gathered back. Nothing reads cu_seqlens on the host, so there is no host sync
 and the call can be captured in a CUDA graph; the price is padding work and memory of order
 B * max_seqlen_q * max_seqlen_k for the mask, and the masked kernel is slower than the causal
-one: 8 sequences of 1024 tokens, causal, H=32, D=128, bf16 forward+backward took 4.2 ms on an
-H100 against 1.5 ms through FlashAttention (torch 2.11, round 135). Tokens beyond
+one (about 3x FlashAttention's varlen kernel, docs/kernels.md). Tokens beyond
 ``cu_seqlens[-1]`` or sequences longer than ``max_seqlen`` break the FlashAttention contract:
 indices are clamped so nothing reads out of bounds, but the result for those tokens is undefined.
 
@@ -386,8 +383,8 @@ class TorchAttention(Adapter):
         The eager call's kernel, always: lse calls on cuDNN's op, the calls eager takes to
         FlashAttention. The dense calls eager hands to SDPA without a mask take the kernel SDPA
         would pick, through the op that returns the lse, where that is cuDNN or FlashAttention.
-        Taking FlashAttention where SDPA picks cuDNN would not pay: on an H100 (round 142) GQA
-        causal ran 3.68 ms on FlashAttention against 2.63 for SDPA's cuDNN with the recomputation."""
+        Taking FlashAttention where SDPA picks cuDNN would not pay: cuDNN with the recomputation
+        is faster (docs/kernels.md)."""
         path = self._path(p)
         if path != "sdpa" or p.varlen or p.return_lse:
             return path

@@ -2,9 +2,8 @@
 kernel through its aten op (``aten._scaled_dot_product_cudnn_attention`` with
 ``compute_log_sumexp``), which returns the lse that the public SDPA call drops.
 
-On an H100 (torch 2.11, round 137) SDPA's own choice for a causal B=2, S=4096, H=32, D=128 bf16
-forward+backward ran in 2.15 ms (cuDNN), PyTorch's FlashAttention-2 kernels in 3.6 ms, so where
-cuDNN can serve an lse call it is the faster of the two kernels that return one. The cases are the
+Where cuDNN can serve an lse call it is the faster of the two kernels that return one (about
+1.7x PyTorch's FlashAttention-2 kernels on an H100, docs/kernels.md). The cases are the
 ones the CUDNN backend has verified (its ``supports()``: bf16/fp16, GQA from torch 2.11, equal
 head dims that are multiples of 8 up to 128, no window, causal only with Sq == Sk, no dropout, not
 deterministic), and cuDNN SDP must not be switched off (``torch.backends.cuda.enable_cudnn_sdp``).

@@ -8,9 +8,8 @@ the memory-efficient kernel; the padded varlen path adds scatter/gather work and
 as they are, and packed [T, H, D] tensors with ``cu_seqlens`` on the device (no host sync,
 capturable); they apply FlashAttention's bottom-right aligned ``(left, right)`` windows (this
 library's mask convention) and GQA/MQA without expanding k/v, and return the lse. Dense calls
-take the batch kernels. On an H100 (torch 2.11, round 140) these kernels run causal
-forward+backward 1.2-1.8x slower than cuDNN's (B=2, S=4096, H=32, D=128: 3.8 ms against 2.2),
-which is why they only take what cuDNN cannot serve.
+take the batch kernels. They run causal forward+backward slower than cuDNN's (1.2-1.8x on an
+H100, docs/kernels.md), which is why they only take what cuDNN cannot serve.
 
 The adapter takes this path for every varlen call and for the dense calls SDPA serves badly (an
 lse that cuDNN's kernel op cannot return (``cudnn_lse``), a window, causal with Sq > Sk), where

@@ -21,9 +21,9 @@ together is a property of the compiled kernel (registers, shared memory);
 The candidate lists are short on purpose: an autotuner profiles every config of every backend
 for a key, so each list holds a handful of shapes per size class, not a sweep. They are the usual
 Hopper choices (128x256x64 bf16 / 128x256x128 fp8 with 8 warps for large problems, smaller tiles
-for few-tile problems), checked for correctness on an H100 but NOT yet ranked by measurement:
-tools/probe_triton_gemm.py times each one against torch; reorder the lists by its output. The grouped-GEMM kernels can
-reuse ``prune``/``smem_bytes``/``size_class`` with their own candidate lists.
+for few-tile problems), checked for correctness on an H100; the autotuner ranks them per key, and
+where a list was measured its order says so (docs/kernels.md). The grouped-GEMM kernels can reuse
+``prune``/``smem_bytes``/``size_class`` with their own candidate lists.
 """
 from __future__ import annotations
 
@@ -164,10 +164,10 @@ _FP8 = {
 
 
 # Blockwise: the promotion keeps a second fp32 tile live, so 128 x 256 spills (sm_90, triton 3.6:
-# 255 registers + 160 bytes of stack; H100 563 vs 852 TFLOPS for 128 x 128 at 4096x7168x16384).
-# The occupancy > 1 entries overlap one program's promotion with another's wgmma; their fit
-# (64x128x128/4 warps: 3 programs at 3 stages, 2 at 4; 128x64: 2 at 4) is checked by
-# tools/compile_sm90.py. They are not yet timed, so the measured 128 x 128 stays the default.
+# 255 registers + 160 bytes of stack) and runs slower than 128 x 128, the default. The occupancy > 1
+# entries overlap one program's promotion with another's wgmma; their fit (64x128x128/4 warps: 3
+# programs at 3 stages, 2 at 4; 128x64: 2 at 4) is checked by tools/compile_sm90.py. They are
+# untimed, so they follow the measured 128 x 128.
 _FP8_BLOCKWISE = {
     "small": [TileConfig(64, 64, 128, 8, 3, 4), TileConfig(64, 128, 128, 8, 3, 4), TileConfig(128, 64, 128, 8, 3, 4),
               TileConfig(128, 128, 128, 8, 3, 8)],
@@ -178,26 +178,17 @@ _FP8_BLOCKWISE = {
               TileConfig(128, 128, 128, 8, 3, 8)],
 }
 
-# The Gluon blockwise kernels, offered after the measured Triton tiles wherever they can run (an
-# sm_90 GPU; the adapter drops them elsewhere). KERNEL_GLUON overlaps each K block's promotion
-# with the next block's wgmma inside one program (fp8_blockwise_gluon.py): BLOCK_M = 16 x warps
-# rows, at most 128 columns; 225 registers per thread at 128 x 128 / 8 warps, 190 at 128 x 64
-# (sm_90, triton 3.6, no spills). Measured on an H100 it runs 0.93-0.96x of the Triton kernel.
-# KERNEL_GLUON_WS splits a 128-row tile between two math warpgroups and a TMA warp
-# (fp8_blockwise_gluon_ws.py): 168 registers cap, 232 per math thread. Its 256-column tile (two
-# 128-column accumulators per warpgroup) loads a quarter fewer bytes per FLOP (each ``a`` tile
-# serves twice the columns) and is the fastest of our blockwise kernels wherever it was measured
-# (H100, GEMM only, same run): 1025 TFLOPS at 4096 x 7168 x 16384 against 903 for its 128-column
-# tile and 849 for the Triton tile (cuBLASLt 1267), 1.13-1.18x the Triton tile at three other
-# shapes. With a's scales in shared memory (the dense layout, ``scales_in_smem``) 3 stages beat 4
-# at all three shapes probed (1173 vs 1062 at 4096 x 7168 x 16384). With the TMA-store epilogue
-# (gluon-ws-r7) 4 stages won at 4096 x 7168 x 16384 (1300 vs 1240; cuBLASLt 1308) but lost at
-# 4096 x 4096 x 4096 (917 vs 976) and once collapsed at 4096 x 4608 x 3584 (539 vs 1094, later
-# traced to host launch time), so 3 stages stay the untuned default below ``WS_DEEP_K`` and 4 lead
-# from it (``fp8_candidates``); the 128-column tile takes 5 stages, the most that leave room for
-# its staging buffers (1027-1070 at 5 vs 910-1027 at 6 with pointer stores, six shapes). On an
-# sm_90 GPU these come first, the default before tuning. Its 128 x 64 tile ran at 587-621: not
-# offered.
+# The Gluon blockwise kernels come first wherever they can run (an sm_90 GPU; the adapter drops
+# them elsewhere), so one of them is the default before tuning. KERNEL_GLUON overlaps each K
+# block's promotion with the next block's wgmma inside one program (fp8_blockwise_gluon.py):
+# BLOCK_M = 16 x warps rows, at most 128 columns; 225 registers per thread at 128 x 128 / 8 warps,
+# 190 at 128 x 64 (sm_90, triton 3.6, no spills). KERNEL_GLUON_WS splits a 128-row tile between
+# two math warpgroups and a TMA warp (fp8_blockwise_gluon_ws.py): 168 registers cap, 232 per math
+# thread. Its 256-column tile (two 128-column accumulators per warpgroup) loads a quarter fewer
+# bytes per FLOP (each ``a`` tile serves twice the columns) and is the fastest blockwise kernel
+# measured, so it leads: 3 stages below ``WS_DEEP_K``, 4 from it (``fp8_candidates``). The
+# 128-column tile takes 5 stages, the most that leave room for its TMA-store staging buffers; the
+# 128 x 64 tile is not offered (slower). Measurements: docs/kernels.md.
 _FP8_BLOCKWISE_GLUON = {
     "small": [],
     "medium": [TileConfig(128, 256, 128, 8, 3, 8, 1, KERNEL_GLUON_WS),
@@ -213,9 +204,8 @@ _FP8_BLOCKWISE_GLUON = {
 
 
 #: From this K on, the warp-specialised 256-column tile's 4-stage config leads the blockwise list
-#: instead of the 3-stage one. H100, same runs (gluon-ws-r7/r8, TMA-store epilogue): 4 stages won
-#: at K = 16384 (1300 vs 1240 and 1209 vs 1118 TFLOPS), 18944 (1150 vs 1132) and 8192 (1128 vs
-#: 1117); 3 stages won or tied at K = 4096 (976 vs 917, 1133 vs 1128, 1192 vs 1170, 1115 both).
+#: instead of the 3-stage one: on an H100 4 stages won at K >= 8192 and 3 won or tied at K = 4096
+#: (docs/kernels.md).
 WS_DEEP_K = 8192
 
 

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quantizer import DUAL_BLOCK_SIZES, empty_padded_rows
+from turbo_dispatch.low_precision.dual_quantize import DUAL_BLOCK_SIZES, empty_padded_rows
 from .grouped_quantize import _MANT_BITS, _MIN_EXP, _TINY, FP8_MAX, _round_to_fp8_grid
 
 
@@ -57,7 +57,9 @@ def _quotient(v, scale):
     residual as 0 (``s_res``): for s = inf, r = 0 and q0 = x * 0, and the step adds x * 0 to it,
     a zero of the same sign (NaN for x = inf, as inf / inf); for s = NaN, r is NaN and so is
     everything. Negations are products by -1.0: Triton's unary minus is 0 - x, which turns -0
-    into +0 and costs an instruction, where x * -1.0 is exact and folds into the FMA."""
+    into +0 and costs an instruction, where x * -1.0 is exact and folds into the FMA.
+    Both this and div_rn give the same bits; the CPU interpreter takes div_rn (``FAST_DIV``
+    off), since its FMA is not fused."""
     k = tl.where(scale < 1.0e-18, 18446744073709551616.0, 1.0)
     r, s_res = _step_operands(scale * k)
     return _corrected_quotient(v * k, r, s_res)
@@ -148,29 +150,9 @@ def _dual_quantize_kernel(
                      mask=ok)
 
 
-#: (rows per chunk, warps) of the one-read kernel for runs (False) and 2-D tiles (True); a module
-#: global so that tools/probe_grouped_step.py can sweep it. H100, DeepSeek-V3 up_gate operands
-#: (x [32768, 7168], w [8, 4096, 7168]), block 128, with _quotient: (64, 4) 0.737 ms for x
-#: (1.27 TB/s of bf16 read + fp8 written; the two quantize_cells calls it replaces 0.880 ms) and
-#: 0.561 ms for w (1.68 TB/s; 0.747 ms); (32, 4) 0.922 / 0.616; 8 warps or 8-16 rows were slower.
-#: Tried and dropped (H100, same run, tools/gpu_round30.sh; the kernel is in commit 64490b7): a
-#: persistent kernel that brought each 128 x 128 tile in by one TMA copy (pipelined across tiles),
-#: quantised it from registers in one pass and wrote both layouts by TMA stores. Bit-identical, but
-#: 0.68x the speed of this kernel for runs and 0.64x for tiles at its best launch (8 warps, 3
-#: stages): the whole tile in registers (200-255 per thread, spills for tiles under triton 3.6)
-#: left one program per SM, and its stores went out one tile at a time behind the arithmetic.
+#: (rows per chunk, warps) of the one-read kernel for token runs (False) and 2-D tiles (True):
+#: the fastest launch of an H100 sweep (docs/kernels.md).
 LAUNCH = {False: (64, 4), True: (64, 4)}
-#: Divide through ``_quotient`` (True) or div_rn per element; both give the same bits (checked on
-#: the H100 with zeros, signed zeros, subnormal-sized cells, inf and NaN). div_rn at (64, 4):
-#: 1.015 ms for x, 0.868 ms for w. The CPU interpreter always takes div_rn (its FMA is not fused).
-FAST_DIV = True
-#: Quantise through the Gluon kernels (dual_quantize_gluon) where they can run (block 128,
-#: bf16/fp16, sm_90): token runs by its runs kernel, 2-D tiles by its register-transposed tiles
-#: kernel (``dual_quantize_gluon.SERVES_TILES``). H100, round 72, against this module's Triton
-#: kernel: runs 0.166 vs 0.255 ms geomean over DeepSeek-V3, Qwen3 and GPT-OSS activations and
-#: gradients, tiles 0.092 vs 0.120 over their weights. False keeps every call on the Triton
-#: kernel (the probe compares them).
-GLUON = True
 
 
 def kernel_args(x, data, data_t, scale, scale_t, block: int) -> tuple:
@@ -182,9 +164,13 @@ def kernel_args(x, data, data_t, scale, scale_t, block: int) -> tuple:
             *scale.stride(), *scale_t.stride())
 
 
-def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
+def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool, *, gluon: bool = True
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantise ``x[G, R, C]`` (any strides) both ways in one pass; see the module docstring.
+
+    The Gluon kernels (``dual_quantize_gluon``) serve the call where they can run (block 128,
+    16-bit input, sm_90), since they are faster there; elsewhere, and with ``gluon=False`` (the
+    GPU tests' comparison), this module's Triton kernel does.
 
     Returns ``(data, scale, data_t, scale_t)``:
 
@@ -222,24 +208,24 @@ def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
     if g * r * c == 0:
         return data, scale, data_t, scale_t
     interpreting = os.environ.get("TRITON_INTERPRET", "") == "1"
-    if GLUON:
+    if gluon:
         from . import dual_quantize_gluon  # its available() also says no under the interpreter
 
-        if (not tile_2d or dual_quantize_gluon.SERVES_TILES) and dual_quantize_gluon.available(x, block) is None:
+        if dual_quantize_gluon.available(x, block) is None:
             dual_quantize_gluon.launch(x, data, data_t, scale, scale_t, FP8_MAX[dtype], _TINY, tile_2d)
             return data, scale, data_t, scale_t
     chunk, warps = LAUNCH[tile_2d]
     # A float32 weight's 2-D tiles get their transposed copy from the row copy by torch: on an
     # H100 (triton 3.6) the kernel's own transposed store of a float32 tile left every fourth row
-    # of it wrong (rows 1 mod 4; tools/debug_fp32_dual.py, rounds 99-100), whether stored through
-    # transposed pointers or from the tile transposed first. The tiles share their values and
-    # scale, so the copy is exact. (16-bit inputs and float32 token runs were right.)
+    # of it wrong (rows 1 mod 4), whether stored through transposed pointers or from the tile
+    # transposed first. The tiles share their values and scale, so the copy is exact. (16-bit
+    # inputs and float32 token runs were right.)
     transpose_after = tile_2d and x.dtype == torch.float32 and x.is_cuda and not interpreting
     _dual_quantize_kernel[(g * n_r, n_c)](
         *kernel_args(x, data, data_t, scale, scale_t, block),
         TILE_2D=tile_2d, B=block, CH=min(chunk, block), FP8_MAX=FP8_MAX[dtype], TINY=_TINY,
         ROUND_FIRST=interpreting, MANT_BITS=_MANT_BITS[dtype], MIN_EXP=_MIN_EXP[dtype],
-        FAST_DIV=FAST_DIV and not interpreting, STORE_T=not transpose_after, num_warps=warps,
+        FAST_DIV=not interpreting, STORE_T=not transpose_after, num_warps=warps,
     )
     if transpose_after:
         data_t.copy_(data.transpose(1, 2))

@@ -1,60 +1,21 @@
-"""The dual blockwise fp8 quantiser (``dual_quantize``) in Gluon, block 128, Hopper: two kernels,
-one per layout. Both give the bits of ``dual_quantize._dual_quantize_kernel`` (and so of two
-``quantize_cells`` calls); the GPU tests and the probe's checks compare them bit for bit.
+"""The dual blockwise fp8 quantiser (``dual_quantize.dual_quantize``) in Gluon: block 128,
+16-bit inputs, sm_90.
 
-``_dual_quantize_runs_kernel`` (token runs: 1 x 128 runs along the columns and 128 x 1 runs
-along the rows, the latter stored transposed). One program owns a 128 x 128 tile and reads it
-from global memory once, in chunks of rows kept in shared memory (unswizzled: a warp stores whole
-16-byte row segments, and the transposed pass reads 32 consecutive columns of one row per
-instruction, so neither side has bank conflicts). Row runs are quantised from registers as the
-chunks arrive; column runs from the shared copy, read column-major, each thread holding 16
-consecutive rows of one column so the fp8 copy leaves in 16-byte stores. The program crosses
-warps twice per tile: a chunk is laid out ``[REPS, 2 * WARPS, 128]`` with a thread's rows of the
-chunk along the first axis, so the column amax accumulates inside each thread across the chunks
-and meets the other warps once, after the last chunk; the row quotient has no branch on tiny
-scales (``_g_quotient_of``), and the column pass picks its quotient once per tile from scales
-every warp holds. Both loops are real loops: unrolled, ptxas hoisted the transposed pass's 128
-shared-memory loads above it (210 registers, two programs per SM). The tile's body is
-``_g_runs_tile``; ``_dual_quantize_runs_tma_kernel`` runs it persistently on tiles that a TMA copy
-brought into shared memory (``TMA_RUNS``; taken where TMA can read the operand: unit column
-stride, 16-byte aligned base and strides), ``_dual_quantize_runs_kernel`` one program per tile
-with its own loads. The TMA form takes strips of ``RUNS_SPANS`` column blocks as its work units
-where there are enough of them, and writes a strip's row scales as one vector store per row
-(``_flush_row_scales``; round 94: 1.05-1.06x at DeepSeek-V3's EP8 operands). H100, rounds
-75-76: the TMA form at (1 stage, 4 programs per SM, maxnreg 96) 0.160 ms geomean against 0.168
-(2.44 TB/s at DeepSeek-V3's x against 2.31); more stages cost programs per SM and were slower
-((2, 3) 0.165, (2, 2) 0.173, (3, 2) 0.178), as were 5 or 6 programs per SM (0.163, 0.187 at
-maxnreg 80).
+Same outputs, bit for bit, as ``dual_quantize._dual_quantize_kernel`` (and so as two
+``quantize_cells`` calls), from one kernel per layout:
 
-The shared-memory kernel it replaced (round 43, sessions 10-15) did the same work with a
-CTA-wide reduction per chunk for the column amax and another for each chunk's quotient branch:
-28 barriers per tile in its SASS against 6 here (triton 3.6, sm_90). H100 (round 69-72, median of
-20 over DeepSeek-V3, Qwen3 and GPT-OSS activations and gradients, host time covered): 0.166-0.168
-ms geomean against 0.213-0.214, 2.2-2.3 TB/s of bf16 read + fp8 written (a clone of the same
-tensors: 2.9-3.0 TB/s); ncu (round 71, DeepSeek-V3 x): 71% of DRAM peak, 0.5 instructions
-issued per scheduler per cycle, 27 instructions per element, the top stall long scoreboard.
-Tried next to it and not kept (same runs, same GPU): the next chunk's load issued before the
-current chunk's arithmetic (0.165, within noise), a division-free scale for 16-bit amaxes
-(0.166 vs 0.168, within noise), rcp.approx and a Newton step for the reciprocals (0.173), the
-row copy in a pass of its own over the shared tile with one quotient branch per tile (0.170),
-16- or 64-row chunks, 8 warps, 16-row transposed chunks, maxnreg 80 (0.170-0.216), and the
-register kernel below on runs (0.193; its code is in commit 2b1e3e1). A cache hint on both
-kernels' fp8 stores (streaming ``.cs``, or ``evict_first``; round 154, bit-identical) was slower
-on every operand: 0.971-0.994x for the runs kernel, 0.988-0.993x for the tiles kernel.
+* token runs: ``_g_runs_tile`` reads a 128 x 128 tile once into unswizzled shared memory,
+  quantises the row runs from registers as the chunks arrive and the column runs from the shared
+  copy (16 consecutive rows of one column per thread, so the transposed fp8 copy leaves in
+  16-byte stores). ``_dual_quantize_runs_tma_kernel`` runs it persistently on TMA-loaded tiles
+  where TMA can read the operand, ``_dual_quantize_runs_kernel`` one program per tile elsewhere;
+* 2-D tiles: ``_dual_quantize_tiles_kernel`` keeps the tile in registers and writes the
+  transposed copy from a renamed register order (``register_layouts``), without shared memory.
 
-``_dual_quantize_tiles_kernel`` (2-D tiles, one scale per 128 x 128 tile) keeps the whole tile
-in registers, each thread holding 16 consecutive rows x 8 columns: the 16-byte row pieces load
-coalesced and each of its columns leaves the transposed copy as one 16-byte store, so no
-shared-memory tile at all. Moving the values to the rows-first register order is a renaming (a
-linear layout with the same lanes and warps, ``register_layouts``); the float32 values are
-renamed and the fp8 bytes packed after it, because renaming the packed fp8 bytes gave a wrong
-transposed copy under triton 3.6 at contiguous, 16-row-aligned operands (round 67; the GPU test
-covers that case). Its quotient is ``_quotient``'s without a branch on tiny scales
-(``_g_quotient_of``). H100 (round 72): 0.092 ms geomean against 0.120 for the Triton kernel over
-DeepSeek-V3, Qwen3 and GPT-OSS expert weights (DeepSeek-V3's 0.345 ms, 2.72 TB/s).
-
-Needs Gluon (triton >= 3.6) and an sm_90 GPU; the interpreter does not run Gluon, so
-``dual_quantize`` falls back to the Triton kernel there (``available``).
+Why Gluon: explicit layouts let these kernels meet across warps once per tile (runs) or never
+(tiles), where the Triton kernel meets for every chunk; on an H100 they run 1.3-1.5x faster
+(docs/kernels.md). Needs triton >= 3.6 with Gluon and an sm_90 GPU (``available``); elsewhere,
+and under the interpreter, ``dual_quantize`` takes the Triton kernel.
 """
 from __future__ import annotations
 
@@ -75,30 +36,23 @@ except ImportError:  # pragma: no cover - triton without Gluon
 #: The quantisation block these kernels are laid out for (their layouts cover 128 columns).
 BLOCK = 128
 #: (rows per chunk of the read, rows per chunk of the transposed pass, warps, maxnreg or 0) of
-#: ``_dual_quantize_runs_kernel``: the best of the sweeps (tools/probe_grouped_step.py --sweep,
-#: H100, rounds 69-72): 96 registers, 5 programs per SM.
+#: ``_dual_quantize_runs_kernel``: the fastest of an H100 sweep (96 registers, 5 programs per SM).
 LAUNCH = (32, 32, 4, 96)
 #: (ring stages, programs per SM, maxnreg or 0) of ``_dual_quantize_runs_tma_kernel``, the
-#: persistent TMA form of the runs kernel, taken for operands TMA can read; None: one program per
-#: tile always. H100, round 75: (1, 4) with maxnreg 96 0.160 ms geomean against 0.168 for one
-#: program per tile; (2, 3) 0.165, (2, 2) 0.173, (3, 2) 0.178 (more stages cost programs per SM).
+#: persistent TMA form of the runs kernel: one stage leaves room for four programs per SM, which
+#: beat deeper rings with fewer programs on an H100 (docs/kernels.md).
 TMA_RUNS = (1, 4, 96)
-#: Column blocks per work unit of the persistent TMA runs kernel, widest first: a unit is a
-#: strip of one row block, its row scales written together as one vector store per row (rows of
-#: the row scales padded to 16 floats, as ``dual_quantize`` pads them). The widest strip that
-#: still gives every program RUNS_MIN_UNITS units is taken, else one tile per unit (each tile
-#: writing its own row scales). H100, round 93 (in turns, bit-identical): strips of 4-8 ran
-#: 1.05-1.06x at DeepSeek-V3's EP8 activation and gradient (57344 and 32768 tiles); with fewer
-#: units than that per program the last units' imbalance cost more than the writes saved
-#: (GPT-OSS-20B's x, 2944 tiles: 0.91-0.99x).
+#: Column blocks per work unit of the TMA runs kernel, widest first: a unit is a strip of one row
+#: block whose row scales leave together, one vector store per row (``dual_quantize`` pads their
+#: rows to 16 floats for it). The widest strip that still gives every program RUNS_MIN_UNITS units
+#: is taken, else one tile per unit: with fewer units per program, the last units' imbalance costs
+#: more than the wider stores save.
 RUNS_SPANS = (8, 4, 2)
 #: Units per program below which a strip width is not taken (see RUNS_SPANS).
 RUNS_MIN_UNITS = 12
 #: (rows per thread, warps, maxnreg or 0) of ``_dual_quantize_tiles_kernel``; see
 #: ``register_layouts`` for which fit.
 TILES_LAUNCH = (16, 4, 0)
-#: Whether ``dual_quantize`` sends 2-D tiles here (the register kernel) rather than to Triton.
-SERVES_TILES = True
 
 if gluon is not None:
     from .dual_quantize import _corrected_quotient, _quotient, _scale_of, _step_operands
@@ -135,8 +89,12 @@ if gluon is not None:
         already there (IN_SMEM, a TMA copy) or is read from ``x_rows`` (x at group g, strides
         ``sxr``, ``sxc``) into it here. With STASH the row scales go to ``stash.index(stash0 + i)``
         ([REPS, 2 * WARPS] each) in shared memory, for the caller to write a strip's worth at
-        once, rather than to ``s_ptr``. The module docstring explains the layout and the two
-        cross-warp exchanges."""
+        once, rather than to ``s_ptr``.
+
+        A chunk is laid out ``[REPS, 2 * WARPS, B]`` with a thread's rows along the first axis,
+        so the column amax accumulates inside each thread and meets the other warps once, after
+        the last chunk; the row quotient has no branch on tiny scales (``_g_quotient_of``), and
+        the column pass picks its quotient once per tile from scales every warp holds."""
         WR: gl.constexpr = 2 * WARPS  # rows one load instruction of the program covers
         REPS: gl.constexpr = CH // WR  # a thread's rows per chunk
         L3: gl.constexpr = gl.BlockedLayout([REPS, 1, 8], [1, 2, 16], [1, WARPS, 1], [2, 1, 0])
@@ -151,6 +109,8 @@ if gluon is not None:
         rows = (gl.arange(0, REPS, layout=gl.SliceLayout(1, RS))[:, None] * WR
                 + gl.arange(0, WR, layout=gl.SliceLayout(0, RS))[None, :])
         col_acc = gl.zeros([WR, B], gl.int32, layout=CS)
+        # Both passes are real loops: unrolled, ptxas hoists the transposed pass's shared-memory
+        # loads above it (210 registers, two programs per SM).
         for i in range(B // CH):
             rr = rb * B + i * CH + rows
             r_ok = rr < R
@@ -244,8 +204,7 @@ if gluon is not None:
         """A strip's row scales (``stash_rows.index(buf)``, [SPAN, B]) to ``s_ptr`` ([G, R, n_cb]
         rows padded to 16 floats): each thread writes SPAN consecutive scales of one row as one
         aligned vector store, padding past n_cb included. Written one tile at a time, each scale
-        was a 4-byte store of its own, a partial 32-byte sector (round 92: those writes took 1.10x
-        of the kernel's time at DeepSeek-V3's EP8 activations)."""
+        would be a 4-byte store of its own, a partial 32-byte sector."""
         layout: gl.constexpr = gl.BlockedLayout([SPAN, 1], [1, 32], [1, WARPS], [0, 1])
         vals = stash_rows.index(buf).load(layout)
         rows = rb * B + gl.arange(0, B, layout=gl.SliceLayout(0, layout))
@@ -403,7 +362,8 @@ if gluon is not None:
         q = _g_quotient_of(v, neg_k, kr, r, s_res, FP8_MAX)
         gl.store(q_ptr + g * sqg + r64[:, None] * sqr + cc.to(gl.int64)[None, :], q.to(q_ptr.dtype.element_ty),
                  mask=ok)
-        # the renaming moves the float32 values; the fp8 bytes are packed after it
+        # the renaming moves the float32 values and the fp8 bytes are packed after it: renaming
+        # the packed bytes gave a wrong transposed copy under triton 3.6
         qt8 = gl.convert_layout(q, LT).to(qt_ptr.dtype.element_ty)
         _g_store_t(qt8, qt_ptr + g * sqtg, rb * B, cb * B, R, C, sqtc, B, B, LT)
 
@@ -484,7 +444,7 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
             **({"maxnreg": maxnreg} if maxnreg else {}))
         return
     chunk, t_chunk, warps, maxnreg = LAUNCH
-    if TMA_RUNS and tma_ok(x):
+    if tma_ok(x):
         stages, per_sm, maxnreg = TMA_RUNS  # the TMA form's own register cap
         layout = _unswizzled_layout()
         bind_cuda_context(x)

@@ -52,6 +52,18 @@ else:
 
 #: Bumped whenever the kernel's code changes, so stored tuning results are invalidated.
 KERNEL_REVISION = "gluon-bw-r1"
+#: Triton releases (major.minor) every Gluon kernel of this package compiles on for sm_90
+#: (tools/compile_sm90.py). Gluon is experimental and changes its rules between releases, so on
+#: any other release these kernels are refused with that reason instead of failing in the compiler
+#: at call time.
+GLUON_TRITON_RELEASES = ("3.6", "3.8", "3.9")
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_release() -> str:
+    import triton
+
+    return ".".join(triton.__version__.split(".")[:2])
 #: Set to 0/false to keep the Gluon kernel out of every candidate list (a pinned config then raises).
 GLUON_ENV = "PRIMUS_TURBO_GLUON_KERNELS"
 
@@ -217,7 +229,8 @@ if gluon is not None:
 
 
 def available(device_index: int | None = None) -> str | None:
-    """None when this kernel can run, else why not (switched off, no Gluon, interpreter, not sm_90).
+    """None when this kernel can run, else why not (switched off, no Gluon, an unchecked Triton
+    release, interpreter, not sm_90).
 
     Asked several times per blockwise step, so the device's part of the answer (its compute
     capability query, the costly part) is kept per device; the env switch and the interpreter
@@ -227,6 +240,10 @@ def available(device_index: int | None = None) -> str | None:
         return f"the Gluon kernels are switched off ({GLUON_ENV}={switch})"
     if gluon is None:
         return "triton.experimental.gluon is missing (triton >= 3.6 needed)"
+    release = _triton_release()
+    if release not in GLUON_TRITON_RELEASES:
+        return (f"the Gluon kernels are checked on triton {', '.join(GLUON_TRITON_RELEASES)}; this is triton "
+                f"{release}")
     if interpreting():
         return "the Triton interpreter does not run Gluon kernels"
     if not torch.cuda.is_available() or getattr(torch.version, "hip", None):

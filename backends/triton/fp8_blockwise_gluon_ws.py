@@ -58,24 +58,11 @@ if gluon is not None:
 
 #: Bumped whenever the kernel's code changes, so stored tuning results are invalidated.
 KERNEL_REVISION = "gluon-ws-r8"
-#: Rows of the tile each math warpgroup owns (one 64-row wgmma).
-ROWS_PER_WARPGROUP = 64
 #: Registers per thread requested for the math warpgroups and the loader, and the kernel-wide
 #: cap: three warpgroups (default math, worker math, loader padded to a warpgroup) share 64K
 #: registers, and the default partition gets what the cap leaves after the workers' requests
 #: (3 * 168 - 232 - 40 = 232).
 MATH_REGS, LOAD_REGS, MAXNREG = 232, 40, 168
-#: Forces (True/False) or leaves to ``scales_in_smem`` (None) whether the loader copies a's K-block
-#: scales into each slot; probes set it to compare the two paths.
-SCALES_IN_SMEM: bool | None = None
-
-
-#: Forces (True/False) or leaves to ``tma_store_ok`` (None) whether the output goes out through TMA
-#: stores; probes set it to compare the two epilogues.
-TMA_STORE: bool | None = None
-#: Whether a dense launch of the 256-column tile works a short last wave as 128-column halves
-#: (``_split_tail``); probes turn it off to compare.
-SPLIT_TAIL = True
 #: Dynamic shared memory one sm_90 CTA may use (227 KiB).
 SMEM_PER_CTA = 232448
 
@@ -99,8 +86,6 @@ def tma_store_ok(c: torch.Tensor, cfg) -> bool:
 
     Why: the pointer stores hold both math warpgroups, so the tensor cores idle while a tile is
     written; a TMA store drains while the next tile's wgmmas run."""
-    if TMA_STORE is not None:
-        return TMA_STORE
     return tma_storable(c) and smem_bytes(cfg, c.element_size(), True) <= SMEM_PER_CTA
 
 
@@ -118,13 +103,9 @@ def scales_in_smem(sa_row_stride: int, a_group: int) -> bool:
     each math warpgroup loading them from global memory every K block.
 
     Only where the copy is one contiguous read: one scale per row (``a_group`` 1) stored row-
-    contiguous (``sa_row_stride`` 1, as ``quantize_kmajor`` stores them). H100, same run
-    (tools/gpu_round11.sh), 256-column tile at 4096x7168x16384: 1062 TFLOPS with them at 4 stages
-    against 1026 without, 1173 with them at 3 stages; at 4096x4096x7168 1082 / 1096 against 1009.
-    With the grouped quantiser's K-inner scales, the 128 scattered 4-byte copies per slot slowed
-    DeepSeek-V3 up_gate from 1051 to 955, so grouped launches keep the global loads."""
-    if SCALES_IN_SMEM is not None:
-        return SCALES_IN_SMEM
+    contiguous (``sa_row_stride`` 1, as ``quantize_kmajor`` stores them). With the grouped
+    quantiser's K-inner scales a slot's copy is 128 scattered 4-byte reads, slower than the global
+    loads (docs/kernels.md)."""
     return sa_row_stride == 1 and a_group == 1
 
 if gluon is not None:
@@ -146,12 +127,9 @@ if gluon is not None:
         A dense launch whose last wave holds at most half of the programs splits that wave's
         256-column tiles in two (4096 x 3584: 448 tiles on 132 SMs, a last wave of 52), aiming
         at half a tile's time for that wave. A fuller last wave would give some programs two
-        halves, no faster than one whole tile, so it is left whole. On an H100 (gluon-ws-r8,
-        tools/gpu_round15.sh) the split measured +4-5% at two shapes and +-1% at a third, inside
-        that run's noise: a half tile still loads the 256-row b box, so where the wave is short
-        its L2 traffic per FLOP doubles. Grouped
-        launches do not split (their tile count depends on the routing): ``SPLIT_TAIL`` is
-        false for them, for 128-column tiles, and where a probe turns the split off."""
+        halves, no faster than one whole tile, so it is left whole. Grouped launches do not split
+        (their tile count depends on the routing): ``SPLIT_TAIL`` is false for them and for
+        128-column tiles."""
         tail = count % NUM_PROGS
         if not SPLIT_TAIL:
             tail = tail * 0
@@ -228,8 +206,7 @@ if gluon is not None:
         A 256-column tile is worked as two 128-column halves, each with its own accumulator and one
         shared in-flight partial: two 64 x 256 fp32 tensors (accumulator and partial) would need
         256 registers per thread, the halves need 192. The wide tile loads a quarter fewer bytes
-        per FLOP than the 128 x 128 one (each ``a`` tile serves twice the columns): on an H100 it
-        ran 1.13-1.18x faster (gluon-ws-r5)."""
+        per FLOP than the 128 x 128 one (each ``a`` tile serves twice the columns)."""
         ROWS: gl.constexpr = BLOCK_M // 2
         SPLIT: gl.constexpr = (BLOCK_N + 127) // 128  # 128 columns per accumulator at most
         HALF: gl.constexpr = BLOCK_N // SPLIT
@@ -301,8 +278,7 @@ if gluon is not None:
             a_rows = a_bufs.index(slot).slice(WG * ROWS, ROWS)
             b_tile = b_bufs.index(slot)
             part = warpgroup_mma(a_rows, b_tile.slice(0, HALF).permute((1, 0)), zero, use_acc=False, is_async=True)
-            # The scale loads go out while the wgmma runs. (Loading them one K block ahead
-            # instead measured 3-9% slower on an H100: gluon-ws-r2.)
+            # The scale loads go out while the wgmma runs.
             if SA_SMEM:
                 sa = sa_bufs.index(slot).slice(WG * ROWS, ROWS).load(rows_layout)
             else:
@@ -456,7 +432,7 @@ def config_error(cfg, b_group: int) -> str | None:
     per thread does not fit next to the accumulators and the in-flight partial."""
     bm, bn, bk, _, stages, warps = cfg[:6]
     occupancy = cfg[6] if len(cfg) > 6 else 1
-    if bm != 2 * ROWS_PER_WARPGROUP or warps != 8:
+    if bm != 128 or warps != 8:
         return (f"the tile must be 128 rows in two math warpgroups (BLOCK_M 128, 8 warps), got {bm} rows, "
                 f"{warps} warps")
     if bn != 256 and (bn % 8 or not 8 <= bn <= 128):
@@ -573,7 +549,7 @@ def launch_args(a, b_rows, c, offs, G: int, N: int, sa, sa_strides, sb, sb_strid
             *sa_strides, *sb_strides, progs)
     kwargs = dict(GROUPED=offs is not None, A_GROUP=a_group, B_GROUP=b_group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                   GROUP_M=group_m, STAGES=stages, SA_SMEM=scales_in_smem(sa_strides[0], a_group),
-                  TMA_STORE=tma_store, SPLIT_TAIL=SPLIT_TAIL and offs is None and bn > 128, MATH_REGS=MATH_REGS,
+                  TMA_STORE=tma_store, SPLIT_TAIL=offs is None and bn > 128, MATH_REGS=MATH_REGS,
                   LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)
     return args, kwargs
 

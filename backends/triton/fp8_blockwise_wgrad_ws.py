@@ -10,8 +10,8 @@ both). The output ``[G, M, N]`` is written whole: an empty group gets exact zero
 Why a second warp-specialised kernel: the Triton variable-K kernel waits for every K step's
 wgmma with all of its warps before it promotes, so the tensor cores idle during each promotion,
 and the wgrad's promotion is twice the forward's work (both scales are vectors:
-``acc += part * sx[:, None] * sy[None, :]``). On an H100 it ran at ~680 TFLOPS where the
-warp-specialised forward ran at ~1200. This kernel reuses the forward's design
+``acc += part * sx[:, None] * sy[None, :]``), so it ran at little more than half the
+warp-specialised forward's rate (docs/kernels.md). This kernel reuses the forward's design
 (``fp8_blockwise_gluon_ws``): one loader warp fills a ring of shared-memory slots by TMA, two math
 warpgroups own 64 rows of the 128-row tile each and synchronise only through mbarriers, so one
 warpgroup's promotion runs on the CUDA cores while the other's wgmma runs.
@@ -21,9 +21,8 @@ What differs from the forward:
 * Work items are (group, row tile, column tile) of the output, a static count. Persistent
   programs take them in order from a device counter as they free up (the loader takes one and
   hands its id to the math warpgroups through a small ring in shared memory): a work item's cost
-  is its group's token count, so a fixed share per program followed the routing. Gluon-wgrad-r3
-  gave each program every NUM_PROGS-th item; round 80 measured both (the counter alone 1.03-1.13x
-  at skewed routings). Each tile's K loop covers its group's tokens on the global ``BLOCK_K`` grid
+  is its group's token count, so a fixed share per program (every NUM_PROGS-th item) would follow
+  the routing. Each tile's K loop covers its group's tokens on the global ``BLOCK_K`` grid
   (``BLOCK_K`` divides ``QBLOCK``, so a step lies in one scale run).
 * Edge steps, the partial first and last step of a group, hold tokens of the neighbouring groups.
   Before their wgmma the two math warpgroups zero those tokens in shared memory (a 32-bit word at
@@ -31,8 +30,10 @@ What differs from the forward:
   (``edge``) so neither reads the other's half before it is zeroed. Both operands are zeroed,
   not one: with one, a non-finite value in a neighbouring group's tokens would leak in as
   ``0 * inf = NaN``. Interior steps, all but at most two per tile, pay nothing.
-* Scales are per column on both sides: each K step loads the warpgroup's 64 row scales and the
-  accumulator's column scales from global memory while its wgmma runs.
+* Scales are per column on both sides, so the promotion needs a row-scale and a column-scale
+  vector every K step: the loader copies both into the step's ring slot (cp.async, completed on
+  the slot's ``ready`` barrier) and the math warpgroups read them from shared memory while their
+  wgmma runs, rather than each loading them from global memory every step.
 
 Needs triton >= 3.6 with Gluon and an sm_90 GPU; ``fp8_blockwise_gluon.available`` says why not.
 """
@@ -58,12 +59,8 @@ if gluon is not None:
 
 #: Bumped whenever the kernel's code changes, so stored tuning results are invalidated.
 KERNEL_REVISION = "gluon-wgrad-r6"
-#: Whether the loader copies each K step's row and column scales into its ring slot (cp.async,
-#: completed on the slot's ``ready`` barrier) for the math warpgroups to read from shared memory,
-#: rather than each math warpgroup loading them from global memory every step. Probes set it to
-#: compare the two.
-SCALES_IN_SMEM = True
-#: Slots of the ring of work-item ids the loader hands the math warpgroups.
+#: Slots of the ring of work-item ids the loader hands the math warpgroups: enough for the loader
+#: to take the next items while both math warpgroups finish the current one.
 TILE_SLOTS = 4
 
 
@@ -154,10 +151,10 @@ if gluon is not None:
                  ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m,
                  ssy_k, ssy_n,
                  QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr):
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
         """The loader: fills slot ``step % STAGES`` once both math warpgroups released it. Boxes
-        past the operand's end (rows past M or N, tokens past T) are zero-filled by TMA; with
-        ``SCALES_SMEM`` the step's scales follow (zeros past M and N)."""
+        past the operand's end (rows past M or N, tokens past T) are zero-filled by TMA; the
+        step's scales follow (zeros past M and N)."""
         num_m = gl.cdiv(M, BLOCK_M)
         num_n = gl.cdiv(N, BLOCK_N)
         total = G * num_m * num_n
@@ -172,7 +169,7 @@ if gluon is not None:
             _put_tile(tiles, tready, tfree, i, t)
             step = _load_tile(x_desc, y_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty,
                               t, step, M, N, num_m, num_n, ssx_k, ssx_m, ssy_k, ssy_n, QBLOCK, BLOCK_M, BLOCK_N,
-                              BLOCK_K, GROUP_M, STAGES, SCALES_SMEM)
+                              BLOCK_K, GROUP_M, STAGES)
             i += 1
             t = gl.atomic_add(counter_ptr, 1, sem="relaxed")
         _put_tile(tiles, tready, tfree, i, total)
@@ -180,8 +177,7 @@ if gluon is not None:
     @gluon.jit
     def _load_tile(x_desc, y_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, t, step,
                    M, N, num_m, num_n, ssx_k, ssx_m, ssy_k, ssy_n, QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                   SCALES_SMEM: gl.constexpr):
+                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
         """The loader's K steps of work item ``t``, from the flattened step ``step``; returns the
         step after them."""
         sx_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
@@ -194,15 +190,14 @@ if gluon is not None:
             # first pass over the ring does not wait.
             mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
-            if SCALES_SMEM:
-                # Every thread's copies hold the slot's phase open until they land (the arrive
-                # adds one pending arrival and completes it), so they go before the TMA bytes.
-                kq = (kb * BLOCK_K) // QBLOCK
-                rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=sx_layout)
-                _cp_async(sx_bufs.index(slot), sx_ptr + kq * ssx_k + rows * ssx_m, mask=rows < M)
-                cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=sy_layout)
-                _cp_async(sy_bufs.index(slot), sy_ptr + kq * ssy_k + cols * ssy_n, mask=cols < N)
-                async_copy.mbarrier_arrive(bar, increment_count=True)
+            # Every thread's copies hold the slot's phase open until they land (the arrive adds
+            # one pending arrival and completes it), so they go before the TMA bytes.
+            kq = (kb * BLOCK_K) // QBLOCK
+            rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=sx_layout)
+            _cp_async(sx_bufs.index(slot), sx_ptr + kq * ssx_k + rows * ssx_m, mask=rows < M)
+            cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=sy_layout)
+            _cp_async(sy_bufs.index(slot), sy_ptr + kq * ssy_k + cols * ssy_n, mask=cols < N)
+            async_copy.mbarrier_arrive(bar, increment_count=True)
             mbarrier.expect(bar, x_desc.block_type.nbytes + y_desc.block_type.nbytes)
             _tma_load(x_desc, [pid_m * BLOCK_M, kb * BLOCK_K], bar, x_bufs.index(slot))
             _tma_load(y_desc, [pid_n * BLOCK_N, kb * BLOCK_K], bar, y_bufs.index(slot))
@@ -210,24 +205,29 @@ if gluon is not None:
         return step
 
     @gluon.jit
-    def _zero_outside(buf, k0, start, end, BLOCK_K: gl.constexpr):
-        """Zero the tokens of ``buf`` ([rows, BLOCK_K] fp8 in shared memory, tokens ``k0`` on)
-        outside ``[start, end)``, on the bits, so that no float conversion is involved.
-
-        The tile is read as 32-bit words (four tokens each: the same bytes under the same swizzle)
-        and each word is ANDed with a byte mask of its tokens in range. Selecting byte by byte
-        instead cost ~600 instructions per edge step (sm_90 SASS: a SEL and two PRMTs per byte),
-        about three interior steps' worth (gluon-wgrad-r3; round 80 measured both)."""
-        ROWS: gl.constexpr = buf.shape[0]
-        WORDS: gl.constexpr = BLOCK_K // 4
-        words_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=buf.layout.swizzle_byte_width,
+    def _as_words(bufs, BLOCK_K: gl.constexpr):
+        """The fp8 ring ``bufs`` ([STAGES, rows, BLOCK_K] in shared memory) viewed as 32-bit words
+        ([STAGES, rows, BLOCK_K // 4]: the same bytes under the same swizzle). The whole ring is
+        reinterpreted, not a slot of it: newer Triton refuses to reinterpret a subview."""
+        words_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=bufs.layout.swizzle_byte_width,
                                                         element_bitwidth=32, rank=2)
+        shape: gl.constexpr = [bufs.shape[0], bufs.shape[1], BLOCK_K // 4]
+        if _PUBLIC_REINTERPRET:
+            return bufs.reinterpret(gl.int32, shape, words_smem)
+        else:
+            return bufs._reinterpret(gl.int32, shape, words_smem)
+
+    @gluon.jit
+    def _zero_outside(words, k0, start, end, BLOCK_K: gl.constexpr):
+        """Zero the tokens of ``words`` (a [rows, BLOCK_K] fp8 tile in shared memory seen as
+        [rows, BLOCK_K // 4] 32-bit words, tokens ``k0`` on) outside ``[start, end)``, on the bits,
+        so that no float conversion is involved.
+
+        Each word is ANDed with a byte mask of its four tokens in range: selecting byte by byte
+        costs a SEL and two PRMTs per byte (sm_90 SASS), about three interior steps' worth."""
+        WORDS: gl.constexpr = BLOCK_K // 4
         # 16 bytes per thread, a row's words across BLOCK_K // 16 lanes.
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (BLOCK_K // 16), BLOCK_K // 16], [4, 1], [1, 0])
-        if _PUBLIC_REINTERPRET:
-            words = buf.reinterpret(gl.int32, [ROWS, WORDS], words_smem)
-        else:
-            words = buf._reinterpret(gl.int32, [ROWS, WORDS], words_smem)
         vals = words.load(layout)
         tok = k0 + 4 * gl.arange(0, WORDS, layout=gl.SliceLayout(0, layout))
         # Little-endian: byte j of a word is token tok + j; bits [lo, hi) are kept. Shifts stay
@@ -244,8 +244,7 @@ if gluon is not None:
                  ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m,
                  ssy_k, ssy_n,
                  QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                 WG: gl.constexpr):
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, WG: gl.constexpr):
         """Math warpgroup ``WG``: rows ``WG * BLOCK_M / 2`` on of every tile, BLOCK_M / 2 of them."""
         ROWS: gl.constexpr = BLOCK_M // 2
         num_m = gl.cdiv(M, BLOCK_M)
@@ -261,7 +260,7 @@ if gluon is not None:
             step, edges = _wg_tile(x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, edge, c, c_desc, c_smem.index(WG),
                                    sx_ptr, sy_ptr, step, edges, kb0, kb1, start, end, g, pid_m * BLOCK_M + WG * ROWS,
                                    pid_n * BLOCK_N, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n, QBLOCK, ROWS,
-                                   BLOCK_N, BLOCK_K, STAGES, TMA_STORE, SCALES_SMEM, WG)
+                                   BLOCK_N, BLOCK_K, STAGES, TMA_STORE, WG)
             i += 1
             t = _take_tile(tiles, tready, tfree, i)
         if TMA_STORE:
@@ -272,8 +271,7 @@ if gluon is not None:
     def _wg_tile(x_bufs, y_bufs, sx_bufs, sy_bufs, ready, empty, edge, c, c_desc, c_buf, sx_ptr, sy_ptr, step, edges,
                  kb0, kb1, start, end, g, off_m, off_n, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n,
                  QBLOCK: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                 STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr,
-                 WG: gl.constexpr):
+                 STAGES: gl.constexpr, TMA_STORE: gl.constexpr, WG: gl.constexpr):
         """One math warpgroup's ``ROWS`` rows (64, or 128 as two 64-row accumulators) of one output
         tile (columns ``off_n`` on) over K steps ``[kb0, kb1)``, then stored. Returns the flattened
         step and edge count after the tile."""
@@ -285,6 +283,8 @@ if gluon is not None:
         zero = gl.zeros((64, BLOCK_N), dtype=gl.float32, layout=mma_layout)
         acc = zero
         acc1 = zero
+        x_words = _as_words(x_bufs, BLOCK_K)
+        y_words = _as_words(y_bufs, BLOCK_K)
         for kb in range(kb0, kb1):
             slot = step % STAGES
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
@@ -292,8 +292,8 @@ if gluon is not None:
             y_tile = y_bufs.index(slot)
             k0 = kb * BLOCK_K
             if (k0 < start) | (k0 + BLOCK_K > end):
-                _zero_outside(x_rows, k0, start, end, BLOCK_K)
-                _zero_outside(y_tile.slice(WG * (BLOCK_N // 2), BLOCK_N // 2), k0, start, end, BLOCK_K)
+                _zero_outside(x_words.index(slot).slice(WG * ROWS, ROWS), k0, start, end, BLOCK_K)
+                _zero_outside(y_words.index(slot).slice(WG * (BLOCK_N // 2), BLOCK_N // 2), k0, start, end, BLOCK_K)
                 # Every thread's generic-proxy writes must reach the async proxy (the wgmma) and
                 # the other warpgroup, which reads this warpgroup's half of y.
                 fence_async_shared()
@@ -303,11 +303,8 @@ if gluon is not None:
                 edges += 1
             part = warpgroup_mma(x_rows.slice(0, 64), y_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
             # The scales are read while the wgmma runs.
-            kq = k0 // QBLOCK
-            sx = _row_scales(sx_bufs, slot, sx_ptr, kq, ssx_k, ssx_m, off_m, M, WG * ROWS, 64, rows_layout,
-                             SCALES_SMEM)
-            sy = _row_scales(sy_bufs, slot, sy_ptr, kq, ssy_k, ssy_n, off_n, N, 0, BLOCK_N, cols_layout,
-                             SCALES_SMEM)
+            sx = _slot_scales(sx_bufs, slot, WG * ROWS, 64, rows_layout)
+            sy = _slot_scales(sy_bufs, slot, 0, BLOCK_N, cols_layout)
             part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
             if PARTS == 1:
                 # The slot is read: hand it back before promoting, so the next load starts now.
@@ -316,8 +313,7 @@ if gluon is not None:
             if PARTS == 2:
                 part = warpgroup_mma(x_rows.slice(64, 64), y_tile.permute((1, 0)), zero, use_acc=False,
                                      is_async=True)
-                sx = _row_scales(sx_bufs, slot, sx_ptr, kq, ssx_k, ssx_m, off_m + 64, M, WG * ROWS + 64, 64,
-                                 rows_layout, SCALES_SMEM)
+                sx = _slot_scales(sx_bufs, slot, WG * ROWS + 64, 64, rows_layout)
                 part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                 mbarrier.arrive(empty.index(slot), count=1)
                 acc1 = _promote(acc1, part, sx, sy, False, False)
@@ -333,15 +329,10 @@ if gluon is not None:
         return step, edges
 
     @gluon.jit
-    def _row_scales(bufs, slot, s_ptr, kq, s_k, s_r, off, n_valid, first, COUNT: gl.constexpr,
-                    layout: gl.constexpr, SCALES_SMEM: gl.constexpr):
-        """The step's ``COUNT`` scales from row (or column) ``off``: from the slot's copy (entries
-        ``first`` on) when the loader made one, else from global memory (zeros past ``n_valid``)."""
-        if SCALES_SMEM:
-            return bufs.index(slot).slice(first, COUNT).load(layout)
-        else:
-            offs = off + gl.arange(0, COUNT, layout=layout)
-            return gl.load(s_ptr + kq * s_k + offs * s_r, mask=offs < n_valid, other=0.0)
+    def _slot_scales(bufs, slot, first, COUNT: gl.constexpr, layout: gl.constexpr):
+        """The step's ``COUNT`` row (or column) scales from entry ``first`` of the copy the loader
+        made in ring slot ``slot`` (zeros past M or N)."""
+        return bufs.index(slot).slice(first, COUNT).load(layout)
 
     # One wrapper per math warpgroup: a worker partition takes the loader's argument list, so the
     # warpgroup index is fixed here rather than passed.
@@ -350,31 +341,30 @@ if gluon is not None:
                   ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m,
                  ssy_k, ssy_n,
                   QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr):
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
         _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
                  ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n,
-                 QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, 0)
+                 QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, 0)
 
     @gluon.jit
     def _wg_math1(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
                   ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m,
                  ssy_k, ssy_n,
                   QBLOCK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_SMEM: gl.constexpr):
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
         _wg_math(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs, c_smem,
                  ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k, ssx_m, ssy_k, ssy_n,
-                 QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, SCALES_SMEM, 1)
+                 QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE, 1)
 
     @gluon.jit
     def _fp8_blockwise_wgrad_kernel(x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, counter_ptr, G, M, N, sc_m,
                                     sc_n, ssx_k, ssx_m, ssy_k, ssy_n, QBLOCK: gl.constexpr,
                                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-                                    SCALES_SMEM: gl.constexpr, TILE_SLOTS: gl.constexpr, MATH_REGS: gl.constexpr,
-                                    LOAD_REGS: gl.constexpr):
+                                    TILE_SLOTS: gl.constexpr, MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
         x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
         y_bufs = gl.allocate_shared_memory(y_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], y_desc.layout)
-        # Each slot's row and column scales (SCALES_SMEM; unused otherwise).
+        # Each slot's row and column scales.
         sx_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         sy_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         if TMA_STORE:
@@ -403,16 +393,13 @@ if gluon is not None:
         gl.warp_specialize([
             (_wg_math0, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs,
                          c_smem, ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k,
-                         ssx_m, ssy_k, ssy_n, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE,
-                         SCALES_SMEM)),
+                         ssx_m, ssy_k, ssy_n, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE)),
             (_wg_math1, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs,
                          c_smem, ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k,
-                         ssx_m, ssy_k, ssy_n, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE,
-                         SCALES_SMEM)),
+                         ssx_m, ssy_k, ssy_n, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE)),
             (_wg_load, (x_desc, y_desc, c, c_desc, sx_ptr, sy_ptr, offs_ptr, x_bufs, y_bufs, sx_bufs, sy_bufs,
                         c_smem, ready, empty, edge, tiles, tready, tfree, counter_ptr, G, M, N, sc_m, sc_n, ssx_k,
-                        ssx_m, ssy_k, ssy_n, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE,
-                        SCALES_SMEM)),
+                        ssx_m, ssy_k, ssy_n, QBLOCK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, TMA_STORE)),
         ], [4, 1], [MATH_REGS, LOAD_REGS])
 
 
@@ -498,8 +485,7 @@ def launch_args(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock: in
     args = (x_desc, y_desc, c2, c_desc, sx, sy, offs, counter, G, M, N, c2.stride(0), c2.stride(1), *sx_strides,
             *sy_strides)
     kwargs = dict(QBLOCK=qblock, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, STAGES=stages,
-                  TMA_STORE=tma_store, SCALES_SMEM=SCALES_IN_SMEM,
-                  TILE_SLOTS=TILE_SLOTS, MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)
+                  TMA_STORE=tma_store, TILE_SLOTS=TILE_SLOTS, MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)
     return args, kwargs
 
 

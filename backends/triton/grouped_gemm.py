@@ -17,7 +17,7 @@ the same math):
   along the tokens aligned to the global token index (a run may straddle two groups; its one
   scale serves both). They are written transposed, token-contiguous.
 * BLOCKWISE operands may arrive pre-quantised (QuantizedTensor, the training step's reuse:
-  ``turbo_dispatch.backends.quantizer.quantize_runs_both``/``quantize_tiles_both``); they are read
+  ``turbo_dispatch.low_precision.dual_quantize.quantize_runs_both``/``quantize_tiles_both``); they are read
   as they are, a weight not stored K-major for this GEMM copied once.
 
 Configs are ``(BM, BN, BK, GROUP_M, num_stages, num_warps, tma[, occupancy])`` tuples; ``tma=1``
@@ -95,9 +95,9 @@ def _upcast(*dtypes: torch.dtype) -> int:
     return 0
 
 
-#: Whether tl.dot is given e4m3 x e5m2 operands directly (HYBRID recipes). Triton 3.6 on an H100
-#: compiled and matched it (SNR equal to the fp16 route, 1.2-1.7x faster); ROCm keeps the fp16
-#: route (unmeasured), and TURBO_TRITON_MIXED_FP8_MMA=0/1 overrides. The fp16 route is exact.
+#: Whether tl.dot is given e4m3 x e5m2 operands directly (HYBRID recipes): on CUDA it matches the
+#: exact fp16 route and is faster (docs/kernels.md); ROCm keeps the fp16 route (unmeasured).
+#: TURBO_TRITON_MIXED_FP8_MMA=0/1 overrides.
 _MIXED_FP8_MMA = os.environ.get("TURBO_TRITON_MIXED_FP8_MMA",
                                 "0" if getattr(torch.version, "hip", None) else "1") == "1"
 
@@ -120,7 +120,8 @@ def launch_fixed_k(a: torch.Tensor, b_gnk: torch.Tensor, out: torch.Tensor, offs
                    scale: int = 0, sa: Optional[torch.Tensor] = None, sa_strides=(0, 0),
                    sb: Optional[torch.Tensor] = None, sb_strides=(0, 0, 0), qblock: int = 128, sb_ndiv: int = 1,
                    upcast: int = 0) -> torch.Tensor:
-    """out[s_g:e_g] = a[s_g:e_g] @ b_gnk[g].T for every group (b_gnk is a [G, N, K] *view*, any strides).
+    """out[s_g:e_g] = a[s_g:e_g] @ b_gnk[g].T for every group (b_gnk is a [G, N, K] *view*, any strides),
+    and zeros in the rows past the last group (``offs[G] < M``: a padded buffer).
 
     ``sa_strides`` are (row, k-block) strides of a's scale, ``sb_strides`` (group, n-index, k-block)
     of b's scale, whose n-index is ``col // sb_ndiv``.
@@ -155,19 +156,33 @@ def launch_fixed_k(a: torch.Tensor, b_gnk: torch.Tensor, out: torch.Tensor, offs
             else:
                 b_desc = desc(b_gnk, [g * k, n], [b_gnk.stride(2), 1], [bk, bn])
     num_n = -(-n // bn)
-    bound = (-(-m // bm) + g) * num_n  # most tiles any routing can give
+    bound = (-(-m // bm) + g + 1) * num_n  # most tiles any routing can give (the +1: the padded tail)
     progs = max(1, min(_programs(a.device) * occupancy, bound))
     sa = a if sa is None else sa
     sb = a if sb is None else sb
     grouped_fixed_k_kernel[(progs,)](
         a, b_gnk, out, offs, sa, sb, a_desc, b_desc,
-        g, n, k, progs,
+        g, m, n, k, progs,
         a.stride(0), a.stride(1), b_gnk.stride(0), b_gnk.stride(1), b_gnk.stride(2), out.stride(0), out.stride(1),
         *sa_strides, *sb_strides,
         SCALE=scale, QBLOCK=qblock, SB_NDIV=sb_ndiv, BM=bm, BN=bn, BK=bk, GROUP_M=group_m,
         EVEN_K=(k % bk == 0), USE_TMA=use_tma, B_KMAJOR=b_kmajor, UPCAST=upcast,
         num_stages=stages, num_warps=warps,
     )
+    return out
+
+
+def zero_padded_tail(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``out[offs[-1]:] = 0`` for an ``[M, N]`` output whose kernel wrote only its groups' rows,
+    with the boundary read on the device (no host sync, capturable): the padded-tail contract of
+    the fixed-K grouped GEMM for kernels that do not keep it themselves."""
+    from .grouped_kernels import zero_rows_past_kernel
+
+    m, n = out.shape
+    if m and n:
+        bm, bn = 64, 128
+        zero_rows_past_kernel[(-(-m // bm),)](out, offs, offs.shape[0] - 1, m, n, out.stride(0), out.stride(1),
+                                              BM=bm, BN=bn)
     return out
 
 
@@ -246,9 +261,8 @@ def _fit(cfgs: Sequence[Config], m: int, n: int) -> list[Config]:
 def _half_configs(p) -> list[Config]:
     if p.variable_k:
         # K is the tokens per expert (hundreds to tens of thousands), M x N the weight: big output
-        # tiles, TMA (interior steps unmasked); the last entry is the pointer path. H100, DeepSeek-V3
-        # wgrads (8 x 4096 tokens): 128x256 4-stage 605/587 TFLOPS, 3-stage 592/582, 256x128
-        # 595/572, pointer path 509/476, 128x128 <= 500; the smaller tiles serve small M, N.
+        # tiles, TMA (interior steps unmasked), in their measured order (docs/kernels.md); the
+        # smaller tiles serve small M, N and the last entry is the pointer path.
         cands = [(128, 256, 64, 8, 4, 8, 1), (128, 256, 64, 8, 3, 8, 1), (256, 128, 64, 8, 3, 8, 1),
                  (128, 128, 64, 8, 4, 8, 1), (128, 128, 64, 8, 4, 4, 1), (64, 128, 64, 8, 4, 4, 1),
                  (128, 256, 64, 8, 3, 8, 0)]
@@ -290,19 +304,17 @@ def _build_fp8_configs(p, ws_runs: bool) -> list[Config]:
     bk = _fp8_bk(p)
     if p.variable_k:
         # Operands are token-contiguous fp8 with 16-byte row strides: TMA on both (tma=1); the
-        # last entry is the pointer path. Orders from H100 runs at the DeepSeek-V3 wgrads
-        # ([4096 x 7168] / [7168 x 2048], 8 x 4096 tokens), kernel alone.
+        # last entry is the pointer path. Orders as measured at the DeepSeek-V3 wgrads
+        # (docs/kernels.md).
         if p.granularity is ScalingGranularity.BLOCKWISE:
             # The per-step scale is an outer product of two per-column vectors (both operands in
-            # 1 x block token runs): 128 x 256 and 4-warp 128 x 128 spill (ptxas, sm_90a). Measured
-            # 678/677 TFLOPS (64x128), 618/679 (128x128 3-stage), 616/680 (64x256 3-stage). The
+            # 1 x block token runs): 128 x 256 and 4-warp 128 x 128 spill (ptxas, sm_90a). The
             # warp-specialised wgrad kernel's configs go first where it can run.
             cands = [(64, 128, bk, 8, 4, 4, 1), (128, 128, bk, 8, 3, 8, 1), (64, 256, bk, 8, 3, 8, 1),
                      (128, 128, bk, 8, 4, 8, 1), (64, 256, bk, 8, 4, 8, 1), (128, 128, bk, 8, 4, 8, 0)]
             return _ws_configs(p, bk, ws_runs) + _fit(cands, p.m, p.n)
         else:
-            # rowwise 128x256 4-stage 1301/1238 TFLOPS, 3-stage 1240/1199; tensorwise 3-stage
-            # 1379/1321, 4-stage 1346/1216.
+            # 128 x 256 leads: 4 stages for rowwise, 3 for tensorwise (the faster of each).
             big = [(128, 256, bk, 8, 4, 8, 1), (128, 256, bk, 8, 3, 8, 1)]
             if p.granularity is ScalingGranularity.TENSORWISE:
                 big.reverse()
@@ -311,12 +323,12 @@ def _build_fp8_configs(p, ws_runs: bool) -> list[Config]:
         return _fit(cands, p.m, p.n)
     per_group = p.m / max(p.g, 1)
     if p.granularity is ScalingGranularity.BLOCKWISE:
-        # Per-K-block promotion keeps a second 128 x BN fp32 tile live: BN=256 spills (H100: 446
-        # vs 700 TFLOPS kernel-only at DeepSeek-V3 shapes for 128x128, 8 warps), and so does
-        # 256 x 128 (216 bytes of stack, sm_90, triton 3.6: tools/compile_sm90.py).
-        # The occupancy-2 entries (4-warp 64 x 128 / 128 x 64, two persistent programs per SM) overlap
-        # one program's promotion with the other's wgmma; tools/compile_sm90.py checks that two
-        # fit (sm_90, bk=128). Not yet timed, so the measured 128 x 128 stays first.
+        # Per-K-block promotion keeps a second 128 x BN fp32 tile live: BN=256 spills (and runs far
+        # slower than 128 x 128, 8 warps), and so does 256 x 128 (216 bytes of stack, sm_90,
+        # triton 3.6: tools/compile_sm90.py). The occupancy-2 entries (4-warp 64 x 128 / 128 x 64,
+        # two persistent programs per SM) overlap one program's promotion with the other's wgmma;
+        # tools/compile_sm90.py checks that two fit (sm_90, bk=128). They are untimed, so the
+        # measured 128 x 128 stays first.
         cands = [(128, 128, bk, 8, 4, 8, 1), (128, 128, bk, 8, 3, 8, 1), (64, 128, bk, 8, 4, 4, 1, 2),
                  (128, 64, bk, 8, 4, 4, 1, 2), (64, 128, bk, 8, 4, 4, 1), (128, 64, bk, 8, 4, 4, 1),
                  (128, 128, bk, 8, 4, 8, 0), (64, 64, bk, 8, 4, 4, 1)]
@@ -330,23 +342,15 @@ def _build_fp8_configs(p, ws_runs: bool) -> list[Config]:
 
 
 #: The warp-specialised Gluon kernel's grouped configs (ninth field ``KERNEL_GLUON_WS``), the first
-#: the default; BK is replaced by the problem's K step. H100, DeepSeek-V3 8 x 4096, kernel only,
-#: same run (gluon-ws-r5): the 256-column tile at 4 stages 1035 / 1010 TFLOPS up_gate balanced /
-#: skewed, 885 / 853 down; 3 stages 1017 / 994 and 902 / 854; the 128-column tile 941 / 892 and
-#: 816 / 872; the Triton 128 x 128 tile 868 / 853 and 775 / 745. With the TMA-store epilogue
-#: (gluon-ws-r7, tools/gpu_round12.sh): 4 stages 1226 / 1169 and 1162 / 1177; 3 stages 1183 / 1095
-#: and 1077 / 1037; the 128-column tile 992 / 946 and 1039 / 975.
+#: the default; BK is replaced by the problem's K step. The order is the measured one: the
+#: 256-column tile at 4 stages, then 3, then the 128-column tile (docs/kernels.md).
 WS_CONFIGS = ((128, 256, 128, 8, 4, 8, 1, 1, KERNEL_GLUON_WS), (128, 256, 128, 8, 3, 8, 1, 1, KERNEL_GLUON_WS),
               (128, 128, 128, 8, 4, 8, 1, 1, KERNEL_GLUON_WS))
 
 #: The warp-specialised wgrad kernel's configs (fp8_blockwise_wgrad_ws), the first the default: the
-#: 128 x 128 tile at 4 and 5 stages. H100, kernel only, same run (gluon-wgrad-r2,
-#: tools/gpu_round23.sh), TFLOPS balanced / skewed: DeepSeek-V3 up_gate wgrad 904 / 759 (4 stages),
-#: 881 / 763 (5), against the Triton variable-K kernel's 691 / 601; down 869 / 778, 823 / 760
-#: against 647 / 598; Qwen3-30B-A3B up_gate 940 / 734, 891 / 737 against 652 / 592. The wider tiles
-#: spill inside the wgmma loop because both scales are vectors (sm_90, triton 3.6,
-#: tools/compile_sm90.py): 128 x 256 146 LDL/STL, 256 x 128 (two accumulators per warpgroup) 88;
-#: the latter measured 838 / 744 at DeepSeek-V3 up_gate, so neither is offered.
+#: 128 x 128 tile at 4 and 5 stages, about 1.3x the Triton variable-K kernel (docs/kernels.md).
+#: The wider tiles spill inside the wgmma loop because both scales are vectors (sm_90, triton 3.6,
+#: tools/compile_sm90.py: 128 x 256 146 LDL/STL, 256 x 128 88) and are slower: neither is offered.
 WGRAD_WS_CONFIGS = ((128, 128, 128, 8, 4, 8, 1, 1, KERNEL_GLUON_WS), (128, 128, 128, 8, 5, 8, 1, 1, KERNEL_GLUON_WS))
 
 
@@ -576,7 +580,8 @@ class TritonGroupedGemmFp8(_TritonAdapter):
 
             cfg = _ws_for_operands(p, cfg, config is not None, grouped_operands_error(qa, qb))
             if _is_ws(cfg):
-                return launch_grouped(qa, qb, out, offs, sa, sas, sb, sbs, cfg[:6], b_group=bs)
+                launch_grouped(qa, qb, out, offs, sa, sas, sb, sbs, cfg[:6], b_group=bs)
+                return zero_padded_tail(out, offs)  # the warp-specialised kernel writes its groups' rows only
         return launch_fixed_k(qa, qb, out, offs, cfg, scale=mode, sa=sa, sa_strides=sas, sb=sb, sb_strides=sbs,
                               qblock=qblock, sb_ndiv=ndiv, upcast=up)
 

@@ -7,7 +7,9 @@ Two kernels, one per grouped-GEMM shape (see turbo_dispatch/ops/grouped_gemm.py)
   work items. No host ever sees the group sizes: every program reads ``offs[g]``/``offs[g+1]``
   itself, derives that group's tile count, and takes the tiles whose global index is
   ``pid (mod NUM_PROGS)``. So the launch grid depends only on the SM count (CUDA-graph capturable
-  with any routing) and an empty group simply has no tiles.
+  with any routing) and an empty group simply has no tiles. Rows past the last group (a padded
+  buffer, ``M > offs[G]``) are one more run of tiles at the end of the list, stored as zeros: every
+  row of the output is written, and an unpadded call finds that run empty.
 * ``grouped_variable_k_kernel`` (wgrad): ``out[g] = x_g^T @ y_g``, the reduction running over
   each group's tokens. The tile count (G x m-tiles x n-tiles) is static, so it is a plain grid of
   one program per output tile; each program loops over its group's tokens (bounds read on the
@@ -55,7 +57,7 @@ import triton.language as tl
 SCALE_NONE, SCALE_TENSOR, SCALE_ROW, SCALE_BLOCK = 0, 1, 2, 3
 
 #: Bumped whenever a kernel's code changes; part of the adapters' identity().
-KERNEL_REVISION = "gg-r4"
+KERNEL_REVISION = "gg-r5"
 
 
 @triton.jit
@@ -84,7 +86,7 @@ def _dot_operands(a, b, UPCAST: tl.constexpr):
 @triton.jit
 def grouped_fixed_k_kernel(
     a_ptr, b_ptr, c_ptr, offs_ptr, sa_ptr, sb_ptr, a_desc, b_desc,
-    G, N, K, NUM_PROGS,
+    G, M, N, K, NUM_PROGS,
     stride_am, stride_ak, stride_bg, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_sam, stride_sak, stride_sbg, stride_sbn, stride_sbk,
     SCALE: tl.constexpr, QBLOCK: tl.constexpr, SB_NDIV: tl.constexpr,
@@ -92,7 +94,8 @@ def grouped_fixed_k_kernel(
     EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """c[s_g + i, n] = sum_k a[s_g + i, k] * b[g, k, n] (b addressed through (g, n, k) strides)."""
+    """c[s_g + i, n] = sum_k a[s_g + i, k] * b[g, k, n] (b addressed through (g, n, k) strides);
+    c[offs[G]:M] = 0 (the rows past the last group)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BN)
     num_k = tl.cdiv(K, BK)
@@ -157,6 +160,32 @@ def grouped_fixed_k_kernel(
             tl.store(c_p, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
             tile += NUM_PROGS
         base += count
+    end = tl.load(offs_ptr + G)
+    tail = (M - end).to(tl.int32)
+    count = tl.cdiv(tail, BM) * num_n
+    while tile < base + count:
+        local = tile - base
+        rm = (local // num_n) * BM + tl.arange(0, BM)
+        rn = (local % num_n) * BN + tl.arange(0, BN)
+        c_p = c_ptr + (end + rm.to(tl.int64))[:, None] * stride_cm + rn[None, :] * stride_cn
+        zeros = tl.zeros((BM, BN), dtype=c_ptr.dtype.element_ty)
+        tl.store(c_p, zeros, mask=(rm < tail)[:, None] & (rn < N)[None, :])
+        tile += NUM_PROGS
+
+
+@triton.jit
+def zero_rows_past_kernel(c_ptr, offs_ptr, G, M, N, stride_cm, stride_cn, BM: tl.constexpr, BN: tl.constexpr):
+    """c[offs[G]:M] = 0, for kernels that write only their groups' rows. One program per BM rows
+    of c; a program whose rows all lie inside the groups (every one, unpadded) loads one offset
+    and stores nothing, so the launch costs next to nothing where there is no padding."""
+    end = tl.load(offs_ptr + G).to(tl.int64)
+    rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    row_ok = (rm >= end) & (rm < M)
+    n_steps = tl.where(tl.program_id(0).to(tl.int64) * BM + BM > end, tl.cdiv(N, BN), 0)
+    for j in range(0, n_steps):
+        rn = j * BN + tl.arange(0, BN)
+        c_p = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+        tl.store(c_p, tl.zeros((BM, BN), dtype=c_ptr.dtype.element_ty), mask=row_ok[:, None] & (rn < N)[None, :])
 
 
 @triton.jit

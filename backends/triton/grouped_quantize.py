@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quantizer import empty_padded_rows
+from turbo_dispatch.low_precision.dual_quantize import empty_padded_rows
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 _MANT_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}

@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from turbo_dispatch.backends.quantizer import empty_padded_rows
+from turbo_dispatch.low_precision.dual_quantize import empty_padded_rows
 from turbo_dispatch.low_precision import FP8_MAX, QuantizedTensor, ScalingGranularity
 from turbo_dispatch.low_precision.config import _coerce_enum
 
@@ -50,9 +50,9 @@ __all__ = ["available", "quantize_fp8", "quantize_fp8_both", "quantize_fp8_in_tu
 
 #: Rows up to this length are held whole in registers (one pass); longer ones take two kernels.
 _ROW_SINGLE_MAX = 8192
-#: The split amax kernel (two-kernel path): the programs it aims for, and its (BLOCK_P, BLOCK_Q)
-#: tiles, wide along whichever dim is contiguous (q for rows, p along a strided dim).
-#: Module-level so that the GPU probe (tools/probe_fp8_dense_step.py) can sweep them.
+#: The split amax kernel (two-kernel path): the programs it aims for (a streaming kernel of 4
+#: warps needs several per SM), and its (BLOCK_P, BLOCK_Q) tiles, wide along whichever dim is
+#: contiguous (q for rows, p along a strided dim); the fastest of an H100 sweep (docs/kernels.md).
 AMAX_PROGRAMS = 4096
 AMAX_TILE = (16, 256)
 AMAX_TILE_STRIDED = (64, 64)
@@ -285,7 +285,7 @@ if triton is not None:
             q = _to_fp8(tl.math.div_rn(x, scale[:, None]), data_ptr, FP8_MAX_, EMULATE_CAST, MAN_BITS, MIN_EXP)
             # The transposed copy is cast again, from the scale broadcast along the other dim,
             # not stored from q: on an H100 (triton 3.6) storing q twice wrote wrong bytes into
-            # data_t for float32 inputs (bf16 was right), which the GPU probe's bit check caught.
+            # data_t for float32 inputs (bf16 was right).
             scale_t = _scale_of(tl.load(row_amax_ptr + offs_q * 0), FP8_MAX_, TINY, RECIP)
             q_t = _to_fp8(tl.math.div_rn(x, scale_t[None, :]), data_ptr, FP8_MAX_, EMULATE_CAST, MAN_BITS, MIN_EXP)
         tl.store(data_ptr + offs_p[:, None] * ld + offs_q[None, :], q, mask=mask)
@@ -441,8 +441,8 @@ def _run(x, dtype, gran, axis, block_size, block_2d, want_t, row_pad: int = 1, s
 
 
 #: Launch shapes of ``quantize_fp8_both``: the amax kernel's (BLOCK_P, BLOCK_Q, P_STEPS,
-#: num_warps) and the cast kernel's (BLOCK_P, BLOCK_Q, num_warps). Module-level so that the GPU
-#: probe (tools/probe_fp8_dense_step.py) can sweep them.
+#: num_warps) and the cast kernel's (BLOCK_P, BLOCK_Q, num_warps); the fastest of an H100 sweep
+#: (docs/kernels.md).
 BOTH_AMAX_LAUNCH = (8, 1024, 32, 4)
 BOTH_CAST_LAUNCH = (32, 64, 4)
 
@@ -508,8 +508,8 @@ def quantize_fp8_in_turn(x: torch.Tensor, dtype: torch.dtype, granularity: Scali
                          ) -> tuple[Callable[[], QuantizedTensor], Callable[[], QuantizedTensor]]:
     """``quantize_fp8_both``'s pair, made one at a time: every amax from one read now, each cast
     (one read) when its callable is called. For the backward, where holding both copies of the
-    gradient at once would lift the step's peak memory (an H100 measured +16 MiB, 7%, on a
-    Linear 8192x4096x4096). Same bits and layouts as ``quantize_fp8_both``.
+    gradient at once would lift the step's peak memory above the bf16 step's. Same bits and
+    layouts as ``quantize_fp8_both``.
     """
     gran = _check_both(x, dtype, granularity, "quantize_fp8_in_turn")
     row_amax, col_amax = _amax_both(x, gran is ScalingGranularity.ROWWISE)

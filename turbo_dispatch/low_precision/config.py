@@ -6,13 +6,14 @@ to build, validate eagerly, and can be used as dictionary keys.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 
-__all__ = ["Format", "ScalingGranularity", "ScaleDtype", "Float8QuantConfig"]
+__all__ = ["Format", "ScalingGranularity", "ScaleDtype", "ScalingRecipe", "Float8QuantConfig"]
 
 _E = TypeVar("_E", bound=enum.Enum)
 
@@ -90,8 +91,60 @@ class ScaleDtype(enum.Enum):
     E8M0 = "e8m0"
 
 
+class ScalingRecipe(NamedTuple):
+    """How a quantiser lays out its scaling groups, beyond the granularity.
+
+    ``use_2d_block`` asks for square ``block_size x block_size`` tiles over the last two dims
+    (BLOCKWISE weights), the same as ``quantize(..., block_2d=True)``. The other flags name
+    MXFP4 techniques (stochastic rounding, a random Hadamard transform, shuffled layouts) that
+    this library does not implement, since it has no FP4 path; ``check`` refuses them by name
+    rather than quantising without them. A NamedTuple, so it is hashable and compares by value.
+
+    >>> ScalingRecipe(use_2d_block=True).check("quantize")
+    >>> ScalingRecipe(use_sr=True).check("quantize")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: quantize: ScalingRecipe(use_sr=True) is not supported: stochastic rounding, ...
+    """
+
+    use_2d_block: bool = False
+    use_sr: bool = False
+    use_rht: bool = False
+    shuffle_scale: bool = False
+    shuffle_out: bool = False
+
+    def check(self, where: str) -> None:
+        """Raise ``ValueError`` naming the first flag set that this library does not implement."""
+        for flag in ("use_sr", "use_rht", "shuffle_scale", "shuffle_out"):
+            if getattr(self, flag):
+                raise ValueError(f"{where}: ScalingRecipe({flag}=True) is not supported: {_FP4_ONLY[flag]}")
+
+
+_FP4_ONLY = {
+    "use_sr": "stochastic rounding, an MXFP4 technique, and turbo_dispatch has no FP4 path",
+    "use_rht": "the random Hadamard transform, an MXFP4 technique, and turbo_dispatch has no FP4 path",
+    "shuffle_scale": "shuffled scale layouts feed AMD MXFP4 kernels only",
+    "shuffle_out": "shuffled data layouts feed AMD MXFP4 kernels only",
+}
+
+
+def recipe_block_2d(recipe: "ScalingRecipe | None", block_2d: bool, where: str) -> bool:
+    """``block_2d`` merged with a recipe's ``use_2d_block`` (either asks for 2-D tiles), after
+    refusing the recipe flags this library does not implement."""
+    if recipe is None:
+        return block_2d
+    if not isinstance(recipe, ScalingRecipe):
+        raise TypeError(f"{where}: scaling_recipe must be a ScalingRecipe or None; got {type(recipe).__name__}")
+    recipe.check(where)
+    return block_2d or recipe.use_2d_block
+
+
 # MX (OCP Microscaling v1.0) fixes the block size at 32 elements.
 MX_BLOCK_SIZE = 32
+#: BLOCKWISE block sizes a config may name: powers of two, so a block is a whole number of kernel
+#: tiles, and bounded so that a typo cannot ask for a block larger than any real reduction axis's
+#: useful scale granularity (the fused GPU kernels serve 32, 64 and 128; TORCH serves them all).
+BLOCKWISE_BLOCK_SIZES = tuple(2 ** i for i in range(4, 10))
 
 
 @dataclass(frozen=True)
@@ -100,8 +153,9 @@ class Float8QuantConfig:
 
     Enum fields also accept their case-insensitive string name/value. Rules:
 
-    * ``BLOCKWISE`` needs a positive ``block_size`` (128 is the usual choice,
-      matching DeepSeek-style 1x128 activation / 128x128 weight blocks).
+    * ``BLOCKWISE`` needs a ``block_size`` that is a power of two from 16 to 512
+      (``BLOCKWISE_BLOCK_SIZES``; 128 is the usual choice, matching DeepSeek-style
+      1x128 activation / 128x128 weight blocks).
     * ``MX_BLOCKWISE`` needs ``block_size == 32`` (``None`` defaults to 32) and
       ``scale_dtype=E8M0``; E8M0 scales are only valid for MX.
     * ``TENSORWISE`` / ``ROWWISE`` must leave ``block_size`` as ``None``.
@@ -137,9 +191,11 @@ class Float8QuantConfig:
             raise ValueError(f"{where}: block_size must be an int or None; got {bs!r}")
 
         if gran is ScalingGranularity.BLOCKWISE:
-            if bs is None or bs <= 0:
+            if bs not in BLOCKWISE_BLOCK_SIZES:
+                valid = ", ".join(map(str, BLOCKWISE_BLOCK_SIZES))
                 raise ValueError(
-                    f"{where}: granularity=BLOCKWISE needs block_size (a positive int, e.g. 128); got {bs!r}"
+                    f"{where}: granularity=BLOCKWISE needs block_size, a power of two (one of {valid}, "
+                    f"e.g. 128); got {bs!r}"
                 )
         elif gran is ScalingGranularity.MX_BLOCKWISE:
             if bs != MX_BLOCK_SIZE:
@@ -158,3 +214,27 @@ class Float8QuantConfig:
         """Short human-readable key, e.g. ``"e4m3/blockwise128/fp32"``."""
         gran = self.granularity.value + (str(self.block_size) if self.block_size is not None else "")
         return f"{self.format.value}/{gran}/{self.scale_dtype.value}"
+
+    def replace(self, **changes: object) -> "Float8QuantConfig":
+        """A validated copy with ``changes`` applied (``dataclasses.replace``): the way to derive a
+        changed config, since a config is frozen.
+
+        >>> Float8QuantConfig().replace(granularity="rowwise").tag()
+        'e4m3/rowwise/fp32'
+        """
+        return dataclasses.replace(self, **changes)
+
+
+def _refuse_assignment(self: Float8QuantConfig, name: str, value: object = None) -> None:
+    """Frozen: a config is hashed into decision and kernel caches, so changing one in place would
+    leave them keyed by a recipe it no longer has. The error names the way to a changed copy."""
+    raise dataclasses.FrozenInstanceError(
+        f"cannot change {name!r}: Float8QuantConfig is frozen (hashable, it keys caches); derive a changed "
+        f"copy with cfg.replace({name}=...) or dataclasses.replace(cfg, {name}=...)"
+    )
+
+
+# Set after @dataclass(frozen=True), which refuses a class that defines its own __setattr__; the
+# class stays a frozen dataclass to every tool that checks (torch.compile treats those as constants).
+Float8QuantConfig.__setattr__ = _refuse_assignment  # type: ignore[method-assign,assignment]
+Float8QuantConfig.__delattr__ = _refuse_assignment  # type: ignore[method-assign,assignment]

@@ -20,12 +20,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .config import MX_BLOCK_SIZE, Float8QuantConfig, ScalingGranularity, _coerce_enum
+from .config import MX_BLOCK_SIZE, Float8QuantConfig, ScalingGranularity, ScalingRecipe, _coerce_enum, recipe_block_2d
 
-__all__ = ["FP8_MAX", "QuantizedTensor", "quantize", "dequantize", "quantize_with_config"]
+__all__ = ["FP8_MAX", "QuantizedTensor", "quantize", "dequantize", "quantize_with_config", "quantize_fp8",
+           "dequantize_fp8", "float8_e4m3", "float8_e5m2"]
 
 FP8_MAX: dict[torch.dtype, float] = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-
+#: The float8 dtypes by their format names: always the OCP encodings, the only ones quantised here.
+float8_e4m3 = torch.float8_e4m3fn
+float8_e5m2 = torch.float8_e5m2
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,9 +45,18 @@ class QuantizedTensor:
     * BLOCKWISE / MX_BLOCKWISE (1-D blocks): ``S`` with ``S[a] = ceil(S[a] / block_size)``
     * BLOCKWISE with ``block_2d``: ``(*S[:-2], ceil(S[-2]/bs), ceil(S[-1]/bs))``
 
+    ``orig_dtype`` is the dtype the data was quantised from (``quantize`` records it; float32
+    where a maker does not know it): ``dequantize()``'s default and what ``dtype`` reports.
+    ``qdata``/``scale_inv``/``quantized_axis``/``real_dtype``/``scaling_recipe`` name the same
+    facts the way code written against Primus-Turbo reads them (``scale_inv`` is the dequant
+    scale, i.e. ``scale`` here).
+
     >>> q = quantize(torch.randn(4, 100), torch.float8_e4m3fn, "blockwise", block_size=64)
     >>> q.data.dtype, tuple(q.scale.shape), dequantize(q).shape
     (torch.float8_e4m3fn, (4, 2), torch.Size([4, 100]))
+    >>> q = QuantizedTensor.quantize(torch.randn(4, 64, dtype=torch.bfloat16), float8_e4m3, "rowwise")
+    >>> q.dtype, q.real_dtype, tuple(q.scale_inv.shape), q.dequantize().dtype
+    (torch.bfloat16, torch.float8_e4m3fn, (4, 1), torch.bfloat16)
     """
 
     data: torch.Tensor
@@ -53,6 +65,69 @@ class QuantizedTensor:
     axis: int
     block_size: int | None
     block_2d: bool
+    orig_dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def quantize(cls, hp_tensor: torch.Tensor, dest_dtype: torch.dtype, granularity: ScalingGranularity | str, *,
+                 axis: int | None = None, group_lens: torch.Tensor | None = None, block_size: int | None = None,
+                 scaling_recipe: ScalingRecipe | None = None) -> "QuantizedTensor":
+        """Quantise ``hp_tensor`` (the constructor a caller uses; ``quantize`` does the work).
+
+        ``axis`` is the reduction axis (None: the last); ``scaling_recipe.use_2d_block`` asks for
+        2-D tiles (BLOCKWISE). ``group_lens`` (int [G], for a 2-D token-major tensor split into
+        groups) is checked but changes nothing: no scaling group here depends on group
+        boundaries (a 1-D run along the tokens may straddle two groups and its one scale serves
+        both, the layout the grouped GEMMs read), so the result equals the ungrouped one.
+        """
+        if group_lens is not None:
+            if not isinstance(group_lens, torch.Tensor) or group_lens.dim() != 1 or group_lens.is_floating_point():
+                raise ValueError("QuantizedTensor.quantize: group_lens must be a 1-D integer tensor [G]; got "
+                                 f"{getattr(group_lens, 'shape', type(group_lens).__name__)}")
+            if not isinstance(hp_tensor, torch.Tensor) or hp_tensor.dim() != 2:
+                raise ValueError("QuantizedTensor.quantize: group_lens needs a 2-D token-major tensor [M_total, K]; "
+                                 f"got shape {tuple(getattr(hp_tensor, 'shape', ()))}")
+        return quantize(hp_tensor, dest_dtype, granularity, axis=-1 if axis is None else axis, block_size=block_size,
+                        scaling_recipe=scaling_recipe)
+
+    @property
+    def qdata(self) -> torch.Tensor:
+        """The fp8 data (``data``)."""
+        return self.data
+
+    @property
+    def scale_inv(self) -> torch.Tensor:
+        """The float32 dequant scale(s) (``scale``): ``x ≈ data * scale_inv``."""
+        return self.scale
+
+    @property
+    def quantized_axis(self) -> int:
+        """The reduction axis the scales run along (``axis``, non-negative)."""
+        return self.axis
+
+    @property
+    def scaling_recipe(self) -> ScalingRecipe:
+        return ScalingRecipe(use_2d_block=self.block_2d)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The high-precision dtype this stands for (``orig_dtype``); the fp8 one is ``real_dtype``."""
+        return self.orig_dtype
+
+    @property
+    def real_dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def dequantize(self, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``dequantize(self, out_dtype)``; ``out_dtype`` defaults to ``orig_dtype``."""
+        return dequantize(self, self.orig_dtype if out_dtype is None else out_dtype)
 
     def t(self) -> "QuantizedTensor":
         """The transposed view of a 2-D quantized tensor (no copy): data and scale transposed,
@@ -67,7 +142,7 @@ class QuantizedTensor:
             raise ValueError(f"QuantizedTensor.t: needs 2-D data; got shape {tuple(self.data.shape)}")
         scale = self.scale.t() if self.scale.dim() == 2 else self.scale
         return QuantizedTensor(data=self.data.t(), scale=scale, granularity=self.granularity, axis=1 - self.axis,
-                               block_size=self.block_size, block_2d=self.block_2d)
+                               block_size=self.block_size, block_2d=self.block_2d, orig_dtype=self.orig_dtype)
 
     def scale_e8m0(self) -> torch.Tensor:
         """MX scales as ``torch.float8_e8m0fnu`` (exact: MX scales are powers of two)."""
@@ -130,12 +205,14 @@ def quantize(
     axis: int = -1,
     block_size: int | None = None,
     block_2d: bool = False,
+    scaling_recipe: ScalingRecipe | None = None,
 ) -> QuantizedTensor:
     """Quantize ``x`` to float8 ``dtype`` with scales at the given granularity.
 
     ``axis`` is the reduction (K) axis: rows and 1-D blocks run along it.
     ``block_2d`` (BLOCKWISE only) uses square ``block_size x block_size`` tiles
-    over the last two dims instead, the usual layout for weights. Partial edge
+    over the last two dims instead, the usual layout for weights; a
+    ``scaling_recipe`` with ``use_2d_block`` asks for the same. Partial edge
     blocks are fine (handled by zero-padding, which cannot change an amax).
     All math is in float32; values are saturated to ``±FP8_MAX[dtype]`` before
     the cast.
@@ -159,6 +236,7 @@ def quantize(
             f"quantize: dtype must be torch.float8_e4m3fn or torch.float8_e5m2 (OCP float8); got {dtype}"
         )
     gran = _coerce_enum(ScalingGranularity, granularity, "granularity", "quantize")
+    block_2d = recipe_block_2d(scaling_recipe, block_2d, "quantize")
     if not -x.dim() <= axis < x.dim():
         raise ValueError(f"quantize: axis must be in [{-x.dim()}, {x.dim() - 1}] for a {x.dim()}-D x; got {axis}")
     axis = axis % x.dim()
@@ -179,6 +257,7 @@ def quantize(
             raise ValueError(f"quantize: block_2d=True needs x with at least 2 dims; got {x.dim()}-D")
 
     fp8_max = FP8_MAX[dtype]
+    orig_dtype = x.dtype
     # Memory: no float32 copy of x is kept. amax is exact in x's own dtype, and dividing x by a
     # float32 scale of at least one dimension computes in float32 (type promotion), so each step
     # holds one float32 temporary at most; this quantizer runs inside training steps (the TORCH
@@ -230,6 +309,7 @@ def quantize(
         axis=axis,
         block_size=block_size,
         block_2d=block_2d,
+        orig_dtype=orig_dtype,
     )
 
 
@@ -270,6 +350,7 @@ def quantize_with_config(
     axis: int = -1,
     block_2d: bool = False,
     grad: bool = False,
+    scaling_recipe: ScalingRecipe | None = None,
 ) -> QuantizedTensor:
     """Quantize ``x`` per ``config``; ``grad=True`` selects the gradient dtype (``config.format.bwd_dtype()``).
 
@@ -280,4 +361,38 @@ def quantize_with_config(
     if not isinstance(config, Float8QuantConfig):
         raise ValueError(f"quantize_with_config: config must be a Float8QuantConfig; got {type(config).__name__}")
     dtype = config.format.bwd_dtype() if grad else config.format.fwd_dtype()
-    return quantize(x, dtype, config.granularity, axis=axis, block_size=config.block_size, block_2d=block_2d)
+    return quantize(x, dtype, config.granularity, axis=axis, block_size=config.block_size, block_2d=block_2d,
+                    scaling_recipe=scaling_recipe)
+
+
+def quantize_fp8(x: torch.Tensor, out_dtype: torch.dtype, granularity: ScalingGranularity | str, *,
+                 block_size: int | None = None, axis: int | None = None,
+                 scaling_recipe: ScalingRecipe | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize`` returning ``(data, scale_inv)`` instead of a QuantizedTensor (``axis`` None:
+    the last), for code that keeps the two tensors apart.
+
+    >>> data, scale_inv = quantize_fp8(torch.randn(4, 64), float8_e4m3, "rowwise", axis=-1)
+    >>> data.dtype, tuple(scale_inv.shape)
+    (torch.float8_e4m3fn, (4, 1))
+    """
+    q = quantize(x, out_dtype, granularity, axis=-1 if axis is None else axis, block_size=block_size,
+                 scaling_recipe=scaling_recipe)
+    return q.data, q.scale
+
+
+def dequantize_fp8(x: torch.Tensor, out_dtype: torch.dtype, granularity: ScalingGranularity | str, *,
+                   block_size: int | None = None, axis: int | None = None, scale_inv: torch.Tensor,
+                   scaling_recipe: ScalingRecipe | None = None) -> torch.Tensor:
+    """The inverse of ``quantize_fp8``: ``x * scale_inv`` broadcast over the scaling groups that
+    ``granularity``, ``block_size``, ``axis`` (None: the last) and ``scaling_recipe`` describe."""
+    gran = _coerce_enum(ScalingGranularity, granularity, "granularity", "dequantize_fp8")
+    if not isinstance(x, torch.Tensor) or x.dtype not in FP8_MAX:
+        raise ValueError(f"dequantize_fp8: x must be a float8 tensor; got {getattr(x, 'dtype', type(x).__name__)}")
+    axis = -1 if axis is None else axis
+    if not -x.dim() <= axis < x.dim():
+        raise ValueError(f"dequantize_fp8: axis must be in [{-x.dim()}, {x.dim() - 1}] for a {x.dim()}-D x; got {axis}")
+    if gran is ScalingGranularity.MX_BLOCKWISE and block_size is None:
+        block_size = MX_BLOCK_SIZE
+    q = QuantizedTensor(data=x, scale=scale_inv, granularity=gran, axis=axis % x.dim(), block_size=block_size,
+                        block_2d=recipe_block_2d(scaling_recipe, False, "dequantize_fp8"))
+    return dequantize(q, out_dtype)

@@ -48,6 +48,7 @@ from ..device_platform import platform_of
 from ..op_spec import OpSpec, precision_of_dtype, register_op
 from ..resolver import resolve
 from ._common import HIGH_PRECISION, check_rel, check_snr, require_bool, require_dtype, require_tensor
+from .varlen_checks import check_cu_seqlens_values
 
 MAX_HEAD_DIM = 256
 
@@ -492,4 +493,6 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         return (out, lse) if return_lse else out
     p = attention_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                  softmax_scale, causal, window_size, deterministic, return_lse)
+    check_cu_seqlens_values("flash_attn_varlen_func", cu_seqlens_q, cu_seqlens_k, p.total_q, p.total_k,
+                            max_seqlen_q, max_seqlen_k)
     return _run_eager(p, q, k, v, cu_seqlens_q, cu_seqlens_k)

@@ -289,32 +289,25 @@ class _DispatchFunction(torch.autograd.Function):
         handle, group = ctx.handle, ctx.group
         gx = gp = None
         if ctx.needs_input_grad[0]:
-            gx = _CombineFunction.apply(grad_x, group, handle)
+            gx = _RowsFunction.apply(grad_x, group, handle, False)
         if ctx.needs_input_grad[1]:
-            gp = _CombineFunction.apply(_masked_prob_grad(grad_probs, ctx.recv_idx), group, handle)
+            gp = _RowsFunction.apply(_masked_prob_grad(grad_probs, ctx.recv_idx), group, handle, False)
         return gx, gp, None, None, None, None
 
 
-class _CombineFunction(torch.autograd.Function):
+class _RowsFunction(torch.autograd.Function):
+    """``apply(rows, group, handle, to_experts)``: rows sent along a handle's layout, back to their
+    tokens (combine, ``to_experts=False``) or out to the experts again (a cached dispatch). Each
+    direction's backward is the other one."""
+
     @staticmethod
-    def forward(ctx, y, group, handle):
-        ctx.group, ctx.handle = group, handle
-        return _combine(y, group, handle)
+    def forward(ctx, rows, group, handle, to_experts):
+        ctx.group, ctx.handle, ctx.to_experts = group, handle, to_experts
+        return _dispatch_rows(rows, group, handle) if to_experts else _combine(rows, group, handle)
 
     @staticmethod
     def backward(ctx, grad):
-        return _DispatchRowsFunction.apply(grad, ctx.group, ctx.handle), None, None
-
-
-class _DispatchRowsFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, rows, group, handle):
-        ctx.group, ctx.handle = group, handle
-        return _dispatch_rows(rows, group, handle)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _CombineFunction.apply(grad, ctx.group, ctx.handle), None, None
+        return _RowsFunction.apply(grad, ctx.group, ctx.handle, not ctx.to_experts), None, None, None
 
 
 def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
@@ -384,7 +377,7 @@ def moe_combine(x: torch.Tensor, group: Any, handle: MoeHandle, async_finish: bo
     require_bool("moe_combine", "allocate_on_comm_stream", allocate_on_comm_stream)
     _note_stream_flags("moe_combine", handle.backend, async_finish, allocate_on_comm_stream)
     if _needs_grad(x):
-        return _CombineFunction.apply(x, group, handle)
+        return _RowsFunction.apply(x, group, handle, False)
     return _combine(x, group, handle)
 
 
@@ -399,7 +392,7 @@ def moe_dispatch_cached(x: torch.Tensor, group: Any, handle: MoeHandle) -> torch
     _check_rows("moe_dispatch_cached", "x", x, handle.num_tokens, "one row per dispatched token", DISPATCH_DTYPES,
                 handle)
     if _needs_grad(x):
-        return _DispatchRowsFunction.apply(x, group, handle)
+        return _RowsFunction.apply(x, group, handle, True)
     return _dispatch_rows(x, group, handle)
 
 

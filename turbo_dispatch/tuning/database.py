@@ -85,6 +85,12 @@ def judge(result: store.Result, stamps: dict, entry_for=None) -> Verdict:
         return Verdict(problem, f"backend {result.backend} cannot describe config {result.config!r}: {exc}")
     if identity != result.identity:
         return Verdict(problem, f"stale: tuned with {result.identity}, this install has {identity}")
+    try:
+        refusal = entry.adapter.check_config(problem, config)
+    except Exception as exc:  # a config malformed enough to break the check itself
+        refusal = f"{type(exc).__name__}: {exc}"
+    if refusal:
+        return Verdict(problem, f"invalid config for {result.backend}: {refusal}")
     return Verdict(problem, None, tuple(stamp.soft_mismatch(here)))
 
 

@@ -14,10 +14,14 @@ import torch
 from .. import presets
 from ..low_precision import Float8QuantConfig
 from ..op_spec import decision_problem, get_op_spec
-# importlib: turbo_dispatch.ops re-exports functions named like these modules.
+from ..low_precision.dual_quantize import quantize_both_tensors_like, runs_from_tensors, tiles_from_tensors
+from ..ops import gemm_fp8_step, gemm_grads, grouped_gemm_fp8_step, grouped_gemm_grads
+from ..ops.gemm_problem import forward_fp8_problem as gemm_forward_fp8_problem
+from ..ops.gemm_problem import gemm_fp8_problem, gemm_problem
+from ..ops.grouped_gemm_problem import forward_fp8_problem as grouped_forward_fp8_problem
+from ..ops.grouped_gemm_problem import grouped_gemm_fp8_problem, grouped_gemm_problem, variable_k_problem
+# importlib: turbo_dispatch.ops re-exports functions named like some of its modules.
 _attention = importlib.import_module("turbo_dispatch.ops.attention")
-_gemm = importlib.import_module("turbo_dispatch.ops.gemm")
-_grouped = importlib.import_module("turbo_dispatch.ops.grouped_gemm")
 
 OPS = ("gemm", "gemm_fp8", "grouped_gemm", "grouped_gemm_fp8", "attention")
 FP8_GRANULARITIES = ("tensorwise", "rowwise", "blockwise")
@@ -35,29 +39,29 @@ def fp8_config(granularity: str) -> Float8QuantConfig:
 def _linear_gemm_keys(shape: presets.LinearShape, dtype: torch.dtype) -> list[tuple[str, Any]]:
     """y = x @ W^T (what modules.Linear calls), then its dgrad and wgrad."""
     x, w, dy = _meta(shape.m, shape.k, dtype=dtype), _meta(shape.n, shape.k, dtype=dtype), _meta(shape.m, shape.n, dtype=dtype)
-    keys = [("gemm", _gemm.gemm_problem(x, w, False, True))]
+    keys = [("gemm", gemm_problem(x, w, False, True))]
 
     def record(a, b, trans_a, trans_b, out_dtype):
-        keys.append(("gemm", _gemm.gemm_problem(a, b, trans_a, trans_b, out_dtype)))
+        keys.append(("gemm", gemm_problem(a, b, trans_a, trans_b, out_dtype)))
         return None
 
-    _gemm._gemm_grads(record, x, w, dy, False, True, True, True)
+    gemm_grads.gemm_grads(record, x, w, dy, False, True, True, True)
     return keys
 
 
 def _linear_fp8_keys(shape: presets.LinearShape, dtype: torch.dtype, granularity: str) -> list[tuple[str, Any]]:
     cfg = fp8_config(granularity)
     x, w, dy = _meta(shape.m, shape.k, dtype=dtype), _meta(shape.n, shape.k, dtype=dtype), _meta(shape.m, shape.n, dtype=dtype)
-    keys = [("gemm_fp8", _gemm._forward_fp8_problem(x, w, False, True, None, cfg))]
+    keys = [("gemm_fp8", gemm_forward_fp8_problem(x, w, False, True, None, cfg))]
 
     def record(a, b, ta, tb, od, af, bf, a2d, b2d):
-        keys.append(("gemm_fp8", _gemm.gemm_fp8_problem(a, b, ta, tb, od, af, bf, cfg.granularity, cfg.block_size,
-                                                        a2d, b2d)))
+        keys.append(("gemm_fp8", gemm_fp8_problem(a, b, ta, tb, od, af, bf, cfg.granularity, cfg.block_size,
+                                                  a2d, b2d)))
         return None
 
     # The wgrad reads the activation as the forward saved it (pre-quantised, fp8 dtype in its key).
-    _gemm._fp8_grads(record, _gemm._wgrad_operand_like(x, False, cfg), w, dy, False, True, cfg.format.fwd_dtype(),
-                     cfg.format.bwd_dtype(), cfg.granularity, True, True, a_dtype=x.dtype)
+    gemm_grads.fp8_grads(record, gemm_fp8_step.wgrad_operand_like(x, False, cfg), w, dy, False, True,
+                         cfg.format.fwd_dtype(), cfg.format.bwd_dtype(), cfg.granularity, True, True, a_dtype=x.dtype)
     return keys
 
 
@@ -71,53 +75,51 @@ def _grouped_operands(shape: presets.GroupedShape, dtype: torch.dtype):
 
 def _grouped_keys(shape: presets.GroupedShape, dtype: torch.dtype) -> list[tuple[str, Any]]:
     x, w, dy, lens = _grouped_operands(shape, dtype)
-    keys = [("grouped_gemm", _grouped.grouped_gemm_problem(x, w, lens, None, True))]
+    keys = [("grouped_gemm", grouped_gemm_problem(x, w, lens, None, True))]
 
     def mm(a, b, group_lens, group_offs, trans_b):
-        keys.append(("grouped_gemm", _grouped.grouped_gemm_problem(a, b, group_lens, group_offs, trans_b)))
+        keys.append(("grouped_gemm", grouped_gemm_problem(a, b, group_lens, group_offs, trans_b)))
 
     def mm_k(a, b, group_lens, group_offs):
-        keys.append(("grouped_gemm", _grouped.variable_k_problem(a, b, group_lens, group_offs)))
+        keys.append(("grouped_gemm", variable_k_problem(a, b, group_lens, group_offs)))
 
-    _grouped._grouped_grads(mm, mm_k, x, w, dy, lens, None, True, True, True)
+    grouped_gemm_grads.grouped_grads(mm, mm_k, x, w, dy, lens, None, True, True, True)
     return keys
 
 
 def _grouped_fp8_keys(shape: presets.GroupedShape, dtype: torch.dtype, granularity: str) -> list[tuple[str, Any]]:
     cfg = fp8_config(granularity)
     x, w, dy, lens = _grouped_operands(shape, dtype)
-    keys = [("grouped_gemm_fp8", _grouped._forward_fp8_problem(x, w, lens, None, True, None, cfg))]
+    keys = [("grouped_gemm_fp8", grouped_forward_fp8_problem(x, w, lens, None, True, None, cfg))]
 
     def mm8(a, b, group_lens, group_offs, trans_b, out_dtype, a_fp8, b_fp8, b_2d):
-        keys.append(("grouped_gemm_fp8", _grouped.grouped_gemm_fp8_problem(
+        keys.append(("grouped_gemm_fp8", grouped_gemm_fp8_problem(
             a, b, group_lens, group_offs, trans_b, False, out_dtype, a_fp8, b_fp8, cfg.granularity, cfg.block_size,
             b_2d)))
 
     def mm8_k(a, b, group_lens, group_offs, out_dtype, a_fp8, b_fp8):
-        keys.append(("grouped_gemm_fp8", _grouped.grouped_gemm_fp8_problem(
+        keys.append(("grouped_gemm_fp8", grouped_gemm_fp8_problem(
             a, b, group_lens, group_offs, False, True, out_dtype, a_fp8, b_fp8, cfg.granularity, cfg.block_size,
             False)))
 
     fwd, bwd = cfg.format.fwd_dtype(), cfg.format.bwd_dtype()
-    if not _grouped._step_reuses_quantization(cfg):
-        _grouped._grouped_fp8_grads(mm8, mm8_k, x, w, dy, lens, None, True, fwd, bwd, cfg.granularity, True, True)
+    if not grouped_gemm_fp8_step.step_reuses_quantization(cfg):
+        grouped_gemm_grads.grouped_fp8_grads(mm8, mm8_k, x, w, dy, lens, None, True, fwd, bwd, cfg.granularity,
+                                             True, True)
         return keys
     # The blockwise step quantises each operand once and its GEMMs take them pre-quantised (fp8
-    # dtypes in their keys): the keys are those, built from the quantiser's fake (shape) outputs.
-    from turbo_dispatch.backends.quantizer import runs_from_tensors, tiles_from_tensors
-
-    fake = _grouped._fp8_quantize_both_fake
-
+    # dtypes in their keys): the keys are those, built from the quantiser's shape-only outputs.
     def runs(t, dtype, block):
-        return runs_from_tensors(*fake(t, dtype, block, False), block)
+        return runs_from_tensors(*quantize_both_tensors_like(t, dtype, block, False), block)
 
     def tiles(t, dtype, block):
-        return tiles_from_tensors(*fake(t, dtype, block, True)[:3], block)
+        return tiles_from_tensors(*quantize_both_tensors_like(t, dtype, block, True)[:3], block)
 
-    qa, qb, a_saved, b_saved = _grouped._quantize_for_step(x, w, cfg, True, True, runs, tiles)
-    keys[0] = ("grouped_gemm_fp8", _grouped._step_forward_problem(keys[0][1], qa, qb))
-    _grouped._grouped_fp8_grads(mm8, mm8_k, a_saved, b_saved, dy, lens, None, True, fwd, bwd, cfg.granularity, True,
-                                True, a_dtype=x.dtype, b_dtype=w.dtype, runs_both=runs, block_size=cfg.block_size)
+    qa, qb, a_saved, b_saved = grouped_gemm_fp8_step.quantize_for_step(x, w, cfg, True, True, runs, tiles)
+    keys[0] = ("grouped_gemm_fp8", grouped_gemm_fp8_step.step_forward_problem(keys[0][1], qa, qb))
+    grouped_gemm_grads.grouped_fp8_grads(mm8, mm8_k, a_saved, b_saved, dy, lens, None, True, fwd, bwd,
+                                         cfg.granularity, True, True, a_dtype=x.dtype, b_dtype=w.dtype, runs_both=runs,
+                                         block_size=cfg.block_size)
     return keys
 
 

@@ -49,11 +49,10 @@ class KeyReport:
 
 def recorded_keys(path: "str | os.PathLike[str]") -> list[tuple[str, Any]]:
     """The (op, problem) keys of a record-untuned file; undecodable lines are logged and skipped."""
+    store.read_text(Path(path), missing_ok=False)  # a directory, FIFO or missing file is an error here
     contents = store.read(path)
     if contents.foreign:
         raise ValueError(f"{path}: {contents.foreign}")
-    if not Path(path).exists():
-        raise ValueError(f"{path}: no such file")
     keys = []
     for (op, _), key in sorted(contents.keys.items()):
         try:
@@ -91,7 +90,21 @@ def tune_one(op: str, problem: Any, force: bool = False,
     """Profiles one key, unless ``db`` already holds a usable result for it and not ``force``
     (only the target DB counts: a result in another layer would be missing from the file
     being produced). A key whose op shares decisions (``OpSpec.shared_problem``: grouped GEMMs'
-    token buckets) is tuned and stored as the shared key, the one calls look up."""
+    token buckets) is tuned and stored as the shared key, the one calls look up. A key that
+    cannot even be set up (a recorded key with a negative size, say) is a ``failed`` report with
+    the reason, never an exception: one bad key must not end a run over many."""
+    try:
+        return _tune_one(op, problem, force, db)
+    except Exception as exc:  # noqa: BLE001 - reported per key, like a candidate's failure
+        log.debug("tune %s %r failed", op, problem, exc_info=True)
+        try:
+            key = format_key(problem)
+        except Exception:  # noqa: BLE001 - a key too broken to print
+            key = repr(problem)
+        return KeyReport(op, key, "failed", note=f"cannot tune this key: {type(exc).__name__}: {exc}"), None
+
+
+def _tune_one(op: str, problem: Any, force: bool, db: Path | None) -> tuple[KeyReport, "tuple[store.Result, Stamp] | None"]:
     spec = get_op_spec(op)
     problem = decision_problem(spec, problem)
     platform = spec.platform_of(problem)

@@ -4,9 +4,8 @@ training steps.
 The offline tuner (``tuning.offline``) times each GEMM alone. For grouped GEMMs that is a poor
 guide below about 10% margins: inside a step the dgrad runs beside the wgrad on a second stream,
 the GEMMs share the power cap and the caches with their neighbours (and, for fp8, with the
-quantisers), and a choice that wins alone can lose in the step (H100, rounds 165-166: DeepSeek-V2
-up_gate's per-GEMM winner ran its step 0.965x). This tuner times what the job runs: the public
-op's forward and backward on near-balanced routing.
+quantisers), and a choice that wins alone can lose in the step (docs/kernels.md). This tuner
+times what the job runs: the public op's forward and backward on near-balanced routing.
 
 Search: coordinate descent from the platform defaults. Each role (forward, dgrad, wgrad) in turn
 tries every candidate that passes the op's correctness gate (``autotune.gate``, on a random split
@@ -23,7 +22,6 @@ written and the keys keep running the default.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 import math
 import statistics
@@ -45,8 +43,7 @@ from ..registry import get_registry
 from .database import result_for
 from ..device_platform import platform_of
 from .keys import fp8_config, layer_keys, looked_up
-
-_grouped = importlib.import_module("turbo_dispatch.ops.grouped_gemm")
+from ..ops.grouped_gemm_routing import near_balanced_lens, offsets
 
 log = logging.getLogger("turbo_dispatch.tuning")
 
@@ -189,11 +186,11 @@ def _step_inputs(layer: Layer, device: torch.device) -> list[tuple[torch.Tensor,
     s = layer.shape
 
     def draw() -> tuple[torch.Tensor, ...]:
-        lens = _grouped._near_balanced_lens(s.m_total, s.groups).to(device)
+        lens = near_balanced_lens(s.m_total, s.groups).to(device)
         a = torch.randn(s.m_total, s.k, device=device, dtype=layer.dtype).requires_grad_()
         w = (torch.randn(s.groups, s.n, s.k, device=device, dtype=layer.dtype) * s.k ** -0.5).requires_grad_()
         grad = torch.randn(s.m_total, s.n, device=device, dtype=layer.dtype)
-        return a, w, lens, _grouped._offsets(lens, s.m_total), grad
+        return a, w, lens, offsets(lens, s.m_total), grad
 
     first = draw()
     return [first] + [draw() for _ in range(autotune.timing_set_count(first, device, 4) - 1)]
@@ -256,9 +253,8 @@ def unconfirmed(default_rounds: Sequence[float], tuned_rounds: Sequence[float], 
     """Why the confirmation's rounds (the default step and the tuned one timed in turns, one pair
     per round) do not show a gain, or None. A gain needs the tuned step faster in *every* round
     (by chance, with no real difference, that happens in 1 of 2**rounds runs) and the medians at
-    least ``min_speedup`` apart. One of the two alone is not enough: on an H100 the same choices
-    timed twice differ by up to 3% at EP8 x 4096 (round 170), which a median of a few rounds
-    can mistake for a gain.
+    least ``min_speedup`` apart. One of the two alone is not enough: the same choices timed twice
+    differ by a few percent on a GPU, which a median of a few rounds can mistake for a gain.
 
     >>> unconfirmed([10, 10, 10, 10, 10], [8, 8, 12, 8, 8], 1.02)
     'tuned step faster in 4 of 5 rounds, not all'

@@ -12,10 +12,12 @@ first.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import os
+import stat
 import tempfile
 import threading
 from collections import Counter
@@ -173,47 +175,15 @@ def _dump(obj: dict) -> str:
 def parse(text: str, source: str = "<text>") -> Contents:
     """Parses file content; never raises on bad content (see ``Contents.skipped``)."""
     contents = Contents()
-    for number, line in enumerate(text.splitlines(), 1):
+    for line in text.splitlines():
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
-        except ValueError:
-            obj = None
-        if not isinstance(obj, dict):
-            contents.skipped["corrupt line (not a JSON object)"] += 1
-            contents.unusable_lines.append(line)
-            continue
-        kind = obj.get("type")
-        if kind == "header":
-            if obj.get("format") != FORMAT:
-                contents.foreign = f"not a turbo_dispatch tuning DB (header format {obj.get('format')!r})"
+            if _parse_line(contents, line):
                 return contents
-            if not isinstance(obj.get("version"), int) or obj["version"] > VERSION:
-                contents.foreign = f"written by schema version {obj.get('version')!r}; this version reads {VERSION}"
-                return contents
-        elif kind == "stamp":
-            try:
-                stamp = Stamp.from_json(obj)
-            except (KeyError, TypeError, ValueError) as exc:
-                contents.skipped[f"malformed stamp: {exc}"] += 1
-                contents.unusable_lines.append(line)
-                continue
-            contents.stamps[stamp.id] = stamp
-        elif kind == "result":
-            try:
-                contents.add_result(Result.from_json(obj))
-            except (TypeError, ValueError) as exc:
-                contents.skipped[f"malformed result: {exc}"] += 1
-                contents.unusable_lines.append(line)
-        elif kind == "key":
-            if not isinstance(obj.get("op"), str) or not isinstance(obj.get("key"), dict):
-                contents.skipped["malformed key line: needs op (string) and key (object)"] += 1
-                contents.unusable_lines.append(line)
-                continue
-            contents.keys[(obj["op"], key_text(obj["key"]))] = obj["key"]
-        else:
-            contents.skipped[f"unknown line type {kind!r}"] += 1
+        except (RecursionError, MemoryError, TypeError, ValueError, KeyError) as exc:
+            # A hostile line (say, JSON nested thousands deep) costs that line only.
+            contents.skipped[f"unparsable line ({type(exc).__name__})"] += 1
             contents.unusable_lines.append(line)
     dangling = [r for r in contents.results.values() if r.stamp not in contents.stamps]
     for result in dangling:
@@ -223,9 +193,65 @@ def parse(text: str, source: str = "<text>") -> Contents:
     return contents
 
 
+def _parse_line(contents: Contents, line: str) -> bool:
+    """Adds one line's content to ``contents``; True when the header says the file is foreign
+    (then the caller stops reading)."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        obj = None
+    if not isinstance(obj, dict):
+        return _skip(contents, line, "corrupt line (not a JSON object)")
+    kind = obj.get("type")
+    if kind == "header":
+        if obj.get("format") != FORMAT:
+            contents.foreign = f"not a turbo_dispatch tuning DB (header format {obj.get('format')!r})"
+            return True
+        if not isinstance(obj.get("version"), int) or obj["version"] > VERSION:
+            contents.foreign = f"written by schema version {obj.get('version')!r}; this version reads {VERSION}"
+            return True
+    elif kind == "stamp":
+        try:
+            stamp = Stamp.from_json(obj)
+        except (KeyError, TypeError, ValueError) as exc:
+            return _skip(contents, line, f"malformed stamp: {exc}")
+        contents.stamps[stamp.id] = stamp
+    elif kind == "result":
+        try:
+            contents.add_result(Result.from_json(obj))
+        except (TypeError, ValueError) as exc:
+            return _skip(contents, line, f"malformed result: {exc}")
+    elif kind == "key":
+        if not isinstance(obj.get("op"), str) or not isinstance(obj.get("key"), dict):
+            return _skip(contents, line, "malformed key line: needs op (string) and key (object)")
+        contents.keys[(obj["op"], key_text(obj["key"]))] = obj["key"]
+    else:
+        return _skip(contents, line, f"unknown line type {kind!r}")
+    return False
+
+
+def _skip(contents: Contents, line: str, reason: str) -> bool:
+    contents.skipped[reason] += 1
+    contents.unusable_lines.append(line)
+    return False
+
+
 # -- reading, with a cache and one warning per file version -------------------------------------------
 _cache: dict[str, tuple[tuple, Contents]] = {}
 _cache_lock = threading.Lock()
+
+
+class TuningDBPathError(ValueError):
+    """A tuning-DB path that must not be read or written: not a regular file, or a lock/backup
+    sidecar that is a symbolic link. The message names the path and what it is."""
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"), (stat.S_ISLNK, "symbolic link")):
+        if test(mode):
+            return name
+    return "regular file" if stat.S_ISREG(mode) else "special file"
 
 
 def _signature(path: Path) -> tuple | None:
@@ -233,11 +259,41 @@ def _signature(path: Path) -> tuple | None:
         st = path.stat()
     except OSError:
         return None
-    return st.st_ino, st.st_mtime_ns, st.st_size
+    return st.st_ino, st.st_mtime_ns, st.st_size, st.st_mode
+
+
+def read_text(path: Path, *, missing_ok: bool = True) -> str:
+    """The text of the regular file at ``path`` (symlinks followed). Never blocks: a FIFO or
+    device is refused before it is opened, and the open itself is non-blocking. A missing file
+    is "" when ``missing_ok``. Raises TuningDBPathError for anything but a regular file, and
+    OSError when it cannot be read."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        if missing_ok:
+            return ""
+        raise TuningDBPathError(f"tuning DB {path}: no such file") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise TuningDBPathError(f"tuning DB {path}: is a {_kind(st.st_mode)}, not a regular file")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        # Checked again on the open descriptor: the path may have been swapped since the stat.
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise TuningDBPathError(f"tuning DB {path}: is a {_kind(st.st_mode)}, not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as handle:
+            data = handle.read()
+    finally:
+        os.close(fd)
+    return data.decode("utf-8", errors="replace")
+
+
+_warned_unusable: set = set()
 
 
 def read(path: "str | os.PathLike[str]") -> Contents:
-    """The parsed file (empty when missing or unreadable); cached until the file changes."""
+    """The parsed file (empty when missing, unreadable or not a regular file: a layer that is a
+    FIFO, device or directory is skipped with one warning); cached until the file changes."""
     path = Path(path)
     signature = _signature(path)
     if signature is None:
@@ -247,9 +303,11 @@ def read(path: "str | os.PathLike[str]") -> Contents:
         if cached is not None and cached[0] == signature:
             return cached[1]
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError as exc:
-        log.warning("tuning DB %s: cannot read it (%s); ignoring it", path, exc)
+        text = read_text(path)
+    except (OSError, TuningDBPathError) as exc:
+        if (str(path), signature) not in _warned_unusable:
+            _warned_unusable.add((str(path), signature))
+            log.warning("tuning DB %s: cannot read it (%s); ignoring it", path, exc)
         return Contents()
     contents = parse(text, str(path))
     if contents.foreign:
@@ -263,18 +321,61 @@ def read(path: "str | os.PathLike[str]") -> Contents:
 
 
 # -- writing --------------------------------------------------------------------------------------------
+def _open_sidecar(path: Path, flags: int) -> int:
+    """Opens a lock or backup file beside the DB without following a symbolic link and without
+    blocking, and only if it is a regular file: whoever can write the DB's folder must not be
+    able to make a tuning run write to some other file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0),
+                     0o666 & ~umask)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise TuningDBPathError(f"tuning DB sidecar {path}: is a symbolic link; refusing to follow it") from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise TuningDBPathError(f"tuning DB sidecar {path}: is a {_kind(mode)}, not a regular file")
+    return fd
+
+
 @contextmanager
 def _locked(path: Path) -> Iterator[None]:
     """An exclusive advisory lock on ``<path>.lock`` (a sidecar: the data file itself is replaced)."""
     import fcntl  # POSIX only, as is everything we run on
 
-    lock_path = path.with_name(path.name + ".lock")
-    with open(lock_path, "a") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+    fd = _open_sidecar(path.with_name(path.name + ".lock"), os.O_WRONLY | os.O_APPEND)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _append_backup(path: Path, lines: list) -> None:
+    fd = _open_sidecar(path.with_name(path.name + ".corrupt"), os.O_WRONLY | os.O_APPEND)
+    with os.fdopen(fd, "a", encoding="utf-8") as backup:
+        backup.write("".join(line + "\n" for line in lines))
+
+
+def writable_target(path: "str | os.PathLike[str]") -> Path:
+    """Where a write to the DB at ``path`` lands: the file itself, or the file a symbolic link
+    points to (a user DB linked to a team file updates the team file). Raises TuningDBPathError
+    when that is anything but a regular file or a path still to be created."""
+    path = Path(path)
+    target = Path(os.path.realpath(path))
+    try:
+        mode = target.stat().st_mode
+    except FileNotFoundError:
+        return target
+    if not stat.S_ISREG(mode):
+        raise TuningDBPathError(f"tuning DB {path}: is a {_kind(mode)}, not a regular file; refusing to write it")
+    return target
 
 
 def _atomic_write(path: Path, lines: Iterable[str]) -> None:
@@ -315,21 +416,18 @@ def rewrite(path: "str | os.PathLike[str]", change: Callable[[Contents], None]) 
     """Under the lock: re-reads the file at ``path``, applies ``change`` to its contents in place
     and atomically writes the result, which it returns. Lines that could not be parsed are
     appended to ``<file>.corrupt`` before the rewrite drops them. A file that is not ours
-    (foreign header) is never overwritten: that raises ValueError.
+    (foreign header) is never overwritten: that raises ValueError. A symbolic link is written
+    through (its target is updated); a path that is not a regular file raises TuningDBPathError.
     """
-    path = Path(path)
+    path = writable_target(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(path):
-        try:
-            text = path.read_text(encoding="utf-8", errors="replace")
-        except FileNotFoundError:
-            text = ""
-        current = parse(text, str(path))
+        writable_target(path)  # it may have changed while we waited for the lock
+        current = parse(read_text(path), str(path))
         if current.foreign:
             raise ValueError(f"tuning DB {path}: {current.foreign}; refusing to overwrite it")
         if current.unusable_lines:
-            with open(path.with_name(path.name + ".corrupt"), "a", encoding="utf-8") as backup:
-                backup.write("".join(line + "\n" for line in current.unusable_lines))
+            _append_backup(path, current.unusable_lines)
             log.warning("tuning DB %s: moved %d unusable line(s) to %s.corrupt", path,
                         len(current.unusable_lines), path.name)
         current.unusable_lines = []

@@ -1,0 +1,461 @@
+"""Flash attention forward and backward in plain Triton (the FlashAttention-2 algorithm).
+
+Pointer loads only (no TMA, no warp specialisation), so the same kernels compile for NVIDIA GPUs
+and for ROCm. Semantics are the ``attention`` op's (turbo_dispatch/ops/attention.py):
+
+* layouts: dense ``[B, S, H, D]`` or packed varlen ``[T, H, D]`` with int32 ``cu_seqlens``
+  (``VARLEN``); any strides (each launcher passes them);
+* GQA/MQA: query head ``h`` reads kv head ``h // GROUP``;
+* masks aligned to the bottom-right corner: query ``i`` of a sequence with ``sq`` queries and
+  ``sk`` keys may attend key ``j`` when ``i + sk - sq - LEFT <= j <= i + sk - sq + RIGHT``, each
+  side only where ``HAS_LEFT`` / ``HAS_RIGHT`` (causal is ``RIGHT = 0``);
+* the lse is the natural-log log-sum-exp of the scaled scores, float32, ``[B, H, Sq]`` dense or
+  ``[H, Tq]`` varlen; a row that may attend no key gets out = 0, lse = -inf and zero gradients.
+
+Forward (``attn_fwd_kernel``): one program per (query block, batch x head); online softmax over
+key blocks in the exp2 domain (scores times ``scale * log2(e)``), fp32 accumulation. Only the key
+blocks a query block may attend are visited, split in three runs (``_block_span``): masked blocks
+at the low edge, whole blocks that need no mask, masked blocks at the high edge (the diagonal and
+the sequence end). Head dims that are not powers of two are padded to the next one (at least 16,
+tl.dot's minimum) with masked loads.
+
+Backward, deterministic by construction (no atomics):
+
+* ``attn_bwd_preprocess_kernel``: ``delta = rowsum(dO * O)`` and the lse turned into the exp2
+  domain with +inf on empty rows (so ``exp2(s - lse2)`` is 0 there);
+* ``attn_bwd_dkdv_kernel``: one program per (key block, batch x kv head x split); it loops over
+  the query heads of its GQA group (a share of them when the group is split over programs, whose
+  partial sums the launcher adds in a fixed order) and over the query blocks that may attend its
+  keys, accumulating dK and dV in fp32 registers;
+* ``attn_bwd_dq_kernel``: one program per (query block, batch x head), looping over key blocks.
+
+``UPCAST`` converts dot operands to fp32 first; the launcher sets it only under the Triton
+interpreter, whose bf16 ``tl.dot`` is wrong (triton 3.9, CPU).
+"""
+from __future__ import annotations
+
+import os
+
+try:  # Triton stays optional: the adapter imports this module lazily and says why it cannot run.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is absent
+    triton = None
+    tl = None
+
+#: Bumped whenever a kernel's code changes, so stored tuning results are invalidated.
+KERNEL_REVISION = "attn-r1"
+
+#: log2(e): the kernels work in the exp2 domain, so the launcher folds it into the softmax scale.
+LOG2E = 1.4426950408889634
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mm(a, b, acc, UPCAST: tl.constexpr):
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        return tl.dot(a, b, acc)
+
+    @triton.jit
+    def _sequence(CU, b, SEQ, VARLEN: tl.constexpr):
+        """(first token, length) of sequence ``b``: from ``CU`` (varlen) or ``(0, SEQ)``."""
+        if VARLEN:
+            start = tl.load(CU + b)
+            length = tl.load(CU + b + 1) - start
+        else:
+            start = b * 0
+            length = SEQ + b * 0
+        return start, length
+
+    @triton.jit
+    def _load(ptrs, rows_ok, cols_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
+        """A [rows, cols] tile, zero where masked; unmasked dimensions are left out of the mask so
+        the loads stay vectorised."""
+        if MASK_ROWS:
+            if MASK_COLS:
+                x = tl.load(ptrs, mask=rows_ok[:, None] & cols_ok[None, :], other=0.0)
+            else:
+                x = tl.load(ptrs, mask=rows_ok[:, None], other=0.0)
+        else:
+            if MASK_COLS:
+                x = tl.load(ptrs, mask=cols_ok[None, :], other=0.0)
+            else:
+                x = tl.load(ptrs)
+        return x
+
+    @triton.jit
+    def _store(ptrs, x, rows_ok, cols_ok, MASK_COLS: tl.constexpr):
+        if MASK_COLS:
+            tl.store(ptrs, x, mask=rows_ok[:, None] & cols_ok[None, :])
+        else:
+            tl.store(ptrs, x, mask=rows_ok[:, None])
+
+    @triton.jit
+    def _block_span(a0, a_last, len_b, shift, lo_w, hi_w, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
+                    BLOCK: tl.constexpr):
+        """The blocks along axis B that the rows ``a0..a_last`` of axis A meet, when row ``a`` may
+        meet ``b`` iff ``a + shift - lo_w <= b <= a + shift + hi_w`` (each side only where HAS_*)
+        and ``0 <= b < len_b``. Returns ``(start, full_start, full_end, end)``: blocks starting in
+        [start, full_start) and [full_end, end) need the element mask; those in
+        [full_start, full_end) lie wholly inside every row's range and inside ``len_b``. All block
+        starts are ``start + k * BLOCK``; an empty range gives no whole blocks."""
+        lo = a0 * 0
+        full_lo = a0 * 0
+        if HAS_LO:
+            lo = tl.maximum(a0 + shift - lo_w, 0)
+            full_lo = tl.maximum(a_last + shift - lo_w, 0)
+        hi = len_b + a0 * 0
+        full_hi = len_b + a0 * 0
+        if HAS_HI:
+            hi = tl.minimum(a_last + shift + hi_w + 1, len_b)
+            full_hi = tl.minimum(a0 + shift + hi_w + 1, len_b)
+        hi = tl.maximum(hi, lo)
+        start = (lo // BLOCK) * BLOCK
+        end_aligned = start + tl.cdiv(hi - start, BLOCK) * BLOCK
+        full_start = tl.minimum(start + tl.cdiv(full_lo - start, BLOCK) * BLOCK, end_aligned)
+        full_end = full_start + (tl.maximum(full_hi - full_start, 0) // BLOCK) * BLOCK
+        return start, full_start, full_end, hi
+
+    @triton.jit
+    def _part(PART: tl.constexpr, start, full_start, full_end, end):
+        """Block starts of run PART of a ``_block_span``: 0 and 2 the masked edges, 1 the whole blocks."""
+        lo = start
+        hi = full_start
+        if PART == 1:
+            lo = full_start
+            hi = full_end
+        if PART == 2:
+            lo = full_end
+            hi = end
+        return lo, hi
+
+    @triton.jit
+    def _query_program(CU_Q, CU_K, SEQ_Q, SEQ_K, HEADS_Q, GROUP, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr,
+                       REVERSE: tl.constexpr):
+        """(batch, head, kv head, first query token, sq, first key token, sk, first row of the block)
+        of this program of a ``(batch * heads_q, query blocks)`` grid; ``REVERSE`` walks the query
+        blocks last-first (causal: the longest first)."""
+        bh = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        if REVERSE:
+            pid_m = tl.num_programs(1) - 1 - pid_m
+        b = bh // HEADS_Q
+        h = bh % HEADS_Q
+        q_start, sq = _sequence(CU_Q, b, SEQ_Q, VARLEN)
+        k_start, sk = _sequence(CU_K, b, SEQ_K, VARLEN)
+        return b, h, h // GROUP, q_start, sq, k_start, sk, pid_m * BLOCK_M
+
+    @triton.jit
+    def _allowed(i, j, len_j, shift, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+        """May query position ``i`` attend key position ``j`` (broadcast shapes; ``shift`` = sk - sq)."""
+        ok = j < len_j
+        if HAS_RIGHT:
+            ok = ok & (j - i <= shift + right)
+        if HAS_LEFT:
+            ok = ok & (j - i >= shift - left)
+        return ok
+
+    # -- forward ------------------------------------------------------------------------------------
+    @triton.jit
+    def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, rows, sk, shift,
+                    left, right, lo, hi, qk_scale, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
+                    HAS_RIGHT: tl.constexpr, D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+        """Online softmax over the key blocks starting in [lo, hi)."""
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_dq = tl.arange(0, BLOCK_DQK)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        for n0 in range(lo, hi, BLOCK_N):
+            keys = n0 + offs_n
+            keys_ok = keys < sk
+            n_off = tl.cast(n0, tl.int64)
+            k = _load(k_base + n_off * stride_ks + offs_n[:, None] * stride_ks + offs_dq[None, :] * stride_kd,
+                      keys_ok, offs_dq < D_QK, MASKED, BLOCK_DQK != D_QK)
+            s = _mm(q, tl.trans(k), None, UPCAST) * qk_scale
+            if MASKED:
+                ok = _allowed(rows[:, None], keys[None, :], sk, shift, left, right, HAS_LEFT, HAS_RIGHT)
+                s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            if MASKED:  # a row with no key yet keeps m = -inf: subtract 0 instead (exp2(-inf) = 0)
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_use = m_new
+            p = tl.math.exp2(s - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = _load(v_base + n_off * stride_vs + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
+                      keys_ok, offs_dv < D_V, MASKED, BLOCK_DV != D_V)
+            acc = _mm(p.to(v.dtype), v, acc * alpha[:, None], UPCAST)
+            m_i = m_new
+        return acc, m_i, l_i
+
+    @triton.jit
+    def attn_fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
+                        stride_qb, stride_qs, stride_qh, stride_qd,
+                        stride_kb, stride_ks, stride_kh, stride_kd,
+                        stride_vb, stride_vs, stride_vh, stride_vd,
+                        stride_ob, stride_os, stride_oh, stride_od,
+                        stride_lb, stride_lh,
+                        SEQ_Q, SEQ_K, HEADS_Q, GROUP, qk_scale, LEFT, RIGHT,
+                        VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                        D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, REVERSE: tl.constexpr,
+                        UPCAST: tl.constexpr):
+        """Grid ``(batch * heads_q, cdiv(max seqlen_q, BLOCK_M))``. ``qk_scale`` is the softmax
+        scale times log2(e)."""
+        b, h, hk, q_start, sq, k_start, sk, m0 = _query_program(CU_Q, CU_K, SEQ_Q, SEQ_K, HEADS_Q, GROUP, BLOCK_M,
+                                                                VARLEN, REVERSE)
+        if m0 >= sq:
+            return
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_dq = tl.arange(0, BLOCK_DQK)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        rows = m0 + offs_m
+        rows_ok = rows < sq
+        b64 = tl.cast(b, tl.int64)
+        q_base = Q + b64 * stride_qb + tl.cast(h, tl.int64) * stride_qh + tl.cast(q_start + m0, tl.int64) * stride_qs
+        q = _load(q_base + offs_m[:, None] * stride_qs + offs_dq[None, :] * stride_qd, rows_ok, offs_dq < D_QK,
+                  True, BLOCK_DQK != D_QK)
+        hk64 = tl.cast(hk, tl.int64)
+        k_base = K + b64 * stride_kb + hk64 * stride_kh + tl.cast(k_start, tl.int64) * stride_ks
+        v_base = V + b64 * stride_vb + hk64 * stride_vh + tl.cast(k_start, tl.int64) * stride_vs
+
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        shift = sk - sq
+        m_last = tl.minimum(m0 + BLOCK_M, sq) - 1
+        start, full_start, full_end, end = _block_span(m0, m_last, sk, shift, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT,
+                                                       BLOCK_N)
+        for part in tl.static_range(3):
+            lo, hi = _part(part, start, full_start, full_end, end)
+            acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+                                        rows, sk, shift, LEFT, RIGHT, lo, hi, qk_scale, part != 1, HAS_LEFT,
+                                        HAS_RIGHT, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, UPCAST)
+
+        attended = l_i > 0.0
+        l_safe = tl.where(attended, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        lse = tl.where(attended, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        o_base = O + b64 * stride_ob + tl.cast(h, tl.int64) * stride_oh + tl.cast(q_start + m0, tl.int64) * stride_os
+        _store(o_base + offs_m[:, None] * stride_os + offs_dv[None, :] * stride_od, out.to(O.dtype.element_ty),
+               rows_ok, offs_dv < D_V, BLOCK_DV != D_V)
+        l_base = LSE + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + tl.cast(q_start, tl.int64)
+        tl.store(l_base + rows, lse, mask=rows_ok)
+
+    # -- backward -----------------------------------------------------------------------------------
+    @triton.jit
+    def attn_bwd_preprocess_kernel(O, DO, LSE, LSE2, DELTA, CU_Q,
+                                   stride_ob, stride_os, stride_oh, stride_od,
+                                   stride_gb, stride_gs, stride_gh, stride_gd,
+                                   stride_lb, stride_lh,
+                                   SEQ_Q, HEADS_Q, VARLEN: tl.constexpr, D_V: tl.constexpr,
+                                   BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr):
+        """``DELTA = rowsum(dO * O)`` and ``LSE2 = lse * log2(e)`` (+inf where lse is -inf), both
+        in the lse's layout (``LSE``, ``LSE2`` and ``DELTA`` share strides). Grid as the forward's."""
+        b, h, _, q_start, sq, _, _, m0 = _query_program(CU_Q, CU_Q, SEQ_Q, SEQ_Q, HEADS_Q, 1, BLOCK_M, VARLEN, False)
+        if m0 >= sq:
+            return
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        rows = m0 + offs_m
+        rows_ok = rows < sq
+        b64 = tl.cast(b, tl.int64)
+        h64 = tl.cast(h, tl.int64)
+        first = tl.cast(q_start + m0, tl.int64)
+        o = _load(O + b64 * stride_ob + h64 * stride_oh + first * stride_os + offs_m[:, None] * stride_os
+                  + offs_dv[None, :] * stride_od, rows_ok, offs_dv < D_V, True, BLOCK_DV != D_V)
+        do = _load(DO + b64 * stride_gb + h64 * stride_gh + first * stride_gs + offs_m[:, None] * stride_gs
+                   + offs_dv[None, :] * stride_gd, rows_ok, offs_dv < D_V, True, BLOCK_DV != D_V)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        l_off = b64 * stride_lb + h64 * stride_lh + tl.cast(q_start, tl.int64) + rows
+        lse = tl.load(LSE + l_off, mask=rows_ok, other=float("-inf"))
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        tl.store(LSE2 + l_off, lse2, mask=rows_ok)
+        tl.store(DELTA + l_off, delta, mask=rows_ok)
+
+    @triton.jit
+    def _dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, stride_qs, stride_qd, stride_gs, stride_gd, keys, sq,
+                     shift, left, right, lo, hi, qk_scale, LSE2, DELTA, MASKED: tl.constexpr,
+                     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, D_QK: tl.constexpr, D_V: tl.constexpr,
+                     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                     UPCAST: tl.constexpr):
+        """dK/dV contributions of the query blocks starting in [lo, hi), in the transposed
+        orientation (scores as [keys, queries])."""
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_dq = tl.arange(0, BLOCK_DQK)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        for m0 in range(lo, hi, BLOCK_M):
+            rows = m0 + offs_m
+            rows_ok = rows < sq
+            m_off = tl.cast(m0, tl.int64)
+            q = _load(q_base + m_off * stride_qs + offs_m[:, None] * stride_qs + offs_dq[None, :] * stride_qd,
+                      rows_ok, offs_dq < D_QK, MASKED, BLOCK_DQK != D_QK)
+            do = _load(do_base + m_off * stride_gs + offs_m[:, None] * stride_gs + offs_dv[None, :] * stride_gd,
+                       rows_ok, offs_dv < D_V, MASKED, BLOCK_DV != D_V)
+            if MASKED:
+                lse2 = tl.load(LSE2 + l_base + rows, mask=rows_ok, other=float("inf"))
+                delta = tl.load(DELTA + l_base + rows, mask=rows_ok, other=0.0)
+            else:
+                lse2 = tl.load(LSE2 + l_base + rows)
+                delta = tl.load(DELTA + l_base + rows)
+            st = _mm(k, tl.trans(q), None, UPCAST) * qk_scale
+            pt = tl.math.exp2(st - lse2[None, :])
+            if MASKED:
+                ok = _allowed(rows[None, :], keys[:, None], 2147483647, shift, left, right, HAS_LEFT, HAS_RIGHT)
+                pt = tl.where(ok & rows_ok[None, :], pt, 0.0)
+            dv = _mm(pt.to(do.dtype), do, dv, UPCAST)
+            dpt = _mm(v, tl.trans(do), None, UPCAST)
+            dst = pt * (dpt - delta[None, :])
+            dk = _mm(dst.to(q.dtype), q, dk, UPCAST)
+        return dk, dv
+
+    @triton.jit
+    def attn_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE2, DELTA, CU_Q, CU_K,
+                             stride_qb, stride_qs, stride_qh, stride_qd,
+                             stride_kb, stride_ks, stride_kh, stride_kd,
+                             stride_vb, stride_vs, stride_vh, stride_vd,
+                             stride_gb, stride_gs, stride_gh, stride_gd,
+                             stride_dkp, stride_dkb, stride_dks, stride_dkh, stride_dkd,
+                             stride_dvp, stride_dvb, stride_dvs, stride_dvh, stride_dvd,
+                             stride_lb, stride_lh,
+                             SEQ_Q, SEQ_K, HEADS_KV, GROUP, SPLITS, qk_scale, sm_scale, LEFT, RIGHT,
+                             VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                             D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
+                             BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             UPCAST: tl.constexpr):
+        """Grid ``(batch * heads_kv * SPLITS, cdiv(max seqlen_k, BLOCK_N))``. Program split ``s``
+        of a kv head sums the query heads ``s, s + SPLITS, ...`` of its group and writes its
+        partial dK/dV at ``DK + s * stride_dkp`` (``SPLITS`` = 1: the gradients themselves)."""
+        pid = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        split = pid % SPLITS
+        bh = pid // SPLITS
+        b = bh // HEADS_KV
+        hk = bh % HEADS_KV
+        q_start, sq = _sequence(CU_Q, b, SEQ_Q, VARLEN)
+        k_start, sk = _sequence(CU_K, b, SEQ_K, VARLEN)
+        n0 = pid_n * BLOCK_N
+        if n0 >= sk:
+            return
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_dq = tl.arange(0, BLOCK_DQK)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        keys = n0 + offs_n
+        keys_ok = keys < sk
+        b64 = tl.cast(b, tl.int64)
+        hk64 = tl.cast(hk, tl.int64)
+        first_k = tl.cast(k_start + n0, tl.int64)
+        k = _load(K + b64 * stride_kb + hk64 * stride_kh + first_k * stride_ks + offs_n[:, None] * stride_ks
+                  + offs_dq[None, :] * stride_kd, keys_ok, offs_dq < D_QK, True, BLOCK_DQK != D_QK)
+        v = _load(V + b64 * stride_vb + hk64 * stride_vh + first_k * stride_vs + offs_n[:, None] * stride_vs
+                  + offs_dv[None, :] * stride_vd, keys_ok, offs_dv < D_V, True, BLOCK_DV != D_V)
+        dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+        shift = sk - sq
+        n_last = tl.minimum(n0 + BLOCK_N, sk) - 1
+        # Rows that may attend keys n0..n_last: the forward's span seen from the keys' side.
+        start, full_start, full_end, end = _block_span(n0, n_last, sq, -shift, RIGHT, LEFT, HAS_RIGHT, HAS_LEFT,
+                                                       BLOCK_M)
+        q_first = tl.cast(q_start, tl.int64)
+        for g in range(split, GROUP, SPLITS):
+            h64 = hk64 * GROUP + g
+            q_base = Q + b64 * stride_qb + h64 * stride_qh + q_first * stride_qs
+            do_base = DO + b64 * stride_gb + h64 * stride_gh + q_first * stride_gs
+            l_base = b64 * stride_lb + h64 * stride_lh + q_first
+            for part in tl.static_range(3):
+                lo, hi = _part(part, start, full_start, full_end, end)
+                dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, stride_qs, stride_qd, stride_gs,
+                                      stride_gd, keys, sq, shift, LEFT, RIGHT, lo, hi, qk_scale, LSE2, DELTA, part != 1,
+                                      HAS_LEFT, HAS_RIGHT, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, UPCAST)
+        split64 = tl.cast(split, tl.int64)
+        dk_base = DK + split64 * stride_dkp + b64 * stride_dkb + hk64 * stride_dkh + first_k * stride_dks
+        dv_base = DV + split64 * stride_dvp + b64 * stride_dvb + hk64 * stride_dvh + first_k * stride_dvs
+        _store(dk_base + offs_n[:, None] * stride_dks + offs_dq[None, :] * stride_dkd,
+               (dk * sm_scale).to(DK.dtype.element_ty), keys_ok, offs_dq < D_QK, BLOCK_DQK != D_QK)
+        _store(dv_base + offs_n[:, None] * stride_dvs + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
+               keys_ok, offs_dv < D_V, BLOCK_DV != D_V)
+
+    @triton.jit
+    def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, rows, sk,
+                   shift, left, right, lo, hi, qk_scale, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
+                   HAS_RIGHT: tl.constexpr, D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
+                   BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+        """dQ contributions of the key blocks starting in [lo, hi)."""
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_dq = tl.arange(0, BLOCK_DQK)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        for n0 in range(lo, hi, BLOCK_N):
+            keys = n0 + offs_n
+            keys_ok = keys < sk
+            n_off = tl.cast(n0, tl.int64)
+            k = _load(k_base + n_off * stride_ks + offs_n[:, None] * stride_ks + offs_dq[None, :] * stride_kd,
+                      keys_ok, offs_dq < D_QK, MASKED, BLOCK_DQK != D_QK)
+            v = _load(v_base + n_off * stride_vs + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
+                      keys_ok, offs_dv < D_V, MASKED, BLOCK_DV != D_V)
+            s = _mm(q, tl.trans(k), None, UPCAST) * qk_scale
+            p = tl.math.exp2(s - lse2[:, None])
+            if MASKED:
+                ok = _allowed(rows[:, None], keys[None, :], sk, shift, left, right, HAS_LEFT, HAS_RIGHT)
+                p = tl.where(ok, p, 0.0)
+            dp = _mm(do, tl.trans(v), None, UPCAST)
+            ds = p * (dp - delta[:, None])
+            dq = _mm(ds.to(k.dtype), k, dq, UPCAST)
+        return dq
+
+    @triton.jit
+    def attn_bwd_dq_kernel(Q, K, V, DO, DQ, LSE2, DELTA, CU_Q, CU_K,
+                           stride_qb, stride_qs, stride_qh, stride_qd,
+                           stride_kb, stride_ks, stride_kh, stride_kd,
+                           stride_vb, stride_vs, stride_vh, stride_vd,
+                           stride_gb, stride_gs, stride_gh, stride_gd,
+                           stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+                           stride_lb, stride_lh,
+                           SEQ_Q, SEQ_K, HEADS_Q, GROUP, qk_scale, sm_scale, LEFT, RIGHT,
+                           VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                           D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, REVERSE: tl.constexpr,
+                           UPCAST: tl.constexpr):
+        """Grid ``(batch * heads_q, cdiv(max seqlen_q, BLOCK_M))``, as the forward's."""
+        b, h, hk, q_start, sq, k_start, sk, m0 = _query_program(CU_Q, CU_K, SEQ_Q, SEQ_K, HEADS_Q, GROUP, BLOCK_M,
+                                                                VARLEN, REVERSE)
+        if m0 >= sq:
+            return
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_dq = tl.arange(0, BLOCK_DQK)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        rows = m0 + offs_m
+        rows_ok = rows < sq
+        b64 = tl.cast(b, tl.int64)
+        h64 = tl.cast(h, tl.int64)
+        first = tl.cast(q_start + m0, tl.int64)
+        q = _load(Q + b64 * stride_qb + h64 * stride_qh + first * stride_qs + offs_m[:, None] * stride_qs
+                  + offs_dq[None, :] * stride_qd, rows_ok, offs_dq < D_QK, True, BLOCK_DQK != D_QK)
+        do = _load(DO + b64 * stride_gb + h64 * stride_gh + first * stride_gs + offs_m[:, None] * stride_gs
+                   + offs_dv[None, :] * stride_gd, rows_ok, offs_dv < D_V, True, BLOCK_DV != D_V)
+        l_off = b64 * stride_lb + h64 * stride_lh + tl.cast(q_start, tl.int64) + rows
+        lse2 = tl.load(LSE2 + l_off, mask=rows_ok, other=float("inf"))
+        delta = tl.load(DELTA + l_off, mask=rows_ok, other=0.0)
+        hk64 = tl.cast(hk, tl.int64)
+        k_base = K + b64 * stride_kb + hk64 * stride_kh + tl.cast(k_start, tl.int64) * stride_ks
+        v_base = V + b64 * stride_vb + hk64 * stride_vh + tl.cast(k_start, tl.int64) * stride_vs
+        dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
+        shift = sk - sq
+        m_last = tl.minimum(m0 + BLOCK_M, sq) - 1
+        start, full_start, full_end, end = _block_span(m0, m_last, sk, shift, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT,
+                                                       BLOCK_N)
+        for part in tl.static_range(3):
+            lo, hi = _part(part, start, full_start, full_end, end)
+            dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, rows,
+                            sk, shift, LEFT, RIGHT, lo, hi, qk_scale, part != 1, HAS_LEFT, HAS_RIGHT, D_QK, D_V,
+                            BLOCK_DQK, BLOCK_DV, BLOCK_N, UPCAST)
+        _store(DQ + b64 * stride_dqb + h64 * stride_dqh + first * stride_dqs + offs_m[:, None] * stride_dqs
+               + offs_dq[None, :] * stride_dqd, (dq * sm_scale).to(DQ.dtype.element_ty), rows_ok, offs_dq < D_QK,
+               BLOCK_DQK != D_QK)

@@ -1,0 +1,80 @@
+"""Two pieces of GPU work side by side: one on the current stream, one on a side stream.
+
+The blockwise fp8 step uses this for pairs of kernels neither of which fills the GPU alone: the
+activation's and the weight's quantisers (memory-bound), and the backward's dgrad and wgrad (each
+one's last wave shares the GPU with the other's programs). Only in eager execution on real CUDA
+tensors (``overlappable``); everywhere else the work runs in turn.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+from ..tracing import tracing
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(device_index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=device_index)
+
+
+#: Per device: every stream a ``side_by_side`` call started from, in eager execution.
+_FORK_CALLERS: dict[int, list[torch.cuda.Stream]] = {}
+
+
+def _wait_for_callers(side: torch.cuda.Stream, current: torch.cuda.Stream, device_index: int) -> None:
+    """Makes ``side`` wait for ``current`` and, outside a CUDA-graph capture, for every stream an
+    earlier fork on this device started from.
+
+    Why the earlier ones: the side stream's outputs come from its own pool of the caching
+    allocator and are not ``record_stream``-ed on the caller's stream (the allocator's event
+    bookkeeping would hold their blocks back while the GPU lags, and a step's allocations would
+    then cost host time). A block a caller frees goes back to that pool at once; it is next handed
+    out inside a later fork, whose side-stream work must then follow every caller-stream use of
+    the block. Those uses were queued before the free, so waiting on each caller stream at the
+    fork covers them, including a caller that since switched streams. Uses on other streams follow
+    PyTorch's rule (the user's ``record_stream``). While capturing, the side stream joins the
+    capture and allocates from the graph's private pool, so the eager streams are not waited on
+    (an eager stream cannot be waited on inside a capture)."""
+    side.wait_stream(current)
+    if torch.cuda.is_current_stream_capturing():
+        return
+    callers = _FORK_CALLERS.setdefault(device_index, [])
+    if current not in callers:
+        callers.append(current)
+    for caller in callers:
+        if caller != current:
+            side.wait_stream(caller)
+
+
+def overlappable(t: torch.Tensor) -> bool:
+    """Whether work on ``t`` may be split over two streams (``side_by_side``): a real CUDA tensor
+    in eager execution. Not while anything traces it (torch.compile, AOT autograd, opcheck, fake
+    or proxy tensors: any active dispatch mode or tensor subclass), where the streams would be
+    recorded into the graph."""
+    return t.is_cuda and type(t) is torch.Tensor and not tracing()
+
+
+def side_by_side(first: Callable[[], object], second: Callable[[], object], device: torch.device
+                 ) -> tuple[object, object]:
+    """``(first(), second())``, ``second`` on a side stream of CUDA ``device`` while ``first`` runs
+    on the current stream; the current stream waits for both before anything queued after the
+    call. Each call's outputs may be used on the current stream at once; ``second``'s come from
+    the side stream's pool of the caching allocator, safe to free and reuse as any tensor made on
+    the current stream (``_wait_for_callers`` says why no ``record_stream`` is needed). Capturable
+    in a CUDA graph (the fork and join are stream waits).
+
+    >>> side_by_side(lambda: 1, lambda: 2, torch.device("cuda"))  # doctest: +SKIP
+    (1, 2)
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    current = torch.cuda.current_stream(device)
+    side = _side_stream(index)
+    _wait_for_callers(side, current, index)  # second's inputs are ready, its pool's blocks free
+    with torch.cuda.stream(side):
+        second_out = second()
+    first_out = first()
+    current.wait_stream(side)
+    return first_out, second_out

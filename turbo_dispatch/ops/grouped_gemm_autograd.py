@@ -1,0 +1,93 @@
+"""The eager path's autograd for grouped_gemm and grouped_gemm_fp8: torch.autograd.Functions whose
+forward runs the resolved backend and whose backward resolves each gradient GEMM on its own."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..low_precision import Float8QuantConfig
+from ..low_precision.dual_quantize import quantize_runs_both, quantize_tiles_both
+from .grouped_gemm_fp8_step import (layout, quantize_for_step, repack, step_forward_problem,
+                                    step_reuses_quantization, unpack)
+from .grouped_gemm_grads import grouped_fp8_grads, grouped_grads
+from .grouped_gemm_problem import grouped_gemm_fp8_problem, grouped_gemm_problem, variable_k_problem
+from .grouped_gemm_spec import run, run_fp8
+
+
+def _eager_mm(x, y, group_lens, group_offs, trans_b):
+    return run(grouped_gemm_problem(x, y, group_lens, group_offs, trans_b), x, y, group_lens, group_offs)
+
+
+def _eager_mm_k(x, y, group_lens, group_offs):
+    return run(variable_k_problem(x, y, group_lens, group_offs), x, y, group_lens, group_offs)
+
+
+class GroupedGemmFunction(torch.autograd.Function):
+    """``apply(a, b, group_lens, group_offs, problem)``: grouped_gemm with its backward's dgrad and
+    wgrad resolved per problem."""
+
+    @staticmethod
+    def forward(ctx, a, b, group_lens, group_offs, problem):
+        ctx.save_for_backward(a, b, group_lens, group_offs)
+        ctx.problem = problem
+        return run(problem, a, b, group_lens, group_offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b, group_lens, group_offs = ctx.saved_tensors
+        grad_a, grad_b = grouped_grads(_eager_mm, _eager_mm_k, a, b, grad, group_lens, group_offs,
+                                       ctx.problem.trans_b, *ctx.needs_input_grad[:2])
+        return grad_a, grad_b, None, None, None
+
+
+def eager_fp8_mms(cfg: Float8QuantConfig) -> tuple[Callable, Callable]:
+    """The ``mm8``/``mm8_k`` of ``grouped_fp8_grads`` that resolve and run each GEMM."""
+    def mm8(x, y, lens, offs, trans_b, out_dtype, x_fp8, y_fp8, y_2d):
+        q = grouped_gemm_fp8_problem(x, y, lens, offs, trans_b, False, out_dtype, x_fp8, y_fp8, cfg.granularity,
+                                     cfg.block_size, y_2d)
+        return run_fp8(q, x, y, lens, offs)
+
+    def mm8_k(x, y, lens, offs, out_dtype, x_fp8, y_fp8):
+        q = grouped_gemm_fp8_problem(x, y, lens, offs, False, True, out_dtype, x_fp8, y_fp8, cfg.granularity,
+                                     cfg.block_size, False)
+        return run_fp8(q, x, y, lens, offs)
+
+    return mm8, mm8_k
+
+
+class GroupedFp8Function(torch.autograd.Function):
+    """``apply(a, b, group_lens, group_offs, problem, config)``: grouped_gemm_fp8; a blockwise step
+    quantises each operand once and saves them fp8 (``grouped_gemm_fp8_step``), any other saves
+    the inputs."""
+
+    @staticmethod
+    def forward(ctx, a, b, group_lens, group_offs, problem, config):
+        ctx.problem, ctx.config = problem, config
+        ctx.dtypes = (a.dtype, b.dtype)
+        ctx.reuse = step_reuses_quantization(config)
+        if not ctx.reuse:
+            ctx.save_for_backward(a, b, group_lens, group_offs)
+            return run_fp8(problem, a, b, group_lens, group_offs)
+        need_a, need_b = ctx.needs_input_grad[:2]
+        qa, qb, a_saved, b_saved = quantize_for_step(a, b, config, need_a, need_b, quantize_runs_both,
+                                                     quantize_tiles_both, reuse=True)
+        ctx.quantized = (layout(a_saved), layout(b_saved))  # their tensors go through save_for_backward
+        ctx.save_for_backward(*unpack(a_saved), *unpack(b_saved), group_lens, group_offs)
+        return run_fp8(step_forward_problem(problem, qa, qb), qa, qb, group_lens, group_offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cfg = ctx.config
+        flags = (ctx.problem.trans_b, cfg.format.fwd_dtype(), cfg.format.bwd_dtype(), cfg.granularity,
+                 *ctx.needs_input_grad[:2])
+        if not ctx.reuse:
+            a, b, group_lens, group_offs = ctx.saved_tensors
+            grad_a, grad_b = grouped_fp8_grads(*eager_fp8_mms(cfg), a, b, grad, group_lens, group_offs, *flags)
+            return grad_a, grad_b, None, None, None, None
+        a_data, a_scale, b_data, b_scale, group_lens, group_offs = ctx.saved_tensors
+        a_saved, b_saved = (repack(q, d, s) for q, d, s in zip(ctx.quantized, (a_data, b_data), (a_scale, b_scale)))
+        grad_a, grad_b = grouped_fp8_grads(*eager_fp8_mms(cfg), a_saved, b_saved, grad, group_lens, group_offs,
+                                           *flags, a_dtype=ctx.dtypes[0], b_dtype=ctx.dtypes[1],
+                                           runs_both=quantize_runs_both, block_size=cfg.block_size)
+        return grad_a, grad_b, None, None, None, None
