@@ -157,14 +157,15 @@ class SteadyGroupedGemm(_RoleTimedGroupedGemm):
 
 
 class WgradFastGroupedGemm(_RoleTimedGroupedGemm):
-    """Configs ``"lazy"`` (first: 1.8 s everywhere) and ``"quick"`` (free in the wgrad, 1.8 s in
-    the forward and dgrad): only the wgrad with ``"quick"`` beats SteadyGroupedGemm."""
+    """Configs ``"lazy"`` (first: 1.8 s everywhere) and ``"quick"`` (50 ms in the wgrad, 1.8 s in
+    the forward and dgrad): only the wgrad with ``"quick"`` beats SteadyGroupedGemm, and the
+    product TORCH backend (no declared cost) beats it wherever it competes."""
 
     def configs(self, p):
         return ["lazy", "quick"]
 
     def delay(self, p, config):
-        return 0.0 if p.variable_k and config == "quick" else 1.8
+        return 0.05 if p.variable_k and config == "quick" else 1.8
 
 
 class WrongFastGroupedGemm(_Fixture):

@@ -94,12 +94,12 @@ def test_explain_bogus_env_backend(monkeypatch, capsys):
 
 
 def test_explain_pinned_unregistered_backend(monkeypatch, capsys):
-    monkeypatch.setenv(ENV, "CK")  # a known backend name that registers no gemm adapter
+    monkeypatch.setenv(ENV, "CUDNN")  # a known backend name that registers no gemm adapter
     GlobalBackendManager.reset()
     assert main(GEMM_ARGS) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err
-    assert "CK is not registered for gemm" in err
+    assert "CUDNN is not registered for gemm" in err
 
 
 def test_usage_errors_return_2(capsys):

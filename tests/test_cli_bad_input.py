@@ -38,7 +38,7 @@ def test_a_directory_is_not_a_db_file(tmp_path, capsys, argv):
 
 def test_a_missing_db_file_is_an_error(tmp_path, capsys):
     assert main(["db", "validate", str(tmp_path / "none.jsonl")]) == 2
-    _one_line_error(capsys, "no such file")
+    _one_line_error(capsys, "does not exist")
 
 
 def test_a_fifo_is_refused_without_blocking(tmp_path, capsys):

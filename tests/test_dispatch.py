@@ -126,8 +126,8 @@ def test_pinned_backend_that_cannot_serve_raises_with_reason(plugins, monkeypatc
     with pytest.raises(BackendUnsupportedError, match="GONE pinned by GlobalBackendManager.*fixture library is not installed"):
         turbo.ops.gemm(a, b)
     GlobalBackendManager.set_gemm_backend(None)
-    setenv(monkeypatch, "PRIMUS_TURBO_GEMM_BACKEND", "ck")  # a known name with no gemm adapter
-    with pytest.raises(BackendUnsupportedError, match="CK is not registered for gemm"):
+    setenv(monkeypatch, "PRIMUS_TURBO_GEMM_BACKEND", "cudnn")  # a known name with no gemm adapter
+    with pytest.raises(BackendUnsupportedError, match="CUDNN is not registered for gemm"):
         turbo.ops.gemm(a, b)
 
 

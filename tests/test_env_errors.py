@@ -43,3 +43,26 @@ def test_bad_consensus_value_names_the_variable(monkeypatch):
     monkeypatch.setenv(CONSENSUS_ENV, "sometimes")
     with pytest.raises(ConfigError, match=f"{CONSENSUS_ENV}='sometimes': expected one of 1/0"):
         consensus_enabled()
+
+
+def test_backend_env_edited_in_a_running_process_counts_on_the_next_call(monkeypatch):
+    """No reset(): the next call sees the new PRIMUS_TURBO_GEMM_BACKEND text, and a bad edit
+    raises an error naming the variable on that call."""
+    import torch
+
+    import turbo_dispatch as turbo
+
+    a, b = torch.randn(8, 5), torch.randn(5, 6)
+    monkeypatch.delenv("PRIMUS_TURBO_GEMM_BACKEND", raising=False)
+    GlobalBackendManager.reset()
+    assert turbo.explain("gemm", a, b).source == "default"
+    monkeypatch.setenv("PRIMUS_TURBO_GEMM_BACKEND", "torch")
+    decision = turbo.explain("gemm", a, b)
+    assert (decision.backend, decision.source) == ("TORCH", "env")
+    turbo.ops.gemm(a, b)
+    monkeypatch.setenv("PRIMUS_TURBO_GEMM_BACKEND", "nonesuch")
+    with pytest.raises(ConfigError, match="PRIMUS_TURBO_GEMM_BACKEND='nonesuch'"):
+        turbo.ops.gemm(a, b)
+    monkeypatch.delenv("PRIMUS_TURBO_GEMM_BACKEND")
+    assert turbo.explain("gemm", a, b).source == "default"
+    GlobalBackendManager.reset()

@@ -33,8 +33,11 @@ def _free_port() -> int:
 
 def _worker(rank, world, port, registry, consensus, results):
     sys.path.insert(0, str(HERE))
+    # Memory-only tuning: with a shared DB file a rank that finishes first would hand its winner
+    # to the other through the file, which is not what this test is about.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PRIMUS_TURBO_EXTRA_REGISTRY=registry,
-                      PRIMUS_TURBO_TUNE_CONSENSUS="1" if consensus else "0", FIXTURE_RANK=str(rank))
+                      PRIMUS_TURBO_TUNE_CONSENSUS="1" if consensus else "0", FIXTURE_RANK=str(rank),
+                      PRIMUS_TURBO_TUNE_DB="off")
     import torch
     import torch.distributed as dist
 

@@ -281,10 +281,10 @@ def test_registry_lists_triton_for_attention():
     entry = reg.get("attention", "TRITON")
     assert entry is not None and isinstance(entry.adapter, TritonAttention)
     assert set(entry.platforms) == {"cuda", "rocm"}
-    names = [e.name for e in reg.backends("attention", "cuda")]
-    assert names == ["TORCH", "CUDNN", "TRITON"]  # the default and the fallback order stay TORCH first
-    assert [e.name for e in reg.backends("attention", "rocm")] == ["TORCH", "TRITON"]
-    assert reg.default("attention", "cuda") == "TORCH"
+    for platform in ("cuda", "rocm"):
+        names = [e.name for e in reg.backends("attention", platform)]
+        assert names[0] == "TORCH" and "TRITON" in names, names  # TORCH stays the default and first fallback
+        assert reg.default("attention", platform) == "TORCH"
 
 
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128), (192, 128), (256, 256), (80, 80)])

@@ -45,6 +45,9 @@ from triton.runtime import driver as _driver  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/, for offline_driver
+
+from offline_driver import OfflineDriver  # noqa: E402
 
 from turbo_dispatch.backends.triton import configs as C  # noqa: E402
 from turbo_dispatch.backends.triton import fp8_blockwise_gluon as GL  # noqa: E402
@@ -64,26 +67,11 @@ MAX_WARPS = 64
 E4 = torch.float8_e4m3fn
 
 
-class _OfflineDriver:
-    """Just enough of a Triton driver for ``warmup``: a target, a device index and a stream."""
+class _OfflineDriver(OfflineDriver):
+    """The stand-in driver (tools/offline_driver.py) for NVIDIA compute capability ``cc``."""
 
     def __init__(self, cc: int):
-        self.target = GPUTarget("cuda", cc, 32)
-
-    def is_active(self) -> bool:
-        return True
-
-    def get_current_target(self):
-        return self.target
-
-    def get_current_device(self) -> int:
-        return 0
-
-    def get_current_stream(self, device=None) -> int:
-        return 0
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
+        super().__init__(GPUTarget("cuda", cc, 32))
 
 
 def programs_per_sm(regs: int, shared: int, warps: int) -> int:
@@ -324,8 +312,8 @@ def families() -> dict:
     gluon = [c for c in gluon_all if c.kernel == C.KERNEL_GLUON]
     gluon_ws = [c for c in gluon_all if c.kernel == C.KERNEL_GLUON_WS]
     B, R, T = ScalingGranularity.BLOCKWISE, ScalingGranularity.ROWWISE, ScalingGranularity.TENSORWISE
-    fixed_half = SimpleNamespace(variable_k=False, m=M_MOE, n=N_MOE, g=G_MOE)
-    vk_half = SimpleNamespace(variable_k=True, m=N_MOE, n=K_MOE, g=G_MOE)
+    fixed_half = SimpleNamespace(variable_k=False, m=M_MOE, n=N_MOE, g=G_MOE, platform="cuda")
+    vk_half = SimpleNamespace(variable_k=True, m=N_MOE, n=K_MOE, g=G_MOE, platform="cuda")
     dense, grouped = 6, 7
     table = [
         ("dense_fp8_blockwise", blockwise, lambda c: _dense_fp8(c, FK.SCALE_BLOCK), dense),

@@ -7,7 +7,7 @@ Example:
     'TORCH'
 """
 from . import low_precision, modules, ops
-from .backend_type import BackendType, PrecisionType
+from .backend_type import BackendChoice, BackendType, PrecisionType
 from .decision import Decision
 from .errors import BackendUnsupportedError, ConfigError, NoBackendError, RegistryError, TurboDispatchError
 from .explain import explain
@@ -17,6 +17,7 @@ from .tuning.rank_sync import SyncReport, sync_tuning
 __version__ = "0.1.0"
 
 __all__ = [
+    "BackendChoice",
     "BackendType",
     "BackendUnsupportedError",
     "ConfigError",

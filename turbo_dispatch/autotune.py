@@ -207,18 +207,21 @@ _clock: "Callable[[], float]" = time.perf_counter
 
 
 def _time_ms(fn, sets: list, device: torch.device, deadline: float) -> float:
-    """Median GPU milliseconds of ``fn`` over rotating input sets. On CUDA a spin sized to the
-    call's host issue time (measured in the warm-ups) precedes each timed call
-    (``host_cover``): without it a small problem's events time the host, and the tuner picks the
-    candidate with the cheapest launch path rather than the fastest kernel (the fp8 grouped
-    adapters' host paths differ by more than such kernels; docs/kernels.md)."""
+    """Median cost in milliseconds of ``fn`` over rotating input sets, as a caller that issues
+    calls back to back sees it: per call, the larger of its GPU time and its host issue time.
+
+    On CUDA a spin sized to the call's host issue time (measured in the warm-ups) precedes each
+    timed call (``host_cover``), so the events time GPU work alone and the host clock times the
+    issue alone; the cost takes the larger. GPU time alone would rank a kernel with a slow launch
+    path above a plain call wherever the host is the bottleneck (tiny GEMMs, small experts), and
+    host-inflated events would rank launch paths where the GPU is (large problems)."""
     host = [host_cover.untimed_host_ms(lambda: fn(sets[i % len(sets)]), device) for i in range(_WARMUP)]
     samples = []
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         host_ms = host_cover.typical_ms(host)
         for i in range(_MAX_REPEATS):
-            samples.append(host_cover.covered_call(lambda: fn(sets[i % len(sets)]), device, host_ms)[0])
+            samples.append(max(host_cover.covered_call(lambda: fn(sets[i % len(sets)]), device, host_ms)))
             if len(samples) >= _MIN_REPEATS and time.monotonic() > deadline:
                 break
     else:

@@ -101,7 +101,8 @@ class PrecisionType(str, enum.Enum):
         try:
             return cls(str(value).strip().lower())
         except ValueError:
-            raise ValueError(f"unknown precision {value!r}; valid precisions: {', '.join(settable_precisions())}") from None
+            valid = ", ".join(settable_precisions())
+            raise ValueError(f"unknown precision {value!r}; valid precisions: {valid}") from None
 
 
 FP4_REFUSED = ("precision FP4 cannot be set: turbo_dispatch has no FP4 ops (no FP4 GEMM or grouped GEMM), "

@@ -4,8 +4,9 @@ Settings live in one immutable snapshot that is swapped atomically under a lock,
 (the resolver's hot path) never lock and never see a half-applied change. Every change bumps a
 generation counter; decisions are cached per generation, so a change takes effect on the next
 call. Environment variables are read when the snapshot is first built and again on every
-change or ``reset()``: a process that edits ``os.environ`` after its first op call must call
-``GlobalBackendManager.reset()`` (or any setter) for the edit to count.
+change or ``reset()``. An op call also compares its family's ``PRIMUS_TURBO_*_BACKEND`` text with
+the snapshot's and re-reads the environment when it changed, so editing that variable in a running
+process takes effect on the next call; the other variables count after ``reset()`` or a setter.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class Settings:
     env_auto_tune: bool | None = None
     code_db: dict = field(default_factory=dict)  # tuning-DB settings set in code (tuning.config names)
     env_db: dict = field(default_factory=dict)  # tuning-DB settings read from the environment
+    env_text: dict = field(default_factory=dict)  # family -> the raw text of its *_BACKEND variable
 
     @functools.cached_property
     def db(self) -> "_db_config.DbSettings":
@@ -100,11 +102,27 @@ def current_settings() -> Settings:
 def _publish(base: Settings, **changes) -> None:
     """Re-reads the environment, applies ``changes`` and installs the result as a new generation."""
     global _settings
+    env_text = {family: os.environ.get(var) for family, var in FAMILY_ENV.items()}
     env, env_auto_tune, env_db = _read_env()
     _settings = replace(base, generation=next(_generation), env=env, env_auto_tune=env_auto_tune, env_db=env_db,
-                        **changes)
+                        env_text=env_text, **changes)
     for listener in list(_listeners):
         listener()
+
+
+def settings_for(family: str) -> Settings:
+    """The live snapshot, re-read from the environment first if ``family``'s
+    ``PRIMUS_TURBO_*_BACKEND`` text changed since it was taken: a process that edits
+    ``os.environ`` gets the new backend on its next call. One environment lookup per call; the
+    text is parsed again only when it changed."""
+    settings = _settings or current_settings()
+    if os.environ.get(FAMILY_ENV[family]) != settings.env_text.get(family):
+        with _lock:
+            settings = _settings or current_settings()
+            if os.environ.get(FAMILY_ENV[family]) != settings.env_text.get(family):
+                _publish(settings)
+            settings = _settings
+    return settings  # type: ignore[return-value]
 
 
 def on_change(listener: Callable[[], None]) -> None:

@@ -33,7 +33,7 @@ MAX_CACHED = 65536
 
 def resolve(spec: OpSpec, problem: Any) -> Decision:
     """The decision for ``problem``; cached unless provisional."""
-    settings = _manager._settings or _manager.current_settings()
+    settings = _manager.settings_for(spec.family)
     cache_key = (spec.name, problem, settings.generation)
     decision = _cache.get(cache_key)
     if decision is None:

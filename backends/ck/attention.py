@@ -74,7 +74,7 @@ class CkAttention(TorchAttention):
         return _unavailable()
 
     def version(self) -> str:
-        return f"hip-{torch.version.hip}/torch-{torch.__version__}"
+        return f"hip-{torch.version.hip or 'none'}/torch-{torch.__version__}"
 
     def supports(self, p) -> str | None:
         if p.platform != "rocm":

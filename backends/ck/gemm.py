@@ -80,7 +80,7 @@ class CkGemm(Adapter):
         return rocm.rocm_unavailable() or _blas_ck_reason()
 
     def version(self) -> str:
-        return f"hip-{torch.version.hip}"
+        return f"hip-{torch.version.hip or 'none'}"
 
     def identity(self, config: Hashable = None) -> str:
         suffix = "" if config is None else f"/{config}"

@@ -13,7 +13,12 @@ Plain torch runs a grouped GEMM one of two ways:
   Slicing a group needs its length *on the host*, so the loop reads ``group_lens`` (one
   device->host sync per call on a GPU; free on the CPU) and cannot run while a CUDA graph is
   being captured (it raises a clear error instead). It also re-checks, for free, that the lengths
-  are non-negative and sum to the token count.
+  are non-negative and sum to at most the token count.
+
+Padded inputs (M_total > sum(group_lens), a padded MoE receive buffer): the rows past the last group
+belong to no group. The forward/dgrad output has zeros there (the loop zeroes them from its host
+copy of the lengths; after torch's grouped kernels, which leave them unwritten, a device-side
+pass zeroes them without a host sync), and the wgrad never reads them.
 
 fp8: operands are quantised with ``turbo_dispatch.low_precision.quantize`` (an operand that
 arrives as a QuantizedTensor, pre-quantised by the training step, is used as is); TENSORWISE and
@@ -24,7 +29,9 @@ on capable GPUs when the output is bf16, else the loop in float32).
 """
 from __future__ import annotations
 
+import functools
 import logging
+from typing import Callable, Optional
 
 import torch
 
@@ -88,21 +95,22 @@ def _offsets_end_i32(group_offs: torch.Tensor) -> torch.Tensor:
 
 
 def _host_lens(group_lens: torch.Tensor, total: int) -> list[int]:
-    """group_lens on the host (one device->host sync on a GPU), checked against the token count."""
+    """group_lens on the host (one device->host sync on a GPU), checked against the token count
+    (which they may fall short of: the rows past the last group are padding)."""
     if group_lens.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "grouped_gemm: the TORCH per-group loop reads group_lens on the host, which a CUDA graph capture "
             "forbids; capture needs the torch._grouped_mm path (bf16, sm_90/sm_100, K and N divisible by 8)")
     lens = group_lens.tolist()
-    if any(n < 0 for n in lens) or sum(lens) != total:
-        raise ValueError(f"grouped_gemm: group_lens must be non-negative and sum to {total} (the token count); "
-                         f"got {lens if len(lens) <= 16 else str(lens[:16])[:-1] + ', ...]'} (sum {sum(lens)})")
+    if any(n < 0 for n in lens) or sum(lens) > total:
+        raise ValueError(f"grouped_gemm: group_lens must be non-negative and sum to at most {total} (the token "
+                         f"count); got {lens if len(lens) <= 16 else str(lens[:16])[:-1] + ', ...]'} (sum {sum(lens)})")
     return lens
 
 
 # -- the two grouped GEMM shapes, each with its fast path and its loop ------------------------------
 def _fixed_k_loop(a: torch.Tensor, b: torch.Tensor, lens: list[int], trans_b: bool) -> torch.Tensor:
-    """out[s:e] = a[s:e] @ op(b[i]); every row of out belongs to one group, so all are written."""
+    """out[s:e] = a[s:e] @ op(b[i]); the rows past the last group (padding) are zeros."""
     n = b.shape[1] if trans_b else b.shape[2]
     out = a.new_empty((a.shape[0], n))
     start = 0
@@ -111,7 +119,32 @@ def _fixed_k_loop(a: torch.Tensor, b: torch.Tensor, lens: list[int], trans_b: bo
             end = start + length
             torch.mm(a[start:end], b[i].t() if trans_b else b[i], out=out[start:end])
             start = end
+    out[start:].zero_()
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _device_tail_zeroer() -> Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """The Triton kernel that zeroes the padded tail touching only its rows, or None where Triton
+    does not import (then a masked pass over the whole output serves)."""
+    try:
+        from turbo_dispatch.backends.triton import grouped_kernels  # noqa: F401  (imports triton itself)
+        from turbo_dispatch.backends.triton.grouped_gemm import zero_padded_tail
+    except ImportError:
+        return None
+    return zero_padded_tail
+
+
+def _zero_padded_tail(out: torch.Tensor, group_offs: torch.Tensor) -> torch.Tensor:
+    """``out[group_offs[-1]:] = 0`` after a torch grouped kernel, which writes only its groups'
+    rows; the boundary stays on the device (no host sync, capturable)."""
+    if out.shape[0] == 0:
+        return out
+    zeroer = _device_tail_zeroer() if out.is_cuda else None
+    if zeroer is not None:
+        return zeroer(out, group_offs)
+    rows = torch.arange(out.shape[0], device=out.device)
+    return out.masked_fill_((rows >= group_offs[-1])[:, None], 0)
 
 
 def _variable_k_loop(x: torch.Tensor, y: torch.Tensor, lens: list[int]) -> torch.Tensor:
@@ -136,7 +169,8 @@ def fixed_k(a: torch.Tensor, b: torch.Tensor, group_lens: torch.Tensor, group_of
         if a.shape[0] == 0:
             return a.new_empty((0, n))
         b = _aligned(b)
-        return torch._grouped_mm(_aligned(a), b.transpose(1, 2) if trans_b else b, offs=_offsets_end_i32(group_offs))
+        out = torch._grouped_mm(_aligned(a), b.transpose(1, 2) if trans_b else b, offs=_offsets_end_i32(group_offs))
+        return _zero_padded_tail(out, group_offs)
     return _fixed_k_loop(a, b, _host_lens(group_lens, a.shape[0]), trans_b)
 
 
@@ -291,11 +325,12 @@ def _scaled_grouped(p, qa: QuantizedTensor, qb: QuantizedTensor, group_offs: tor
         scale_a = qa.scale.reshape(m)
         scale_b = qb.scale.reshape(p.g, p.n)
     try:
-        return torch._scaled_grouped_mm(qa.data, mat_b, scale_a, scale_b, offs=_offsets_end_i32(group_offs),
-                                        out_dtype=p.out_dtype)
+        out = torch._scaled_grouped_mm(qa.data, mat_b, scale_a, scale_b, offs=_offsets_end_i32(group_offs),
+                                       out_dtype=p.out_dtype)
     except (TypeError, RuntimeError) as exc:
         if not _is_refusal(exc) or (qa.data.is_cuda and torch.cuda.is_current_stream_capturing()):
             raise
         _SCALED_REFUSED[p] = f"torch._scaled_grouped_mm rejected this key ({type(exc).__name__}: {exc})"
         log.warning("grouped_gemm_fp8 %s: %s; emulating this key from now on", p, _SCALED_REFUSED[p])
         return None
+    return _zero_padded_tail(out, group_offs)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import os
 
-try:  # Triton stays optional: the adapter imports this module lazily and says why it cannot run.
+try:  # Triton stays optional: this module imports without it, and the adapter's available() says why.
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised where triton is absent
@@ -75,27 +75,40 @@ if triton is not None:
         return start, length
 
     @triton.jit
-    def _load(ptrs, rows_ok, cols_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
-        """A [rows, cols] tile, zero where masked; unmasked dimensions are left out of the mask so
-        the loads stay vectorised."""
+    def _tile(base, first, offs, rows_ok, stride_s, stride_d, D: tl.constexpr, BLOCK_D: tl.constexpr,
+              MASK_ROWS: tl.constexpr):
+        """Rows ``first + offs`` of one head's [S, D] slice starting at ``base``, as a
+        [rows, BLOCK_D] tile with zeros past D (and in rows not ``rows_ok`` where MASK_ROWS). An
+        unmasked dimension stays out of the mask, so the loads stay vectorised."""
+        cols = tl.arange(0, BLOCK_D)
+        ptrs = base + first * stride_s + offs[:, None] * stride_s + cols[None, :] * stride_d
         if MASK_ROWS:
-            if MASK_COLS:
-                x = tl.load(ptrs, mask=rows_ok[:, None] & cols_ok[None, :], other=0.0)
+            if BLOCK_D != D:
+                x = tl.load(ptrs, mask=rows_ok[:, None] & (cols[None, :] < D), other=0.0)
             else:
                 x = tl.load(ptrs, mask=rows_ok[:, None], other=0.0)
         else:
-            if MASK_COLS:
-                x = tl.load(ptrs, mask=cols_ok[None, :], other=0.0)
+            if BLOCK_D != D:
+                x = tl.load(ptrs, mask=cols[None, :] < D, other=0.0)
             else:
                 x = tl.load(ptrs)
         return x
 
     @triton.jit
-    def _store(ptrs, x, rows_ok, cols_ok, MASK_COLS: tl.constexpr):
-        if MASK_COLS:
-            tl.store(ptrs, x, mask=rows_ok[:, None] & cols_ok[None, :])
+    def _store_tile(base, first, offs, rows_ok, x, stride_s, stride_d, D: tl.constexpr, BLOCK_D: tl.constexpr):
+        """``x`` (cast to the destination's type) into the rows of ``_tile``'s addressing."""
+        cols = tl.arange(0, BLOCK_D)
+        ptrs = base + first * stride_s + offs[:, None] * stride_s + cols[None, :] * stride_d
+        x = x.to(base.dtype.element_ty)
+        if BLOCK_D != D:
+            tl.store(ptrs, x, mask=rows_ok[:, None] & (cols[None, :] < D))
         else:
             tl.store(ptrs, x, mask=rows_ok[:, None])
+
+    @triton.jit
+    def _head(ptr, b64, h64, stride_b, stride_h):
+        """One (batch, head) slice of a dense [B, S, H, D] or packed [T, H, D] tensor (stride_b 0)."""
+        return ptr + b64 * stride_b + h64 * stride_h
 
     @triton.jit
     def _block_span(a0, a_last, len_b, shift, lo_w, hi_w, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
@@ -170,14 +183,11 @@ if triton is not None:
                     BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
         """Online softmax over the key blocks starting in [lo, hi)."""
         offs_n = tl.arange(0, BLOCK_N)
-        offs_dq = tl.arange(0, BLOCK_DQK)
-        offs_dv = tl.arange(0, BLOCK_DV)
         for n0 in range(lo, hi, BLOCK_N):
             keys = n0 + offs_n
             keys_ok = keys < sk
             n_off = tl.cast(n0, tl.int64)
-            k = _load(k_base + n_off * stride_ks + offs_n[:, None] * stride_ks + offs_dq[None, :] * stride_kd,
-                      keys_ok, offs_dq < D_QK, MASKED, BLOCK_DQK != D_QK)
+            k = _tile(k_base, n_off, offs_n, keys_ok, stride_ks, stride_kd, D_QK, BLOCK_DQK, MASKED)
             s = _mm(q, tl.trans(k), None, UPCAST) * qk_scale
             if MASKED:
                 ok = _allowed(rows[:, None], keys[None, :], sk, shift, left, right, HAS_LEFT, HAS_RIGHT)
@@ -190,8 +200,7 @@ if triton is not None:
             p = tl.math.exp2(s - m_use[:, None])
             alpha = tl.math.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = _load(v_base + n_off * stride_vs + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
-                      keys_ok, offs_dv < D_V, MASKED, BLOCK_DV != D_V)
+            v = _tile(v_base, n_off, offs_n, keys_ok, stride_vs, stride_vd, D_V, BLOCK_DV, MASKED)
             acc = _mm(p.to(v.dtype), v, acc * alpha[:, None], UPCAST)
             m_i = m_new
         return acc, m_i, l_i
@@ -215,17 +224,14 @@ if triton is not None:
         if m0 >= sq:
             return
         offs_m = tl.arange(0, BLOCK_M)
-        offs_dq = tl.arange(0, BLOCK_DQK)
-        offs_dv = tl.arange(0, BLOCK_DV)
         rows = m0 + offs_m
         rows_ok = rows < sq
-        b64 = tl.cast(b, tl.int64)
-        q_base = Q + b64 * stride_qb + tl.cast(h, tl.int64) * stride_qh + tl.cast(q_start + m0, tl.int64) * stride_qs
-        q = _load(q_base + offs_m[:, None] * stride_qs + offs_dq[None, :] * stride_qd, rows_ok, offs_dq < D_QK,
-                  True, BLOCK_DQK != D_QK)
-        hk64 = tl.cast(hk, tl.int64)
-        k_base = K + b64 * stride_kb + hk64 * stride_kh + tl.cast(k_start, tl.int64) * stride_ks
-        v_base = V + b64 * stride_vb + hk64 * stride_vh + tl.cast(k_start, tl.int64) * stride_vs
+        b64, h64, hk64 = tl.cast(b, tl.int64), tl.cast(h, tl.int64), tl.cast(hk, tl.int64)
+        first = tl.cast(q_start + m0, tl.int64)
+        q = _tile(_head(Q, b64, h64, stride_qb, stride_qh), first, offs_m, rows_ok, stride_qs, stride_qd, D_QK,
+                  BLOCK_DQK, True)
+        k_base = _head(K, b64, hk64, stride_kb, stride_kh) + tl.cast(k_start, tl.int64) * stride_ks
+        v_base = _head(V, b64, hk64, stride_vb, stride_vh) + tl.cast(k_start, tl.int64) * stride_vs
 
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -244,11 +250,9 @@ if triton is not None:
         l_safe = tl.where(attended, l_i, 1.0)
         out = acc / l_safe[:, None]
         lse = tl.where(attended, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-        o_base = O + b64 * stride_ob + tl.cast(h, tl.int64) * stride_oh + tl.cast(q_start + m0, tl.int64) * stride_os
-        _store(o_base + offs_m[:, None] * stride_os + offs_dv[None, :] * stride_od, out.to(O.dtype.element_ty),
-               rows_ok, offs_dv < D_V, BLOCK_DV != D_V)
-        l_base = LSE + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + tl.cast(q_start, tl.int64)
-        tl.store(l_base + rows, lse, mask=rows_ok)
+        _store_tile(_head(O, b64, h64, stride_ob, stride_oh), first, offs_m, rows_ok, out, stride_os, stride_od, D_V,
+                    BLOCK_DV)
+        tl.store(_head(LSE, b64, h64, stride_lb, stride_lh) + tl.cast(q_start, tl.int64) + rows, lse, mask=rows_ok)
 
     # -- backward -----------------------------------------------------------------------------------
     @triton.jit
@@ -264,16 +268,14 @@ if triton is not None:
         if m0 >= sq:
             return
         offs_m = tl.arange(0, BLOCK_M)
-        offs_dv = tl.arange(0, BLOCK_DV)
         rows = m0 + offs_m
         rows_ok = rows < sq
-        b64 = tl.cast(b, tl.int64)
-        h64 = tl.cast(h, tl.int64)
+        b64, h64 = tl.cast(b, tl.int64), tl.cast(h, tl.int64)
         first = tl.cast(q_start + m0, tl.int64)
-        o = _load(O + b64 * stride_ob + h64 * stride_oh + first * stride_os + offs_m[:, None] * stride_os
-                  + offs_dv[None, :] * stride_od, rows_ok, offs_dv < D_V, True, BLOCK_DV != D_V)
-        do = _load(DO + b64 * stride_gb + h64 * stride_gh + first * stride_gs + offs_m[:, None] * stride_gs
-                   + offs_dv[None, :] * stride_gd, rows_ok, offs_dv < D_V, True, BLOCK_DV != D_V)
+        o = _tile(_head(O, b64, h64, stride_ob, stride_oh), first, offs_m, rows_ok, stride_os, stride_od, D_V,
+                  BLOCK_DV, True)
+        do = _tile(_head(DO, b64, h64, stride_gb, stride_gh), first, offs_m, rows_ok, stride_gs, stride_gd, D_V,
+                   BLOCK_DV, True)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         l_off = b64 * stride_lb + h64 * stride_lh + tl.cast(q_start, tl.int64) + rows
         lse = tl.load(LSE + l_off, mask=rows_ok, other=float("-inf"))
@@ -290,16 +292,12 @@ if triton is not None:
         """dK/dV contributions of the query blocks starting in [lo, hi), in the transposed
         orientation (scores as [keys, queries])."""
         offs_m = tl.arange(0, BLOCK_M)
-        offs_dq = tl.arange(0, BLOCK_DQK)
-        offs_dv = tl.arange(0, BLOCK_DV)
         for m0 in range(lo, hi, BLOCK_M):
             rows = m0 + offs_m
             rows_ok = rows < sq
             m_off = tl.cast(m0, tl.int64)
-            q = _load(q_base + m_off * stride_qs + offs_m[:, None] * stride_qs + offs_dq[None, :] * stride_qd,
-                      rows_ok, offs_dq < D_QK, MASKED, BLOCK_DQK != D_QK)
-            do = _load(do_base + m_off * stride_gs + offs_m[:, None] * stride_gs + offs_dv[None, :] * stride_gd,
-                       rows_ok, offs_dv < D_V, MASKED, BLOCK_DV != D_V)
+            q = _tile(q_base, m_off, offs_m, rows_ok, stride_qs, stride_qd, D_QK, BLOCK_DQK, MASKED)
+            do = _tile(do_base, m_off, offs_m, rows_ok, stride_gs, stride_gd, D_V, BLOCK_DV, MASKED)
             if MASKED:
                 lse2 = tl.load(LSE2 + l_base + rows, mask=rows_ok, other=float("inf"))
                 delta = tl.load(DELTA + l_base + rows, mask=rows_ok, other=0.0)
@@ -346,17 +344,14 @@ if triton is not None:
         if n0 >= sk:
             return
         offs_n = tl.arange(0, BLOCK_N)
-        offs_dq = tl.arange(0, BLOCK_DQK)
-        offs_dv = tl.arange(0, BLOCK_DV)
         keys = n0 + offs_n
         keys_ok = keys < sk
-        b64 = tl.cast(b, tl.int64)
-        hk64 = tl.cast(hk, tl.int64)
+        b64, hk64 = tl.cast(b, tl.int64), tl.cast(hk, tl.int64)
         first_k = tl.cast(k_start + n0, tl.int64)
-        k = _load(K + b64 * stride_kb + hk64 * stride_kh + first_k * stride_ks + offs_n[:, None] * stride_ks
-                  + offs_dq[None, :] * stride_kd, keys_ok, offs_dq < D_QK, True, BLOCK_DQK != D_QK)
-        v = _load(V + b64 * stride_vb + hk64 * stride_vh + first_k * stride_vs + offs_n[:, None] * stride_vs
-                  + offs_dv[None, :] * stride_vd, keys_ok, offs_dv < D_V, True, BLOCK_DV != D_V)
+        k = _tile(_head(K, b64, hk64, stride_kb, stride_kh), first_k, offs_n, keys_ok, stride_ks, stride_kd, D_QK,
+                  BLOCK_DQK, True)
+        v = _tile(_head(V, b64, hk64, stride_vb, stride_vh), first_k, offs_n, keys_ok, stride_vs, stride_vd, D_V,
+                  BLOCK_DV, True)
         dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
         shift = sk - sq
@@ -367,8 +362,8 @@ if triton is not None:
         q_first = tl.cast(q_start, tl.int64)
         for g in range(split, GROUP, SPLITS):
             h64 = hk64 * GROUP + g
-            q_base = Q + b64 * stride_qb + h64 * stride_qh + q_first * stride_qs
-            do_base = DO + b64 * stride_gb + h64 * stride_gh + q_first * stride_gs
+            q_base = _head(Q, b64, h64, stride_qb, stride_qh) + q_first * stride_qs
+            do_base = _head(DO, b64, h64, stride_gb, stride_gh) + q_first * stride_gs
             l_base = b64 * stride_lb + h64 * stride_lh + q_first
             for part in tl.static_range(3):
                 lo, hi = _part(part, start, full_start, full_end, end)
@@ -376,12 +371,10 @@ if triton is not None:
                                       stride_gd, keys, sq, shift, LEFT, RIGHT, lo, hi, qk_scale, LSE2, DELTA, part != 1,
                                       HAS_LEFT, HAS_RIGHT, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, UPCAST)
         split64 = tl.cast(split, tl.int64)
-        dk_base = DK + split64 * stride_dkp + b64 * stride_dkb + hk64 * stride_dkh + first_k * stride_dks
-        dv_base = DV + split64 * stride_dvp + b64 * stride_dvb + hk64 * stride_dvh + first_k * stride_dvs
-        _store(dk_base + offs_n[:, None] * stride_dks + offs_dq[None, :] * stride_dkd,
-               (dk * sm_scale).to(DK.dtype.element_ty), keys_ok, offs_dq < D_QK, BLOCK_DQK != D_QK)
-        _store(dv_base + offs_n[:, None] * stride_dvs + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
-               keys_ok, offs_dv < D_V, BLOCK_DV != D_V)
+        _store_tile(_head(DK, b64, hk64, stride_dkb, stride_dkh) + split64 * stride_dkp, first_k, offs_n, keys_ok,
+                    dk * sm_scale, stride_dks, stride_dkd, D_QK, BLOCK_DQK)
+        _store_tile(_head(DV, b64, hk64, stride_dvb, stride_dvh) + split64 * stride_dvp, first_k, offs_n, keys_ok,
+                    dv, stride_dvs, stride_dvd, D_V, BLOCK_DV)
 
     @triton.jit
     def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, rows, sk,
@@ -390,16 +383,12 @@ if triton is not None:
                    BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
         """dQ contributions of the key blocks starting in [lo, hi)."""
         offs_n = tl.arange(0, BLOCK_N)
-        offs_dq = tl.arange(0, BLOCK_DQK)
-        offs_dv = tl.arange(0, BLOCK_DV)
         for n0 in range(lo, hi, BLOCK_N):
             keys = n0 + offs_n
             keys_ok = keys < sk
             n_off = tl.cast(n0, tl.int64)
-            k = _load(k_base + n_off * stride_ks + offs_n[:, None] * stride_ks + offs_dq[None, :] * stride_kd,
-                      keys_ok, offs_dq < D_QK, MASKED, BLOCK_DQK != D_QK)
-            v = _load(v_base + n_off * stride_vs + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
-                      keys_ok, offs_dv < D_V, MASKED, BLOCK_DV != D_V)
+            k = _tile(k_base, n_off, offs_n, keys_ok, stride_ks, stride_kd, D_QK, BLOCK_DQK, MASKED)
+            v = _tile(v_base, n_off, offs_n, keys_ok, stride_vs, stride_vd, D_V, BLOCK_DV, MASKED)
             s = _mm(q, tl.trans(k), None, UPCAST) * qk_scale
             p = tl.math.exp2(s - lse2[:, None])
             if MASKED:
@@ -429,23 +418,19 @@ if triton is not None:
         if m0 >= sq:
             return
         offs_m = tl.arange(0, BLOCK_M)
-        offs_dq = tl.arange(0, BLOCK_DQK)
-        offs_dv = tl.arange(0, BLOCK_DV)
         rows = m0 + offs_m
         rows_ok = rows < sq
-        b64 = tl.cast(b, tl.int64)
-        h64 = tl.cast(h, tl.int64)
+        b64, h64, hk64 = tl.cast(b, tl.int64), tl.cast(h, tl.int64), tl.cast(hk, tl.int64)
         first = tl.cast(q_start + m0, tl.int64)
-        q = _load(Q + b64 * stride_qb + h64 * stride_qh + first * stride_qs + offs_m[:, None] * stride_qs
-                  + offs_dq[None, :] * stride_qd, rows_ok, offs_dq < D_QK, True, BLOCK_DQK != D_QK)
-        do = _load(DO + b64 * stride_gb + h64 * stride_gh + first * stride_gs + offs_m[:, None] * stride_gs
-                   + offs_dv[None, :] * stride_gd, rows_ok, offs_dv < D_V, True, BLOCK_DV != D_V)
+        q = _tile(_head(Q, b64, h64, stride_qb, stride_qh), first, offs_m, rows_ok, stride_qs, stride_qd, D_QK,
+                  BLOCK_DQK, True)
+        do = _tile(_head(DO, b64, h64, stride_gb, stride_gh), first, offs_m, rows_ok, stride_gs, stride_gd, D_V,
+                   BLOCK_DV, True)
         l_off = b64 * stride_lb + h64 * stride_lh + tl.cast(q_start, tl.int64) + rows
         lse2 = tl.load(LSE2 + l_off, mask=rows_ok, other=float("inf"))
         delta = tl.load(DELTA + l_off, mask=rows_ok, other=0.0)
-        hk64 = tl.cast(hk, tl.int64)
-        k_base = K + b64 * stride_kb + hk64 * stride_kh + tl.cast(k_start, tl.int64) * stride_ks
-        v_base = V + b64 * stride_vb + hk64 * stride_vh + tl.cast(k_start, tl.int64) * stride_vs
+        k_base = _head(K, b64, hk64, stride_kb, stride_kh) + tl.cast(k_start, tl.int64) * stride_ks
+        v_base = _head(V, b64, hk64, stride_vb, stride_vh) + tl.cast(k_start, tl.int64) * stride_vs
         dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
         shift = sk - sq
         m_last = tl.minimum(m0 + BLOCK_M, sq) - 1
@@ -456,6 +441,5 @@ if triton is not None:
             dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, rows,
                             sk, shift, LEFT, RIGHT, lo, hi, qk_scale, part != 1, HAS_LEFT, HAS_RIGHT, D_QK, D_V,
                             BLOCK_DQK, BLOCK_DV, BLOCK_N, UPCAST)
-        _store(DQ + b64 * stride_dqb + h64 * stride_dqh + first * stride_dqs + offs_m[:, None] * stride_dqs
-               + offs_dq[None, :] * stride_dqd, (dq * sm_scale).to(DQ.dtype.element_ty), rows_ok, offs_dq < D_QK,
-               BLOCK_DQK != D_QK)
+        _store_tile(_head(DQ, b64, h64, stride_dqb, stride_dqh), first, offs_m, rows_ok, dq * sm_scale, stride_dqs,
+                    stride_dqd, D_QK, BLOCK_DQK)

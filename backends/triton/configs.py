@@ -226,3 +226,34 @@ def fp8_candidates(m: int, n: int, k: int, block_k: int | None = None) -> list[T
             gluon = deep + [c for c in gluon if c not in deep]
         found = gluon + found
     return found
+
+
+# -- AMD Instinct -------------------------------------------------------------------------------------
+#: LDS one workgroup may allocate: 64 KiB on CDNA3 (MI300, gfx942), 160 KiB on CDNA4 (MI350, gfx950).
+ROCM_LDS_LIMIT = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}
+
+
+def rocm_lds_bytes(cfg: Sequence[int], a_bytes: int, b_bytes: int, arch: str) -> int:
+    """LDS of a config's operand pipeline as Triton's AMD backend lays it out, read off kernels
+    compiled by tools/compile_rocm.py: ``num_stages - 1`` buffers on gfx942; on gfx950
+    ``num_stages`` buffers plus up to 2.5 KiB for the epilogue (4 KiB counted). ``cfg`` is a
+    TileConfig or a grouped kernel's tuple (num_stages is field 4 of both)."""
+    if arch == "gfx950":
+        return cfg[4] * cfg[2] * (cfg[0] * a_bytes + cfg[1] * b_bytes) + 4096
+    return max(1, cfg[4] - 1) * cfg[2] * (cfg[0] * a_bytes + cfg[1] * b_bytes)
+
+
+def rocm_fit(cfgs: Iterable[Sequence[int]], a_bytes: int, b_bytes: int, arch: str) -> list:
+    """``cfgs`` as offered on an AMD GPU of ``arch``: the Hopper-sized pipelines lose stages (down
+    to 2) until they fit its LDS, and a config that does not fit even then is dropped; order kept,
+    duplicates dropped. The tables are Hopper's (228 KiB of shared memory); gfx942 has 64 KiB."""
+    limit = ROCM_LDS_LIMIT.get(arch, ROCM_LDS_LIMIT["gfx942"])
+    out: list = []
+    for cfg in cfgs:
+        fields = list(cfg)
+        while fields[4] > 2 and rocm_lds_bytes(fields, a_bytes, b_bytes, arch) > limit:
+            fields[4] -= 1
+        fitted = type(cfg)(*fields) if isinstance(cfg, TileConfig) else tuple(fields)
+        if rocm_lds_bytes(fitted, a_bytes, b_bytes, arch) <= limit and fitted not in out:
+            out.append(fitted)
+    return out

@@ -51,6 +51,16 @@ def _platform_reason(p) -> str | None:
     return f"Triton kernels run on cuda/rocm GPUs (platform is {p.platform}; TRITON_INTERPRET=1 runs them on cpu)"
 
 
+def rocm_fitted(p, candidates: list, a_bytes: int, b_bytes: int) -> list:
+    """``candidates`` as offered for ``p``: on ROCm, fitted to the GPU's LDS (``configs.rocm_fit``;
+    the first that fits stays the default), elsewhere unchanged."""
+    if getattr(p, "platform", None) != "rocm":  # tools/compile_sm90.py passes keys without a platform
+        return candidates
+    from ..blaslt import rocm
+
+    return _cfg.rocm_fit(candidates, a_bytes, b_bytes, rocm.gfx_arch())
+
+
 def _pick(config, candidates: list, what: str):
     if config is None:
         return candidates[0]
@@ -135,11 +145,17 @@ class TritonGemm(_TritonAdapter):
             return f"Triton gemm takes bf16/fp16/fp32 operands of one dtype (got {p.a_dtype}, {p.b_dtype})"
         if p.out_dtype not in _HP:
             return f"Triton gemm writes bf16/fp16/fp32 (got {p.out_dtype})"
+        if p.platform == "rocm" and p.a_dtype == torch.float32:
+            return ("fp32 Triton gemm uses tf32x3 dots, which Triton's AMD backend does not offer "
+                    "(ieee, tf32, bf16x3, bf16x6); fp32 GEMMs stay on TORCH there")
         return None
 
-    def configs(self, p):
+    def _candidates(self, p) -> list:
         es = torch.empty((), dtype=p.a_dtype).element_size()
-        return [_cfg.as_tuple(c) for c in _cfg.gemm_candidates(p.m, p.n, p.k, es)]
+        return rocm_fitted(p, _cfg.gemm_candidates(p.m, p.n, p.k, es), es, es)
+
+    def configs(self, p):
+        return [_cfg.as_tuple(c) for c in self._candidates(p)]
 
     def describe(self, p) -> str:
         return f"triton persistent gemm, default tile {self.configs(p)[0]}"
@@ -147,8 +163,7 @@ class TritonGemm(_TritonAdapter):
     def run(self, p, a, b, config=None):
         from .gemm_kernels import gemm
 
-        es = a.element_size()
-        cfg = _pick(config, _cfg.gemm_candidates(p.m, p.n, p.k, es), "gemm")
+        cfg = _pick(config, self._candidates(p), "gemm")
         return gemm(a, b, p.trans_a, p.trans_b, p.out_dtype, cfg)
 
 
@@ -205,7 +220,7 @@ class TritonGemmFp8(_TritonAdapter):
         env parse and a device query among them) run once per call and kernel kind, not once per
         config: an untuned call lists its candidates every time."""
         bk = p.block_size if p.granularity is ScalingGranularity.BLOCKWISE else None
-        cands = _cfg.fp8_candidates(p.m, p.n, p.k, bk)
+        cands = rocm_fitted(p, _cfg.fp8_candidates(p.m, p.n, p.k, bk), 1, 1)
         if _gluon_problem_refusal(p):
             return [c for c in cands if c.kernel == _cfg.KERNEL_TRITON]
         kinds = {c.kernel for c in cands if c.kernel in _cfg.GLUON_KERNELS}

@@ -26,6 +26,9 @@ layout allows (else the same kernel with pointer loads). ``occupancy`` (default 
 persistent fixed-K programs per SM: co-resident programs of a small blockwise tile overlap one's
 per-K-block promotion with another's wgmma (see configs.py). The variable-K kernel launches one
 program per tile, so the hardware already co-schedules as many as fit and it ignores the field.
+A caller's ``num_cu`` (``turbo_dispatch.ops.grouped_gemm_compute_units``) caps the persistent
+Triton kernel's programs; the one-program-per-tile variable-K grid and the warp-specialised
+Gluon kernels do not read it.
 The candidate list depends only on the problem key (G, M_total, N, K, dtypes, layout, recipe),
 never on group_lens values.
 """
@@ -40,8 +43,11 @@ import torch
 
 from turbo_dispatch.adapter import Adapter
 from turbo_dispatch.low_precision import QuantizedTensor, ScalingGranularity
+from turbo_dispatch.ops.grouped_gemm_compute_units import current_compute_unit_limit
 
+from . import gemm as _gemm
 from .configs import KERNEL_GLUON_WS, MAX_OCCUPANCY
+from .gemm import rocm_fitted
 
 log = logging.getLogger("turbo_dispatch.backends.triton.grouped_gemm")
 
@@ -158,6 +164,9 @@ def launch_fixed_k(a: torch.Tensor, b_gnk: torch.Tensor, out: torch.Tensor, offs
     num_n = -(-n // bn)
     bound = (-(-m // bm) + g + 1) * num_n  # most tiles any routing can give (the +1: the padded tail)
     progs = max(1, min(_programs(a.device) * occupancy, bound))
+    cap = current_compute_unit_limit()  # the caller's num_cu: one SM per program at most
+    if cap is not None:
+        progs = min(progs, cap)
     sa = a if sa is None else sa
     sb = a if sb is None else sb
     grouped_fixed_k_kernel[(progs,)](
@@ -266,14 +275,14 @@ def _half_configs(p) -> list[Config]:
         cands = [(128, 256, 64, 8, 4, 8, 1), (128, 256, 64, 8, 3, 8, 1), (256, 128, 64, 8, 3, 8, 1),
                  (128, 128, 64, 8, 4, 8, 1), (128, 128, 64, 8, 4, 4, 1), (64, 128, 64, 8, 4, 4, 1),
                  (128, 256, 64, 8, 3, 8, 0)]
-        return _fit(cands, p.m, p.n)
+        return rocm_fitted(p, _fit(cands, p.m, p.n), 2, 2)
     per_group = p.m / max(p.g, 1)
     cands = [(128, 256, 64, 8, 3, 8, 1), (128, 128, 64, 8, 4, 4, 1), (256, 128, 64, 8, 3, 8, 1),
              (128, 256, 64, 8, 3, 8, 0), (128, 128, 64, 8, 4, 4, 0), (64, 256, 64, 8, 4, 4, 1),
              (64, 128, 64, 8, 4, 4, 1)]
     if per_group < 128:  # small groups: short row tiles waste less
         cands = cands[-2:] + cands[:-2]
-    return _fit(cands, p.m, p.n)
+    return rocm_fitted(p, _fit(cands, p.m, p.n), 2, 2)
 
 
 def _fp8_bk(p) -> int:
@@ -297,7 +306,7 @@ def _fp8_configs(p) -> list[Config]:
 
 @functools.lru_cache(maxsize=4096)
 def _fp8_configs_for(p, ws_runs: bool) -> tuple[Config, ...]:
-    return tuple(_build_fp8_configs(p, ws_runs))
+    return tuple(rocm_fitted(p, _build_fp8_configs(p, ws_runs), 1, 1))
 
 
 def _build_fp8_configs(p, ws_runs: bool) -> list[Config]:
@@ -512,6 +521,8 @@ class TritonGroupedGemmFp8(_TritonAdapter):
             return reason
         if p.granularity not in _SCALE_MODE:
             return f"TRITON grouped fp8 has no {p.granularity.value} recipe (tensorwise, rowwise, blockwise)"
+        if p.platform == "rocm" and not _gemm._rocm_ocp_fp8():
+            return "Triton fp8 grouped GEMM uses OCP e4m3fn/e5m2, which this ROCm GPU lacks (needs gfx950+)"
         if p.a_dtype not in _IN or p.b_dtype not in _IN or p.out_dtype not in _OUT:
             return f"unsupported dtypes a={p.a_dtype} b={p.b_dtype} out={p.out_dtype}"
         if p.granularity is ScalingGranularity.BLOCKWISE:

@@ -74,7 +74,10 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     for op in sorted(registry.entries):
         for entry in registry.backends(op):
             if here not in entry.platforms:
+                # The adapter's own reason too: it says what a machine of its platform would need.
                 status, reason = "no", f"not registered for platform {here}"
+                why = entry.available()
+                reason += f" ({why})" if why else ""
             else:
                 reason = entry.available()
                 status = "available" if reason is None else "unavailable"

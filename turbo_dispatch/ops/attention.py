@@ -48,6 +48,7 @@ from ..device_platform import platform_of
 from ..op_spec import OpSpec, precision_of_dtype, register_op
 from ..resolver import resolve
 from ._common import HIGH_PRECISION, check_rel, check_snr, require_bool, require_dtype, require_tensor
+from .attention_tuning import run_training_call
 from .varlen_checks import check_cu_seqlens_values
 
 MAX_HEAD_DIM = 256
@@ -310,6 +311,7 @@ ATTENTION = register_op(OpSpec(
     check=_check,
     flops=_flops,
     problem_from_call=_problem_from_call,
+    run=run_training_call,
 ))
 
 

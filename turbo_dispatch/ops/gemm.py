@@ -17,6 +17,7 @@ from ..low_precision import Float8QuantConfig, QuantizedTensor, ScalingGranulari
 from ..resolver import resolve
 from . import gemm_custom_ops  # noqa: F401  (registers torch.ops.turbo_dispatch.gemm*)
 from .gemm_autograd import Fp8GemmFunction, GemmFunction
+from .gemm_grad_accum import main_grad_for
 from .gemm_operands import Fp8Operand, needs_grad
 from .gemm_problem import GemmFp8Problem, GemmProblem, forward_fp8_problem, gemm_fp8_problem, gemm_problem
 from .gemm_spec import GEMM, GEMM_FP8, run_gemm, run_gemm_fp8
@@ -31,11 +32,15 @@ _SAME_BACKEND_FOR_GRADS = frozenset(("code", "env", "default"))
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, trans_a: bool = False, trans_b: bool = False,
-         out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+         out_dtype: Optional[torch.dtype] = None, fuse_bgrad_accum_pattern: Optional[str] = None) -> torch.Tensor:
     """C = op(a) @ op(b) on the backend the resolver picks; forward and backward.
 
     ``a`` is [M, K] ([K, M] with ``trans_a``), ``b`` is [K, N] ([N, K] with ``trans_b``), both
     bf16/fp16/fp32 of one dtype; ``out_dtype`` defaults to theirs.
+
+    ``fuse_bgrad_accum_pattern="megatron"``: ``b`` (the weight) carries ``main_grad``; the backward
+    adds b's gradient into it and returns zeros for b, and the forward sets
+    ``b.grad_added_to_main_grad`` (``gemm_grad_accum``).
 
     Example:
         >>> import torch, turbo_dispatch as turbo
@@ -43,10 +48,13 @@ def gemm(a: torch.Tensor, b: torch.Tensor, trans_a: bool = False, trans_b: bool 
         >>> turbo.ops.gemm(a, b, trans_b=True).shape
         torch.Size([4, 3])
     """
+    main_grad = None if fuse_bgrad_accum_pattern is None else main_grad_for("gemm", b, fuse_bgrad_accum_pattern)
     if torch.compiler.is_compiling():
-        return torch.ops.turbo_dispatch.gemm(a, b, trans_a, trans_b, out_dtype)
+        return torch.ops.turbo_dispatch.gemm(a, b, trans_a, trans_b, out_dtype, main_grad)
     problem = gemm_problem(a, b, trans_a, trans_b, out_dtype)
     if needs_grad(a, b):
+        if main_grad is not None:
+            return GemmFunction.apply(a, b, problem, main_grad)
         decision = resolve(GEMM, problem)
         if (decision.entry.adapter.differentiable and decision.source in _SAME_BACKEND_FOR_GRADS
                 and problem.out_dtype is problem.a_dtype):
@@ -83,7 +91,8 @@ def _prequantized_gemm_fp8(a: Fp8Operand, b: Fp8Operand, trans_a: bool, trans_b:
 
 
 def gemm_fp8(a: Fp8Operand, b: Fp8Operand, trans_a: bool = False, trans_b: bool = False,
-             out_dtype: Optional[torch.dtype] = None, config: Optional[Float8QuantConfig] = None) -> torch.Tensor:
+             out_dtype: Optional[torch.dtype] = None, config: Optional[Float8QuantConfig] = None,
+             fuse_bgrad_accum_pattern: Optional[str] = None) -> torch.Tensor:
     """FP8 GEMM from high-precision inputs: quantise both operands per ``config``, multiply, and
     return ``out_dtype`` (default: a's dtype). The backward quantises the gradient too (as E5M2
     under Format.HYBRID). Under BLOCKWISE, ``a`` takes 1 x block_size scales and ``b`` (the
@@ -94,6 +103,8 @@ def gemm_fp8(a: Fp8Operand, b: Fp8Operand, trans_a: bool = False, trans_b: bool 
     once and reused over micro-batches, say). That call is the GEMM alone, without a backward,
     and needs ``out_dtype`` when ``a`` is the quantised one; a recipe or axis other than the one
     this GEMM would use raises a ValueError that names the operand.
+
+    ``fuse_bgrad_accum_pattern="megatron"`` adds b's gradient into ``b.main_grad`` as ``gemm`` does.
 
     Example:
         >>> import torch, turbo_dispatch as turbo
@@ -110,16 +121,19 @@ def gemm_fp8(a: Fp8Operand, b: Fp8Operand, trans_a: bool = False, trans_b: bool 
     cfg = _DEFAULT_FP8 if config is None else config
     if not isinstance(cfg, Float8QuantConfig):
         raise TypeError(f"gemm_fp8: config must be a Float8QuantConfig or None; got {type(config).__name__}")
+    main_grad = (None if fuse_bgrad_accum_pattern is None
+                 else main_grad_for("gemm_fp8", b, fuse_bgrad_accum_pattern))
     if isinstance(a, QuantizedTensor) or isinstance(b, QuantizedTensor):
         return _prequantized_gemm_fp8(a, b, trans_a, trans_b, out_dtype, cfg)
     if torch.compiler.is_compiling():
         return torch.ops.turbo_dispatch.gemm_fp8(a, b, trans_a, trans_b, out_dtype, cfg.format.value,
-                                                 cfg.granularity.value, cfg.block_size, cfg.scale_dtype.value)
+                                                 cfg.granularity.value, cfg.block_size, cfg.scale_dtype.value,
+                                                 main_grad)
     problem = forward_fp8_problem(a, b, trans_a, trans_b, out_dtype, cfg)
     if 0 in (problem.m, problem.n, problem.k):
         # Nothing to quantise (an amax over no elements is undefined): the product of an empty
         # operand is defined all the same, an empty result or, for K = 0, zeros; so are its grads.
         return torch.matmul(a.t() if trans_a else a, b.t() if trans_b else b).to(problem.out_dtype)
     if needs_grad(a, b):
-        return Fp8GemmFunction.apply(a, b, problem, cfg)
+        return Fp8GemmFunction.apply(a, b, problem, cfg, main_grad)
     return run_gemm_fp8(problem, a, b)

@@ -8,6 +8,7 @@ import torch
 
 from ..low_precision.fast_quantize import SHARED_AMAX_GRANULARITIES, quantize_both_axes, quantize_both_axes_in_turn
 from .gemm_fp8_step import saved_as_quantized, wgrad_operand, with_prequantized_a
+from .gemm_grad_accum import add_to_main_grad
 from .gemm_grads import fp8_grads, gemm_grads
 from .gemm_problem import gemm_fp8_problem, gemm_problem
 from .gemm_spec import run_gemm, run_gemm_fp8
@@ -18,12 +19,13 @@ def _eager_mm(x, y, trans_a, trans_b, out_dtype):
 
 
 class GemmFunction(torch.autograd.Function):
-    """``apply(a, b, problem)``: gemm with its backward's dgrad and wgrad resolved per problem."""
+    """``apply(a, b, problem, main_grad=None)``: gemm with its backward's dgrad and wgrad resolved
+    per problem; with ``main_grad`` the wgrad is added into it (``gemm_grad_accum``)."""
 
     @staticmethod
-    def forward(ctx, a, b, problem):
+    def forward(ctx, a, b, problem, main_grad=None):
         ctx.save_for_backward(a, b)
-        ctx.problem = problem
+        ctx.problem, ctx.main_grad = problem, main_grad
         return run_gemm(problem, a, b)
 
     @staticmethod
@@ -31,15 +33,16 @@ class GemmFunction(torch.autograd.Function):
         a, b = ctx.saved_tensors
         p = ctx.problem
         grad_a, grad_b = gemm_grads(_eager_mm, a, b, grad, p.trans_a, p.trans_b, *ctx.needs_input_grad[:2])
-        return grad_a, grad_b, None
+        return grad_a, add_to_main_grad(ctx.main_grad, grad_b), None, None
 
 
 class Fp8GemmFunction(torch.autograd.Function):
-    """``apply(a, b, problem, config)``: gemm_fp8 that saves ``a`` only quantised, for the wgrad
-    (``gemm_fp8_step``), and ``b`` only for the dgrad."""
+    """``apply(a, b, problem, config, main_grad=None)``: gemm_fp8 that saves ``a`` only quantised,
+    for the wgrad (``gemm_fp8_step``), and ``b`` only for the dgrad; with ``main_grad`` the wgrad
+    is added into it."""
 
     @staticmethod
-    def forward(ctx, a, b, problem, config):
+    def forward(ctx, a, b, problem, config, main_grad=None):
         need_a, need_b = ctx.needs_input_grad[:2]
         # dgrad reads b and the gradient; only wgrad reads a, and only in quantised form: op(a)
         # along M, which the same quantiser makes with the forward's op(a) along K where the
@@ -55,7 +58,7 @@ class Fp8GemmFunction(torch.autograd.Function):
             qa = wgrad_operand(a, problem.trans_a, config) if need_b else None
         ctx.save_for_backward(None if qa is None else qa.data, None if qa is None else qa.scale,
                               b if need_a else None)
-        ctx.problem, ctx.config = problem, config
+        ctx.problem, ctx.config, ctx.main_grad = problem, config, main_grad
         return out
 
     @staticmethod
@@ -73,11 +76,12 @@ class Fp8GemmFunction(torch.autograd.Function):
                                   fwd=cfg.format.fwd_dtype(), bwd=cfg.format.bwd_dtype(), granularity=cfg.granularity,
                                   a_dtype=p.a_dtype, b_dtype=p.b_dtype)
         if not (need_a and need_b):
-            return (*grads(grad, need_a=need_a, need_b=need_b), None, None)
+            grad_a, grad_b = grads(grad, need_a=need_a, need_b=need_b)
+            return grad_a, add_to_main_grad(ctx.main_grad, grad_b), None, None, None
         # dgrad reads the gradient along N, wgrad along M: both amaxes come from one read, and
         # each copy is made just before its GEMM and dropped after it, so that no more than one
         # fp8 copy of the gradient is alive (both at once would lift the Linear's peak above bf16's).
         for_dgrad, for_wgrad = quantize_both_axes_in_turn(grad, cfg.format.bwd_dtype(), cfg.granularity)
         grad_a, _ = grads(for_dgrad(), need_a=True, need_b=False)
         _, grad_b = grads(for_wgrad(), need_a=False, need_b=True)
-        return grad_a, grad_b, None, None
+        return grad_a, add_to_main_grad(ctx.main_grad, grad_b), None, None, None

@@ -15,6 +15,7 @@ import torch
 from ..low_precision import Float8QuantConfig, ScalingGranularity
 from ..low_precision.fast_quantize import quantize_rows
 from .gemm_fp8_step import quantize_rows_like, saved_as_quantized
+from .gemm_grad_accum import add_to_main_grad_compiled
 from .gemm_grads import fp8_grads, gemm_grads
 from .gemm_operands import data_of, rebuild_quantized, scale_of
 from .gemm_problem import forward_fp8_problem, gemm_fp8_problem, gemm_problem, mnk
@@ -23,26 +24,27 @@ from .gemm_spec import run_gemm, run_gemm_fp8
 
 @torch.library.custom_op("turbo_dispatch::gemm", mutates_args=())
 def _gemm_op(a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool,
-             out_dtype: Optional[torch.dtype]) -> torch.Tensor:
+             out_dtype: Optional[torch.dtype], main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``main_grad`` (never read here): the buffer the backward adds b's gradient into."""
     return run_gemm(gemm_problem(a, b, trans_a, trans_b, out_dtype), a, b)
 
 
 @_gemm_op.register_fake
-def _gemm_fake(a, b, trans_a, trans_b, out_dtype):
+def _gemm_fake(a, b, trans_a, trans_b, out_dtype, main_grad=None):
     p = gemm_problem(a, b, trans_a, trans_b, out_dtype)
     return a.new_empty((p.m, p.n), dtype=p.out_dtype)
 
 
 def _gemm_setup(ctx, inputs, output):
-    a, b, trans_a, trans_b, _ = inputs
-    ctx.save_for_backward(a, b)
+    a, b, trans_a, trans_b, _, main_grad = inputs
+    ctx.save_for_backward(a, b, main_grad)
     ctx.flags = (trans_a, trans_b)
 
 
 def _gemm_backward(ctx, grad):
-    a, b = ctx.saved_tensors
+    a, b, main_grad = ctx.saved_tensors
     grad_a, grad_b = gemm_grads(torch.ops.turbo_dispatch.gemm, a, b, grad, *ctx.flags, *ctx.needs_input_grad[:2])
-    return grad_a, grad_b, None, None, None
+    return grad_a, add_to_main_grad_compiled(main_grad, grad_b), None, None, None, None
 
 
 _gemm_op.register_autograd(_gemm_backward, setup_context=_gemm_setup)
@@ -94,19 +96,20 @@ def _fp8_quantize_rows_fake(x, dtype, granularity, block_size):
 
 @torch.library.custom_op("turbo_dispatch::gemm_fp8", mutates_args=())
 def _gemm_fp8_op(a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool, out_dtype: Optional[torch.dtype],
-                 format: str, granularity: str, block_size: Optional[int], scale_dtype: str) -> torch.Tensor:
+                 format: str, granularity: str, block_size: Optional[int], scale_dtype: str,
+                 main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
     cfg = Float8QuantConfig(format, granularity, scale_dtype, block_size)
     return run_gemm_fp8(forward_fp8_problem(a, b, trans_a, trans_b, out_dtype, cfg), a, b)
 
 
 @_gemm_fp8_op.register_fake
-def _gemm_fp8_fake(a, b, trans_a, trans_b, out_dtype, format, granularity, block_size, scale_dtype):
+def _gemm_fp8_fake(a, b, trans_a, trans_b, out_dtype, format, granularity, block_size, scale_dtype, main_grad=None):
     m, n, _ = mnk("gemm_fp8", a, b, trans_a, trans_b)
     return a.new_empty((m, n), dtype=a.dtype if out_dtype is None else out_dtype)
 
 
 def _gemm_fp8_setup(ctx, inputs, output):
-    a, b, trans_a, trans_b, _, fmt, gran, block_size, scale_dtype = inputs
+    a, b, trans_a, trans_b, _, fmt, gran, block_size, scale_dtype, main_grad = inputs
     cfg = Float8QuantConfig(fmt, gran, scale_dtype, block_size)
     need_a, need_b = ctx.needs_input_grad[:2]
     # As the eager path: a only in the quantised form the wgrad reads (gemm_fp8_step), b only for
@@ -115,20 +118,20 @@ def _gemm_fp8_setup(ctx, inputs, output):
     if need_b:
         a_data, a_scale = torch.ops.turbo_dispatch.fp8_quantize_rows(
             a if trans_a else a.t(), cfg.format.fwd_dtype(), cfg.granularity.value, cfg.block_size)
-    ctx.save_for_backward(a_data, a_scale, b if need_a else None)
+    ctx.save_for_backward(a_data, a_scale, b if need_a else None, main_grad)
     ctx.flags = (trans_a, trans_b)
     ctx.dtypes = (a.dtype, b.dtype)
     ctx.config = cfg
 
 
 def _gemm_fp8_backward(ctx, grad):
-    a_data, a_scale, b = ctx.saved_tensors
+    a_data, a_scale, b, main_grad = ctx.saved_tensors
     cfg = ctx.config
     qa = None if a_data is None else saved_as_quantized(a_data, a_scale, cfg)
     grad_a, grad_b = fp8_grads(raw_mm8(cfg), qa, b, grad, *ctx.flags, cfg.format.fwd_dtype(),
                                cfg.format.bwd_dtype(), cfg.granularity, *ctx.needs_input_grad[:2],
                                a_dtype=ctx.dtypes[0], b_dtype=ctx.dtypes[1])
-    return grad_a, grad_b, None, None, None, None, None, None, None
+    return grad_a, add_to_main_grad_compiled(main_grad, grad_b), None, None, None, None, None, None, None, None
 
 
 _gemm_fp8_op.register_autograd(_gemm_fp8_backward, setup_context=_gemm_fp8_setup)

@@ -134,8 +134,16 @@ def forward_fp8_problem(a: Fp8Operand, b: Fp8Operand, trans_a: bool, trans_b: bo
     return gemm_fp8_problem(a, b, trans_a, trans_b, out_dtype, fwd, fwd, granularity, cfg.block_size, False, w2d)
 
 
+def explain_gemm(a: torch.Tensor, b: torch.Tensor, trans_a: bool = False, trans_b: bool = False,
+                 out_dtype: Optional[torch.dtype] = None,
+                 fuse_bgrad_accum_pattern: Optional[str] = None) -> GemmProblem:
+    """The key of ``gemm`` called with these arguments (``explain``'s view)."""
+    return gemm_problem(a, b, trans_a, trans_b, out_dtype)
+
+
 def explain_gemm_fp8(a: Fp8Operand, b: Fp8Operand, trans_a: bool = False, trans_b: bool = False,
-                     out_dtype: Optional[torch.dtype] = None,
-                     config: Optional[Float8QuantConfig] = None) -> GemmFp8Problem:
-    """The forward key of ``gemm_fp8`` called with these arguments (``explain``'s view)."""
+                     out_dtype: Optional[torch.dtype] = None, config: Optional[Float8QuantConfig] = None,
+                     fuse_bgrad_accum_pattern: Optional[str] = None) -> GemmFp8Problem:
+    """The forward key of ``gemm_fp8`` called with these arguments (``explain``'s view; the
+    gradient-accumulation pattern concerns the backward only)."""
     return forward_fp8_problem(a, b, trans_a, trans_b, out_dtype, Float8QuantConfig() if config is None else config)

@@ -10,7 +10,7 @@ from ..op_spec import OpSpec, precision_of_dtype, register_op
 from ..resolver import resolve
 from ._common import check_rel
 from .gemm_operands import FP8_DTYPES, Fp8Operand, dequantized, fp8_check
-from .gemm_problem import GemmFp8Problem, GemmProblem, explain_gemm_fp8, gemm_problem
+from .gemm_problem import GemmFp8Problem, GemmProblem, explain_gemm, explain_gemm_fp8
 
 
 def _operands(p, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +47,7 @@ GEMM = register_op(OpSpec(
     make_inputs=_operands, reference=_reference,
     check=lambda p, out, ref: check_rel(out, ref),
     flops=_flops,
-    problem_from_call=lambda *args, **kwargs: gemm_problem(*args, **kwargs),
+    problem_from_call=lambda *args, **kwargs: explain_gemm(*args, **kwargs),
 ))
 
 GEMM_FP8 = register_op(OpSpec(

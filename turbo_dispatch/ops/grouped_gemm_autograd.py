@@ -8,6 +8,8 @@ import torch
 
 from ..low_precision import Float8QuantConfig
 from ..low_precision.dual_quantize import quantize_runs_both, quantize_tiles_both
+from .gemm_grad_accum import add_to_main_grad
+from .grouped_gemm_compute_units import compute_unit_limit
 from .grouped_gemm_fp8_step import (layout, quantize_for_step, repack, step_forward_problem,
                                     step_reuses_quantization, unpack)
 from .grouped_gemm_grads import grouped_fp8_grads, grouped_grads
@@ -24,21 +26,24 @@ def _eager_mm_k(x, y, group_lens, group_offs):
 
 
 class GroupedGemmFunction(torch.autograd.Function):
-    """``apply(a, b, group_lens, group_offs, problem)``: grouped_gemm with its backward's dgrad and
-    wgrad resolved per problem."""
+    """``apply(a, b, group_lens, group_offs, problem, num_cu=None, main_grad=None)``: grouped_gemm
+    with its backward's dgrad and wgrad resolved per problem, every GEMM under the ``num_cu`` cap;
+    with ``main_grad`` the wgrad is added into it (``gemm_grad_accum``)."""
 
     @staticmethod
-    def forward(ctx, a, b, group_lens, group_offs, problem):
+    def forward(ctx, a, b, group_lens, group_offs, problem, num_cu=None, main_grad=None):
         ctx.save_for_backward(a, b, group_lens, group_offs)
-        ctx.problem = problem
-        return run(problem, a, b, group_lens, group_offs)
+        ctx.problem, ctx.num_cu, ctx.main_grad = problem, num_cu, main_grad
+        with compute_unit_limit(num_cu):
+            return run(problem, a, b, group_lens, group_offs)
 
     @staticmethod
     def backward(ctx, grad):
         a, b, group_lens, group_offs = ctx.saved_tensors
-        grad_a, grad_b = grouped_grads(_eager_mm, _eager_mm_k, a, b, grad, group_lens, group_offs,
-                                       ctx.problem.trans_b, *ctx.needs_input_grad[:2])
-        return grad_a, grad_b, None, None, None
+        with compute_unit_limit(ctx.num_cu):
+            grad_a, grad_b = grouped_grads(_eager_mm, _eager_mm_k, a, b, grad, group_lens, group_offs,
+                                           ctx.problem.trans_b, *ctx.needs_input_grad[:2])
+        return grad_a, add_to_main_grad(ctx.main_grad, grad_b), None, None, None, None, None
 
 
 def eager_fp8_mms(cfg: Float8QuantConfig) -> tuple[Callable, Callable]:
@@ -57,13 +62,20 @@ def eager_fp8_mms(cfg: Float8QuantConfig) -> tuple[Callable, Callable]:
 
 
 class GroupedFp8Function(torch.autograd.Function):
-    """``apply(a, b, group_lens, group_offs, problem, config)``: grouped_gemm_fp8; a blockwise step
-    quantises each operand once and saves them fp8 (``grouped_gemm_fp8_step``), any other saves
-    the inputs."""
+    """``apply(a, b, group_lens, group_offs, problem, config, num_cu=None, main_grad=None)``:
+    grouped_gemm_fp8; a blockwise step quantises each operand once and saves them fp8
+    (``grouped_gemm_fp8_step``), any other saves the inputs. ``num_cu`` and ``main_grad`` as in
+    GroupedGemmFunction."""
 
     @staticmethod
-    def forward(ctx, a, b, group_lens, group_offs, problem, config):
-        ctx.problem, ctx.config = problem, config
+    def forward(ctx, a, b, group_lens, group_offs, problem, config, num_cu=None, main_grad=None):
+        with compute_unit_limit(num_cu):
+            return GroupedFp8Function._forward_body(ctx, a, b, group_lens, group_offs, problem, config, num_cu,
+                                                    main_grad)
+
+    @staticmethod
+    def _forward_body(ctx, a, b, group_lens, group_offs, problem, config, num_cu, main_grad):
+        ctx.problem, ctx.config, ctx.num_cu, ctx.main_grad = problem, config, num_cu, main_grad
         ctx.dtypes = (a.dtype, b.dtype)
         ctx.reuse = step_reuses_quantization(config)
         if not ctx.reuse:
@@ -78,16 +90,20 @@ class GroupedFp8Function(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        with compute_unit_limit(ctx.num_cu):
+            grad_a, grad_b = GroupedFp8Function._gradients(ctx, grad)
+        return grad_a, add_to_main_grad(ctx.main_grad, grad_b), None, None, None, None, None, None
+
+    @staticmethod
+    def _gradients(ctx, grad):
         cfg = ctx.config
         flags = (ctx.problem.trans_b, cfg.format.fwd_dtype(), cfg.format.bwd_dtype(), cfg.granularity,
                  *ctx.needs_input_grad[:2])
         if not ctx.reuse:
             a, b, group_lens, group_offs = ctx.saved_tensors
-            grad_a, grad_b = grouped_fp8_grads(*eager_fp8_mms(cfg), a, b, grad, group_lens, group_offs, *flags)
-            return grad_a, grad_b, None, None, None, None
+            return grouped_fp8_grads(*eager_fp8_mms(cfg), a, b, grad, group_lens, group_offs, *flags)
         a_data, a_scale, b_data, b_scale, group_lens, group_offs = ctx.saved_tensors
         a_saved, b_saved = (repack(q, d, s) for q, d, s in zip(ctx.quantized, (a_data, b_data), (a_scale, b_scale)))
-        grad_a, grad_b = grouped_fp8_grads(*eager_fp8_mms(cfg), a_saved, b_saved, grad, group_lens, group_offs,
-                                           *flags, a_dtype=ctx.dtypes[0], b_dtype=ctx.dtypes[1],
-                                           runs_both=quantize_runs_both, block_size=cfg.block_size)
-        return grad_a, grad_b, None, None, None, None
+        return grouped_fp8_grads(*eager_fp8_mms(cfg), a_saved, b_saved, grad, group_lens, group_offs,
+                                 *flags, a_dtype=ctx.dtypes[0], b_dtype=ctx.dtypes[1],
+                                 runs_both=quantize_runs_both, block_size=cfg.block_size)

@@ -8,10 +8,14 @@ names are part of compiled graphs and tuned DBs: they do not change.
 
 The custom ops never read group_lens values themselves (the backend may, see its describe()):
 their fake implementations need only shapes, so torch.compile traces them with data-dependent
-routing and M_total marked dynamic.
+routing and M_total marked dynamic. ``num_cu`` (optional, last but one or last) caps the
+persistent kernels of the GEMMs an op runs (``grouped_gemm_compute_units``); ``main_grad``
+(optional, last; never read by the forward) is the buffer the backward adds b's gradient into
+(``gemm_grad_accum``).
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -19,7 +23,9 @@ import torch
 from ..low_precision import Float8QuantConfig, ScalingGranularity
 from ..low_precision.dual_quantize import (quantize_both_tensors, quantize_both_tensors_like, quantize_runs_both,
                                            quantize_tiles_both, runs_from_tensors)
+from .gemm_grad_accum import add_to_main_grad_compiled
 from .gemm_operands import data_of, rebuild_quantized, scale_of
+from .grouped_gemm_compute_units import compute_unit_limit
 from .grouped_gemm_routing import offsets_or
 from .grouped_gemm_fp8_step import quantize_for_step, repack, step_forward_problem
 from .grouped_gemm_grads import grouped_fp8_grads, grouped_grads
@@ -32,42 +38,47 @@ _OP_FP8 = "grouped_gemm_fp8"
 
 @torch.library.custom_op("turbo_dispatch::grouped_gemm", mutates_args=())
 def _grouped_gemm_op(a: torch.Tensor, b: torch.Tensor, group_lens: torch.Tensor, group_offs: Optional[torch.Tensor],
-                     trans_b: bool) -> torch.Tensor:
+                     trans_b: bool, num_cu: Optional[int] = None,
+                     main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
     offs = offsets_or(group_offs, group_lens, a.shape[0])
-    return run(grouped_gemm_problem(a, b, group_lens, offs, trans_b), a, b, group_lens, offs)
+    with compute_unit_limit(num_cu):
+        return run(grouped_gemm_problem(a, b, group_lens, offs, trans_b), a, b, group_lens, offs)
 
 
 @_grouped_gemm_op.register_fake
-def _grouped_gemm_fake(a, b, group_lens, group_offs, trans_b):
+def _grouped_gemm_fake(a, b, group_lens, group_offs, trans_b, num_cu=None, main_grad=None):
     _, m, n, _ = fixed_shapes("grouped_gemm", a, b, group_lens, group_offs, trans_b)
     return a.new_empty((m, n))
 
 
 @torch.library.custom_op("turbo_dispatch::grouped_gemm_variable_k", mutates_args=())
 def _grouped_gemm_variable_k_op(x: torch.Tensor, y: torch.Tensor, group_lens: torch.Tensor,
-                                group_offs: Optional[torch.Tensor]) -> torch.Tensor:
+                                group_offs: Optional[torch.Tensor], num_cu: Optional[int] = None) -> torch.Tensor:
     offs = offsets_or(group_offs, group_lens, x.shape[0])
-    return run(variable_k_problem(x, y, group_lens, offs), x, y, group_lens, offs)
+    with compute_unit_limit(num_cu):
+        return run(variable_k_problem(x, y, group_lens, offs), x, y, group_lens, offs)
 
 
 @_grouped_gemm_variable_k_op.register_fake
-def _grouped_gemm_variable_k_fake(x, y, group_lens, group_offs):
+def _grouped_gemm_variable_k_fake(x, y, group_lens, group_offs, num_cu=None):
     g, m, n, _ = variable_shapes("grouped_gemm", x, y, group_lens, group_offs)
     return x.new_empty((g, m, n))
 
 
 def _grouped_setup(ctx, inputs, output):
-    a, b, group_lens, group_offs, trans_b = inputs
-    ctx.save_for_backward(a, b, group_lens, group_offs)
-    ctx.trans_b = trans_b
+    a, b, group_lens, group_offs, trans_b, num_cu, main_grad = inputs
+    ctx.save_for_backward(a, b, group_lens, group_offs, main_grad)
+    ctx.trans_b, ctx.num_cu = trans_b, num_cu
 
 
 def _grouped_backward(ctx, grad):
-    a, b, group_lens, group_offs = ctx.saved_tensors
+    a, b, group_lens, group_offs, main_grad = ctx.saved_tensors
     ops = torch.ops.turbo_dispatch
-    grad_a, grad_b = grouped_grads(ops.grouped_gemm, ops.grouped_gemm_variable_k, a, b, grad, group_lens,
-                                   group_offs, ctx.trans_b, *ctx.needs_input_grad[:2])
-    return grad_a, grad_b, None, None, None
+    mm = functools.partial(ops.grouped_gemm, num_cu=ctx.num_cu)
+    mm_k = functools.partial(ops.grouped_gemm_variable_k, num_cu=ctx.num_cu)
+    grad_a, grad_b = grouped_grads(mm, mm_k, a, b, grad, group_lens, group_offs, ctx.trans_b,
+                                   *ctx.needs_input_grad[:2])
+    return grad_a, add_to_main_grad_compiled(main_grad, grad_b), None, None, None, None, None
 
 
 _grouped_gemm_op.register_autograd(_grouped_backward, setup_context=_grouped_setup)
@@ -78,7 +89,7 @@ def _grouped_gemm_fp8_raw_op(x: torch.Tensor, y: torch.Tensor, group_lens: torch
                              group_offs: Optional[torch.Tensor], trans_b: bool, variable_k: bool,
                              out_dtype: torch.dtype, a_fp8: torch.dtype, b_fp8: torch.dtype, granularity: str,
                              block_size: Optional[int], b_2d: bool, a_scale: Optional[torch.Tensor] = None,
-                             b_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                             b_scale: Optional[torch.Tensor] = None, num_cu: Optional[int] = None) -> torch.Tensor:
     """One fp8 GEMM of the backward. With ``a_scale`` (``b_scale``), ``x`` (``y``) is fp8 data
     already quantised for this GEMM (as grouped_gemm_fp8_problem describes), with that scale."""
     offs = offsets_or(group_offs, group_lens, x.shape[0])
@@ -88,12 +99,13 @@ def _grouped_gemm_fp8_raw_op(x: torch.Tensor, y: torch.Tensor, group_lens: torch
                           b_2d and not variable_k)
     p = grouped_gemm_fp8_problem(x, y, group_lens, offs, trans_b, variable_k, out_dtype, a_fp8, b_fp8, gran,
                                  block_size, b_2d)
-    return run_fp8(p, x, y, group_lens, offs)
+    with compute_unit_limit(num_cu):
+        return run_fp8(p, x, y, group_lens, offs)
 
 
 @_grouped_gemm_fp8_raw_op.register_fake
 def _grouped_gemm_fp8_raw_fake(x, y, group_lens, group_offs, trans_b, variable_k, out_dtype, a_fp8, b_fp8,
-                               granularity, block_size, b_2d, a_scale=None, b_scale=None):
+                               granularity, block_size, b_2d, a_scale=None, b_scale=None, num_cu=None):
     if variable_k:
         g, m, n, _ = variable_shapes(_OP_FP8, x, y, group_lens, group_offs)
         return x.new_empty((g, m, n), dtype=out_dtype)
@@ -101,7 +113,7 @@ def _grouped_gemm_fp8_raw_fake(x, y, group_lens, group_offs, trans_b, variable_k
     return x.new_empty((m, n), dtype=out_dtype)
 
 
-def raw_mms(cfg: Float8QuantConfig) -> tuple[Callable, Callable]:
+def raw_mms(cfg: Float8QuantConfig, num_cu: Optional[int] = None) -> tuple[Callable, Callable]:
     """The ``mm8``/``mm8_k`` of ``grouped_fp8_grads`` through ``turbo_dispatch::grouped_gemm_fp8_raw``,
     unpacking QuantizedTensor operands."""
     raw = torch.ops.turbo_dispatch.grouped_gemm_fp8_raw
@@ -109,11 +121,11 @@ def raw_mms(cfg: Float8QuantConfig) -> tuple[Callable, Callable]:
 
     def mm8(x, y, lens, offs, trans_b, out_dtype, x_fp8, y_fp8, y_2d):
         return raw(data_of(x), data_of(y), lens, offs, trans_b, False, out_dtype, x_fp8, y_fp8, gran, bs, y_2d,
-                   scale_of(x), scale_of(y))
+                   scale_of(x), scale_of(y), num_cu)
 
     def mm8_k(x, y, lens, offs, out_dtype, x_fp8, y_fp8):
         return raw(data_of(x), data_of(y), lens, offs, False, True, out_dtype, x_fp8, y_fp8, gran, bs, False,
-                   scale_of(x), scale_of(y))
+                   scale_of(x), scale_of(y), num_cu)
 
     return mm8, mm8_k
 
@@ -149,7 +161,8 @@ def _empty_pairs(a: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ..
 @torch.library.custom_op("turbo_dispatch::grouped_gemm_fp8_step", mutates_args=())
 def _grouped_gemm_fp8_step_op(a: torch.Tensor, b: torch.Tensor, group_lens: torch.Tensor, group_offs: torch.Tensor,
                               trans_b: bool, out_dtype: Optional[torch.dtype], format: str, block_size: int,
-                              scale_dtype: str, need_a: bool, need_b: bool
+                              scale_dtype: str, need_a: bool, need_b: bool, num_cu: Optional[int] = None,
+                              main_grad: Optional[torch.Tensor] = None
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The BLOCKWISE forward of a training step: (out, a's token-run data stored [K, T] and
     scale [nT, K], b's tiles stored for the dgrad and scale [G, nR, nC]); an unneeded pair is
@@ -157,7 +170,8 @@ def _grouped_gemm_fp8_step_op(a: torch.Tensor, b: torch.Tensor, group_lens: torc
     cfg = Float8QuantConfig(format, ScalingGranularity.BLOCKWISE, scale_dtype, block_size)
     qa, qb, a_saved, b_saved = quantize_for_step(a, b, cfg, need_a, need_b, quantize_runs_both, quantize_tiles_both)
     problem = forward_fp8_problem(a, b, group_lens, group_offs, trans_b, out_dtype, cfg)
-    out = run_fp8(step_forward_problem(problem, qa, qb), qa, qb, group_lens, group_offs)
+    with compute_unit_limit(num_cu):
+        out = run_fp8(step_forward_problem(problem, qa, qb), qa, qb, group_lens, group_offs)
     a_pair, b_pair = _empty_pairs(a)
     if a_saved is not None:
         a_pair = (a_saved.data.t(), a_saved.scale)
@@ -168,7 +182,7 @@ def _grouped_gemm_fp8_step_op(a: torch.Tensor, b: torch.Tensor, group_lens: torc
 
 @_grouped_gemm_fp8_step_op.register_fake
 def _grouped_gemm_fp8_step_fake(a, b, group_lens, group_offs, trans_b, out_dtype, format, block_size, scale_dtype,
-                                need_a, need_b):
+                                need_a, need_b, num_cu=None, main_grad=None):
     _, m, n, _ = fixed_shapes(_OP_FP8, a, b, group_lens, group_offs, trans_b)
     fwd = Float8QuantConfig(format, ScalingGranularity.BLOCKWISE, scale_dtype, block_size).format.fwd_dtype()
     out = a.new_empty((m, n), dtype=a.dtype if out_dtype is None else out_dtype)
@@ -183,26 +197,27 @@ def _grouped_gemm_fp8_step_fake(a, b, group_lens, group_offs, trans_b, out_dtype
 
 
 def _grouped_fp8_step_setup(ctx, inputs, output):
-    a, b, group_lens, group_offs, trans_b, _, fmt, block_size, scale_dtype, need_a, need_b = inputs
+    a, b, group_lens, group_offs, trans_b, _, fmt, block_size, scale_dtype, need_a, need_b, num_cu, main_grad = inputs
     ctx.mark_non_differentiable(*output[1:])
-    ctx.save_for_backward(*output[1:], group_lens, group_offs)
-    ctx.trans_b, ctx.needs = trans_b, (need_a, need_b)
+    ctx.save_for_backward(*output[1:], group_lens, group_offs, main_grad)
+    ctx.trans_b, ctx.needs, ctx.num_cu = trans_b, (need_a, need_b), num_cu
     ctx.dtypes = (a.dtype, b.dtype)
     ctx.config = Float8QuantConfig(fmt, ScalingGranularity.BLOCKWISE, scale_dtype, block_size)
 
 
 def _grouped_fp8_step_backward(ctx, grad, *_unused):
-    a_data_t, a_scale, b_data_t, b_scale, group_lens, group_offs = ctx.saved_tensors
+    a_data_t, a_scale, b_data_t, b_scale, group_lens, group_offs, main_grad = ctx.saved_tensors
     cfg = ctx.config
     need_a, need_b = ctx.needs
     a_saved = repack((cfg.granularity, 0, cfg.block_size, False), a_data_t.t(), a_scale) if need_b else None
     b_saved = repack((cfg.granularity, 2, cfg.block_size, True), b_data_t.transpose(1, 2), b_scale) if need_a else None
-    grad_a, grad_b = grouped_fp8_grads(*raw_mms(cfg), a_saved, b_saved, grad, group_lens, group_offs, ctx.trans_b,
-                                       cfg.format.fwd_dtype(), cfg.format.bwd_dtype(), cfg.granularity,
+    grad_a, grad_b = grouped_fp8_grads(*raw_mms(cfg, ctx.num_cu), a_saved, b_saved, grad, group_lens, group_offs,
+                                       ctx.trans_b, cfg.format.fwd_dtype(), cfg.format.bwd_dtype(), cfg.granularity,
                                        need_a and ctx.needs_input_grad[0], need_b and ctx.needs_input_grad[1],
                                        a_dtype=ctx.dtypes[0], b_dtype=ctx.dtypes[1], runs_both=_runs_both_op,
                                        block_size=cfg.block_size)
-    return grad_a, grad_b, None, None, None, None, None, None, None, None, None
+    return (grad_a, add_to_main_grad_compiled(main_grad, grad_b), None, None, None, None, None, None, None, None, None,
+            None, None)
 
 
 _grouped_gemm_fp8_step_op.register_autograd(_grouped_fp8_step_backward, setup_context=_grouped_fp8_step_setup)
@@ -211,34 +226,37 @@ _grouped_gemm_fp8_step_op.register_autograd(_grouped_fp8_step_backward, setup_co
 @torch.library.custom_op("turbo_dispatch::grouped_gemm_fp8", mutates_args=())
 def _grouped_gemm_fp8_op(a: torch.Tensor, b: torch.Tensor, group_lens: torch.Tensor,
                          group_offs: Optional[torch.Tensor], trans_b: bool, out_dtype: Optional[torch.dtype],
-                         format: str, granularity: str, block_size: Optional[int], scale_dtype: str) -> torch.Tensor:
+                         format: str, granularity: str, block_size: Optional[int], scale_dtype: str,
+                         num_cu: Optional[int] = None, main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
     cfg = Float8QuantConfig(format, granularity, scale_dtype, block_size)
     offs = offsets_or(group_offs, group_lens, a.shape[0])
     p = forward_fp8_problem(a, b, group_lens, offs, trans_b, out_dtype, cfg)
-    return run_fp8(p, a, b, group_lens, offs)
+    with compute_unit_limit(num_cu):
+        return run_fp8(p, a, b, group_lens, offs)
 
 
 @_grouped_gemm_fp8_op.register_fake
 def _grouped_gemm_fp8_fake(a, b, group_lens, group_offs, trans_b, out_dtype, format, granularity, block_size,
-                           scale_dtype):
+                           scale_dtype, num_cu=None, main_grad=None):
     _, m, n, _ = fixed_shapes(_OP_FP8, a, b, group_lens, group_offs, trans_b)
     return a.new_empty((m, n), dtype=a.dtype if out_dtype is None else out_dtype)
 
 
 def _grouped_fp8_setup(ctx, inputs, output):
-    a, b, group_lens, group_offs, trans_b, _, fmt, gran, block_size, scale_dtype = inputs
-    ctx.save_for_backward(a, b, group_lens, group_offs)
-    ctx.trans_b = trans_b
+    a, b, group_lens, group_offs, trans_b, _, fmt, gran, block_size, scale_dtype, num_cu, main_grad = inputs
+    ctx.save_for_backward(a, b, group_lens, group_offs, main_grad)
+    ctx.trans_b, ctx.num_cu = trans_b, num_cu
     ctx.config = Float8QuantConfig(fmt, gran, scale_dtype, block_size)
 
 
 def _grouped_fp8_backward(ctx, grad):
-    a, b, group_lens, group_offs = ctx.saved_tensors
+    a, b, group_lens, group_offs, main_grad = ctx.saved_tensors
     cfg = ctx.config
-    grad_a, grad_b = grouped_fp8_grads(*raw_mms(cfg), a, b, grad, group_lens, group_offs, ctx.trans_b,
+    grad_a, grad_b = grouped_fp8_grads(*raw_mms(cfg, ctx.num_cu), a, b, grad, group_lens, group_offs, ctx.trans_b,
                                        cfg.format.fwd_dtype(), cfg.format.bwd_dtype(), cfg.granularity,
                                        *ctx.needs_input_grad[:2])
-    return grad_a, grad_b, None, None, None, None, None, None, None, None
+    return (grad_a, add_to_main_grad_compiled(main_grad, grad_b), None, None, None, None, None, None, None, None, None,
+            None)
 
 
 _grouped_gemm_fp8_op.register_autograd(_grouped_fp8_backward, setup_context=_grouped_fp8_setup)

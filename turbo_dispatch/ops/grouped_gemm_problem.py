@@ -207,8 +207,16 @@ def forward_fp8_problem(a, b, group_lens, group_offs, trans_b, out_dtype,
                                     cfg.block_size, w2d)
 
 
+def explain_grouped_gemm(a, b, group_lens, group_offs=None, trans_b=False, num_cu=None, schedule="static",
+                         fuse_bgrad_accum_pattern=None) -> GroupedGemmProblem:
+    """The key of ``grouped_gemm`` called with these arguments (``explain``'s view; ``num_cu``,
+    ``schedule`` and the accumulation pattern are never part of a key)."""
+    return grouped_gemm_problem(a, b, group_lens, group_offs, trans_b)
+
+
 def explain_grouped_gemm_fp8(a, b, group_lens, group_offs=None, trans_b=True, out_dtype=None,
-                             config: Optional[Float8QuantConfig] = None) -> GroupedGemmFp8Problem:
+                             config: Optional[Float8QuantConfig] = None, num_cu=None,
+                             fuse_bgrad_accum_pattern=None) -> GroupedGemmFp8Problem:
     """The forward key of ``grouped_gemm_fp8`` called with these arguments (``explain``'s view)."""
     return forward_fp8_problem(a, b, group_lens, group_offs, trans_b, out_dtype,
                                Float8QuantConfig() if config is None else config)

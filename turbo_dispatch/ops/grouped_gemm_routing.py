@@ -35,8 +35,9 @@ def value_check_skipped(x: torch.Tensor) -> bool:
 
 def check_group_lens_values(op: str, group_lens: torch.Tensor, group_offs: Optional[torch.Tensor],
                             total: int) -> None:
-    """The validation slow path that reads tensor data: group_lens non-negative and summing to
-    ``total`` (M_total, a.shape[0]); a given group_offs equal to ``[0, cumsum(group_lens)]``.
+    """The validation slow path that reads tensor data: group_lens non-negative and summing to at
+    most ``total`` (M_total, a.shape[0]; rows past the last group are padding); a given group_offs
+    equal to ``[0, cumsum(group_lens)]``.
 
     It reads device memory: free on the CPU, one device->host read (a sync) on a GPU, so on a GPU
     it runs only when PRIMUS_TURBO_VALIDATE_GROUP_LENS=1 (a debugging aid; the fast path must not
@@ -60,8 +61,9 @@ def check_group_lens_values(op: str, group_lens: torch.Tensor, group_offs: Optio
     got, smallest, *bad_offs = torch.stack(parts).tolist()
     if smallest < 0:
         raise ValueError(f"{op}: group_lens must be non-negative; got a minimum of {smallest}")
-    if got != total:
-        raise ValueError(f"{op}: group_lens must sum to M_total = a.shape[0] = {total}; got sum {got}")
+    if got > total:
+        raise ValueError(f"{op}: group_lens must sum to at most M_total = a.shape[0] = {total} (rows past the "
+                         f"last group are padding); got sum {got}")
     if bad_offs and bad_offs[0]:
         raise ValueError(f"{op}: group_offs must be the exclusive prefix sums of group_lens, [0, cumsum(group_lens)]")
 

@@ -19,8 +19,8 @@ from ..resolver import resolve
 from ._common import check_rel
 from .gemm_operands import FP8_DTYPES, dequantized, fp8_check
 from .grouped_gemm_routing import near_balanced_lens, offsets, random_lens
-from .grouped_gemm_problem import (GroupedGemmFp8Problem, GroupedGemmProblem, explain_grouped_gemm_fp8,
-                                   grouped_gemm_problem)
+from .grouped_gemm_problem import (GroupedGemmFp8Problem, GroupedGemmProblem, explain_grouped_gemm,
+                                   explain_grouped_gemm_fp8)
 
 
 def _make_inputs(p, device, split: Callable[[int, int], torch.Tensor] = random_lens) -> tuple[torch.Tensor, ...]:
@@ -111,7 +111,7 @@ GROUPED_GEMM = register_op(OpSpec(
     reference=grouped_reference,
     check=lambda p, out, ref: check_rel(out, ref),
     flops=_flops,
-    problem_from_call=lambda *args, **kwargs: grouped_gemm_problem(*args, **kwargs),
+    problem_from_call=lambda *args, **kwargs: explain_grouped_gemm(*args, **kwargs),
     shared_problem=_token_bucketed,
 ))
 

@@ -272,7 +272,7 @@ def read_text(path: Path, *, missing_ok: bool = True) -> str:
     except FileNotFoundError:
         if missing_ok:
             return ""
-        raise TuningDBPathError(f"tuning DB {path}: no such file") from None
+        raise TuningDBPathError(f"tuning DB {path}: does not exist") from None
     if not stat.S_ISREG(st.st_mode):
         raise TuningDBPathError(f"tuning DB {path}: is a {_kind(st.st_mode)}, not a regular file")
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))

@@ -1,0 +1,1 @@
+"""Stand-in for ``aiter.ops`` (its presence marks AMD's package)."""
