@@ -35,6 +35,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from subprocess_results import collect_results
 from test_compile_sm90 import _nvidia_toolchain
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -224,14 +225,7 @@ def _results(*args: str, **env: str) -> dict:
     full = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, __file__, *args], env={**full, **env}, capture_output=True, text=True,
                           timeout=600, cwd=ROOT)
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[len("RESULT "):])
-            results[r["name"]] = r
-    if proc.returncode != 0:
-        results["__crash__"] = proc.stderr[-3000:]
-    return results
+    return collect_results(proc)
 
 
 @pytest.mark.parametrize("name", _CPU_NAMES)

@@ -31,6 +31,8 @@ import sys
 import pytest
 import torch
 
+from subprocess_results import collect_results
+
 G_NAMES = ("TENSORWISE", "ROWWISE", "BLOCKWISE")
 
 
@@ -282,14 +284,7 @@ def _interpreter_results(interpreter_refusal) -> dict:
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, __file__, "--interpreter-checks"], env=env, capture_output=True,
                           text=True, timeout=240)
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[len("RESULT "):])
-            results[r["name"]] = r
-    if proc.returncode != 0:
-        results["__crash__"] = proc.stderr[-3000:]
-    return results
+    return collect_results(proc)
 
 
 @pytest.mark.parametrize("name", _CPU_NAMES)

@@ -1,0 +1,19 @@
+"""Reading the results of checks run in a subprocess (the Triton interpreter ones need their own
+process: TRITON_INTERPRET must be set before triton is imported)."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+
+def collect_results(proc: subprocess.CompletedProcess) -> dict:
+    """The ``RESULT {json}`` lines the subprocess printed, by their ``name``; a non-zero exit adds
+    ``__crash__`` with the end of its stderr, so a check that never ran says why."""
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            r = json.loads(line[len("RESULT "):])
+            results[r["name"]] = r
+    if proc.returncode != 0:
+        results["__crash__"] = proc.stderr[-3000:]
+    return results
