@@ -191,3 +191,16 @@ class ConfiguredGemm(_Fixture):
         lhs = a.t() if p.trans_a else a
         rhs = b.t() if p.trans_b else b
         return torch.matmul(lhs, rhs).to(p.out_dtype)
+
+
+class FadingGemm(_Fixture):
+    """Correct; free for its first ``fast_calls`` calls, then 500 ms a call: a candidate whose sweep
+    measurement flatters it, as noise or a warm cache can."""
+
+    fast_calls = 40
+
+    def run(self, p, a, b, config=None):
+        type(self).calls += 1
+        if type(self).calls > self.fast_calls:
+            spend(0.5)
+        return torch.matmul(a.t() if p.trans_a else a, b.t() if p.trans_b else b).to(p.out_dtype)

@@ -305,6 +305,7 @@ def profile(spec: OpSpec, problem: Any, candidates: Sequence[Any]) -> TuneRecord
             continue
         log.info("autotune %s %s: %s %.4f ms", spec.name, key, label, ms)
         timings.append((entry.name, config, ms))
+    agreed = False
     if consensus_enabled():
         if spec.keys_vary_across_ranks:
             # A collective on a key other ranks may never meet would hang them (docs/tuning-db.md).
@@ -313,14 +314,52 @@ def profile(spec: OpSpec, problem: Any, candidates: Sequence[Any]) -> TuneRecord
                      "for one choice on every rank", spec.name, key)
         else:
             timings = agree_across_ranks(key, timings)
+            agreed = True  # every rank must keep the agreed pick: no rank-local confirmation
     labelled = [(candidate_label(name, config), ms) for name, config, ms in timings]
     finite = [t for t in timings if math.isfinite(t[2])]
     best = min(((ms, name, config) for name, config, ms in finite), default=None, key=lambda t: t[0])
     if best is None:
         log.warning("autotune %s %s: every candidate failed; remembered for this key", spec.name, key)
         return TuneRecord(None, None, math.inf, tuple(rejected), tuple(labelled), measured=tuple(timings))
+    note = ""
+    if not agreed:
+        best, note = _confirm_against_default(spec, problem, candidates, finite, best, sets, device)
     log.info("autotune %s %s: winner %s (%.4f ms)", spec.name, key, best[1], best[0])
-    return TuneRecord(best[1], best[2], best[0], tuple(rejected), tuple(labelled), measured=tuple(timings))
+    return TuneRecord(best[1], best[2], best[0], tuple(rejected), tuple(labelled), note=note,
+                      measured=tuple(timings))
+
+
+#: Rounds of the confirmation that re-times a winner against the platform default in turns.
+CONFIRM_ROUNDS = 3
+
+
+def _confirm_against_default(spec: OpSpec, problem: Any, candidates: Sequence[Any], finite: list, best: tuple,
+                             sets: list, device: torch.device) -> tuple[tuple, str]:
+    """``best`` (ms, backend, config), or the platform default's first measured config when
+    re-timing the two in turns shows the winner is not faster: one sweep measurement per candidate
+    can favour one by noise or by what ran before it, and a choice slower than the call the op
+    would make anyway is worse than no tuning. Returns the pick and a note for the record ("" when
+    the sweep's winner is the default or the default was not measured)."""
+    from .registry import get_registry
+
+    default = get_registry().default(spec.name, spec.platform_of(problem))
+    entries = {c.name: c for c in candidates}
+    measured = [config for name, config, _ in finite if name == default]
+    if default is None or default == best[1] or default not in entries or not measured:
+        return best, ""
+    picks = {"winner": (best[1], best[2]), "default": (default, measured[0])}
+    times: dict[str, list[float]] = {"winner": [], "default": []}
+    for _ in range(CONFIRM_ROUNDS):
+        for label in ("default", "winner"):
+            entry, config = entries[picks[label][0]], picks[label][1]
+            run = lambda inputs, entry=entry, config=config: spec.run(entry.adapter, problem, inputs, config)
+            times[label].append(_time_ms(run, sets, device, 0.0))
+    winner_ms, default_ms = statistics.median(times["winner"]), statistics.median(times["default"])
+    if winner_ms < default_ms:
+        return best, f"confirmed in turns: {winner_ms:.4f} ms against the default {default} at {default_ms:.4f} ms"
+    return (default_ms, default, measured[0]), (
+        f"the sweep's winner {candidate_label(best[1], best[2])} was not faster than the default {default} when "
+        f"re-timed in turns ({winner_ms:.4f} against {default_ms:.4f} ms): the default is kept")
 
 
 def consensus_enabled() -> bool:

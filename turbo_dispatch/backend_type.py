@@ -6,7 +6,14 @@ from dataclasses import dataclass, field
 from typing import Union
 
 
-class BackendType(str, enum.Enum):
+class _TextEnum(str, enum.Enum):
+    """A str enum that prints as its value (``str(BackendType.TORCH) == "TORCH"``)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class BackendType(_TextEnum):
     """The backend families turbo_dispatch knows by name.
 
     Plugin backends are addressed by their registry name (a plain string) wherever a
@@ -30,9 +37,6 @@ class BackendType(str, enum.Enum):
     BLASLT = "BLASLT"
     #: Not a backend: asks the resolver to autotune this op (or precision).
     AUTOTUNE = "AUTOTUNE"
-
-    def __str__(self) -> str:
-        return self.value
 
     @classmethod
     def parse(cls, name: "BackendLike") -> "BackendType | str":
@@ -60,7 +64,7 @@ def backend_name(backend: "BackendType | str") -> str:
     return backend.value if isinstance(backend, BackendType) else backend
 
 
-class PrecisionType(str, enum.Enum):
+class PrecisionType(_TextEnum):
     """Precision classes a per-precision backend setting can target.
 
     ``BF16_FP16_FP32`` names the three high precisions at once: a setting for it is a setting
@@ -82,9 +86,6 @@ class PrecisionType(str, enum.Enum):
     FP8 = "fp8"
     BF16_FP16_FP32 = "bf16_fp16_fp32"
     FP4 = "fp4"
-
-    def __str__(self) -> str:
-        return self.value
 
     def setting_keys(self) -> tuple[str, ...]:
         """The precision classes a setting for this precision stands for (ValueError for FP4)."""

@@ -1,0 +1,261 @@
+"""Train a small Llama-style decoder with turbo_dispatch's modules, in bf16 or fp8.
+
+The model is the Llama recipe at a small size: RMSNorm, attention with grouped-query heads
+(``turbo_dispatch.ops.flash_attn_func``, causal) and rotary position embeddings, a SwiGLU MLP,
+and every projection a ``turbo_dispatch.modules.Linear``. ``--fp8 tensorwise|rowwise|blockwise``
+runs the block projections' GEMMs in fp8 (HYBRID format: E4M3 forward, E5M2 gradients; blockwise
+uses 1x128 activation and 128x128 weight blocks); the output head stays in the model's dtype, as
+is usual, because the logits feed the loss directly. Parameters are bf16 on a GPU and fp32 on the
+CPU.
+
+The data is synthetic: a fixed token stream drawn from a random sparse bigram chain (each token
+has a few likely successors), so the loss falls quickly from ln(vocab) and a run shows at a glance
+whether training works. Each op call goes to the backend the resolver picks (the tuning DB in
+force, or the platform default); ``turbo-dispatch tune --model llama3.1-8b`` tunes real shapes.
+
+Usage::
+
+    python examples/train_llama.py --tiny                        # CPU, a few seconds
+    python examples/train_llama.py --steps 200 --fp8 rowwise     # one GPU
+
+Prints the loss every ``--log-every`` steps and, last, ``final loss X (first Y)``. Helpers here
+(the corpus, the decoder with a pluggable MLP, the training loop) are reused by train_moe.py.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import turbo_dispatch as turbo
+from turbo_dispatch.low_precision import Float8QuantConfig
+
+FP8_RECIPES = ("none", "tensorwise", "rowwise", "blockwise")
+#: Model sizes: ``--tiny`` (CPU, seconds) and the default (one GPU). Command-line values win.
+PRESETS = {
+    "tiny": dict(device="cpu", layers=2, hidden=64, heads=4, kv_heads=2, seq_len=32, batch=4, vocab=128,
+                 steps=20, lr=1e-2, log_every=5),
+    "default": dict(device=None, layers=4, hidden=1024, heads=16, kv_heads=4, seq_len=1024, batch=8, vocab=8192,
+                    steps=100, lr=1e-3, log_every=10),
+}
+
+
+def fp8_config(recipe: str) -> Optional[Float8QuantConfig]:
+    """The Float8QuantConfig for a ``--fp8`` choice (None for ``none``): HYBRID format, and
+    128-element blocks for blockwise (DeepSeek-style 1x128 activations, 128x128 weights)."""
+    if recipe == "none":
+        return None
+    return Float8QuantConfig(format="hybrid", granularity=recipe, block_size=128 if recipe == "blockwise" else None)
+
+
+def round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+# -- data ------------------------------------------------------------------------------------------------
+class BigramCorpus:
+    """A fixed stream of ``length`` tokens from a random bigram chain with ``branching`` successors
+    per token, drawn from ``seed``: the same corpus on every run and every rank."""
+
+    def __init__(self, vocab: int, length: int = 1 << 16, branching: int = 4, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        successors = torch.randint(vocab, (vocab, branching), generator=g).tolist()
+        choices = torch.randint(branching, (length,), generator=g).tolist()
+        tokens = [0] * length
+        for i in range(1, length):
+            tokens[i] = successors[tokens[i - 1]][choices[i]]
+        self.tokens = torch.tensor(tokens, dtype=torch.long)
+
+    def batch(self, batch: int, seq_len: int, generator: torch.Generator, device: torch.device):
+        """``(inputs, targets)``, both int64 ``[batch, seq_len]``: random windows of the stream
+        and the same windows shifted by one token."""
+        if seq_len + 1 > self.tokens.numel():
+            raise ValueError(f"seq_len {seq_len} needs a corpus longer than {self.tokens.numel()} tokens")
+        starts = torch.randint(self.tokens.numel() - seq_len, (batch,), generator=generator)
+        windows = torch.stack([self.tokens[s:s + seq_len + 1] for s in starts.tolist()]).to(device)
+        return windows[:, :-1], windows[:, 1:]
+
+
+# -- model -----------------------------------------------------------------------------------------------
+class RMSNorm(torch.nn.Module):
+    """Root-mean-square norm with a learned scale, computed in fp32 for bf16 inputs."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rotary_tables(seq_len: int, head_dim: int, device: torch.device, base: float = 10000.0):
+    """fp32 ``(cos, sin)`` tables ``[seq_len, head_dim // 2]``; made per call, not stored as
+    buffers, so that casting the model to bf16 never rounds them."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates ``x [B, S, H, D]`` by position (the rotate-half convention), in fp32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+class Attention(torch.nn.Module):
+    """Causal self-attention with ``kv_heads`` key/value heads shared by ``heads`` query heads."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, fp8: Optional[Float8QuantConfig]) -> None:
+        super().__init__()
+        if hidden % heads or heads % kv_heads:
+            raise ValueError(f"hidden ({hidden}) must divide by heads ({heads}) and heads by kv_heads ({kv_heads})")
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.q = turbo.modules.Linear(hidden, heads * self.head_dim, bias=False, fp8_config=fp8)
+        self.kv = turbo.modules.Linear(hidden, 2 * kv_heads * self.head_dim, bias=False, fp8_config=fp8)
+        self.out = turbo.modules.Linear(heads * self.head_dim, hidden, bias=False, fp8_config=fp8)
+
+    def forward(self, x: torch.Tensor, rotary) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.head_dim)
+        k, v = self.kv(x).view(b, s, 2, self.kv_heads, self.head_dim).unbind(2)
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        o = turbo.ops.flash_attn_func(q, k, v.contiguous(), causal=True)
+        return self.out(o.reshape(b, s, -1))
+
+
+class SwiGLU(torch.nn.Module):
+    """``down(silu(gate(x)) * up(x))``, with gate and up as one projection."""
+
+    def __init__(self, hidden: int, ffn: int, fp8: Optional[Float8QuantConfig]) -> None:
+        super().__init__()
+        self.up_gate = turbo.modules.Linear(hidden, 2 * ffn, bias=False, fp8_config=fp8)
+        self.down = turbo.modules.Linear(ffn, hidden, bias=False, fp8_config=fp8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.up_gate(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(torch.nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, mlp: torch.nn.Module,
+                 fp8: Optional[Float8QuantConfig]) -> None:
+        super().__init__()
+        self.attn_norm, self.mlp_norm = RMSNorm(hidden), RMSNorm(hidden)
+        self.attn = Attention(hidden, heads, kv_heads, fp8)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, rotary) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rotary)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Decoder(torch.nn.Module):
+    """Token embedding, ``layers`` blocks whose MLP ``make_mlp(layer_index)`` builds, final norm,
+    and an output head; ``forward(tokens [B, S])`` returns logits ``[B, S, vocab]``."""
+
+    def __init__(self, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int,
+                 make_mlp: Callable[[int], torch.nn.Module], fp8: Optional[Float8QuantConfig]) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.blocks = torch.nn.ModuleList(Block(hidden, heads, kv_heads, make_mlp(i), fp8) for i in range(layers))
+        self.norm = RMSNorm(hidden)
+        self.head = turbo.modules.Linear(hidden, vocab, bias=False)
+        self.head_dim = hidden // heads
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        rotary = rotary_tables(tokens.shape[1], self.head_dim, tokens.device)
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, rotary)
+        return self.head(self.norm(x))
+
+
+# -- command line and training loop ------------------------------------------------------------------------
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """Options shared by the examples; size options default to None and are filled from a preset."""
+    parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU that trains in seconds")
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when available; cpu with --tiny)")
+    parser.add_argument("--fp8", choices=FP8_RECIPES, default="none", help="fp8 recipe of the GEMMs (default none)")
+    for name in ("steps", "layers", "hidden", "heads", "kv-heads", "seq-len", "batch", "vocab", "log-every"):
+        parser.add_argument(f"--{name}", type=int)
+    parser.add_argument("--lr", type=float, help="AdamW learning rate")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def fill_preset(args: argparse.Namespace, presets: dict) -> argparse.Namespace:
+    """Fills every option left at None from the tiny or default preset; picks the device and dtype."""
+    for key, value in presets["tiny" if args.tiny else "default"].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.dtype = torch.float32 if torch.device(args.device).type == "cpu" else torch.bfloat16
+    return args
+
+
+def train(model: torch.nn.Module, corpus: BigramCorpus, args: argparse.Namespace, generator: torch.Generator,
+          sync_grads: Optional[Callable[[], None]] = None,
+          global_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
+          show: bool = True) -> tuple[float, float]:
+    """Runs ``args.steps`` AdamW steps of next-token cross-entropy; returns ``(first, final)`` loss.
+
+    ``sync_grads`` runs between backward and the optimizer step (data/expert-parallel gradient
+    reduction and clipping); without it the gradient norm is clipped to 1. ``global_loss`` maps
+    this process's loss to the one reported (e.g. the mean over ranks; it must be called on every
+    rank); ``show`` prints (rank 0 only under torchrun).
+    """
+    device = torch.device(args.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    bar = tqdm(range(1, args.steps + 1), desc="train", unit="step", disable=args.no_progress or not show)
+    first = last = math.nan
+    for step in bar:
+        inputs, targets = corpus.batch(args.batch, args.seq_len, generator, device)
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if sync_grads is None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        else:
+            sync_grads()
+        optimizer.step()
+        last = float(global_loss(loss.detach()))
+        first = last if step == 1 else first
+        bar.set_postfix(loss=f"{last:.4f}")
+        if show and (step % args.log_every == 0 or step == args.steps):
+            tqdm.write(f"step {step}/{args.steps} loss {last:.4f}")
+    if show:
+        print(f"final loss {last:.4f} (first {first:.4f})", flush=True)
+    return first, last
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(parser)
+    args = fill_preset(parser.parse_args(argv), PRESETS)
+    torch.manual_seed(args.seed)
+    fp8 = fp8_config(args.fp8)
+    ffn = round_up(8 * args.hidden // 3, 128)
+    model = Decoder(args.vocab, args.hidden, args.layers, args.heads, args.kv_heads,
+                    lambda _: SwiGLU(args.hidden, ffn, fp8), fp8).to(args.device, args.dtype)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"llama: {args.layers} layers, hidden {args.hidden}, heads {args.heads}/{args.kv_heads}, ffn {ffn}, "
+          f"{params / 1e6:.2f}M params; {args.device} {str(args.dtype).removeprefix('torch.')}, fp8 {args.fp8}; "
+          f"batch {args.batch} x {args.seq_len} tokens", flush=True)
+    corpus = BigramCorpus(args.vocab, seed=args.seed)
+    train(model, corpus, args, torch.Generator().manual_seed(args.seed + 1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
