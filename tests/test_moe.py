@@ -44,13 +44,7 @@ def test_needs_initialised_group():
         moe_dispatch(torch.randn(3, 4), torch.zeros(3, 1, dtype=torch.int64), None, 2, None)
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+one_rank = pytest.fixture(scope="module")(moe_checks.one_rank_group)
 
 
 def _inputs(t=7, h=5, k=3, e=6, probs_grad=False):

@@ -22,6 +22,7 @@ How far it maps (everything else is documented per method):
 * the layout tensors passed to ``dispatch`` are not read: the backend recomputes the layout from
   ``topk_idx`` (reading them back would cost a host sync);
 * the handle is a :class:`~turbo_dispatch.ops.moe.MoeHandle`, not DeepEP's tuple of tensors;
+* ``dispatch(num_worst_tokens=N)`` makes no host sync (fixed N-row outputs, counts on the device);
 * ``num_tokens_per_rdma_rank`` is always None (there is no RDMA tier);
 * low-latency mode (``low_latency_mode=True``, ``low_latency_dispatch``/``combine``) is not
   provided: the constructor raises NotImplementedError for it;
@@ -121,8 +122,9 @@ class Buffer:
         Without ``handle``: ``topk_idx`` and ``num_tokens_per_expert`` (whose length gives
         num_experts) are required, the other layout tensors are accepted and not read. With
         ``handle`` (cached mode): only ``x`` moves, along the handle's layout, and the call returns
-        ``(recv_x, None, None, None, None, None)`` as DeepEP does. The counts list is rounded up to
-        ``expert_alignment``; unlike DeepEP it is also filled when ``num_worst_tokens`` > 0.
+        ``(recv_x, None, None, None, None, None)`` as DeepEP does. The counts are rounded up to
+        ``expert_alignment``; with ``num_worst_tokens`` > 0 the dispatch makes no host sync and the
+        counts are an int64 device tensor (DeepEP returns an empty list there).
         """
         _ignored("dispatch", config=config, previous_event=previous_event, async_finish=async_finish,
                  allocate_on_comm_stream=allocate_on_comm_stream)
@@ -141,11 +143,12 @@ class Buffer:
             raise ValueError(f"Buffer.dispatch: expert_alignment must be a positive int; got {expert_alignment!r}")
         num_experts = int(num_tokens_per_expert.numel())
         recv_x, recv_idx, recv_w, counts, new_handle = moe_dispatch(
-            data, topk_idx, topk_weights, num_experts, self.group, num_worst_tokens=num_worst_tokens)
+            x, topk_idx, topk_weights, num_experts, self.group, num_worst_tokens=num_worst_tokens)
         if expert_alignment > 1:
-            counts = [-(-c // expert_alignment) * expert_alignment for c in counts]
-        if scales is not None:
-            recv_x = (recv_x, moe_dispatch_cached(scales, self.group, new_handle))
+            if isinstance(counts, torch.Tensor):
+                counts = (counts + expert_alignment - 1) // expert_alignment * expert_alignment
+            else:
+                counts = [-(-c // expert_alignment) * expert_alignment for c in counts]
         return recv_x, recv_idx, recv_w, counts, new_handle, None
 
     def combine(self, x: torch.Tensor, handle: MoeHandle, topk_weights: Optional[torch.Tensor] = None,

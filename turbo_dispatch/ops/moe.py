@@ -20,17 +20,29 @@ Semantics (the contract every backend of the ``moe_dispatch_combine`` op fulfils
   too: all ranks must run backward through the same MoE calls, and must agree on which inputs
   require grad (as with any collective-based autograd).
 
-Host synchronisation: dispatch needs the per-rank row counts on the host (all_to_all split sizes
-and the size of the receive buffer), so it synchronises the host once, which is also why
-``tokens_per_expert`` is returned as a Python list (it rides on the same exchange). Combine and
-both backward passes reuse the handle's counts and never synchronise. For the same reason these
-ops are not CUDA-graph capturable with the TORCH backend, even with ``num_worst_tokens``.
+Host synchronisation: without ``num_worst_tokens`` dispatch needs the per-rank row counts on the
+host (all_to_all split sizes and the size of the receive buffer), so it synchronises the host once,
+which is also why ``tokens_per_expert`` is returned as a Python list (it rides on the same
+exchange). Combine and both backward passes reuse the handle's counts and never synchronise.
+With ``num_worst_tokens = N > 0`` (DeepEP's meaning: N is a worst case known on the host) nothing
+is read back: the receive buffers have exactly N rows (padding: x rows zero, recv_idx -1,
+recv_probs 0), ``tokens_per_expert`` is an int64 device tensor (usable as ``group_lens`` of a
+grouped GEMM, which accepts ``M_total > sum(group_lens)``), ``handle.num_recv`` a device scalar,
+and dispatch, combine and their backward passes make no host read, which is what CUDA-graph
+capture (on NCCL) requires. A rank that would receive more than N rows keeps the first N in
+receive order and drops the rest (nothing can raise without reading the count); size N for the
+worst case.
 
-Bad expert ids (``>= num_experts`` or ``< -1``) are data, not shapes: they are detected in the one
-count exchange (each rank sends its min/max id), so EVERY rank raises the same ValueError naming the
-offending rank, and no rank is left waiting in a collective. Argument errors that need no data
-(shapes, dtypes, ``num_experts`` not divisible by the group size, ...) raise before any
-communication, on the ranks that made them.
+Bad expert ids (``>= num_experts`` or ``< -1``) are data, not shapes: without ``num_worst_tokens``
+they are detected in the one count exchange (each rank sends its min/max id), so EVERY rank raises
+the same ValueError naming the offending rank, and no rank is left waiting in a collective; with
+``num_worst_tokens`` they are routed nowhere (detecting them would need a host read). Argument
+errors that need no data (shapes, dtypes, ``num_experts`` not divisible by the group size, ...)
+raise before any communication, on the ranks that made them.
+
+fp8 dispatch: ``x`` may be an fp8 activation with per-row or 1 x block scales (a QuantizedTensor or
+DeepEP's ``(x_fp8, scales)`` pair, see ``ops/moe_fp8.py``); the fp8 bytes and the scales travel
+(the scales along the data's handle) and arrive in the same form, ready for ``grouped_gemm_fp8``.
 
 Problem key (``MoeDispatchProblem``): hidden, topk, num_experts, world size, dtype, whether
 probabilities travel, num_worst_tokens, platform. It holds only facts that are the same on every
@@ -64,12 +76,15 @@ from ..device_platform import platform_of
 from ..op_spec import OpSpec, precision_of_dtype, register_op
 from ..resolver import resolve
 from ._common import require_bool, require_dtype, require_tensor
+from .moe_fp8 import fp8_payload
 
 log = logging.getLogger("turbo_dispatch.ops.moe")
 
 #: Dtypes moe_dispatch moves (rows travel as raw bytes, so fp8 works as well as bf16).
 DISPATCH_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64,
                    torch.float8_e4m3fn, torch.float8_e5m2)
+#: Dtypes of router probabilities (they travel and come back in their own dtype).
+PROB_DTYPES = (torch.float32, torch.bfloat16)
 #: Dtypes moe_combine sums.
 COMBINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -100,9 +115,10 @@ class MoeHandle:
 
     Holds the backend that ran the dispatch (combine must use the same one, whatever the settings
     say by then), the dispatch problem (world size, ...), the backend's own layout object (for
-    TORCH: the send permutation and both split-size lists; every backend's layout exposes
-    ``num_recv``), ``num_tokens`` (rows of the dispatched x, what combine returns) and
-    ``recv_rows`` (rows moe_dispatch returned: ``num_worst_tokens`` when padding was asked for).
+    TORCH: the send permutation and both split-size lists, or the fixed slot maps under
+    ``num_worst_tokens``; every backend's layout exposes ``num_recv``), ``num_tokens`` (rows of the
+    dispatched x, what combine returns) and ``recv_rows`` (rows moe_dispatch returned:
+    ``num_worst_tokens`` when padding was asked for).
     """
 
     __slots__ = ("backend", "adapter", "problem", "layout", "num_tokens", "recv_rows", "device")
@@ -122,14 +138,16 @@ class MoeHandle:
         return self.problem.world_size
 
     @property
-    def num_recv(self) -> int:
-        """Rows actually received (without the num_worst_tokens padding)."""
+    def num_recv(self) -> "int | torch.Tensor":
+        """Rows actually received (without padding): an int, or under ``num_worst_tokens`` a 0-d
+        int64 device tensor (reading it syncs; a value above ``recv_rows`` means rows were dropped)."""
         return self.layout.num_recv
 
     def __repr__(self) -> str:
         p = self.problem
+        recv = self.num_recv if isinstance(self.num_recv, int) else "on device"
         return (f"MoeHandle(backend={self.backend}, world_size={p.world_size}, num_tokens={self.num_tokens}, "
-                f"num_recv={self.num_recv}, recv_rows={self.recv_rows})")
+                f"num_recv={recv}, recv_rows={self.recv_rows})")
 
 
 # -- validation and problem keys (host facts only: no tensor data is read) ---------------------------
@@ -178,8 +196,7 @@ def moe_dispatch_problem(x: torch.Tensor, token_indices: torch.Tensor, token_pro
         raise ValueError(f"{op}: token_indices must be on x's device {x.device}; got {token_indices.device}")
     if token_probs is not None:
         require_tensor(op, "token_probs", token_probs, 2, "[num_tokens, topk]")
-        if token_probs.dtype != torch.float32:
-            raise TypeError(f"{op}: token_probs must be float32; got {token_probs.dtype}")
+        require_dtype(op, "token_probs.dtype", token_probs.dtype, PROB_DTYPES)
         if token_probs.shape != token_indices.shape:
             raise ValueError(f"{op}: token_probs must have token_indices' shape {tuple(token_indices.shape)}; "
                              f"got {tuple(token_probs.shape)}")
@@ -234,7 +251,9 @@ def _not_tunable(*_args: Any) -> Any:
 
 def _explain_problem(x, token_indices, token_probs=None, num_experts=None, group=None, async_finish=False,
                      allocate_on_comm_stream=False, num_worst_tokens=0) -> MoeDispatchProblem:
-    return moe_dispatch_problem(x, token_indices, token_probs, num_experts, group, num_worst_tokens)
+    payload = fp8_payload("moe_dispatch", x)
+    data = x if payload is None else payload.data
+    return moe_dispatch_problem(data, token_indices, token_probs, num_experts, group, num_worst_tokens)
 
 
 MOE_DISPATCH_COMBINE = register_op(OpSpec(
@@ -280,7 +299,7 @@ class _DispatchFunction(torch.autograd.Function):
     def forward(ctx, x, token_probs, token_indices, decision, problem, group):
         recv_x, recv_idx, recv_probs, tokens_per_expert, handle = _dispatch(decision, problem, x, token_indices,
                                                                             token_probs, group)
-        ctx.mark_non_differentiable(recv_idx)
+        ctx.mark_non_differentiable(recv_idx, *([tokens_per_expert] if torch.is_tensor(tokens_per_expert) else []))
         ctx.handle, ctx.group, ctx.recv_idx = handle, group, recv_idx
         return recv_x, recv_idx, recv_probs, tokens_per_expert, handle
 
@@ -319,37 +338,45 @@ _disable_compile = getattr(torch.compiler, "disable", None) or (lambda fn: fn)
 
 # -- public API --------------------------------------------------------------------------------------------
 @_disable_compile
-def moe_dispatch(x: torch.Tensor, token_indices: torch.Tensor, token_probs: Optional[torch.Tensor],
+def moe_dispatch(x: Any, token_indices: torch.Tensor, token_probs: Optional[torch.Tensor],
                  num_experts: int, group: Any = None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False, num_worst_tokens: int = 0):
     """Sends each token to every rank that holds one of its top-k experts (DeepEP semantics).
 
     Args:
-        x: [num_tokens, hidden] bf16/fp16/fp32/fp64/fp8 rows.
+        x: [num_tokens, hidden] bf16/fp16/fp32/fp64/fp8 rows, or an fp8 activation with its scales
+            (a row/1-D-block QuantizedTensor, or DeepEP's ``(x_fp8, scales)`` pair): recv_x then
+            comes back in the same form, scales included.
         token_indices: [num_tokens, topk] int64 global expert ids; -1 = no expert.
-        token_probs: [num_tokens, topk] float32 router probabilities, or None.
+        token_probs: [num_tokens, topk] float32 or bf16 router probabilities, or None.
         num_experts: total experts; must be divisible by the group size (split in rank order).
         group: the expert-parallel ProcessGroup (None: the default group).
         async_finish, allocate_on_comm_stream: accepted for DeepEP API compatibility; the TORCH
             backend ignores both (logged at debug): its collectives finish in current-stream order
             and its outputs are allocated on the current stream.
-        num_worst_tokens: if > 0, the receive buffers are padded to exactly this many rows (x rows
-            zero, recv_idx -1, recv_probs 0), DeepEP's fixed-shape mode; a rank that receives more
-            raises ValueError after the exchange (the other ranks are not left waiting). The TORCH
-            backend still synchronises the host once, so this gives fixed shapes, not capturability.
+        num_worst_tokens: if > 0, the receive buffers have exactly this many rows (x rows zero,
+            recv_idx -1, recv_probs 0 past the real ones) and no host sync happens (see the module
+            docstring: rows past this count are dropped, bad ids routed nowhere).
 
     Returns:
         ``(recv_x, recv_idx, recv_probs, tokens_per_expert, handle)``: recv_x [R, hidden] ordered
         by source rank then source token; recv_idx [R, topk] int64 local expert ids or -1;
-        recv_probs [R, topk] float32 (0 where recv_idx is -1; None without token_probs);
-        tokens_per_expert a list of ints, one per local expert (the one host sync rides on it,
-        like DeepEP's num_recv_tokens_per_expert_list; always filled, also with num_worst_tokens);
-        handle: pass it to :func:`moe_combine`.
+        recv_probs [R, topk] in token_probs' dtype (0 where recv_idx is -1; None without
+        token_probs); tokens_per_expert, one count per local expert: a list of ints (the one host
+        sync rides on it, like DeepEP's num_recv_tokens_per_expert_list), or with num_worst_tokens
+        an int64 device tensor; handle: pass it to :func:`moe_combine`.
 
     Example (every rank of an initialised group runs this):
         >>> recv_x, recv_idx, recv_probs, counts, handle = moe_dispatch(x, idx, probs, 64, ep_group)  # doctest: +SKIP
         >>> y = moe_combine(expert_mlp(recv_x, recv_idx, recv_probs, counts), ep_group, handle)  # doctest: +SKIP
     """
+    payload = fp8_payload("moe_dispatch", x)
+    if payload is not None:
+        recv, recv_idx, recv_probs, counts, handle = moe_dispatch(
+            payload.data, token_indices, token_probs, num_experts, group, async_finish, allocate_on_comm_stream,
+            num_worst_tokens)
+        recv = payload.wrap(recv, moe_dispatch_cached(payload.scale, group, handle))
+        return recv, recv_idx, recv_probs, counts, handle
     problem = moe_dispatch_problem(x, token_indices, token_probs, num_experts, group, num_worst_tokens)
     require_bool("moe_dispatch", "async_finish", async_finish)
     require_bool("moe_dispatch", "allocate_on_comm_stream", allocate_on_comm_stream)
@@ -386,7 +413,7 @@ def moe_dispatch_cached(x: torch.Tensor, group: Any, handle: MoeHandle) -> torch
     """Dispatches more rows of the same tokens with an existing handle (DeepEP's cached mode).
 
     ``x`` is [num_tokens, C] (any dispatch dtype, e.g. fp8 scales next to fp8 data); returns
-    [handle.recv_rows, C] in the same order as the handle's dispatch, with no host sync.
+    [handle.recv_rows, C] in the same order as the handle's dispatch (padding rows zero), with no host sync.
     """
     handle = _check_handle("moe_dispatch_cached", handle, group)
     _check_rows("moe_dispatch_cached", "x", x, handle.num_tokens, "one row per dispatched token", DISPATCH_DTYPES,
