@@ -161,6 +161,14 @@ def _interpreter_checks() -> None:  # pragma: no cover - runs in the subprocess
     r = quantize(x, E4, G.ROWWISE, axis=1)
     _emit("quantize_nan_row", torch.equal(torch.isnan(q.scale), torch.isnan(r.scale)) and bool(torch.isnan(q.scale[3])))
 
+    # values far below the fp8 grid's smallest step round to zero (or the nearest subnormal), as the cast does
+    x = torch.randn(16, 96) * torch.logspace(-9, 2, 96)
+    x[0, :3] = torch.tensor([448.0, 8.7e-5, -5e-5])
+    bad = [f"{fdt} {g.name}" for fdt in (E4, E5) for g in (G.TENSORWISE, G.ROWWISE)
+           if not torch.equal(Q.quantize_fp8(x, fdt, g, axis=1).data.view(torch.uint8),
+                              quantize(x, fdt, g, axis=1).data.view(torch.uint8))]
+    _emit("quantize_tiny_values", not bad, "; ".join(bad))
+
     # 3. gemm kernel: every layout, odd sizes, TMA and pointer paths, out dtypes
     cfg = TileConfig(32, 32, 32, 2, 2, 4)
     for dt in (torch.float16, torch.bfloat16, torch.float32):
@@ -263,7 +271,7 @@ def _interpreter_checks() -> None:  # pragma: no cover - runs in the subprocess
 
 
 _CPU_NAMES = (
-    ["interp_facts", "interp_facts_bf16_dot_broken", "quantize_nan_row", "quantize_gpu_scale_form",
+    ["interp_facts", "interp_facts_bf16_dot_broken", "quantize_nan_row", "quantize_tiny_values", "quantize_gpu_scale_form",
      "gemm_adapter_configs"]
     + [f"quantize[{s}-{d}-{g}-{bs}-{b2}]" for s, d in [((37, 70), torch.bfloat16), ((9, 40), torch.float32)]
        for g, bs, b2 in [("TENSORWISE", None, False), ("ROWWISE", None, False), ("BLOCKWISE", 32, False),

@@ -146,13 +146,16 @@ if triton is not None:
         sign = bits & (-2147483648)
         mag = bits & 0x7FFFFFFF
         exp = ((mag >> 23) & 0xFF) - 127
-        # Below the fp8 normal range the grid step stays 2**(MIN_EXP - MAN_BITS): drop more bits.
-        shift = (23 - MAN_BITS) + tl.maximum(MIN_EXP - exp, 0)
-        shift_c = tl.minimum(shift, 30)
+        shift = 23 - MAN_BITS
         one = tl.full(mag.shape, 1, tl.int32)
-        lsb = (mag >> shift_c) & 1
-        rounded = (mag + ((one << (shift_c - 1)) - 1) + lsb) & ~((one << shift_c) - 1)
-        rounded = tl.where(shift > 30, 0, rounded)
+        lsb = (mag >> shift) & 1
+        rounded = (mag + ((one << (shift - 1)) - 1) + lsb) & ~((one << shift) - 1)
+        # Below the fp8 normal range the grid step stays 2**(MIN_EXP - MAN_BITS) whatever the
+        # exponent, which masking mantissa bits cannot express: add and subtract a constant whose
+        # float32 ulp is that step, so float32 addition rounds to the grid (ties to even).
+        magic = tl.full(mag.shape, 2.0 ** (MIN_EXP - MAN_BITS + 23), tl.float32)
+        tiny = ((mag.to(tl.float32, bitcast=True) + magic) - magic).to(tl.int32, bitcast=True)
+        rounded = tl.where(exp < MIN_EXP, tiny, rounded)
         return (sign | rounded).to(tl.float32, bitcast=True)
 
     @triton.jit

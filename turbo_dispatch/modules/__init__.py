@@ -1,5 +1,6 @@
 """nn.Module drop-ins built on the ops."""
+from .fused import RMSNormLinear, SwiGLUMLP
 from .grouped_linear import GroupedLinear
 from .linear import Linear
 
-__all__ = ["GroupedLinear", "Linear"]
+__all__ = ["GroupedLinear", "Linear", "RMSNormLinear", "SwiGLUMLP"]
