@@ -75,17 +75,18 @@ def _plugin_names() -> set[str]:
     return get_registry().names()
 
 
-def _read_env() -> tuple[dict, bool | None, dict]:
+def _read_env() -> tuple[dict, dict, bool | None, dict]:
+    """(each family's raw *_BACKEND text, the parsed settings, autotune, tuning-DB settings)."""
     plugins = None
+    env_text = {family: os.environ.get(var) for family, var in FAMILY_ENV.items()}
     env = {}
-    for family, var in FAMILY_ENV.items():
-        raw = os.environ.get(var)
+    for family, raw in env_text.items():
         if raw is None or not raw.strip():
             continue
         if plugins is None:
             plugins = _plugin_names()
-        env[family] = parse_backend_setting(raw, var, plugins)
-    return env, parse_bool(os.environ.get(AUTO_TUNE_ENV), AUTO_TUNE_ENV), _db_config.read_env()
+        env[family] = parse_backend_setting(raw, FAMILY_ENV[family], plugins)
+    return env_text, env, parse_bool(os.environ.get(AUTO_TUNE_ENV), AUTO_TUNE_ENV), _db_config.read_env()
 
 
 def current_settings() -> Settings:
@@ -102,8 +103,7 @@ def current_settings() -> Settings:
 def _publish(base: Settings, **changes) -> None:
     """Re-reads the environment, applies ``changes`` and installs the result as a new generation."""
     global _settings
-    env_text = {family: os.environ.get(var) for family, var in FAMILY_ENV.items()}
-    env, env_auto_tune, env_db = _read_env()
+    env_text, env, env_auto_tune, env_db = _read_env()
     _settings = replace(base, generation=next(_generation), env=env, env_auto_tune=env_auto_tune, env_db=env_db,
                         env_text=env_text, **changes)
     for listener in list(_listeners):

@@ -65,7 +65,7 @@ def readable_db_file(path: Path, command: str) -> Path:
     from ..tuning import store
 
     try:
-        store.read_text(Path(path), missing_ok=False)
+        store.check_readable(Path(path))
     except (OSError, store.TuningDBPathError) as exc:
         raise UsageError(f"{command}: {exc}") from None
     return path

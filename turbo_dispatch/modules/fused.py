@@ -15,7 +15,7 @@ Function's backward on it, then the producer's backward in plain torch (``rms_no
 from __future__ import annotations
 
 import functools
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 from typing import Optional
 
 import torch
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from ..low_precision import Float8QuantConfig, QuantizedTensor, ScalingGranularity
 from ..ops.gemm import gemm_fp8
-from ..ops.gemm_autograd import Fp8GemmFunction
-from ..ops.gemm_fp8_step import wgrad_operand
+from ..ops.gemm_autograd import fp8_gemm_backward
+from ..ops.gemm_fp8_step import saved_as_quantized, wgrad_operand
 from ..ops.gemm_problem import forward_fp8_problem
 from ..registry import kernel_module
 from .linear import Linear
@@ -90,11 +90,8 @@ class _ProducedLinear(torch.autograd.Function):
     def backward(ctx, grad):
         a, b, weight, qa_data, qa_scale = ctx.saved_tensors
         need_w = ctx.needs_input_grad[5]
-        # Fp8GemmFunction's backward reads just these fields of its ctx: its saved (qa, weight),
-        # the forward's key, the recipe, main_grad and which inputs need a gradient.
-        gemm_ctx = SimpleNamespace(saved_tensors=(qa_data, qa_scale, weight), problem=ctx.gemm, config=ctx.cfg,
-                                   main_grad=None, needs_input_grad=(True, need_w))
-        grad_out, grad_w = Fp8GemmFunction.backward(gemm_ctx, grad.contiguous())[:2]
+        qa = None if qa_data is None else saved_as_quantized(qa_data, qa_scale, ctx.cfg)
+        grad_out, grad_w = fp8_gemm_backward(ctx.gemm, ctx.cfg, qa, weight, grad.contiguous(), True, need_w)
         if ctx.op == _RMS_NORM:
             grad_a, grad_b = ctx.kernels.rms_norm_backward(a, b, ctx.eps, grad_out)
         else:

@@ -64,24 +64,31 @@ class Fp8GemmFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         a_data, a_scale, b = ctx.saved_tensors
-        p, cfg = ctx.problem, ctx.config
-        need_a, need_b = ctx.needs_input_grad[:2]
+        cfg = ctx.config
         qa = None if a_data is None else saved_as_quantized(a_data, a_scale, cfg)
-
-        def mm8(x, y, ta, tb, od, xf, yf, x2d, y2d):
-            q = gemm_fp8_problem(x, y, ta, tb, od, xf, yf, cfg.granularity, cfg.block_size, x2d, y2d)
-            return run_gemm_fp8(q, x, y)
-
-        grads = functools.partial(fp8_grads, mm8, qa, b, trans_a=p.trans_a, trans_b=p.trans_b,
-                                  fwd=cfg.format.fwd_dtype(), bwd=cfg.format.bwd_dtype(), granularity=cfg.granularity,
-                                  a_dtype=p.a_dtype, b_dtype=p.b_dtype)
-        if not (need_a and need_b):
-            grad_a, grad_b = grads(grad, need_a=need_a, need_b=need_b)
-            return grad_a, add_to_main_grad(ctx.main_grad, grad_b), None, None, None
-        # dgrad reads the gradient along N, wgrad along M: both amaxes come from one read, and
-        # each copy is made just before its GEMM and dropped after it, so that no more than one
-        # fp8 copy of the gradient is alive (both at once would lift the Linear's peak above bf16's).
-        for_dgrad, for_wgrad = quantize_both_axes_in_turn(grad, cfg.format.bwd_dtype(), cfg.granularity)
-        grad_a, _ = grads(for_dgrad(), need_a=True, need_b=False)
-        _, grad_b = grads(for_wgrad(), need_a=False, need_b=True)
+        grad_a, grad_b = fp8_gemm_backward(ctx.problem, cfg, qa, b, grad, *ctx.needs_input_grad[:2])
         return grad_a, add_to_main_grad(ctx.main_grad, grad_b), None, None, None
+
+
+def fp8_gemm_backward(p, cfg, qa, b, grad: torch.Tensor, need_a: bool, need_b: bool):
+    """(grad_a, grad_b) of the fp8 GEMM ``p`` run with recipe ``cfg``, from what its forward kept:
+    ``qa`` (``a`` quantised along M, for the wgrad) and ``b`` (for the dgrad). Shared by
+    ``Fp8GemmFunction`` and the fused producers of ``modules.fused``, whose forward feeds the GEMM
+    a pre-quantised activation but whose backward is this GEMM's."""
+
+    def mm8(x, y, ta, tb, od, xf, yf, x2d, y2d):
+        q = gemm_fp8_problem(x, y, ta, tb, od, xf, yf, cfg.granularity, cfg.block_size, x2d, y2d)
+        return run_gemm_fp8(q, x, y)
+
+    grads = functools.partial(fp8_grads, mm8, qa, b, trans_a=p.trans_a, trans_b=p.trans_b,
+                              fwd=cfg.format.fwd_dtype(), bwd=cfg.format.bwd_dtype(), granularity=cfg.granularity,
+                              a_dtype=p.a_dtype, b_dtype=p.b_dtype)
+    if not (need_a and need_b):
+        return grads(grad, need_a=need_a, need_b=need_b)
+    # dgrad reads the gradient along N, wgrad along M: both amaxes come from one read, and
+    # each copy is made just before its GEMM and dropped after it, so that no more than one
+    # fp8 copy of the gradient is alive (both at once would lift the Linear's peak above bf16's).
+    for_dgrad, for_wgrad = quantize_both_axes_in_turn(grad, cfg.format.bwd_dtype(), cfg.granularity)
+    grad_a, _ = grads(for_dgrad(), need_a=True, need_b=False)
+    _, grad_b = grads(for_wgrad(), need_a=False, need_b=True)
+    return grad_a, grad_b

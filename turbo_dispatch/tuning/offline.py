@@ -49,7 +49,7 @@ class KeyReport:
 
 def recorded_keys(path: "str | os.PathLike[str]") -> list[tuple[str, Any]]:
     """The (op, problem) keys of a record-untuned file; undecodable lines are logged and skipped."""
-    store.read_text(Path(path), missing_ok=False)  # a directory, FIFO or missing file is an error here
+    store.check_readable(Path(path))  # a directory, FIFO or missing file is an error here
     contents = store.read(path)
     if contents.foreign:
         raise ValueError(f"{path}: {contents.foreign}")

@@ -248,10 +248,15 @@ class TuningDBPathError(ValueError):
 
 def _kind(mode: int) -> str:
     for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"),
-                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"), (stat.S_ISLNK, "symbolic link")):
+                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
         if test(mode):
             return name
-    return "regular file" if stat.S_ISREG(mode) else "special file"
+    return "special file"
+
+
+def _require_regular(path: Path, mode: int) -> None:
+    if not stat.S_ISREG(mode):
+        raise TuningDBPathError(f"tuning DB {path}: is a {_kind(mode)}, not a regular file")
 
 
 def _signature(path: Path) -> tuple | None:
@@ -262,30 +267,42 @@ def _signature(path: Path) -> tuple | None:
     return st.st_ino, st.st_mtime_ns, st.st_size, st.st_mode
 
 
-def read_text(path: Path, *, missing_ok: bool = True) -> str:
-    """The text of the regular file at ``path`` (symlinks followed). Never blocks: a FIFO or
-    device is refused before it is opened, and the open itself is non-blocking. A missing file
-    is "" when ``missing_ok``. Raises TuningDBPathError for anything but a regular file, and
-    OSError when it cannot be read."""
+def _open_regular(path: Path, missing_ok: bool) -> int | None:
+    """A read-only descriptor of the regular file at ``path`` (symlinks followed), or None when it
+    is missing and ``missing_ok``. Never blocks: a FIFO or device is refused before it is opened,
+    the open itself is non-blocking, and the descriptor is checked again (the path may have been
+    swapped since the stat). Raises TuningDBPathError for anything but a regular file, and
+    OSError when it cannot be opened."""
     try:
         st = path.stat()
     except FileNotFoundError:
         if missing_ok:
-            return ""
+            return None
         raise TuningDBPathError(f"tuning DB {path}: does not exist") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise TuningDBPathError(f"tuning DB {path}: is a {_kind(st.st_mode)}, not a regular file")
+    _require_regular(path, st.st_mode)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
-        # Checked again on the open descriptor: the path may have been swapped since the stat.
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise TuningDBPathError(f"tuning DB {path}: is a {_kind(st.st_mode)}, not a regular file")
-        with os.fdopen(fd, "rb", closefd=False) as handle:
-            data = handle.read()
-    finally:
+        _require_regular(path, os.fstat(fd).st_mode)
+    except BaseException:
         os.close(fd)
-    return data.decode("utf-8", errors="replace")
+        raise
+    return fd
+
+
+def check_readable(path: Path) -> None:
+    """Raises TuningDBPathError unless ``path`` is an existing regular file, and OSError unless it
+    can be opened for reading; reads nothing."""
+    os.close(_open_regular(path, missing_ok=False))
+
+
+def read_text(path: Path, *, missing_ok: bool = True) -> str:
+    """The text of the regular file at ``path`` (``_open_regular``); "" when it is missing and
+    ``missing_ok``."""
+    fd = _open_regular(path, missing_ok)
+    if fd is None:
+        return ""
+    with os.fdopen(fd, "rb") as handle:
+        return handle.read().decode("utf-8", errors="replace")
 
 
 _warned_unusable: set = set()
