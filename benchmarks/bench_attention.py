@@ -45,10 +45,8 @@ import torch.nn.functional as F  # noqa: E402
 import harness as H  # noqa: E402
 import turbo_dispatch as turbo  # noqa: E402
 from turbo_dispatch.device_platform import platform_of  # noqa: E402
-from turbo_dispatch.errors import BackendUnsupportedError, NoBackendError  # noqa: E402
 from turbo_dispatch.registry import get_registry  # noqa: E402
 
-NOT_SERVED = (BackendUnsupportedError, NoBackendError)
 PEERS = ("TORCH", "CUDNN")
 TOKENS = 16384  # query tokens per dense batch: B = TOKENS // S (at least 1)
 MIN_SNR_DB = 40.0
@@ -231,18 +229,7 @@ class Variant:
     peer: bool = False
 
 
-def pin(name: Optional[str]) -> Callable[[], None]:
-    def enter() -> None:
-        turbo.GlobalBackendManager.set_attn_backend(None)
-        turbo.GlobalBackendManager.set_auto_tune(name is None)
-        if name is not None:
-            turbo.GlobalBackendManager.set_attn_backend(name)
-    return enter
-
-
-def plain() -> None:
-    turbo.GlobalBackendManager.set_attn_backend(None)
-    turbo.GlobalBackendManager.set_auto_tune(False)
+pin, plain = H.backend_pins("attn")
 
 
 def variants(c: Case, x: Inputs, device: torch.device) -> list[Variant]:
@@ -260,25 +247,13 @@ def variants(c: Case, x: Inputs, device: torch.device) -> list[Variant]:
 
     names = [e.name for e in get_registry().backends("attention", platform_of(device.type))]
     out = [Variant(f"turbo {n}", n, call, pin(n), explain, peer=n in PEERS) for n in names]
-    out.append(Variant("turbo autotune", None, call, pin(None), explain))
+    out.append(Variant("turbo autotune", None, call, pin(None, auto=True), explain))
     return out
 
 
 def gate(v: Variant, row: H.Row, x: Inputs, refs) -> H.Row:
-    """The correctness gate (out and the three gradients); ``H.time_rows`` then times the PASSes."""
-    v.enter()
-    try:
-        out = v.fwd()
-        grads = torch.autograd.grad(out, x.leaves, x.grad)
-    except NOT_SERVED as exc:
-        row.note = "not served: " + H.error_note(exc)
-        return row
-    except Exception as exc:  # a crashing backend is a FAIL, the run goes on
-        row.check = H.failed("raised " + H.error_note(exc))
-        return row
-    pairs = [(name, got, ref) for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), refs)]
-    row.check = H.gate(pairs, min_snr_db=MIN_SNR_DB)
-    return row
+    """The correctness gate (out and the three gradients)."""
+    return H.gate_variant(row, v.enter, v.fwd, x.leaves, x.grad, refs, ("out", "dq", "dk", "dv"), MIN_SNR_DB)
 
 
 def run_case(i: int, c: Case, dtype, device, timer) -> list[H.Row]:

@@ -139,36 +139,12 @@ class Variant:
     explain: Callable[[], str] | None = None
 
 
-def pin(name: str | None, auto: bool = False) -> Callable[[], None]:
-    def enter() -> None:
-        turbo.GlobalBackendManager.set_gemm_backend(None)
-        turbo.GlobalBackendManager.set_auto_tune(auto)
-        if name is not None:
-            turbo.GlobalBackendManager.set_gemm_backend(name)
-    return enter
-
-
-def plain() -> None:
-    turbo.GlobalBackendManager.set_gemm_backend(None)
-    turbo.GlobalBackendManager.set_auto_tune(False)
+pin, plain = H.backend_pins("gemm")
 
 
 def gate(v: Variant, row: H.Row, x, w, grad, refs) -> H.Row:
-    """The correctness gate (output, dgrad, wgrad); ``H.time_rows`` then times the PASSes."""
-    v.enter()
-    try:
-        out = v.fwd()
-        dx, dw = torch.autograd.grad(out, (x, w), grad)
-    except NOT_SERVED as exc:
-        row.note = "not served: " + H.error_note(exc)
-        return row
-    except Exception as exc:  # a crashing backend is a FAIL, the run goes on
-        row.check = H.failed("raised " + H.error_note(exc))
-        return row
-    row.check = H.gate([("out", out, refs[0]), ("dgrad", dx, refs[1]), ("wgrad", dw, refs[2])],
-                       min_snr_db=v.gate_snr)
-    del out, dx, dw
-    return row
+    """The correctness gate (output, dgrad, wgrad)."""
+    return H.gate_variant(row, v.enter, v.fwd, (x, w), grad, refs, ("out", "dgrad", "wgrad"), v.gate_snr)
 
 
 def references(x, w, grad, device):

@@ -54,7 +54,6 @@ import torch  # noqa: E402
 import harness as H  # noqa: E402
 import turbo_dispatch as turbo  # noqa: E402
 from turbo_dispatch.device_platform import platform_of  # noqa: E402
-from turbo_dispatch.errors import BackendUnsupportedError, NoBackendError  # noqa: E402
 from turbo_dispatch.low_precision import Float8QuantConfig  # noqa: E402
 from turbo_dispatch.presets import get_model, moe_grouped_shapes  # noqa: E402
 from turbo_dispatch.registry import get_registry  # noqa: E402
@@ -63,7 +62,6 @@ DEFAULT_MODELS = ["deepseek-v3", "deepseek-v2", "qwen3-30b-a3b", "mixtral-8x7b",
 QUICK_MODELS = ["deepseek-v3", "qwen3-30b-a3b"]
 ROUTINGS = ("balanced", "skewed", "empty")
 E4M3 = torch.float8_e4m3fn
-NOT_SERVED = (BackendUnsupportedError, NoBackendError)
 #: Cases above this many routed tokens are skipped (memory of the fp32 reference, run time).
 MAX_TOKENS = 1 << 17
 
@@ -181,18 +179,7 @@ class Variant:
     explain: Callable[[], str] | None = None
 
 
-def plain() -> None:
-    turbo.GlobalBackendManager.set_grouped_gemm_backend(None)
-    turbo.GlobalBackendManager.set_auto_tune(False)
-
-
-def pin(name: str | None, auto: bool = False) -> Callable[[], None]:
-    def enter() -> None:
-        plain()
-        turbo.GlobalBackendManager.set_auto_tune(auto)
-        if name is not None:
-            turbo.GlobalBackendManager.set_grouped_gemm_backend(name)
-    return enter
+pin, plain = H.backend_pins("grouped_gemm")
 
 
 def references(a, b, lens_host, grad, device):
@@ -212,24 +199,9 @@ def references(a, b, lens_host, grad, device):
 
 
 def gate(v: Variant, row: H.Row, a, b, grad, refs) -> H.Row:
-    """The correctness gate (output, and dgrad and wgrad where the variant has them);
-    ``H.time_rows`` then times the PASSes."""
-    v.enter()
-    try:
-        out = v.fwd()
-        pairs = [("out", out, refs[0])]
-        if v.grads:
-            dx, dw = torch.autograd.grad(out, (a, b), grad)
-            pairs += [("dgrad", dx, refs[1]), ("wgrad", dw, refs[2])]
-    except NOT_SERVED as exc:
-        row.note = "not served: " + H.error_note(exc)
-        return row
-    except Exception as exc:
-        row.check = H.failed("raised " + H.error_note(exc))
-        return row
-    row.check = H.gate(pairs, min_snr_db=v.gate_snr)
-    del pairs, out
-    return row
+    """The correctness gate (output, and dgrad and wgrad where the variant has them)."""
+    return H.gate_variant(row, v.enter, v.fwd, (a, b) if v.grads else (), grad, refs, ("out", "dgrad", "wgrad"),
+                          v.gate_snr)
 
 
 def variants_for(args, device, a, b, lens, offs, lens_host) -> list[Variant]:

@@ -625,6 +625,52 @@ def set_tune_budget(ms: float | None, quick: bool) -> None:
         os.environ["PRIMUS_TURBO_TUNE_BUDGET_MS"] = str(ms if ms is not None else (50 if quick else 400))
 
 
+def gate_variant(row: "Row", enter: Callable[[], None], fwd: Callable[[], torch.Tensor], leaves: Sequence[torch.Tensor],
+                 grad: torch.Tensor | None, refs: Sequence[Any], names: Sequence[str],
+                 min_snr_db: float | None = None) -> "Row":
+    """The correctness gate of one variant: ``enter()``, then ``fwd()`` and, where ``leaves`` are
+    given, the gradients of ``grad`` with respect to them; each is checked against ``refs`` under
+    ``names`` (the output first). A backend that does not serve the call leaves the row unchecked
+    with a note; one that raises fails it. ``time_rows`` then times the PASSes."""
+    from turbo_dispatch.errors import BackendUnsupportedError, NoBackendError
+
+    enter()
+    try:
+        out = fwd()
+        got = (out, *torch.autograd.grad(out, tuple(leaves), grad)) if leaves else (out,)
+    except (BackendUnsupportedError, NoBackendError) as exc:
+        row.note = "not served: " + error_note(exc)
+        return row
+    except Exception as exc:  # a crashing backend is a FAIL, the run goes on
+        row.check = failed("raised " + error_note(exc))
+        return row
+    row.check = gate(list(zip(names, got, refs)), min_snr_db=min_snr_db)
+    return row
+
+
+def backend_pins(family: str) -> tuple[Callable[..., Callable[[], None]], Callable[[], None]]:
+    """``(pin, plain)`` for one settings family (``gemm``, ``grouped_gemm``, ``attn``): ``pin(name,
+    auto=False)`` returns the function a variant enters with (the family pinned to ``name``, or
+    unpinned with autotune on or off), ``plain()`` unpins it with autotune off."""
+    from turbo_dispatch import GlobalBackendManager
+
+    setter = getattr(GlobalBackendManager, f"set_{family}_backend")
+
+    def plain() -> None:
+        setter(None)
+        GlobalBackendManager.set_auto_tune(False)
+
+    def pin(name: str | None, auto: bool = False) -> Callable[[], None]:
+        def enter() -> None:
+            plain()
+            GlobalBackendManager.set_auto_tune(auto)
+            if name is not None:
+                setter(name)
+        return enter
+
+    return pin, plain
+
+
 def free_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()

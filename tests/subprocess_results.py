@@ -17,3 +17,10 @@ def collect_results(proc: subprocess.CompletedProcess) -> dict:
     if proc.returncode != 0:
         results["__crash__"] = proc.stderr[-3000:]
     return results
+
+
+def assert_check_passed(results: dict, name: str) -> None:
+    """Fails unless the check ``name`` ran in the subprocess and passed; a check that never ran
+    shows what the subprocess said."""
+    assert name in results, f"check {name} did not run; subprocess said:\n{results.get('__crash__', '')}"
+    assert results[name]["ok"], results[name]["detail"]

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from subprocess_results import collect_results  # noqa: E402
+from subprocess_results import assert_check_passed, collect_results  # noqa: E402
 
 from turbo_dispatch import modules  # noqa: E402
 from turbo_dispatch.low_precision import Float8QuantConfig  # noqa: E402
@@ -141,8 +141,7 @@ def interpreter_results() -> dict:
 
 @pytest.mark.parametrize("name", KERNEL_NAMES + MODULE_NAMES)
 def test_interpreter(interpreter_results, name):
-    assert name in interpreter_results, f"check {name} did not run:\n{interpreter_results.get('__crash__', '')}"
-    assert interpreter_results[name]["ok"], interpreter_results[name]["detail"]
+    assert_check_passed(interpreter_results, name)
 
 
 class _NormLinearPair(torch.nn.Module):

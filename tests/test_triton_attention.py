@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from subprocess_results import collect_results
+from subprocess_results import assert_check_passed, collect_results
 from test_compile_sm90 import _nvidia_toolchain
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -230,9 +230,7 @@ def _results(*args: str, **env: str) -> dict:
 
 @pytest.mark.parametrize("name", _CPU_NAMES)
 def test_interpreter(_interpreter_results, name):
-    res = _interpreter_results
-    assert name in res, f"check {name} did not run; subprocess said:\n{res.get('__crash__', '')}"
-    assert res[name]["ok"], res[name]["detail"]
+    assert_check_passed(_interpreter_results, name)
 
 
 # -- host-side facts ----------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ import sys
 import pytest
 import torch
 
-from subprocess_results import collect_results
+from subprocess_results import assert_check_passed, collect_results
 
 G_NAMES = ("TENSORWISE", "ROWWISE", "BLOCKWISE")
 
@@ -297,9 +297,7 @@ def _interpreter_results(interpreter_refusal) -> dict:
 
 @pytest.mark.parametrize("name", _CPU_NAMES)
 def test_interpreter(_interpreter_results, name):
-    res = _interpreter_results
-    assert name in res, f"check {name} did not run; subprocess said:\n{res.get('__crash__', '')}"
-    assert res[name]["ok"], res[name]["detail"]
+    assert_check_passed(_interpreter_results, name)
 
 
 def test_adapter_metadata_without_a_device(gluon_off_here):

@@ -2,8 +2,6 @@
 re-timed in turns, and a winner that is not faster there gives way to the default."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -12,16 +10,7 @@ from turbo_dispatch.autotune import profile
 from turbo_dispatch.ops.gemm import GEMM, gemm_problem
 from turbo_dispatch.registry import get_registry, reload_registry
 
-HERE = Path(__file__).parent
-
-
-def _plugins(tmp_path, monkeypatch, text: str) -> None:
-    path = tmp_path / "plugins.yaml"
-    path.write_text(text)
-    monkeypatch.setenv("PRIMUS_TURBO_EXTRA_REGISTRY", str(path))
-    monkeypatch.syspath_prepend(str(HERE))
-    reload_registry()
-    GlobalBackendManager.reset()
+from plugin_registry import use_plugins
 
 
 @pytest.fixture(autouse=True)
@@ -38,7 +27,7 @@ def _profile(problem):
 
 
 def test_a_flattered_winner_gives_way_to_the_default(tmp_path, monkeypatch):
-    _plugins(tmp_path, monkeypatch, "version: 1\nops:\n  gemm:\n    defaults: {cpu: SLOW}\n    backends:\n"
+    use_plugins(tmp_path, monkeypatch, "version: 1\nops:\n  gemm:\n    defaults: {cpu: SLOW}\n    backends:\n"
                                     "      - name: SLOW\n        adapter: fixture_backends:SlowGemm\n"
                                     "        platforms: [cpu]\n      - name: FADING\n"
                                     "        adapter: fixture_backends:FadingGemm\n        platforms: [cpu]\n")
@@ -55,7 +44,7 @@ def test_a_flattered_winner_gives_way_to_the_default(tmp_path, monkeypatch):
 
 
 def test_a_real_winner_is_confirmed(tmp_path, monkeypatch):
-    _plugins(tmp_path, monkeypatch, "version: 1\nops:\n  gemm:\n    defaults: {cpu: SLOW}\n    backends:\n"
+    use_plugins(tmp_path, monkeypatch, "version: 1\nops:\n  gemm:\n    defaults: {cpu: SLOW}\n    backends:\n"
                                     "      - name: SLOW\n        adapter: fixture_backends:SlowGemm\n"
                                     "        platforms: [cpu]\n")
     problem = gemm_problem(torch.empty(24, 16), torch.empty(16, 8))

@@ -27,6 +27,8 @@ from turbo_dispatch.tuning.database import judge
 from turbo_dispatch.tuning.report import inspect
 from turbo_dispatch.tuning.stamp import Stamp, current_stamp
 
+from plugin_registry import use_plugins
+
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "tunedb_worker.py"
 
@@ -47,13 +49,7 @@ ops:
 @pytest.fixture
 def plugins(tmp_path, monkeypatch):
     """Registers the SLOW and WRONG_FAST fixture backends for gemm on the CPU."""
-    path = tmp_path / "plugins.yaml"
-    path.write_text(PLUGINS)
-    monkeypatch.setenv("PRIMUS_TURBO_EXTRA_REGISTRY", str(path))
-    monkeypatch.syspath_prepend(str(HERE))
-    reload_registry()
-    GlobalBackendManager.reset()
-    yield path
+    yield use_plugins(tmp_path, monkeypatch, PLUGINS)
     monkeypatch.undo()
     reload_registry()
     GlobalBackendManager.reset()
