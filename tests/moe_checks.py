@@ -16,6 +16,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+#: The backend the checks expect (a pin through the environment selects it for every rank); the
+#: default is the platform default, TORCH.
+PINNED = os.environ.get("PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND", "").strip().upper() or None
+
 #: Tokens per source rank (index = rank); a rank with 0 tokens is covered from 3 ranks on.
 TOKENS = (13, 6, 0, 21, 9, 4, 17, 2)
 SMALL = dict(hidden=33, topk=3, local_experts=3)
@@ -121,6 +125,7 @@ def check_dispatch_combine(ctx: Ctx, seed=1, sizes=SMALL):
         _eq("recv_probs", recv_probs, want.probs)
         assert counts == want.counts, f"tokens_per_expert {counts} != {want.counts}"
         assert handle.num_recv == handle.recv_rows == want.x.shape[0]
+        assert handle.backend == (PINNED or "TORCH"), f"dispatch ran on {handle.backend}, expected {PINNED}"
         out = moe_combine(recv_x, None, handle)
         assert out.dtype == dtype and out.shape == x.shape
         _eq(f"{dtype} combine(recv_x)", out, (mine.x.to(dtype).float() * n_dest.float()).to(dtype))
@@ -323,15 +328,58 @@ def check_resolver(ctx: Ctx, seed=9, sizes=SMALL):
         turbo.GlobalBackendManager.set_auto_tune(True)
         moe_dispatch(*args)
         d = turbo.explain("moe_dispatch_combine", *args)
-        assert d.backend == "TORCH" and d.source == "default", d
-        assert any("not tunable without a process group" in n for n in d.notes), d.notes
+        if PINNED is None:
+            assert d.backend == "TORCH" and d.source == "default", d
+            assert any("not tunable without a process group" in n for n in d.notes), d.notes
+        else:
+            assert d.backend == PINNED, d
         turbo.GlobalBackendManager.reset()
-        turbo.GlobalBackendManager.set_moe_dispatch_combine_backend("TORCH")
+        turbo.GlobalBackendManager.set_moe_dispatch_combine_backend(PINNED or "TORCH")
         d = turbo.explain("moe_dispatch_combine", *args)
         assert d.source == "code" and f"world_size={ctx.world}" in d.key, d
         moe_dispatch(*args)
     finally:
         turbo.GlobalBackendManager.reset()
+    dist.barrier()
+
+
+def check_captured_step(ctx: Ctx, seed=13, sizes=SMALL):
+    """With num_worst_tokens, dispatch + combine captured in one CUDA graph and replayed on new
+    token values and new routing give what eager calls give (GPUs only: NCCL or symmetric memory)."""
+    from turbo_dispatch.ops.moe import moe_combine, moe_dispatch
+
+    if ctx.device.type != "cuda":
+        return
+    first, second = ctx.cases(seed, **sizes), ctx.cases(seed + 100, **sizes)
+    worst = sum(c.x.shape[0] for c in first + second)
+    mine = first[ctx.rank]
+    x, idx, probs = ctx.to(mine.x.float()), ctx.to(mine.idx), ctx.to(mine.probs)
+
+    def step():
+        recv_x, recv_idx, recv_probs, counts, handle = moe_dispatch(x, idx, probs, mine.num_experts, None,
+                                                                    num_worst_tokens=worst)
+        weight = 1 + recv_probs.sum(1, keepdim=True)
+        return moe_combine(recv_x * weight, None, handle), recv_x, counts
+
+    step()  # eager: sizes buffers and compiles kernels, which capture cannot do
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_s, recv_s, counts_s = step()
+    for cases in (first, second):
+        other = cases[ctx.rank]
+        x.copy_(ctx.to(other.x.float()))
+        idx.copy_(ctx.to(other.idx))
+        probs.copy_(ctx.to(other.probs))
+        graph.replay()
+        torch.cuda.synchronize()
+        want_out, want_recv, want_counts = step()
+        _eq("captured recv_x", recv_s, want_recv)
+        _eq("captured counts", counts_s, want_counts)
+        _close("captured combine", out_s, want_out, 1e-6)
+        want = Expected(cases, ctx.rank, ctx.world)
+        _close("captured recv_x vs reference", recv_s[: want.x.shape[0]].double(), want.x.float().double(), 1e-6)
     dist.barrier()
 
 
@@ -348,6 +396,8 @@ CHECKS = {
 GPU_EXTRA = {
     "large_dispatch_combine": lambda ctx: check_dispatch_combine(ctx, seed=11, sizes=LARGE),
     "large_grads": lambda ctx: check_grads(ctx, seed=12, sizes=LARGE),
+    "large_worst_tokens": lambda ctx: check_worst_tokens(ctx, seed=14, sizes=LARGE),
+    "captured_step": check_captured_step,
 }
 
 

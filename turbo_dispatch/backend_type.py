@@ -33,6 +33,8 @@ class BackendType(_TextEnum):
     CK = "CK"
     AITER = "AITER"
     DEEP_EP = "DEEP_EP"
+    #: MoE dispatch/combine through torch's symmetric memory and our Triton kernels.
+    SYMM_MEM = "SYMM_MEM"
     #: "this platform's vendor BLAS-Lt": CUBLASLT on CUDA, HIPBLASLT on ROCm.
     BLASLT = "BLASLT"
     #: Not a backend: asks the resolver to autotune this op (or precision).

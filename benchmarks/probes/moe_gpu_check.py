@@ -5,7 +5,7 @@ Runs every check of tests/moe_checks.py (the same ones the gloo tests run) plus 
 (hidden 1024, top-8, 32 experts, a few hundred tokens per rank), prints a short report to stdout
 and exits 1 if any check failed. NVLink multicast (NVLS) is switched off for the run.
 
-Usage: python3 benchmarks/probes/moe_gpu_check.py [--world 2]
+Usage: python3 benchmarks/probes/moe_gpu_check.py [--world 2] [--backend SYMM_MEM]
 """
 from __future__ import annotations
 
@@ -21,8 +21,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # moe_ch
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2, help="processes (one GPU each); default 2")
+    parser.add_argument("--backend", default=None,
+                        help="pin this moe_dispatch_combine backend on every rank (e.g. SYMM_MEM); default: the "
+                             "platform default")
     args = parser.parse_args()
     os.environ["NCCL_NVLS_ENABLE"] = "0"
+    if args.backend:  # set before the workers spawn, so every rank (and moe_checks.PINNED) sees it
+        os.environ["PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND"] = args.backend
 
     import torch
 
@@ -50,7 +55,8 @@ def main() -> int:
         for r, v in per_rank.items():
             if v != "ok":
                 print(f"        rank {r}: " + v.replace("\n", "\n        "))
-    print(f"moe_gpu_check: {passed} passed, {failed} failed ({args.world} ranks, NCCL, "
+    print(f"moe_gpu_check: {passed} passed, {failed} failed ({args.world} ranks, NCCL, backend "
+          f"{args.backend or 'default'}, "
           f"{time.time() - start:.1f} s)")
     return 1 if failed else 0
 

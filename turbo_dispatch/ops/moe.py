@@ -423,6 +423,18 @@ def moe_dispatch_cached(x: torch.Tensor, group: Any, handle: MoeHandle) -> torch
     return _dispatch_rows(x, group, handle)
 
 
+def check_id_ranges(ranges: "list[tuple[int, int]]", num_experts: int, me: int) -> None:
+    """Raises the collective bad-expert-id ValueError if any rank's ``(min id, max id)`` is outside
+    ``[-1, num_experts)``. Every backend calls it with the same all-gathered ranges on every rank, so
+    all ranks raise the same error (naming the offending ranks) and none is left in a collective."""
+    bad = [(r, lo, hi) for r, (lo, hi) in enumerate(ranges) if lo < -1 or hi >= num_experts]
+    if bad:
+        where = "; ".join(f"rank {r}{' (this rank)' if r == me else ''} passed ids in [{lo}, {hi}]"
+                          for r, lo, hi in bad)
+        raise ValueError(f"moe_dispatch: token_indices must hold expert ids in [-1, num_experts={num_experts}); "
+                         f"{where} (every rank of the group raises this)")
+
+
 def dispatch_layout(token_indices: torch.Tensor, num_experts: int, world_size: int):
     """Per-rank and per-expert routing counts without communication or host sync.
 

@@ -1,0 +1,1 @@
+"""SYMM_MEM backend: MoE dispatch/combine through torch's symmetric memory and our Triton kernels."""
