@@ -5,6 +5,9 @@
 #   moe_nccl_test     tests/test_moe.py -m gpu: MoE dispatch/combine between 2 NCCL processes,
 #                     forward and gradients against single-process references;
 #   moe_gpu_check     benchmarks/probes/moe_gpu_check.py: the same checks plus larger shapes;
+#   bench_moe         benchmarks/bench_moe.py under torchrun: MoE dispatch/combine per registered
+#                     backend against the raw all_to_all_single and a peer-to-peer copy of the same
+#                     bytes, each row checked; report in $OUT/multi_gpu/bench_moe/;
 #   consensus         benchmarks/probes/probe_nccl_consensus.py under torchrun: online autotuning
 #                     with rank consensus, one shared tuning DB, then sync_tuning();
 #   tune_distributed  turbo-dispatch tune --distributed under torchrun: grouped GEMM keys sharded
@@ -18,7 +21,7 @@
 #
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0). The packaged tuning DBs are off for the
 # tuning checks, so every key is tuned here. Output: $OUT/multi_gpu/ (logs, JUnit XML, tuning
-# DBs), $OUT/multi_gpu_summary.txt (OUT default bench-out/qa). Exit status: 0 when every check
+# DBs, the bench_moe report), $OUT/multi_gpu_summary.txt (OUT default bench-out/qa). Exit status: 0 when every check
 # passed, 1 when one failed, 2 when they were skipped.
 #
 # Example: qa/multi_gpu.sh --nproc 2
@@ -36,7 +39,7 @@ dir="$OUT/multi_gpu"
 limit=(timeout -s TERM -k 30 "$time_limit")
 torchrun=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$nproc")
 cli=("$PYTHON" -m turbo_dispatch.cli)
-checks=(moe_nccl_test moe_gpu_check consensus tune_distributed tune_step)
+checks=(moe_nccl_test moe_gpu_check bench_moe consensus tune_distributed tune_step)
 
 if [ "$DRY_RUN" != 1 ]; then
     gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
@@ -52,6 +55,7 @@ qa_step --pytest moe_nccl_test "$dir/moe_nccl_test.log" "${limit[@]}" "$PYTHON" 
     -p no:cacheprovider -o addopts= -rfEs --tb=short --junitxml "$dir/moe_nccl_test.xml"
 qa_step moe_gpu_check "$dir/moe_gpu_check.log" "${limit[@]}" "$PYTHON" benchmarks/probes/moe_gpu_check.py \
     --world "$nproc"
+qa_step bench_moe "$dir/bench_moe.log" "${limit[@]}" "${torchrun[@]}" benchmarks/bench_moe.py --out "$dir/bench_moe"
 qa_step consensus "$dir/consensus.log" env PRIMUS_TURBO_TUNE_DB="$dir/consensus_shared.jsonl" "${limit[@]}" \
     "${torchrun[@]}" benchmarks/probes/probe_nccl_consensus.py
 qa_step tune_distributed "$dir/tune_distributed.log" env PRIMUS_TURBO_TUNE_DB_SHIPPED=0 "${limit[@]}" \

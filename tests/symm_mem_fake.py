@@ -37,6 +37,7 @@ class FakeArena:
         self.device = torch.device("cpu")
         self.phase = torch.zeros(1, dtype=torch.int64)
         self.all_rows = torch.full((1,), 1 << 62, dtype=torch.int64)
+        self.me_rows = torch.full((self.world,), rank, dtype=torch.int64)
         self.half_bytes = 0
 
     def local(self, dtype: torch.dtype) -> torch.Tensor:

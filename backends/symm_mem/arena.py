@@ -60,6 +60,8 @@ class SymmetricArena:
         self.phase = torch.zeros(1, dtype=torch.int64, device=device)
         #: ``n_valid`` for copies that keep every row (the synchronising path knows its row counts)
         self.all_rows = torch.full((1,), 1 << 62, dtype=torch.int64, device=device)
+        #: this rank's row in every peer's count table, once per peer
+        self.me_rows = torch.full((self.world,), self.rank, dtype=torch.int64, device=device)
         self.half_bytes = 0
         self._buffer: torch.Tensor | None = None
         self._handle: Any = None

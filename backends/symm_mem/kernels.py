@@ -1,5 +1,5 @@
-"""Triton kernels of the SYMM_MEM MoE backend: rows pushed into peers' symmetric buffers, rows
-copied out of this rank's buffer, and landed rows summed per token.
+"""Triton kernels of the SYMM_MEM MoE backend: the routing plan, rows pushed into peers' symmetric
+buffers, rows copied out of this rank's buffer, and landed rows summed per token.
 
 Every kernel addresses the symmetric arena through ``local`` (this rank's arena viewed in the
 kernel's element type) plus, for a peer, that peer's distance from ``local`` in elements
@@ -12,6 +12,9 @@ Which half of the arena a phase uses is read from the device counter ``phase`` (
 passed from the host, so a captured CUDA graph alternates halves on replay exactly as eager
 calls do.
 
+The plan kernels replace a few dozen small tensor ops per call: at the token counts of a decode
+step or a small expert, the host's issue time for those ops, not the bytes, bounds the call.
+
 Importing this module needs triton.
 """
 from __future__ import annotations
@@ -20,20 +23,163 @@ import triton
 import triton.language as tl
 
 
+#: ``msg`` stores min and max expert id as ``ID_BIAS - min`` and ``ID_BIAS + max`` (ids clamped to
+#: +-ID_CLAMP first), so that atomic maxima over a zeroed buffer give both, and 0 means "no tokens".
+ID_BIAS = 1 << 41
+ID_CLAMP = 1 << 40
+_ID_BIAS = tl.constexpr(ID_BIAS)  # a jitted function reads only constexpr globals
+_ID_CLAMP = tl.constexpr(ID_CLAMP)
+
+
 @triton.jit
-def push_rows_kernel(src, src_stride, row_words, pair_src, pair_rank, pair_dst, local, peer_delta, phase,
-                     half_words, dst_offset, dst_stride, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
-    """Pair ``p``: row ``pair_src[p]`` of ``src`` -> row ``pair_dst[p]`` of region ``dst_offset``
-    in the current half of rank ``pair_rank[p]``'s arena; ``pair_dst[p] < 0`` skips the pair."""
+def _sent_to(idx, num_tokens, num_experts, local_experts, block, TOPK: tl.constexpr, TOPK_P: tl.constexpr,
+             WORLD_P: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Tokens of one block: their ids [BLOCK_T, TOPK_P] (-1 outside), which of them are real
+    experts, and sent[t, r] = 1 where token t has an expert on rank r."""
+    rows = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    slots = tl.arange(0, TOPK_P)
+    cell = (rows < num_tokens)[:, None] & (slots < TOPK)[None, :]
+    ids = tl.load(idx + rows[:, None] * TOPK + slots[None, :], mask=cell, other=-1)
+    valid = cell & (ids >= 0) & (ids < num_experts)
+    dest_of = tl.where(valid, ids // local_experts, -1)
+    ranks = tl.arange(0, WORLD_P)
+    sent = tl.max((dest_of[:, :, None] == ranks[None, None, :]).to(tl.int64), axis=1)
+    return rows, ids, cell, valid, sent
+
+
+@triton.jit
+def route_count_kernel(idx, num_tokens, num_experts, local_experts, block_counts, msg, TOPK: tl.constexpr,
+                       TOPK_P: tl.constexpr, WORLD: tl.constexpr, WORLD_P: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Program b, tokens [b * BLOCK_T, (b + 1) * BLOCK_T): ``block_counts[b, r]`` = its tokens bound
+    for rank r; adds into ``msg`` (zeroed by the caller) ``[rows per rank (W) | rows per global
+    expert (E) | ID_BIAS - min id | ID_BIAS + max id]``."""
+    b = tl.program_id(0)
+    rows, ids, cell, valid, sent = _sent_to(idx, num_tokens, num_experts, local_experts, b, TOPK, TOPK_P, WORLD_P,
+                                            BLOCK_T)
+    ranks = tl.arange(0, WORLD_P)
+    per_rank = tl.sum(sent, axis=0)
+    tl.store(block_counts + b * WORLD + ranks, per_rank, mask=ranks < WORLD)
+    tl.atomic_add(msg + ranks, per_rank, mask=ranks < WORLD)
+    tl.atomic_add(msg + WORLD + ids, tl.full([BLOCK_T, TOPK_P], 1, tl.int64), mask=valid)
+    clamped = tl.minimum(tl.maximum(ids, -_ID_CLAMP), _ID_CLAMP)
+    low = tl.max(tl.max(tl.where(cell, _ID_BIAS - clamped, 0), axis=1), axis=0)
+    high = tl.max(tl.max(tl.where(cell, _ID_BIAS + clamped, 0), axis=1), axis=0)
+    tl.atomic_max(msg + WORLD + num_experts, low)
+    tl.atomic_max(msg + WORLD + num_experts + 1, high)
+
+
+@triton.jit
+def route_within_kernel(idx, num_tokens, num_experts, local_experts, block_counts, within, TOPK: tl.constexpr,
+                        TOPK_P: tl.constexpr, WORLD: tl.constexpr, WORLD_P: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Program b: ``within[t, r]`` = the rank of token t among this rank's tokens bound for rank r
+    (earlier blocks' counts first), or -1 when t does not go to r."""
+    b = tl.program_id(0)
+    rows, ids, cell, valid, sent = _sent_to(idx, num_tokens, num_experts, local_experts, b, TOPK, TOPK_P, WORLD_P,
+                                            BLOCK_T)
+    ranks = tl.arange(0, WORLD_P)
+    before = tl.zeros([WORLD_P], dtype=tl.int64)
+    for prior in range(0, b):
+        before += tl.load(block_counts + prior * WORLD + ranks, mask=ranks < WORLD, other=0)
+    pos = tl.cumsum(sent, axis=0) - 1 + before[None, :]
+    keep = (rows < num_tokens)[:, None] & (ranks < WORLD)[None, :]
+    tl.store(within + rows[:, None] * WORLD + ranks[None, :], tl.where(sent > 0, pos, -1), mask=keep)
+
+
+@triton.jit
+def place_kernel(table, table_stride, within, idx, probs, num_tokens, me, worst, local_experts, dst_row, slot, meta,
+                 HAS_PROBS: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr, WORLD: tl.constexpr,
+                 WORLD_P: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Per (token, rank) pair, from the all-gathered count table (``table[s, r]``, r < W: rows s
+    sends r): ``dst_row`` (receive row on r, -1 if not sent or past ``worst``), ``slot`` (where
+    r's row comes back to: after this rank's rows for ranks < r, or r * worst under a worst
+    case; -1 if nothing comes back) and ``meta`` (local expert ids then probabilities as fp32
+    bits, int64 each; id -1 / probability 0 where the expert is not on r)."""
+    ranks = tl.arange(0, WORLD_P)
+    real = ranks < WORLD
+    counts = tl.load(table + ranks[:, None] * table_stride + ranks[None, :], mask=real[:, None] & real[None, :],
+                     other=0)  # [s, r]
+    base = tl.sum(tl.where((ranks < me)[:, None], counts, 0), axis=0)  # rows of ranks before me, per r
+    mine = tl.load(table + me * table_stride + ranks, mask=real, other=0)
+    send_base = tl.cumsum(mine, axis=0) - mine
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_rows = rows < num_tokens
+    pair = in_rows[:, None] & real[None, :]
+    pos = tl.load(within + rows[:, None] * WORLD + ranks[None, :], mask=pair, other=-1)
+    dst = base[None, :] + pos
+    if worst > 0:
+        kept = (pos >= 0) & (dst < worst)
+        back = ranks[None, :] * worst + pos
+    else:
+        kept = pos >= 0
+        back = send_base[None, :] + pos
+    p = rows[:, None] * WORLD + ranks[None, :]
+    tl.store(dst_row + p, tl.where(kept, dst, -1), mask=pair)
+    tl.store(slot + p, tl.where(kept, back, -1), mask=pair)
+    slots = tl.arange(0, TOPK_P)
+    cell = in_rows[:, None] & (slots < TOPK)[None, :]
+    ids = tl.load(idx + rows[:, None] * TOPK + slots[None, :], mask=cell, other=-1)  # [BLOCK_T, TOPK_P]
+    if HAS_PROBS:
+        w = tl.load(probs + rows[:, None] * TOPK + slots[None, :], mask=cell, other=0).to(tl.float32)
+    else:
+        w = tl.zeros([BLOCK_T, TOPK_P], dtype=tl.float32)
+    bits = w.to(tl.int32, bitcast=True).to(tl.int64)
+    lid = ids[:, None, :] - (ranks * local_experts)[None, :, None]  # [BLOCK_T, WORLD_P, TOPK_P]
+    here = (lid >= 0) & (lid < local_experts)
+    out = meta + (p * (2 * TOPK))[:, :, None] + slots[None, None, :]
+    m3 = pair[:, :, None] & (slots < TOPK)[None, None, :]
+    tl.store(out, tl.where(here, lid, -1), mask=m3)
+    tl.store(out + TOPK, tl.where(here, bits[:, None, :], 0), mask=m3)
+
+
+@triton.jit
+def receive_plan_kernel(table, table_stride, me, worst, recv_rows, back_rank, back_dst, num_recv, n_valid,
+                        WORLD: tl.constexpr, WORLD_P: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Per received row i: its source rank (``back_rank``) and its landing slot there
+    (``back_dst``, -1 for padding rows); program 0 also writes ``num_recv`` (rows the senders had
+    for this rank) and ``n_valid`` (rows kept: ``min(num_recv, worst)`` under a worst case)."""
+    ranks = tl.arange(0, WORLD_P)
+    real = ranks < WORLD
+    counts = tl.load(table + ranks[:, None] * table_stride + ranks[None, :], mask=real[:, None] & real[None, :],
+                     other=0)  # [s, r]
+    from_src = tl.sum(tl.where((ranks == me)[None, :], counts, 0), axis=1)  # [s]: rows s sent me
+    ends = tl.cumsum(from_src, axis=0)
+    before_me = tl.sum(tl.where((ranks < me)[None, :], counts, 0), axis=1)  # [s]: rows s sent to ranks < me
+    total = tl.sum(from_src, axis=0)
+    valid = tl.where(worst > 0, tl.minimum(total, worst), total)
+    if tl.program_id(0) == 0:
+        tl.store(num_recv, total)
+        tl.store(n_valid, valid)
+    i = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    src = tl.minimum(tl.sum(((ends[None, :] <= i[:, None]) & real[None, :]).to(tl.int64), axis=1), WORLD - 1)
+    is_src = ranks[None, :] == src[:, None]
+    j = i - tl.sum(tl.where(is_src, (ends - from_src)[None, :], 0), axis=1)
+    if worst > 0:
+        land = me * worst + j
+    else:
+        land = tl.sum(tl.where(is_src, before_me[None, :], 0), axis=1) + j
+    rows = i < recv_rows
+    tl.store(back_rank + i, src, mask=rows)
+    tl.store(back_dst + i, tl.where(i < valid, land, -1), mask=rows)
+
+
+@triton.jit
+def push_rows_kernel(src, src_stride, row_words, src_div, pair_rank, pair_dst, local, peer_delta, phase, half_words,
+                     dst_offset, dst_stride, WORLD: tl.constexpr, RANKS_GIVEN: tl.constexpr, BLOCK: tl.constexpr,
+                     ALIGN: tl.constexpr):
+    """Pair ``p``: row ``p // src_div`` of ``src`` -> row ``pair_dst[p]`` of region ``dst_offset``
+    in the current half of rank ``pair_rank[p]``'s arena (``p % WORLD`` unless ``RANKS_GIVEN``);
+    ``pair_dst[p] < 0`` skips the pair."""
     p = tl.program_id(0)
     dst_row = tl.load(pair_dst + p)
     if dst_row >= 0:
-        src_row = tl.load(pair_src + p)
-        rank = tl.load(pair_rank + p)
+        if RANKS_GIVEN:
+            rank = tl.load(pair_rank + p)
+        else:
+            rank = p % WORLD
         delta = (tl.load(peer_delta + rank) // ALIGN) * ALIGN
         half = tl.load(phase) % 2
         dst_base = local + delta + half * half_words + dst_offset + dst_row * dst_stride
-        src_base = src + src_row * src_stride
+        src_base = src + (p // src_div) * src_stride
         for start in range(0, row_words, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < row_words

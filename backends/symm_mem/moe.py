@@ -33,7 +33,7 @@ from typing import Any, Generator, Optional
 import torch
 
 from turbo_dispatch.adapter import Adapter
-from turbo_dispatch.ops.moe import check_id_ranges, dispatch_layout
+from turbo_dispatch.ops.moe import check_id_ranges
 
 from .arena import BARRIER, Grow, align_up
 
@@ -48,12 +48,10 @@ class SymmMemLayout:
     """SYMM_MEM's part of a MoeHandle: where every row went and where it comes back."""
 
     arena: Any
-    pair_src: torch.Tensor  # [T * W] int64: source token of pair (t, r) = t
-    pair_rank: torch.Tensor  # [T * W] int64: destination rank of pair (t, r) = r
     dst_row: torch.Tensor  # [T * W] int64: receive row of pair (t, r) on rank r, -1 if not sent (or dropped)
     back_rank: torch.Tensor  # [recv_rows] int64: source rank of each received row
     back_dst: torch.Tensor  # [recv_rows] int64: its landing slot on the source, -1 for padding
-    slot: torch.Tensor  # [T, W] int64: landing slot of pair (t, r) on this rank, -1 if nothing comes back
+    slot: torch.Tensor  # [T * W] int64: landing slot of pair (t, r) on this rank, -1 if nothing comes back
     n_valid: torch.Tensor  # [1] int64: real rows of the receive buffers
     num_tokens: int
     num_recv: "int | torch.Tensor"
@@ -67,9 +65,14 @@ def _word(nbytes: int) -> torch.dtype:
     return torch.int32 if nbytes % 4 == 0 else torch.uint8
 
 
-def _push(arena, src_bytes: torch.Tensor, pair_src: torch.Tensor, pair_rank: torch.Tensor, pair_dst: torch.Tensor,
-          dst_offset: int, dst_stride: int) -> None:
-    """Rows of ``src_bytes`` ([rows, nbytes] uint8, contiguous) into peers' current arena halves."""
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _push(arena, src_bytes: torch.Tensor, src_div: int, pair_dst: torch.Tensor, dst_offset: int, dst_stride: int,
+          pair_rank: Optional[torch.Tensor] = None) -> None:
+    """Pair p: row ``p // src_div`` of ``src_bytes`` ([rows, nbytes] uint8, contiguous) -> row
+    ``pair_dst[p]`` of rank ``pair_rank[p]`` (default ``p % W``), current half, region ``dst_offset``."""
     from .kernels import push_rows_kernel
 
     nbytes = src_bytes.shape[1]
@@ -79,8 +82,9 @@ def _push(arena, src_bytes: torch.Tensor, pair_src: torch.Tensor, pair_rank: tor
     size = torch.empty((), dtype=word).element_size()
     src = src_bytes.view(word)
     push_rows_kernel[(pair_dst.numel(),)](
-        src, src.stride(0), nbytes // size, pair_src, pair_rank, pair_dst, arena.local(word), arena.peer_delta(word),
-        arena.phase, arena.half_bytes // size, dst_offset // size, dst_stride // size,
+        src, src.stride(0), nbytes // size, src_div, pair_dst if pair_rank is None else pair_rank, pair_dst,
+        arena.local(word), arena.peer_delta(word), arena.phase, arena.half_bytes // size, dst_offset // size,
+        dst_stride // size, WORLD=arena.world, RANKS_GIVEN=pair_rank is not None,
         BLOCK=min(_BLOCK, _pow2(nbytes // size)), ALIGN=_ALIGN_ELEMS, num_warps=_NUM_WARPS)
 
 
@@ -116,12 +120,8 @@ def _sum_landed(arena, slot: torch.Tensor, num_tokens: int, hidden: int, dtype: 
     acc = tl.float64 if dtype == torch.float64 else tl.float32
     sum_landed_kernel[(num_tokens, triton.cdiv(hidden, block))](
         arena.local(dtype), arena.phase, arena.half_bytes // size, 0, land_stride // size, slot, out, out.stride(0),
-        hidden, WORLD=slot.shape[1], ACC=acc, BLOCK=block, num_warps=4)
+        hidden, WORLD=arena.world, ACC=acc, BLOCK=block, num_warps=4)
     return out
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(4, (max(n, 1) - 1).bit_length())
 
 
 def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
@@ -129,10 +129,6 @@ def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
     if not rows.numel():
         return torch.empty((rows.shape[0], rows.shape[1] * rows.element_size()), dtype=torch.uint8, device=rows.device)
     return rows.contiguous().view(torch.uint8)
-
-
-def _bytes_as(columns: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return columns.clone(memory_format=torch.contiguous_format).view(dtype)
 
 
 def _advance(arena) -> None:
@@ -143,100 +139,95 @@ def _advance(arena) -> None:
 def dispatch_phases(arena, p, x: torch.Tensor, token_indices: torch.Tensor, token_probs: Optional[torch.Tensor]
                     ) -> Generator[Any, None, tuple]:
     """moe_dispatch on one rank, as a phase generator (see ``arena.drive``)."""
+    import triton
+
+    from .kernels import ID_BIAS, place_kernel, receive_plan_kernel, route_count_kernel, route_within_kernel
+
     world, me, t, k, n = p.world_size, arena.rank, x.shape[0], p.topk, p.num_worst_tokens
     experts = p.num_experts
     local = experts // world
     device = x.device
-    ranks = torch.arange(world, dtype=torch.int64, device=device)
+    idx = token_indices.contiguous()
+    world_p, topk_p = _pow2(world, 2), _pow2(k, 2)
 
     # -- phase 1: counts, all-gathered ------------------------------------------------------------------
-    to_rank, per_expert, in_rank = dispatch_layout(token_indices, experts, world)
-    if token_indices.numel():
-        ends = torch.stack([token_indices.min(), token_indices.max()])
-    else:
-        ends = torch.full((2,), -1, dtype=torch.int64, device=device)
-    msg = torch.cat([to_rank, per_expert, ends])
+    within = torch.empty((t, world), dtype=torch.int64, device=device)
+    msg = torch.zeros(world + experts + 2, dtype=torch.int64, device=device)
+    block_t = max(16, 4096 // (topk_p * world_p))
+    blocks = max(1, triton.cdiv(t, block_t))
+    block_counts = torch.empty((blocks, world), dtype=torch.int64, device=device)
+    meta_args = dict(TOPK=k, TOPK_P=topk_p, WORLD=world, WORLD_P=world_p, BLOCK_T=block_t, num_warps=4)
+    route_count_kernel[(blocks,)](idx, t, experts, local, block_counts, msg, **meta_args)
+    route_within_kernel[(blocks,)](idx, t, experts, local, block_counts, within, **meta_args)
     msg_bytes = msg.numel() * 8
     msg_stride = align_up(msg_bytes)
     if world * msg_stride > arena.half_bytes:
         yield Grow(world * msg_stride)
-    _push(arena, msg.view(torch.uint8)[None], torch.zeros_like(ranks), ranks, torch.full_like(ranks, me), 0,
-          msg_stride)
+    _push(arena, msg.view(torch.uint8)[None], world, arena.me_rows, 0, msg_stride)
     yield BARRIER
     table = _copy_out(arena, world, msg_bytes, 0, msg_stride, arena.all_rows).view(torch.int64)  # [W, W + E + 2]
     _advance(arena)
 
-    counts = table[:, :world]  # counts[s, r]: rows rank s sends to rank r
     if n:
         recv_rows = rows_cap = n
         land_cap = world * n
-        num_recv = counts[:, me].sum()
-        n_valid = torch.clamp(num_recv, max=n).reshape(1)
         tokens_per_expert = None
     else:
         host = table.tolist()
-        check_id_ranges([(row[world + experts], row[world + experts + 1]) for row in host], experts, me)
-        host_counts = [row[:world] for row in host]
-        num_recv = recv_rows = sum(row[me] for row in host_counts)
-        rows_cap = max(sum(row[r] for row in host_counts) for r in range(world))
-        land_cap = max(sum(row) for row in host_counts)
-        n_valid = arena.all_rows
-        tokens_per_expert = [sum(row[world + me * local + e] for row in host) for e in range(local)]
+        check_id_ranges([(ID_BIAS - row[-2] if row[-2] else -1, row[-1] - ID_BIAS if row[-1] else -1)
+                         for row in host], experts, me)
+        recv_rows = sum(row[me] for row in host)
+        rows_cap = max(sum(row[r] for row in host) for r in range(world))
+        land_cap = max(sum(row[:world]) for row in host)
+        first = world + me * local
+        tokens_per_expert = [sum(col) for col in zip(*(row[first: first + local] for row in host))] if host else []
 
     # -- where every row goes, and where it comes back ----------------------------------------------------
-    within = torch.cumsum(in_rank.to(torch.int64), 0) - 1  # [T, W]: rank of t among this rank's rows for r
-    dst = counts[:me].sum(0) + within
-    kept = in_rank & (dst < n) if n else in_rank
-    none = torch.full((), -1, dtype=torch.int64, device=device)
-    dst_row = torch.where(kept, dst, none).reshape(-1)
-    pair_src = torch.arange(t, dtype=torch.int64, device=device).repeat_interleave(world)
-    pair_rank = ranks.repeat(t)
-
-    from_src = counts[:, me]
-    recv_end = torch.cumsum(from_src, 0)
-    i = torch.arange(recv_rows, dtype=torch.int64, device=device)
-    back_rank = torch.clamp(torch.searchsorted(recv_end, i, right=True), max=world - 1)
-    j = i - (recv_end - from_src)[back_rank]  # row i is the j-th row its source sent here
-    if n:
-        land = me * n + j
-        slot = torch.where(kept, ranks * n + within, none)
-    else:
-        send_base = torch.cumsum(counts, 1) - counts  # [s, r]: rows s sends to ranks before r
-        land = send_base[back_rank, me] + j
-        slot = torch.where(in_rank, send_base[me] + within, none)
-    back_dst = torch.where(i < n_valid, land, none)
+    dst_row = torch.empty(t * world, dtype=torch.int64, device=device)
+    slot = torch.empty(t * world, dtype=torch.int64, device=device)
+    meta = torch.empty((t * world, 2 * k), dtype=torch.int64, device=device)
+    probs = token_probs.contiguous() if token_probs is not None else idx
+    block_t = max(1, 1024 // (world_p * topk_p))
+    place_kernel[(max(1, triton.cdiv(t, block_t)),)](
+        table, table.stride(0), within, idx, probs, t, me, n, local, dst_row, slot, meta,
+        HAS_PROBS=token_probs is not None, TOPK=k, TOPK_P=topk_p, WORLD=world, WORLD_P=world_p, BLOCK_T=block_t,
+        num_warps=4)
+    back_rank = torch.empty(recv_rows, dtype=torch.int64, device=device)
+    back_dst = torch.empty(recv_rows, dtype=torch.int64, device=device)
+    num_recv_dev = torch.empty(1, dtype=torch.int64, device=device)
+    n_valid = torch.empty(1, dtype=torch.int64, device=device)
+    receive_plan_kernel[(max(1, triton.cdiv(recv_rows, 1024)),)](
+        table, table.stride(0), me, n, recv_rows, back_rank, back_dst, num_recv_dev, n_valid, WORLD=world,
+        WORLD_P=world_p, BLOCK_R=1024, num_warps=4)
 
     # -- phase 2: rows and their metadata -----------------------------------------------------------------
-    ids = token_indices[:, None, :] - (ranks * local)[None, :, None]  # [T, W, k]
-    is_local = (ids >= 0) & (ids < local)
-    meta = [_as_bytes(torch.where(is_local, ids, none).reshape(t * world, k))]
-    if token_probs is not None:
-        probs = torch.where(is_local, token_probs[:, None, :], torch.zeros((), dtype=token_probs.dtype, device=device))
-        meta.append(_as_bytes(probs.reshape(t * world, k)))
-    meta = torch.cat(meta, 1)
-    meta_bytes, row_bytes = meta.shape[1], x.shape[1] * x.element_size()
+    meta_bytes, row_bytes = 16 * k, x.shape[1] * x.element_size()
     meta_stride, row_stride = align_up(meta_bytes), align_up(row_bytes)
     data_offset = align_up(rows_cap * meta_stride)
     need = data_offset + rows_cap * row_stride
     if need > arena.half_bytes:
         yield Grow(need)
-    _push(arena, _as_bytes(x), pair_src, pair_rank, dst_row, data_offset, row_stride)
-    _push(arena, meta, torch.arange(t * world, dtype=torch.int64, device=device), pair_rank, dst_row, 0, meta_stride)
+    _push(arena, _as_bytes(x), world, dst_row, data_offset, row_stride)
+    _push(arena, meta.view(torch.uint8), 1, dst_row, 0, meta_stride)
     yield BARRIER
     recv_x = _copy_out(arena, recv_rows, row_bytes, data_offset, row_stride, n_valid).view(x.dtype)
-    recv_meta = _copy_out(arena, recv_rows, meta_bytes, 0, meta_stride, n_valid)
+    recv_meta = _copy_out(arena, recv_rows, meta_bytes, 0, meta_stride, n_valid).view(torch.int64)
     _advance(arena)
 
-    recv_idx = _bytes_as(recv_meta[:, : 8 * k], torch.int64)
-    recv_probs = None if token_probs is None else _bytes_as(recv_meta[:, 8 * k:], token_probs.dtype)
+    recv_idx = recv_meta[:, :k].contiguous()
+    recv_probs = None
+    if token_probs is not None:
+        recv_probs = recv_meta[:, k:].to(torch.int32).view(torch.float32).to(token_probs.dtype)
     if n:
-        recv_idx = torch.where((i < n_valid)[:, None], recv_idx, none)
+        rows_real = torch.arange(n, dtype=torch.int64, device=device) < n_valid
+        recv_idx = torch.where(rows_real[:, None], recv_idx, torch.full((), -1, dtype=torch.int64, device=device))
         tokens_per_expert = torch.zeros(local + 1, dtype=torch.int64, device=device)
         named = torch.where(recv_idx >= 0, recv_idx, local).reshape(-1)
         tokens_per_expert.scatter_add_(0, named, torch.ones_like(named))
         tokens_per_expert = tokens_per_expert[:local]
-    layout = SymmMemLayout(arena, pair_src, pair_rank, dst_row, back_rank, back_dst, slot, n_valid, t, num_recv,
-                           recv_rows, rows_cap, land_cap)
+    num_recv = num_recv_dev[0] if n else recv_rows
+    layout = SymmMemLayout(arena, dst_row, back_rank, back_dst, slot, n_valid, t, num_recv, recv_rows, rows_cap,
+                           land_cap)
     return recv_x, recv_idx, recv_probs, tokens_per_expert, layout
 
 
@@ -247,7 +238,7 @@ def dispatch_rows_phases(layout: SymmMemLayout, rows: torch.Tensor) -> Generator
     stride = align_up(row_bytes)
     if layout.rows_cap * stride > arena.half_bytes:
         yield Grow(layout.rows_cap * stride)
-    _push(arena, _as_bytes(rows), layout.pair_src, layout.pair_rank, layout.dst_row, 0, stride)
+    _push(arena, _as_bytes(rows), arena.world, layout.dst_row, 0, stride)
     yield BARRIER
     out = _copy_out(arena, layout.recv_rows, row_bytes, 0, stride, layout.n_valid).view(rows.dtype)
     _advance(arena)
@@ -261,8 +252,7 @@ def combine_phases(layout: SymmMemLayout, y: torch.Tensor) -> Generator[Any, Non
     stride = align_up(row_bytes)
     if layout.land_cap * stride > arena.half_bytes:
         yield Grow(layout.land_cap * stride)
-    i = torch.arange(y.shape[0], dtype=torch.int64, device=y.device)
-    _push(arena, _as_bytes(y), i, layout.back_rank, layout.back_dst, 0, stride)
+    _push(arena, _as_bytes(y), 1, layout.back_dst, 0, stride, pair_rank=layout.back_rank)
     yield BARRIER
     out = _sum_landed(arena, layout.slot, layout.num_tokens, y.shape[1], y.dtype, stride)
     _advance(arena)
