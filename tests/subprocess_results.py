@@ -3,7 +3,9 @@ process: TRITON_INTERPRET must be set before triton is imported)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 
 
 def collect_results(proc: subprocess.CompletedProcess) -> dict:
@@ -24,3 +26,12 @@ def assert_check_passed(results: dict, name: str) -> None:
     shows what the subprocess said."""
     assert name in results, f"check {name} did not run; subprocess said:\n{results.get('__crash__', '')}"
     assert results[name]["ok"], results[name]["detail"]
+
+
+def interpreter_checks(script: str, timeout: float = 240) -> dict:
+    """Runs ``script --interpreter-checks`` under the Triton interpreter (``TRITON_INTERPRET=1``)
+    and returns its results (``collect_results``)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, script, "--interpreter-checks"], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    return collect_results(proc)

@@ -46,7 +46,10 @@ class TuneRecord:
     ``source`` is "autotune" (profiled in this process) or "tuned-db" (read from a database);
     ``timings`` holds every candidate's median (inf when rejected) for reports and the DB;
     ``measured`` the same as (backend, config, ms), where this process profiled the key, so that
-    ranks can agree on it later (``tuning.rank_sync``).
+    ranks can agree on it later (``tuning.rank_sync``). ``gpu_ms`` and ``host_ms`` split the
+    winner's ``time_ms`` into its device time (None off CUDA/ROCm, where the host computes) and its
+    host issue time, where they were measured: the cost is the larger of the two per call (under
+    rank consensus ``time_ms`` is the worst rank's and the split this rank's own).
     """
 
     backend: str | None
@@ -57,6 +60,35 @@ class TuneRecord:
     source: str = "autotune"
     note: str = ""
     measured: tuple[tuple[str, Hashable, float], ...] = ()
+    gpu_ms: float | None = None
+    host_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class CallTime:
+    """What timing one candidate found, per call, as medians in ms: ``cost_ms`` (the larger of
+    the device and host times of each call, what a loop of back-to-back calls sees), ``gpu_ms``
+    (device time; None where the call computes on the host) and ``host_ms`` (host issue time)."""
+
+    cost_ms: float
+    gpu_ms: float | None
+    host_ms: float
+
+    @classmethod
+    def of(cls, samples: Sequence[tuple[float | None, float]]) -> "CallTime":
+        """The medians of (device ms or None, host ms) samples; the cost is taken per sample, so
+        that a call bound by the device on some samples and by the host on others counts right."""
+        device = [gpu for gpu, _ in samples if gpu is not None]
+        cost = [host if gpu is None else max(gpu, host) for gpu, host in samples]
+        return cls(statistics.median(cost), statistics.median(device) if device else None,
+                   statistics.median(host for _, host in samples))
+
+    @classmethod
+    def combined(cls, times: Sequence["CallTime"]) -> "CallTime":
+        """One CallTime for several measurements of one candidate: each field's median."""
+        device = [t.gpu_ms for t in times if t.gpu_ms is not None]
+        return cls(statistics.median(t.cost_ms for t in times), statistics.median(device) if device else None,
+                   statistics.median(t.host_ms for t in times))
 
 
 @dataclass
@@ -136,7 +168,8 @@ def _stored(spec: OpSpec, problem: Any) -> TuneRecord | None:
         hit = None
     if hit is None:
         return None
-    record = TuneRecord(hit.backend, hit.config, hit.time_ms, source="tuned-db", note=hit.note())
+    record = TuneRecord(hit.backend, hit.config, hit.time_ms, source="tuned-db", note=hit.note(),
+                        gpu_ms=hit.gpu_ms, host_ms=hit.host_ms)
     _db_hits[(spec.name, problem, db_settings)] = record
     return record
 
@@ -170,8 +203,10 @@ def tune(spec: OpSpec, problem: Any, candidates: Sequence[Any], profile_allowed:
     entry = next((c for c in candidates if c.name == record.backend), None)
     if entry is None:
         return TuneOutcome(notes=[f"{record.source} winner {record.backend} cannot serve this call any more"])
-    note = record.note or f"tuned: {record.time_ms:.4f} ms"
-    return TuneOutcome(entry, record.config, source=record.source, notes=[note])
+    notes = [record.note or f"tuned: {record.time_ms:.4f} ms"]
+    if record.host_ms is not None:
+        notes.append(_tunedb.per_call_text(record.gpu_ms, record.host_ms))
+    return TuneOutcome(entry, record.config, source=record.source, notes=notes)
 
 
 def _budget_s() -> float:
@@ -206,32 +241,43 @@ def _input_sets(spec: OpSpec, problem: Any,
 _clock: "Callable[[], float]" = time.perf_counter
 
 
-def _time_ms(fn, sets: list, device: torch.device, deadline: float) -> float:
-    """Median cost in milliseconds of ``fn`` over rotating input sets, as a caller that issues
-    calls back to back sees it: per call, the larger of its GPU time and its host issue time.
+def _time_ms(fn, sets: list, device: torch.device, deadline: float, parts: list | None = None) -> float:
+    """Median cost in milliseconds of ``fn`` over rotating input sets (``_measure``); the full
+    ``CallTime`` is appended to ``parts`` when one is given. The tuner times candidates through this
+    function, so a probe that wraps it (say, to skew one rank's timings) changes what the tuner sees."""
+    timed = _measure(fn, sets, device, deadline)
+    if parts is not None:
+        parts.append(timed)
+    return timed.cost_ms
+
+
+def _measure(fn, sets: list, device: torch.device, deadline: float) -> CallTime:
+    """The ``CallTime`` of ``fn`` over rotating input sets, as a caller that issues calls back to
+    back sees it: per call, the larger of its GPU time and its host issue time.
 
     On CUDA a spin sized to the call's host issue time (measured in the warm-ups) precedes each
     timed call (``host_cover``), so the events time GPU work alone and the host clock times the
     issue alone; the cost takes the larger. GPU time alone would rank a kernel with a slow launch
     path above a plain call wherever the host is the bottleneck (tiny GEMMs, small experts), and
-    host-inflated events would rank launch paths where the GPU is (large problems)."""
+    host-inflated events would rank launch paths where the GPU is (large problems). Off CUDA the
+    host computes the call, so the host clock (``_clock``) is the whole cost."""
     host = [host_cover.untimed_host_ms(lambda: fn(sets[i % len(sets)]), device) for i in range(_WARMUP)]
-    samples = []
+    samples: list[tuple[float | None, float]] = []  # (GPU ms or None, host ms)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         host_ms = host_cover.typical_ms(host)
         for i in range(_MAX_REPEATS):
-            samples.append(max(host_cover.covered_call(lambda: fn(sets[i % len(sets)]), device, host_ms)))
+            samples.append(host_cover.covered_call(lambda: fn(sets[i % len(sets)]), device, host_ms))
             if len(samples) >= _MIN_REPEATS and time.monotonic() > deadline:
                 break
     else:
         for i in range(_MAX_REPEATS):
             t0 = _clock()
             fn(sets[i % len(sets)])
-            samples.append((_clock() - t0) * 1e3)
+            samples.append((None, (_clock() - t0) * 1e3))
             if len(samples) >= _MIN_REPEATS and time.monotonic() > deadline:
                 break
-    return statistics.median(samples)
+    return CallTime.of(samples)
 
 
 def _plan(candidates: Sequence[Any], problem: Any) -> list[tuple[Any, Hashable, bool]]:
@@ -281,6 +327,7 @@ def profile(spec: OpSpec, problem: Any, candidates: Sequence[Any]) -> TuneRecord
     budget = _budget_s()
     spent = 0.0  # seconds in timing loops; compiles and correctness runs are not budgeted
     timings: list[tuple[str, Hashable, float]] = []  # (backend, config, ms); inf = rejected
+    splits: dict[tuple[str, Hashable], CallTime] = {}  # (backend, config) -> its sweep measurement
     rejected: list[tuple[str, str]] = []
     for entry, config, first in _plan(candidates, problem):
         label = candidate_label(entry.name, config)
@@ -294,8 +341,11 @@ def profile(spec: OpSpec, problem: Any, candidates: Sequence[Any]) -> TuneRecord
             try:
                 run = lambda inputs: spec.run(entry.adapter, problem, inputs, config)
                 started = time.monotonic()
-                ms = _time_ms(run, sets, device, started + max(budget - spent, 0.0))
+                parts: list[CallTime] = []
+                ms = _time_ms(run, sets, device, started + max(budget - spent, 0.0), parts)
                 spent += time.monotonic() - started
+                if parts:  # a wrapped ``_time_ms`` may not fill it
+                    splits[(entry.name, config)] = parts[-1]
             except Exception as exc:  # a broken candidate loses, it does not take the job down
                 reason = f"raised {type(exc).__name__}: {exc}"
         if reason is not None:
@@ -321,12 +371,15 @@ def profile(spec: OpSpec, problem: Any, candidates: Sequence[Any]) -> TuneRecord
     if best is None:
         log.warning("autotune %s %s: every candidate failed; remembered for this key", spec.name, key)
         return TuneRecord(None, None, math.inf, tuple(rejected), tuple(labelled), measured=tuple(timings))
-    note = ""
+    note, split = "", None
     if not agreed:
-        best, note = _confirm_against_default(spec, problem, candidates, finite, best, sets, device)
+        best, note, split = _confirm_against_default(spec, problem, candidates, finite, best, sets, device)
+    if split is None:
+        split = splits.get((best[1], best[2]))
     log.info("autotune %s %s: winner %s (%.4f ms)", spec.name, key, best[1], best[0])
     return TuneRecord(best[1], best[2], best[0], tuple(rejected), tuple(labelled), note=note,
-                      measured=tuple(timings))
+                      measured=tuple(timings), gpu_ms=None if split is None else split.gpu_ms,
+                      host_ms=None if split is None else split.host_ms)
 
 
 #: Rounds of the confirmation that re-times a winner against the platform default in turns.
@@ -334,32 +387,35 @@ CONFIRM_ROUNDS = 3
 
 
 def _confirm_against_default(spec: OpSpec, problem: Any, candidates: Sequence[Any], finite: list, best: tuple,
-                             sets: list, device: torch.device) -> tuple[tuple, str]:
+                             sets: list, device: torch.device) -> tuple[tuple, str, CallTime | None]:
     """``best`` (ms, backend, config), or the platform default's first measured config when
     re-timing the two in turns shows the winner is not faster: one sweep measurement per candidate
     can favour one by noise or by what ran before it, and a choice slower than the call the op
-    would make anyway is worse than no tuning. Returns the pick and a note for the record ("" when
-    the sweep's winner is the default or the default was not measured)."""
+    would make anyway is worse than no tuning. Returns the pick, a note for the record ("" when
+    the sweep's winner is the default or the default was not measured) and, where the default is
+    kept, its device/host split in the confirmation (its time is the pick's; else None)."""
     from .registry import get_registry
 
     default = get_registry().default(spec.name, spec.platform_of(problem))
     entries = {c.name: c for c in candidates}
     measured = [config for name, config, _ in finite if name == default]
     if default is None or default == best[1] or default not in entries or not measured:
-        return best, ""
+        return best, "", None
     picks = {"winner": (best[1], best[2]), "default": (default, measured[0])}
     times: dict[str, list[float]] = {"winner": [], "default": []}
+    parts: dict[str, list[CallTime]] = {"winner": [], "default": []}
     for _ in range(CONFIRM_ROUNDS):
         for label in ("default", "winner"):
             entry, config = entries[picks[label][0]], picks[label][1]
             run = lambda inputs, entry=entry, config=config: spec.run(entry.adapter, problem, inputs, config)
-            times[label].append(_time_ms(run, sets, device, 0.0))
+            times[label].append(_time_ms(run, sets, device, 0.0, parts[label]))
     winner_ms, default_ms = statistics.median(times["winner"]), statistics.median(times["default"])
     if winner_ms < default_ms:
-        return best, f"confirmed in turns: {winner_ms:.4f} ms against the default {default} at {default_ms:.4f} ms"
+        return best, f"confirmed in turns: {winner_ms:.4f} ms against the default {default} at {default_ms:.4f} ms", None
     return (default_ms, default, measured[0]), (
         f"the sweep's winner {candidate_label(best[1], best[2])} was not faster than the default {default} when "
-        f"re-timed in turns ({winner_ms:.4f} against {default_ms:.4f} ms): the default is kept")
+        f"re-timed in turns ({winner_ms:.4f} against {default_ms:.4f} ms): the default is kept"), \
+        (CallTime.combined(parts["default"]) if parts["default"] else None)
 
 
 def consensus_enabled() -> bool:

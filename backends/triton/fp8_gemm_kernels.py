@@ -21,6 +21,7 @@ import torch
 
 from .gemm_kernels import (TensorDescriptor, bind_cuda_context, interpreting, num_programs, tile_coords, tma_ok,
                            tma_supported)
+from .prebound import PreboundKernel
 
 try:
     import triton
@@ -110,8 +111,36 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
 
     Scales per ``scale_mode``: 0-d tensors (tensorwise); [M]/[N]-element tensors (rowwise);
     2-D [rows/group, K/BLOCK_K] with any strides (blockwise; ``cfg`` BLOCK_K must equal the
-    quantisation block). ``use_tma`` as in gemm_kernels.gemm.
+    quantisation block). ``use_tma`` as in gemm_kernels.gemm. The launch is resolved once per
+    problem key (``launch_key``) and pre-bound (prebound.py).
     """
+    key = launch_key(a, b, sa, sb, scale_mode, out_dtype, cfg, a_group, b_group, use_tma)
+    plan = FP8_GEMM_LAUNCHER.plan(key)
+    if plan is None:
+        return _fp8_gemm_first(key, a, b, sa, sb, scale_mode, out_dtype, cfg, a_group, b_group, use_tma)
+    rows, cols, layouts = plan.state
+    c = torch.empty((rows, cols), dtype=out_dtype, device=a.device)
+    if layouts is None:
+        plan(a, b, c, sa, sb)
+    else:
+        bind_cuda_context(a)
+        plan(TensorDescriptor(a, *layouts[0]), TensorDescriptor(b, *layouts[1]), c, sa, sb)
+    return c
+
+
+def launch_key(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, scale_mode: int,
+               out_dtype: torch.dtype, cfg, a_group: int, b_group: int, use_tma: bool | None) -> tuple:
+    """What fixes an ``fp8_gemm`` launch: shapes, strides, dtypes and 16-byte alignment of the
+    operands and scales, the device, the scale mode and groups, the output dtype, the tile config
+    and the TMA request."""
+    return (a.shape, a.stride(), a.dtype, b.shape, b.stride(), b.dtype, sa.shape, sa.stride(), sa.dtype, sb.shape,
+            sb.stride(), sb.dtype, a.device, a.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0, sa.data_ptr() % 16 == 0,
+            sb.data_ptr() % 16 == 0, scale_mode, out_dtype, cfg, a_group, b_group, use_tma)
+
+
+def _fp8_gemm_first(key: tuple, a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, scale_mode: int,
+                    out_dtype: torch.dtype, cfg, a_group: int, b_group: int, use_tma: bool | None) -> torch.Tensor:
+    """``fp8_gemm`` for a key without a plan: resolves the launch, runs it and binds the plan."""
     M, K = a.shape
     N = b.shape[0]
     if b.shape[1] != K:
@@ -129,21 +158,28 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
         raise ValueError("fp8_gemm: TMA requested but the operands or device do not allow it")
     if use_tma:
         bind_cuda_context(a)
-        a_arg = TensorDescriptor(a, [M, K], list(a.stride()), [bm, bk])
-        b_arg = TensorDescriptor(b, [N, K], list(b.stride()), [bn, bk])
+        layouts = (([M, K], list(a.stride()), [bm, bk]), ([N, K], list(b.stride()), [bn, bk]))
+        a_arg, b_arg = TensorDescriptor(a, *layouts[0]), TensorDescriptor(b, *layouts[1])
     else:
-        a_arg, b_arg = a, b
+        layouts, a_arg, b_arg = None, a, b
     if scale_mode == SCALE_BLOCK:
         ssa, ssb = (sa.stride(0), sa.stride(1)), (sb.stride(0), sb.stride(1))
     else:
         ssa = ssb = (0, 0)
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     progs = min(tiles, num_programs(dev) * occupancy)
-    _fp8_gemm_kernel[(progs,)](a_arg, b_arg, c, sa, sb, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                               c.stride(0), c.stride(1), *ssa, *ssb, progs, SCALE_MODE=scale_mode,
-                               A_GROUP=a_group, B_GROUP=b_group, USE_TMA=use_tma, BLOCK_M=bm, BLOCK_N=bn,
-                               BLOCK_K=bk, GROUP_M=group_m, num_stages=stages, num_warps=warps)
+    fixed = dict(M=M, N=N, K=K, sa_m=a.stride(0), sa_k=a.stride(1), sb_n=b.stride(0), sb_k=b.stride(1),
+                 sc_m=c.stride(0), sc_n=c.stride(1), ssa_r=ssa[0], ssa_k=ssa[1], ssb_r=ssb[0], ssb_k=ssb[1],
+                 NUM_PROGS=progs, SCALE_MODE=scale_mode, A_GROUP=a_group, B_GROUP=b_group, USE_TMA=use_tma,
+                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m)
+    FP8_GEMM_LAUNCHER.bind(key, (progs,), (a_arg, b_arg, c, sa, sb), fixed, dict(num_stages=stages, num_warps=warps),
+                           state=(M, N, layouts))
     return c
+
+
+#: ``_fp8_gemm_kernel``'s plans; the operands, the output and the scales change between calls of one key.
+FP8_GEMM_LAUNCHER = (PreboundKernel(_fp8_gemm_kernel, per_call=("a", "b", "c", "sa_ptr", "sb_ptr"))
+                     if triton is not None else None)
 
 
 __all__ = ["KERNEL_REVISION", "SCALE_BLOCK", "SCALE_ROW", "SCALE_TENSOR", "fp8_gemm", "interpreting"]

@@ -22,6 +22,7 @@ from turbo_dispatch.adapter import Adapter
 from turbo_dispatch.low_precision import QuantizedTensor, ScalingGranularity
 
 from . import configs as _cfg
+from .prebound import MAX_PLANS, BoundedCache
 from .quantize import available as _available
 
 _HP = (torch.bfloat16, torch.float16, torch.float32)
@@ -65,6 +66,19 @@ def _pick(config, candidates: list, what: str):
     if config is None:
         return candidates[0]
     return _cfg.from_tuple(config)
+
+
+#: The tile config of each (problem, config) a TritonGemm call met: the candidate list and the
+#: config's validation are pure functions of the two, and a call should not redo them.
+_TILES = BoundedCache(MAX_PLANS)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    """The gemm_kernels module, imported on first use (importing this module must not need triton)."""
+    from . import gemm_kernels
+
+    return gemm_kernels
 
 
 class _TritonAdapter(Adapter):
@@ -161,10 +175,10 @@ class TritonGemm(_TritonAdapter):
         return f"triton persistent gemm, default tile {self.configs(p)[0]}"
 
     def run(self, p, a, b, config=None):
-        from .gemm_kernels import gemm
-
-        cfg = _pick(config, self._candidates(p), "gemm")
-        return gemm(a, b, p.trans_a, p.trans_b, p.out_dtype, cfg)
+        tile = _TILES.get((p, config))
+        if tile is None:
+            tile = _TILES.put((p, config), _pick(config, self._candidates(p), "gemm"))
+        return _kernels().gemm(a, b, p.trans_a, p.trans_b, p.out_dtype, tile)
 
 
 @functools.lru_cache(maxsize=None)

@@ -28,6 +28,8 @@ import threading
 
 import torch
 
+from .prebound import PreboundKernel
+
 try:
     import triton
     import triton.language as tl
@@ -176,7 +178,38 @@ def gemm(a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool, out_dty
 
     ``use_tma=None`` picks TMA when the device and both operands allow it; False forces the
     pointer kernel (True raises if TMA is impossible, for tests that must cover that path).
+    The launch is resolved once per problem key (``launch_key``) and pre-bound (prebound.py): a
+    later call with the same key only allocates the output, builds the descriptors and launches.
     """
+    key = launch_key(a, b, trans_a, trans_b, out_dtype, cfg, use_tma)
+    plan = GEMM_LAUNCHER.plan(key)
+    if plan is None:
+        return _gemm_first(key, a, b, trans_a, trans_b, out_dtype, cfg, use_tma)
+    rows, cols, layouts = plan.state
+    c = torch.empty((rows, cols), dtype=out_dtype, device=a.device)
+    if layouts is None:
+        plan(a, b, c)
+    else:
+        bind_cuda_context(a)
+        # The stored operand of a transposed view starts at the same address as the view: the
+        # descriptor takes its shape and strides from the plan, its base from the call.
+        plan(TensorDescriptor(a, *layouts[0]), TensorDescriptor(b, *layouts[1]), c)
+    return c
+
+
+def launch_key(a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool, out_dtype: torch.dtype, cfg,
+               use_tma: bool | None) -> tuple:
+    """What fixes a ``gemm`` launch: the operands' shapes, strides, dtypes, device and 16-byte
+    alignment (TMA and Triton's pointer specialisation depend on it), the layout flags, the output
+    dtype, the tile config and the TMA request. The output is a fresh ``torch.empty`` (always
+    aligned), so it adds nothing."""
+    return (a.shape, a.stride(), a.dtype, b.shape, b.stride(), b.dtype, a.device, a.data_ptr() % 16 == 0,
+            b.data_ptr() % 16 == 0, trans_a, trans_b, out_dtype, cfg, use_tma)
+
+
+def _gemm_first(key: tuple, a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool, out_dtype: torch.dtype,
+                cfg, use_tma: bool | None) -> torch.Tensor:
+    """``gemm`` for a key without a plan: resolves the launch, runs it and binds the plan."""
     A = a.t() if trans_a else a  # logical [M, K]
     B = b.t() if trans_b else b  # logical [K, N]
     M, K = A.shape
@@ -199,15 +232,21 @@ def gemm(a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool, out_dty
         raise ValueError("gemm: TMA requested but the operands or device do not allow it")
     if use_tma:
         bind_cuda_context(a_st)
-        a_arg = TensorDescriptor(a_st, list(a_st.shape), list(a_st.stride()), [bk, bm] if a_km else [bm, bk])
-        b_arg = TensorDescriptor(b_st, list(b_st.shape), list(b_st.stride()), [bn, bk] if b_nk else [bk, bn])
+        layouts = ((list(a_st.shape), list(a_st.stride()), [bk, bm] if a_km else [bm, bk]),
+                   (list(b_st.shape), list(b_st.stride()), [bn, bk] if b_nk else [bk, bn]))
+        a_arg, b_arg = TensorDescriptor(a, *layouts[0]), TensorDescriptor(b, *layouts[1])
     else:
-        a_arg, b_arg = a, b
+        layouts, a_arg, b_arg = None, a, b
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     progs = min(tiles, num_programs(dev) * occupancy)
-    upcast = interpreting() and a.dtype == torch.bfloat16
-    _gemm_kernel[(progs,)](a_arg, b_arg, c, M, N, K, A.stride(0), A.stride(1), B.stride(0), B.stride(1),
-                           c.stride(0), c.stride(1), USE_TMA=use_tma, A_STORED_KM=a_km, B_STORED_NK=b_nk,
-                           UPCAST=upcast, FP32_IN=a.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn,
-                           BLOCK_K=bk, GROUP_M=group_m, NUM_PROGS=progs, num_stages=stages, num_warps=warps)
+    fixed = dict(M=M, N=N, K=K, sa_m=A.stride(0), sa_k=A.stride(1), sb_k=B.stride(0), sb_n=B.stride(1),
+                 sc_m=c.stride(0), sc_n=c.stride(1), USE_TMA=use_tma, A_STORED_KM=a_km, B_STORED_NK=b_nk,
+                 UPCAST=interpreting() and a.dtype == torch.bfloat16, FP32_IN=a.dtype == torch.float32,
+                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_PROGS=progs, GROUP_M=group_m)
+    GEMM_LAUNCHER.bind(key, (progs,), (a_arg, b_arg, c), fixed, dict(num_stages=stages, num_warps=warps),
+                       state=(M, N, layouts))
     return c
+
+
+#: ``_gemm_kernel``'s plans; only the operands and the output change between calls of one key.
+GEMM_LAUNCHER = PreboundKernel(_gemm_kernel, per_call=("a", "b", "c")) if triton is not None else None

@@ -1,6 +1,7 @@
 """``turbo-dispatch db show|validate|prune|merge``: inspect and maintain tuning DB files.
 
-``db show FILE`` prints one row per entry with its verdict for this machine, then ``N entries
+``db show FILE`` prints one row per entry (with the winner's time, and its device and host time
+per call where the tuner measured them) and its verdict for this machine, then ``N entries
 (... skipped, and why)``; ``db validate FILE...`` exits 1 on problems; ``db prune FILE`` drops
 entries stale for this machine; ``db merge -o OUT IN...`` merges files."""
 from __future__ import annotations
@@ -40,11 +41,18 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
     readable_db_file(args.file, "db show")
     report = inspect(args.file)
-    rows = [[r.op, r.key, r.backend, str(r.config), f"{r.time_ms:.4f}", r.scope, r.gpu, r.status] for r in report.rows]
+    rows = [[r.op, r.key, r.backend, str(r.config), f"{r.time_ms:.4f}", _us(r.gpu_us), _us(r.host_us), r.scope, r.gpu,
+             r.status] for r in report.rows]
     if rows:
-        print(table(["OP", "KEY", "BACKEND", "CONFIG", "MS", "TIMED", "GPU", "STATUS"], rows, indent=""))
+        print(table(["OP", "KEY", "BACKEND", "CONFIG", "MS", "GPU_US", "HOST_US", "TIMED", "GPU", "STATUS"], rows,
+                    indent=""))
     print(report.summary())
     return 0
+
+
+def _us(value: float | None) -> str:
+    """A per-call time in microseconds as ``db show`` prints it; ``-`` where the entry has none."""
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:

@@ -33,6 +33,8 @@ class Hit:
     layer: str
     path: Path
     soft: tuple[str, ...]  # soft stamp fields that differ from this machine
+    gpu_ms: float | None = None  # the entry's device time per call, where stored
+    host_ms: float | None = None  # the entry's host issue time per call, where stored
 
     def note(self) -> str:
         soft = f"; differs in {', '.join(self.soft)} (soft)" if self.soft else ""
@@ -112,7 +114,8 @@ def lookup(spec: OpSpec, problem: Any) -> Hit | None:
                          verdict.reason)
         if usable:
             result, verdict = min(usable, key=lambda rv: rv[0].preference)
-            return Hit(result.backend, decode_config(result.config), result.time_ms, layer, path, verdict.soft)
+            return Hit(result.backend, decode_config(result.config), result.time_ms, layer, path, verdict.soft,
+                       _ms(result.gpu_us), _ms(result.host_us))
     return None
 
 
@@ -135,8 +138,27 @@ def result_for(spec: OpSpec, problem: Any, record: Any, candidates: Sequence[Any
         tuned=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         scope=scope,
         default_ms=None if default_ms is None else round(float(default_ms), 6),
+        gpu_us=_us(record.gpu_ms),
+        host_us=_us(record.host_ms),
     )
     return result, stamp
+
+
+def _us(ms: float | None) -> float | None:
+    return None if ms is None or not math.isfinite(ms) else round(float(ms) * 1e3, 3)
+
+
+def _ms(us: float | None) -> float | None:
+    return None if us is None else us / 1e3
+
+
+def per_call_text(gpu_ms: float | None, host_ms: float) -> str:
+    """How ``explain`` states a tuned entry's measured split, e.g. ``gpu 5.2 us, host 83.7 us per
+    call``; where the call computes on the host (``gpu_ms`` None), the host time alone."""
+    host = f"host {host_ms * 1e3:.1f} us per call"
+    if gpu_ms is None:
+        return f"{host} (no device: the host computes the call)"
+    return f"gpu {gpu_ms * 1e3:.1f} us, {host}"
 
 
 def contents_of(pairs: Sequence[tuple[store.Result, Stamp]]) -> store.Contents:

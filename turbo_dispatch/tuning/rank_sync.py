@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Hashable, Sequence
 
 import torch
@@ -59,8 +59,7 @@ def _agree_on(key: tuple[str, Any], records: list[autotune.TuneRecord]) -> autot
     profiled = [r for r in records if r.measured]
     if not profiled:
         first = next((r for r in records if r.backend is not None), records[0])
-        return autotune.TuneRecord(first.backend, first.config, first.time_ms, first.rejected, first.timings,
-                                   first.source, _note(first.note, "the lowest rank's stored result", len(records)))
+        return replace(first, note=_note(first.note, "the lowest rank's stored result", len(records)))
     # Configs compare by value across processes, so candidates are matched by (backend, repr(config)).
     tables = [{(name, repr(config)): (name, config, ms) for name, config, ms in r.measured} for r in profiled]
     candidates: dict[Hashable, tuple[str, Hashable]] = {}

@@ -22,6 +22,8 @@ class EntryRow:
     gpu: str
     status: str  # "ok", "ok (soft: driver)", or "skipped: <reason>"
     scope: str = "gemm"  # what time_ms times (store.Result.scope)
+    gpu_us: float | None = None  # the winner's device time per call, where stored
+    host_us: float | None = None  # the winner's host issue time per call, where stored
 
 
 @dataclass
@@ -79,7 +81,7 @@ def inspect(path: "str | os.PathLike[str]") -> FileReport:
             report.entry_skips[_reason_class(verdict.reason)] += 1
         key = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in result.key.items())
         report.rows.append(EntryRow(result.op, key, result.backend, result.config, result.time_ms, stamp.gpu, status,
-                                    result.scope))
+                                    result.scope, result.gpu_us, result.host_us))
     return report
 
 

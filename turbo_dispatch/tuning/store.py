@@ -57,6 +57,11 @@ class Result:
     #: Step results only: the default step's time in the step tuner's confirmation, the same on
     #: the layer's three entries, so that their speedup over the default is the layer's.
     default_ms: float | None = None
+    #: The winner's device time and host issue time per call, in microseconds, where the tuner
+    #: measured them (``time_ms`` is the larger of the two, per call); ``gpu_us`` is absent where the
+    #: call computes on the host (cpu). Older entries have neither.
+    gpu_us: float | None = None
+    host_us: float | None = None
 
     @property
     def preference(self) -> tuple[bool, float]:
@@ -77,7 +82,9 @@ class Result:
                 "config": self.config, "identity": self.identity, "time_ms": self.time_ms,
                 "candidates": self.candidates, "rejected": [list(r) for r in self.rejected], "tuned": self.tuned,
                 **({} if self.scope == "gemm" else {"scope": self.scope}),
-                **({} if self.default_ms is None else {"default_ms": self.default_ms})}
+                **({} if self.default_ms is None else {"default_ms": self.default_ms}),
+                **{name: value for name, value in (("gpu_us", self.gpu_us), ("host_us", self.host_us))
+                   if value is not None}}
 
     @classmethod
     def from_json(cls, obj: dict) -> "Result":
@@ -104,9 +111,21 @@ class Result:
         if default_ms is not None and (isinstance(default_ms, bool) or not isinstance(default_ms, (int, float))
                                        or not math.isfinite(default_ms) or default_ms <= 0):
             raise ValueError(f"default_ms must be a finite positive number, got {default_ms!r}")
+        gpu_us, host_us = (_optional_duration(obj, name) for name in ("gpu_us", "host_us"))
         return cls(obj["stamp"], obj["op"], obj["key"], obj["backend"], obj["config"], obj["identity"],
                    float(time_ms), candidates, tuple(tuple(r) for r in rejected), str(obj.get("tuned", "")), scope,
-                   None if default_ms is None else float(default_ms))
+                   None if default_ms is None else float(default_ms), gpu_us, host_us)
+
+
+def _optional_duration(obj: dict, name: str) -> float | None:
+    """The field ``name`` of a result line as a float: absent or null gives None; anything but a
+    finite non-negative number raises ValueError (the line is then skipped as malformed)."""
+    value = obj.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite non-negative number, got {value!r}")
+    return float(value)
 
 
 def key_text(key: dict) -> str:

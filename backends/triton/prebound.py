@@ -1,0 +1,169 @@
+"""Pre-bound launches of Triton JIT kernels: resolve a launch once per problem key, then launch the
+compiled kernel directly.
+
+Triton's ``JITFunction.run`` binds every argument, works out each one's specialisation and hashes
+them into its cache key on every call, although for one problem key (shapes, dtypes, strides,
+alignment, config) the answer never changes. A ``PreboundKernel`` keeps one ``Plan`` per key: the
+grid, the arguments the key fixes (constexprs, sizes, strides), the launch options and the
+``CompiledKernel`` that Triton returned from the key's first launch. Later calls pass only the
+arguments that change from call to call (pointers, TMA descriptors) to ``compiled[grid]``, the
+compiled kernel's own launcher (the one ``run`` ends in; triton 3.6 to 3.9 have it with this
+form). That launcher still takes the current stream and Triton's launch hooks on every call.
+
+What the caller guarantees: its key determines everything Triton specialises on apart from the
+per-call arguments' values. That is each per-call tensor's dtype and whether its data pointer is
+16-byte aligned (a TMA descriptor's dtype and block shape), the device, and every fixed argument.
+A key that missed one of these would launch a kernel compiled for another specialisation.
+Triton's process-wide knobs that change compilation (``TRITON_DEBUG``, instrumentation) are read at
+a key's first launch; a plan keeps the kernel they gave.
+
+Where the compiled kernel cannot be used, a plan launches through ``kernel[grid](...)`` with the
+same resolved arguments (the normal path, correct but without the saving), and the first such
+plan of each kernel logs why at debug level. That happens under the interpreter
+(``TRITON_INTERPRET=1``, which compiles nothing), where the kernel has pre-run hooks (only
+``run`` calls them), and where the first launch returned no compiled kernel.
+
+>>> order_of(["a", "b", "BLOCK", "n"], per_call=("a", "b"), fixed=("BLOCK", "n"))
+(0, 1, 2, 3)
+>>> order_of(["a", "BLOCK", "b"], per_call=("a", "b"), fixed=("BLOCK",))
+(0, 2, 1)
+"""
+from __future__ import annotations
+
+import logging
+import operator
+import threading
+from typing import Any, Callable, Hashable, Mapping, Sequence
+
+log = logging.getLogger("turbo_dispatch.backends.triton.prebound")
+
+#: Plans kept per kernel; the oldest is dropped beyond it. A job whose shapes vary without bound
+#: (every token count of a MoE layer, say) must not grow the cache without bound.
+MAX_PLANS = 4096
+
+
+class BoundedCache(dict):
+    """A dict that forgets its oldest entry once it holds ``limit``: its keys are problems, whose
+    number a job with varying shapes does not bound. ``put`` stores and returns the value."""
+
+    def __init__(self, limit: int = MAX_PLANS) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def put(self, key: Hashable, value: Any) -> Any:
+        if len(self) >= self.limit:
+            try:
+                self.pop(next(iter(self)), None)
+            except (RuntimeError, StopIteration):  # another thread changed it meanwhile: drop nothing now
+                pass
+        self[key] = value
+        return value
+
+
+def order_of(names: Sequence[str], per_call: Sequence[str], fixed: Sequence[str]) -> tuple[int, ...]:
+    """For each kernel parameter in ``names`` (signature order), its index in the concatenation
+    ``per_call values + fixed values``. Raises ValueError unless the two name lists cover every
+    parameter exactly once."""
+    position = {name: i for i, name in enumerate([*per_call, *fixed])}
+    if len(position) != len(per_call) + len(fixed) or set(position) != set(names):
+        missing = sorted(set(names) - set(position))
+        extra = sorted(set(position) - set(names))
+        raise ValueError(f"prebound launch: arguments must cover the kernel's parameters once each "
+                         f"(missing {missing}, unknown {extra})")
+    return tuple(position[name] for name in names)
+
+
+class Plan:
+    """One problem key's resolved launch: ``plan(*per_call)`` launches the kernel with the per-call
+    arguments (in the order the ``PreboundKernel`` was given them) and the key's fixed ones.
+
+    ``direct`` says whether it launches the compiled kernel itself (else Triton's normal path);
+    ``state`` holds what the caller keeps per key beside the launch (output shape, descriptor
+    layouts), so that a call that finds the plan recomputes none of it."""
+
+    __slots__ = ("_launch", "_pick", "_fixed", "direct", "state")
+
+    def __init__(self, launch: Callable[..., Any], pick: Callable[[tuple], tuple], fixed: tuple, direct: bool,
+                 state: Any) -> None:
+        self._launch, self._pick, self._fixed = launch, pick, fixed
+        self.direct, self.state = direct, state
+
+    def __call__(self, *per_call: Any) -> None:
+        self._launch(*self._pick(per_call + self._fixed))
+
+
+class PreboundKernel:
+    """A Triton JIT kernel launched through one ``Plan`` per problem key.
+
+    ``per_call`` names the parameters whose values change from call to call under one key
+    (tensors and descriptors), in the order ``Plan.__call__`` takes them; ``bind`` gives every
+    other parameter. ``binds`` and ``hits`` count first launches and pre-bound ones (tests and
+    benchmarks read them)."""
+
+    def __init__(self, kernel: Any, per_call: Sequence[str], max_plans: int = MAX_PLANS) -> None:
+        self.kernel = kernel
+        self.per_call = tuple(per_call)
+        self.binds = 0
+        self.hits = 0
+        self._plans = BoundedCache(max_plans)
+        self._lock = threading.Lock()
+        self._told = False
+
+    @property
+    def name(self) -> str:
+        return getattr(self.kernel, "__name__", None) or getattr(getattr(self.kernel, "fn", None), "__name__", "kernel")
+
+    def plan(self, key: Hashable) -> Plan | None:
+        """The plan bound for ``key``, or None (then the caller resolves the launch and ``bind``s it)."""
+        plan = self._plans.get(key)
+        if plan is not None:
+            self.hits += 1
+        return plan
+
+    def bind(self, key: Hashable, grid: Sequence[int], per_call: Sequence[Any], fixed: Mapping[str, Any],
+             options: Mapping[str, Any], state: Any = None) -> Plan:
+        """Launches the kernel once through Triton's normal path (compiling it if needed) with
+        ``per_call`` values (in ``self.per_call`` order), the ``fixed`` arguments by name and the
+        launch ``options`` (``num_warps``, ``num_stages``, ...), on ``grid`` (a sequence of at most 3
+        ints), and keeps the plan that later calls of ``key`` launch with."""
+        names = list(self.kernel.arg_names)
+        fixed_names = tuple(fixed)
+        order = order_of(names, self.per_call, fixed_names)
+        fixed_values = tuple(fixed[name] for name in fixed_names)
+        pick = operator.itemgetter(*order) if len(order) > 1 else (lambda values: (values[order[0]],))
+        full = pick(tuple(per_call) + fixed_values)
+        grid3 = tuple(grid) + (1,) * (3 - len(grid))
+        compiled = self.kernel[grid3](*full, **options)
+        if hasattr(compiled, "result"):  # an asynchronously compiled kernel
+            compiled = compiled.result()
+        launch, why_not = _direct_launcher(self.kernel, compiled, grid3)
+        direct = launch is not None
+        if not direct:
+            if not self._told:
+                self._told = True
+                log.debug("prebound launch of %s: the normal Triton launch serves each call (%s)", self.name, why_not)
+            normal = self.kernel[grid3]
+            launch = (lambda *args: normal(*args, **options)) if options else normal
+        plan = Plan(launch, pick, fixed_values, direct, state)
+        with self._lock:
+            self.binds += 1
+            self._plans.put(key, plan)
+        return plan
+
+    def clear(self) -> None:
+        """Forgets every plan (the compiled kernels stay in Triton's own cache)."""
+        with self._lock:
+            self._plans.clear()
+
+
+def _direct_launcher(kernel: Any, compiled: Any, grid3: tuple) -> tuple[Callable[..., Any] | None, str]:
+    """(the compiled kernel's launcher on ``grid3``, "") or (None, why the normal path must serve)."""
+    if getattr(kernel, "pre_run_hooks", None):
+        return None, "the kernel has pre-run hooks, which only JITFunction.run calls"
+    if compiled is None or not callable(getattr(compiled, "__getitem__", None)) \
+            or not hasattr(compiled, "function"):
+        return None, "no compiled kernel came back from the first launch (the interpreter compiles nothing)"
+    try:
+        return compiled[grid3], ""
+    except Exception as exc:  # a Triton whose CompiledKernel has no launcher of this form
+        return None, f"the compiled kernel has no launcher: {type(exc).__name__}: {exc}"

@@ -1,0 +1,324 @@
+"""Pre-bound Triton launches (backends/triton/prebound.py) and the GEMM kernels that use them.
+
+CPU, no triton needed: the plan logic against a scripted kernel that records how it is launched
+(the first call through Triton's normal path, later ones through the compiled kernel's launcher,
+with every argument in signature order; the normal path where no compiled kernel comes back).
+CPU, triton: the GEMM launch keys change with every fact Triton specialises on. CPU, Triton
+interpreter (a subprocess, as in test_triton_gemm.py): a second call of a key takes its plan and
+gives the first call's bits, on the TMA and pointer paths, every layout, bf16 and fp8.
+GPU (``gpu``): the second call launches the compiled kernel directly, with the same result.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import pytest
+import torch
+
+from subprocess_results import assert_check_passed, interpreter_checks
+
+from turbo_dispatch.backends.triton import prebound
+from turbo_dispatch.backends.triton.prebound import BoundedCache, PreboundKernel, order_of
+
+
+# -- the plan logic, against a scripted kernel ----------------------------------------------------
+class _Compiled:
+    """Stands in for a CompiledKernel: ``compiled[grid](*args)`` records a direct launch."""
+
+    function = object()
+
+    def __init__(self, log):
+        self.log = log
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append(("direct", grid, args, {}))
+
+
+class _Jit:
+    """Stands in for a JITFunction: ``kernel[grid](*args, **options)`` records a normal launch and
+    returns ``compiled`` (None: what the interpreter returns)."""
+
+    arg_names = ["x", "BLOCK", "y", "n", "FLAG"]
+
+    def __init__(self, compiled=True, hooks=()):
+        self.log = []
+        self.compiled = _Compiled(self.log) if compiled else None
+        self.pre_run_hooks = list(hooks)
+
+    def __getitem__(self, grid):
+        def launch(*args, **options):
+            self.log.append(("normal", grid, args, options))
+            return self.compiled
+        return launch
+
+
+def test_second_call_launches_the_compiled_kernel_with_every_argument_in_order():
+    jit = _Jit()
+    kernel = PreboundKernel(jit, per_call=("x", "y"))
+    assert kernel.plan("key") is None
+    plan = kernel.bind("key", (6,), ("x0", "y0"), {"n": 7, "BLOCK": 32, "FLAG": True}, {"num_warps": 4},
+                       state=("rows", 3))
+    assert jit.log == [("normal", (6, 1, 1), ("x0", 32, "y0", 7, True), {"num_warps": 4})]
+    assert plan.direct and plan.state == ("rows", 3) and kernel.binds == 1
+    again = kernel.plan("key")
+    assert again is plan and kernel.hits == 1
+    again("x1", "y1")
+    assert jit.log[-1] == ("direct", (6, 1, 1), ("x1", 32, "y1", 7, True), {})
+    assert kernel.plan("other key") is None
+
+
+@pytest.mark.parametrize("jit, why", [(_Jit(compiled=False), "no compiled kernel came back"),
+                                      (_Jit(hooks=[print]), "pre-run hooks")])
+def test_without_a_compiled_kernel_plans_take_the_normal_path_and_say_so_once(caplog, jit, why):
+    kernel = PreboundKernel(jit, per_call=("x", "y"))
+    with caplog.at_level(logging.DEBUG, logger=prebound.log.name):
+        plan = kernel.bind("k1", (2, 3), ("x0", "y0"), {"n": 1, "BLOCK": 16, "FLAG": False}, {"num_stages": 2})
+        kernel.bind("k2", (2,), ("x0", "y0"), {"n": 2, "BLOCK": 16, "FLAG": False}, {})
+    assert not plan.direct
+    plan("x1", "y1")
+    assert jit.log[-1] == ("normal", (2, 3, 1), ("x1", 16, "y1", 1, False), {"num_stages": 2})
+    told = [r for r in caplog.records if r.name == prebound.log.name]
+    assert len(told) == 1 and told[0].levelno == logging.DEBUG and why in told[0].getMessage()
+
+
+def test_arguments_must_cover_the_signature_once():
+    assert order_of(["a", "B", "c"], ("a", "c"), ("B",)) == (0, 2, 1)
+    with pytest.raises(ValueError, match=r"missing \['FLAG'\]"):
+        PreboundKernel(_Jit(), per_call=("x", "y")).bind("k", (1,), (1, 2), {"n": 1, "BLOCK": 2}, {})
+    with pytest.raises(ValueError, match=r"unknown \['z'\]"):
+        order_of(["a"], ("a",), ("z",))
+    with pytest.raises(ValueError):
+        order_of(["a", "b"], ("a", "a"), ("b",))
+
+
+def test_plans_are_bounded():
+    cache = BoundedCache(3)
+    for i in range(5):
+        cache.put(i, str(i))
+    assert list(cache) == [2, 3, 4]
+    kernel = PreboundKernel(_Jit(), per_call=("x", "y"), max_plans=2)
+    for i in range(3):
+        kernel.bind(i, (1,), (0, 0), {"n": i, "BLOCK": 1, "FLAG": False}, {})
+    assert kernel.plan(0) is None and kernel.plan(2) is not None
+
+
+# -- the GEMM kernels' launch keys ----------------------------------------------------------------
+def _gemm_kernels():
+    pytest.importorskip("triton")
+    from turbo_dispatch.backends.triton import fp8_gemm_kernels as FK
+    from turbo_dispatch.backends.triton import gemm_kernels as GK
+    from turbo_dispatch.backends.triton.configs import TileConfig
+
+    return GK, FK, TileConfig
+
+
+def test_gemm_launch_key_changes_with_every_specialised_fact():
+    GK, _, TileConfig = _gemm_kernels()
+    cfg = TileConfig(32, 32, 32, 2, 2, 4)
+    a, b = torch.randn(40, 24, dtype=torch.float16), torch.randn(24, 20, dtype=torch.float16)
+    base = GK.launch_key(a, b, False, False, torch.float32, cfg, None)
+    assert GK.launch_key(a.clone(), b.clone(), False, False, torch.float32, cfg, None) == base
+    padded = torch.randn(40, 32, dtype=torch.float16)[:, :24]  # same shape, other row stride
+    unaligned = torch.randn(40 * 24 + 1, dtype=torch.float16)[1:].view(40, 24)  # 2-byte offset
+    variants = [
+        GK.launch_key(padded, b, False, False, torch.float32, cfg, None),
+        GK.launch_key(unaligned, b, False, False, torch.float32, cfg, None),
+        GK.launch_key(a.bfloat16(), b.bfloat16(), False, False, torch.float32, cfg, None),
+        GK.launch_key(a, b, False, False, torch.bfloat16, cfg, None),
+        GK.launch_key(a, b, False, False, torch.float32, cfg._replace(block_n=64), None),
+        GK.launch_key(a, b, False, False, torch.float32, cfg._replace(occupancy=2), None),
+        GK.launch_key(a, b, False, False, torch.float32, cfg, False),
+        GK.launch_key(a.t().contiguous().t(), b, False, False, torch.float32, cfg, None),  # column-major
+        GK.launch_key(a.t(), b, True, False, torch.float32, cfg, None),
+        GK.launch_key(torch.randn(41, 24, dtype=torch.float16), b, False, False, torch.float32, cfg, None),
+    ]
+    assert len({base, *variants}) == len(variants) + 1
+
+
+def test_fp8_launch_key_changes_with_every_specialised_fact():
+    _, FK, TileConfig = _gemm_kernels()
+    cfg = TileConfig(32, 32, 32, 2, 2, 4)
+    e4 = torch.float8_e4m3fn
+    a, b = torch.randn(40, 64).to(e4), torch.randn(20, 64).to(e4)
+    sa, sb = torch.rand(40, 2), torch.rand(20, 2)
+    base = FK.launch_key(a, b, sa, sb, FK.SCALE_BLOCK, torch.bfloat16, cfg, 1, 1, None)
+    assert FK.launch_key(a.clone(), b.clone(), sa.clone(), sb.clone(), FK.SCALE_BLOCK, torch.bfloat16, cfg, 1, 1,
+                         None) == base
+    variants = [
+        FK.launch_key(a, torch.randn(20, 64).to(torch.float8_e5m2), sa, sb, FK.SCALE_BLOCK, torch.bfloat16, cfg, 1, 1,
+                      None),
+        FK.launch_key(a, b, sa.t().contiguous().t(), sb, FK.SCALE_BLOCK, torch.bfloat16, cfg, 1, 1, None),
+        FK.launch_key(a, b, sa, sb, FK.SCALE_BLOCK, torch.float32, cfg, 1, 1, None),
+        FK.launch_key(a, b, sa, sb, FK.SCALE_BLOCK, torch.bfloat16, cfg._replace(num_warps=8), 1, 1, None),
+        FK.launch_key(a, b, sa, sb, FK.SCALE_BLOCK, torch.bfloat16, cfg, 1, 32, None),
+        FK.launch_key(a, b, sa, sb, FK.SCALE_ROW, torch.bfloat16, cfg, 1, 1, None),
+        FK.launch_key(a, b, torch.rand(81)[1:].view(40, 2), sb, FK.SCALE_BLOCK, torch.bfloat16, cfg, 1, 1, None),
+        FK.launch_key(a, b, sa, sb, FK.SCALE_BLOCK, torch.bfloat16, cfg, 1, 1, False),
+    ]
+    assert len({base, *variants}) == len(variants) + 1
+
+
+# -- the interpreter: a planned call gives the first call's bits ---------------------------------------
+def _emit(name: str, ok: bool, detail: str = "") -> None:
+    print("RESULT " + json.dumps({"name": name, "ok": bool(ok), "detail": detail}), flush=True)
+
+
+def _interpreter_checks() -> None:  # pragma: no cover - runs in the subprocess
+    import itertools
+
+    from turbo_dispatch.backends.triton import fp8_gemm_kernels as FK
+    from turbo_dispatch.backends.triton import gemm_kernels as GK
+    from turbo_dispatch.backends.triton import quantize as Q
+    from turbo_dispatch.backends.triton.configs import TileConfig
+    from turbo_dispatch.low_precision import ScalingGranularity as G
+
+    torch.manual_seed(7)
+    cfg = TileConfig(32, 32, 32, 2, 2, 4)
+    for dt, (ta, tb), tma in itertools.product((torch.float16, torch.bfloat16), itertools.product([False, True], repeat=2),
+                                               (None, False)):
+        m, n, k = 40, 56, 72  # 16-byte rows in every layout, so tma=None takes TMA; edge tiles still masked
+        shape_a, shape_b = ((k, m) if ta else (m, k)), ((n, k) if tb else (k, n))
+        a1, b1 = torch.randn(shape_a).to(dt), torch.randn(shape_b).to(dt)
+        a2, b2 = torch.randn(shape_a).to(dt), torch.randn(shape_b).to(dt)
+        binds, hits = GK.GEMM_LAUNCHER.binds, GK.GEMM_LAUNCHER.hits
+        first = GK.gemm(a1, b1, ta, tb, torch.float32, cfg, use_tma=tma)
+        second = GK.gemm(a2, b2, ta, tb, torch.float32, cfg, use_tma=tma)  # the same key: planned
+        GK.GEMM_LAUNCHER.clear()
+        fresh = GK.gemm(a2, b2, ta, tb, torch.float32, cfg, use_tma=tma)  # resolved again from scratch
+        ref = (a2.t() if ta else a2).double() @ (b2.t() if tb else b2).double()
+        err = float((second.double() - ref).norm() / ref.norm())
+        key = GK.launch_key(a2, b2, ta, tb, torch.float32, cfg, tma)
+        layouts = GK.GEMM_LAUNCHER.plan(key).state[2]
+        ok = (GK.GEMM_LAUNCHER.binds - binds == 2 and GK.GEMM_LAUNCHER.hits - hits == 2
+              and torch.equal(second, fresh) and err < 1e-2 and not torch.equal(first, second)
+              and (layouts is None) == (tma is False))
+        _emit(f"gemm_planned[{dt}-{int(ta)}{int(tb)}-tma={tma}]", ok,
+              f"binds {GK.GEMM_LAUNCHER.binds - binds}, hits {GK.GEMM_LAUNCHER.hits - hits}, err {err:.1e}")
+
+    e4 = torch.float8_e4m3fn
+    for (g, bs, b2d, mode), tma in itertools.product(
+            [(G.TENSORWISE, None, False, FK.SCALE_TENSOR), (G.ROWWISE, None, False, FK.SCALE_ROW),
+             (G.BLOCKWISE, 32, True, FK.SCALE_BLOCK)], (None, False)):
+        def operands():
+            qa, sa = Q.quantize_kmajor(torch.randn(48, 96), e4, g, bs, False)
+            qb, sb = Q.quantize_kmajor(torch.randn(40, 96), e4, g, bs, b2d)
+            if mode == FK.SCALE_ROW:
+                sa, sb = sa.reshape(-1), sb.reshape(-1)
+            return qa, qb, sa, sb
+
+        groups = dict(a_group=1, b_group=32 if b2d else 1)
+        first_ops, second_ops = operands(), operands()
+        binds = FK.FP8_GEMM_LAUNCHER.binds
+        FK.fp8_gemm(*first_ops, mode, torch.float32, cfg, use_tma=tma, **groups)
+        second = FK.fp8_gemm(*second_ops, mode, torch.float32, cfg, use_tma=tma, **groups)
+        FK.FP8_GEMM_LAUNCHER.clear()
+        fresh = FK.fp8_gemm(*second_ops, mode, torch.float32, cfg, use_tma=tma, **groups)
+        _emit(f"fp8_planned[{g.name}-tma={tma}]", torch.equal(second, fresh) and FK.FP8_GEMM_LAUNCHER.binds - binds == 2,
+              f"binds {FK.FP8_GEMM_LAUNCHER.binds - binds}, max diff {float((second - fresh).abs().max())}")
+
+
+_CPU_NAMES = (
+    [f"gemm_planned[{dt}-{ta}{tb}-tma={tma}]" for dt in (torch.float16, torch.bfloat16) for ta in (0, 1)
+     for tb in (0, 1) for tma in (None, False)]
+    + [f"fp8_planned[{g}-tma={tma}]" for g in ("TENSORWISE", "ROWWISE", "BLOCKWISE") for tma in (None, False)]
+)
+
+
+@pytest.fixture(scope="module")
+def _interpreter_results(interpreter_refusal) -> dict:
+    if interpreter_refusal:
+        pytest.skip(interpreter_refusal)
+    return interpreter_checks(__file__)
+
+
+@pytest.mark.parametrize("name", _CPU_NAMES)
+def test_interpreter(_interpreter_results, name):
+    assert_check_passed(_interpreter_results, name)
+
+
+# -- GPU: the second call launches the compiled kernel ------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("ta, tb", [(False, False), (False, True), (True, False)])
+def test_gpu_second_call_is_prebound_and_identical(ta, tb):
+    from turbo_dispatch.backends.triton import gemm_kernels as GK
+    from turbo_dispatch.backends.triton.gemm import TritonGemm
+    from turbo_dispatch.ops.gemm import gemm_problem
+
+    torch.manual_seed(3)
+    m, n, k = 300, 260, 520
+    a = torch.randn((k, m) if ta else (m, k), device="cuda").bfloat16()
+    b = torch.randn((n, k) if tb else (k, n), device="cuda").bfloat16()
+    p = gemm_problem(a, b, ta, tb, torch.bfloat16)
+    adapter = TritonGemm()
+    first = adapter.run(p, a, b)
+    binds, hits = GK.GEMM_LAUNCHER.binds, GK.GEMM_LAUNCHER.hits
+    second = adapter.run(p, a, b)
+    torch.cuda.synchronize()
+    assert (GK.GEMM_LAUNCHER.binds, GK.GEMM_LAUNCHER.hits) == (binds, hits + 1), "the second call must be planned"
+    tile = adapter.configs(p)[0]
+    from turbo_dispatch.backends.triton import configs as C
+
+    plan = GK.GEMM_LAUNCHER.plan(GK.launch_key(a, b, ta, tb, torch.bfloat16, C.from_tuple(tile), None))
+    assert plan is not None and plan.direct, "on a GPU the plan launches the compiled kernel"
+    assert torch.equal(first, second)
+    ref = (a.t() if ta else a).float() @ (b.t() if tb else b).float()
+    assert float((second.float() - ref).norm() / ref.norm()) < 2e-2
+    # Another input of the same key (a new address) through the plan.
+    a2 = torch.randn_like(a)
+    ref2 = (a2.t() if ta else a2).float() @ (b.t() if tb else b).float()
+    out2 = adapter.run(p, a2, b)
+    assert float((out2.float() - ref2).norm() / ref2.norm()) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise", "blockwise"])
+def test_gpu_fp8_second_call_is_prebound_and_identical(granularity):
+    from turbo_dispatch.backends.triton import fp8_gemm_kernels as FK
+    from turbo_dispatch.backends.triton.gemm import TritonGemmFp8
+    from turbo_dispatch.low_precision import ScalingGranularity as G
+    from turbo_dispatch.ops.gemm import gemm_fp8_problem
+
+    torch.manual_seed(4)
+    g = G(granularity)
+    bs = 128 if g is G.BLOCKWISE else None
+    a = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(384, 512, device="cuda", dtype=torch.bfloat16)
+    e4 = torch.float8_e4m3fn
+    p = gemm_fp8_problem(a, b, False, True, torch.bfloat16, e4, e4, g, bs, False, g is G.BLOCKWISE)
+    adapter = TritonGemmFp8()
+    from turbo_dispatch.backends.triton import configs as C
+
+    tile = next(c for c in adapter.configs(p) if C.from_tuple(c).kernel == C.KERNEL_TRITON)  # not a Gluon one
+    first = adapter.run(p, a, b, config=tile)
+    binds, hits = FK.FP8_GEMM_LAUNCHER.binds, FK.FP8_GEMM_LAUNCHER.hits
+    second = adapter.run(p, a, b, config=tile)
+    torch.cuda.synchronize()
+    assert FK.FP8_GEMM_LAUNCHER.binds == binds and FK.FP8_GEMM_LAUNCHER.hits == hits + 1
+    assert torch.equal(first, second)
+    ref = a.double() @ b.double().t()
+    noise = float((second.double() - ref).pow(2).sum())
+    assert 10 * torch.log10(torch.tensor(float(ref.pow(2).sum()) / noise)) >= 25
+
+
+@pytest.mark.gpu
+def test_gpu_pinned_triton_op_calls_are_prebound():
+    """Through the op with TRITON pinned in code: every call after the first of a key takes the
+    plan, and each reads its own operands."""
+    import turbo_dispatch as turbo
+    from turbo_dispatch.backends.triton import gemm_kernels as GK
+
+    turbo.GlobalBackendManager.set_gemm_backend("TRITON")
+    pairs = [(torch.randn(16, 16, device="cuda").bfloat16(), torch.randn(16, 16, device="cuda").bfloat16())
+             for _ in range(6)]
+    turbo.ops.gemm(*pairs[0])
+    binds, hits = GK.GEMM_LAUNCHER.binds, GK.GEMM_LAUNCHER.hits
+    for x, y in pairs[1:]:
+        got, want = turbo.ops.gemm(x, y).float(), x.float() @ y.float()
+        assert float((got - want).norm() / want.norm()) < 2e-2
+    assert (GK.GEMM_LAUNCHER.binds, GK.GEMM_LAUNCHER.hits) == (binds, hits + 5)
+
+
+if __name__ == "__main__" and "--interpreter-checks" in sys.argv:
+    _interpreter_checks()
