@@ -33,8 +33,9 @@ def randn(shape, dtype=FP32, device="cpu", requires_grad=False):
     return x.requires_grad_(requires_grad)
 
 
-def ref_attention(q, k, v, scale=None, causal=False, window=(-1, -1)):
-    """float64 out [B, Sq, Hq, Dv] and lse [B, Hq, Sq] of dense attention; differentiable."""
+def ref_attention(q, k, v, scale=None, causal=False, window=(-1, -1), sink=None):
+    """float64 out [B, Sq, Hq, Dv] and lse [B, Hq, Sq] of dense attention; differentiable. A
+    ``sink`` [Hq] is one more, value-less, column of every row's softmax (GPT-OSS)."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = d ** -0.5 if scale is None else scale
@@ -54,14 +55,19 @@ def ref_attention(q, k, v, scale=None, causal=False, window=(-1, -1)):
         allowed &= j >= diag - left
     rows = allowed.any(-1, keepdim=True)
     masked = scores.masked_fill(~allowed, float("-inf"))
+    if sink is not None:
+        masked = torch.cat([masked, sink[None, :, None, None].expand(b, hq, sq, 1)], -1)
+        return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(masked, -1)[..., :-1], v), \
+            torch.logsumexp(masked.detach(), -1)
     lse = torch.logsumexp(masked.detach(), -1)
     probs = torch.softmax(masked.masked_fill(~rows, 0.0), -1) * rows
     return torch.einsum("bhqk,bkhd->bqhd", probs, v), lse
 
 
-def ref_grads(q, k, v, grad, **kw):
-    leaves = [x.detach().cpu().double().requires_grad_() for x in (q, k, v)]
-    out, lse = ref_attention(*leaves, **kw)
+def ref_grads(q, k, v, grad, sink=None, **kw):
+    """float64 (out, lse, [dq, dk, dv]) of ``ref_attention``; with a ``sink``, dsink ends the list."""
+    leaves = [x.detach().cpu().double().requires_grad_() for x in (q, k, v) + ((sink,) if sink is not None else ())]
+    out, lse = ref_attention(*leaves[:3], sink=leaves[3] if sink is not None else None, **kw)
     out.backward(grad.detach().cpu().double())
     return out.detach(), lse, [x.grad for x in leaves]
 
@@ -223,21 +229,23 @@ def cu(lens):
     return torch.tensor(out, dtype=torch.int32)
 
 
-def varlen_reference(q, k, v, grad, cu_q, cu_k, kw):
-    """float64 (out [Tq, Hq, Dv], lse [Hq, Tq], [dq, dk, dv]) of packed sequences, each attended
-    on its own by ``ref_grads``; a sequence without queries contributes nothing."""
+def varlen_reference(q, k, v, grad, cu_q, cu_k, kw, sink=None):
+    """float64 (out [Tq, Hq, Dv], lse [Hq, Tq], [dq, dk, dv(, dsink)]) of packed sequences, each
+    attended on its own by ``ref_grads``; a sequence without queries contributes nothing."""
     ref_out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64)
     ref_lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float64)
-    ref_g = [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v)]
+    ref_g = [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v) + ((sink,) if sink is not None else ())]
     for b in range(len(cu_q) - 1):
         sq_, sk_ = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         if cu_q[b + 1] == cu_q[b]:
             continue
-        o, l_, g = ref_grads(q[None, sq_], k[None, sk_], v[None, sk_], grad[None, sq_], **ref_kwargs(kw))
+        o, l_, g = ref_grads(q[None, sq_], k[None, sk_], v[None, sk_], grad[None, sq_], sink=sink, **ref_kwargs(kw))
         ref_out[sq_], ref_lse[:, sq_] = o[0], l_[0]
         ref_g[0][sq_] = g[0][0]
         ref_g[1][sk_] += g[1][0]
         ref_g[2][sk_] += g[2][0]
+        if sink is not None:
+            ref_g[3] += g[3]
     return ref_out, ref_lse, ref_g
 
 

@@ -97,6 +97,17 @@ def _gate(values: dict) -> tuple[bool, str]:
     return min(values.values()) >= 40.0, json.dumps({k: round(v, 1) for k, v in values.items()})
 
 
+def interpreter_adapter():
+    """The TRITON adapter for interpreter checks, with 16 x 16 backward tiles too, so the
+    backward's spans cross blocks like the forward's (INTERP_TILE)."""
+    from turbo_dispatch.backends.triton import attention as TA
+
+    for family in TA.BWD_TILES.values():
+        for key in family:
+            family[key] = (INTERP_TILE, INTERP_TILE)
+    return TA.TritonAttention()
+
+
 def _interpreter_checks() -> None:  # pragma: no cover - runs in the subprocess
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from test_attention import cu, ref_grads, varlen_reference
@@ -106,11 +117,7 @@ def _interpreter_checks() -> None:  # pragma: no cover - runs in the subprocess
     from turbo_dispatch.ops import attention as A
 
     torch.manual_seed(1234)
-    # 16 x 16 backward tiles too, so the backward's spans cross blocks like the forward's.
-    for family in TA.BWD_TILES.values():
-        for key in family:
-            family[key] = (INTERP_TILE, INTERP_TILE)
-    ad = TA.TritonAttention()
+    ad = interpreter_adapter()
 
     def leaves(*shapes, dtype):
         return [torch.randn(s).to(dtype) for s in shapes]
@@ -149,7 +156,7 @@ def _interpreter_checks() -> None:  # pragma: no cover - runs in the subprocess
     q, k, v, g = leaves((1, 33, 8, 32), (1, 33, 2, 32), (1, 33, 2, 32), (1, 33, 8, 32), dtype=FP16)
     p = A.attention_problem(q, k, v, causal=True, deterministic=True)
     out, lse, saved = ad.forward(p, q, k, v, None, None, config=INTERP_TILE)
-    runs = [TA.attend_backward(p, *saved, g, ad.backward_tiles(p), splits=s) for s in (1, 1, 2, 2, 4)]
+    runs = [TA.attend_backward(p, *saved[:7], g, ad.backward_tiles(p), splits=s)[:3] for s in (1, 1, 2, 2, 4)]
     same = [all(torch.equal(a, b) for a, b in zip(runs[i], runs[i + 1])) for i in (0, 2)]
     close = min(_snr(x, r) for run in runs[2:] for x, r in zip(run, runs[0]))
     _emit("deterministic", all(same) and close > 60, f"repeat equal={same}, split vs whole SNR {close:.1f}")
@@ -210,27 +217,48 @@ _CPU_NAMES = ([f"dense[{n}]" for n in DENSE_TINY] + [f"varlen[{n}]" for n in VAR
               + ["empty-rows", "deterministic", "strided-qkv", "op-eager", "op-compiled", "op-compiled-varlen"])
 
 
-@pytest.fixture(scope="module")
-def _interpreter_results(interpreter_refusal, tmp_path_factory) -> dict:
-    if interpreter_refusal:
-        pytest.skip(interpreter_refusal)
+def interpreter_results(script: str, tmp_path_factory) -> dict:
+    """``script`` run with ``--interpreter-checks`` under the Triton interpreter, with the TRITON
+    adapter served on the CPU as ``PLUGIN_NAME``: its RESULT lines by name (``script_results``)."""
     registry = tmp_path_factory.mktemp("plugin") / "registry.yaml"
     registry.write_text(PLUGIN_REGISTRY)
-    return _results("--interpreter-checks", TRITON_INTERPRET="1", PRIMUS_TURBO_EXTRA_REGISTRY=str(registry))
+    return script_results(script, "--interpreter-checks", TRITON_INTERPRET="1",
+                          PRIMUS_TURBO_EXTRA_REGISTRY=str(registry))
 
 
-def _results(*args: str, **env: str) -> dict:
-    """This file run as a script with ``args``: its RESULT lines by name, and ``__crash__`` (the
-    stderr's end) when it failed. TRITON_INTERPRET is dropped unless ``env`` sets it."""
+def script_results(script: str, *args: str, **env: str) -> dict:
+    """``script`` run with ``args``: its RESULT lines by name, and ``__crash__`` (the stderr's end)
+    when it failed. TRITON_INTERPRET is dropped unless ``env`` sets it."""
     full = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, __file__, *args], env={**full, **env}, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, script, *args], env={**full, **env}, capture_output=True, text=True,
                           timeout=600, cwd=ROOT)
     return collect_results(proc)
 
 
-@pytest.mark.parametrize("name", _CPU_NAMES)
-def test_interpreter(_interpreter_results, name):
-    assert_check_passed(_interpreter_results, name)
+def _results(*args: str, **env: str) -> dict:
+    return script_results(__file__, *args, **env)
+
+
+def interpreter_suite(script: str, names: list[str]):
+    """``(fixture, test)`` for a test module whose ``script`` prints the RESULT lines ``names``
+    under ``--interpreter-checks``: bind them as ``_interpreter_results, test_interpreter``. The
+    fixture runs the script once per module (``interpreter_results``) and skips where this
+    triton's interpreter cannot run the kernels; the test asserts one named check."""
+
+    @pytest.fixture(scope="module", name="_interpreter_results")
+    def results(interpreter_refusal, tmp_path_factory) -> dict:
+        if interpreter_refusal:
+            pytest.skip(interpreter_refusal)
+        return interpreter_results(script, tmp_path_factory)
+
+    @pytest.mark.parametrize("name", names)
+    def test_interpreter(_interpreter_results, name):
+        assert_check_passed(_interpreter_results, name)
+
+    return results, test_interpreter
+
+
+_interpreter_results, test_interpreter = interpreter_suite(__file__, _CPU_NAMES)
 
 
 # -- host-side facts ----------------------------------------------------------------------------------
@@ -387,10 +415,14 @@ def _compile_defaults(backend: str) -> None:  # pragma: no cover - runs in the s
                           UPCAST=False, HAS_LEFT=False, HAS_RIGHT=True, LEFT=0, RIGHT=0, grid=(1,))
             st = lambda x: tuple(x.stride())  # noqa: E731
             ls = (lse.stride(0), lse.stride(1))
+
+            def forward(q, k, v, tile, HAS_SINK=False, FP8=False, SCALE_BLOCK=1):
+                return AK.attn_fwd_kernel.warmup(
+                    q, k, v, out, lse, lse, lse, lse, lse, lse, lse, *st(q), *st(k), *st(v), *st(out), *ls, *(ls * 3),
+                    s, s, hq, hq // hk, 0.1, BLOCK_M=tile[0], BLOCK_N=tile[1], REVERSE=True, HAS_SINK=HAS_SINK,
+                    FP8=FP8, SCALE_BLOCK=SCALE_BLOCK, num_warps=tile[2], num_stages=tile[3], **common)
             kernels = {
-                "fwd": (fwd, lambda: AK.attn_fwd_kernel.warmup(
-                    q, k, v, out, lse, lse, lse, *st(q), *st(k), *st(v), *st(out), *ls, s, s, hq, hq // hk, 0.1,
-                    BLOCK_M=fwd[0], BLOCK_N=fwd[1], REVERSE=True, num_warps=fwd[2], num_stages=fwd[3], **common)),
+                "fwd": (fwd, lambda: forward(q, k, v, fwd)),
                 "dkdv": ((m1, n1, w1, s1), lambda: AK.attn_bwd_dkdv_kernel.warmup(
                     q, k, v, out, k, v, lse, lse, lse, lse, *st(q), *st(k), *st(v), *st(out), 0, *st(k), 0, *st(v),
                     *ls, s, s, hk, hq // hk, 1, 0.1, 0.1, BLOCK_M=m1, BLOCK_N=n1, num_warps=w1, num_stages=s1,
@@ -399,6 +431,13 @@ def _compile_defaults(backend: str) -> None:  # pragma: no cover - runs in the s
                     q, k, v, out, q, lse, lse, lse, lse, *st(q), *st(k), *st(v), *st(out), *st(q), *ls, s, s, hq,
                     hq // hk, 0.1, 0.1, BLOCK_M=m2, BLOCK_N=n2, REVERSE=True, num_warps=w2, num_stages=s2, **common)),
             }
+            if dqk == 128:  # the sink and fp8 (NVIDIA only) variants of the forward, in one head-dim class
+                kernels["fwd-sink"] = (fwd, lambda: forward(q, k, v, fwd, HAS_SINK=True))
+                if backend == "cuda":
+                    f8 = torch.float8_e4m3fn
+                    tile8 = ad.configs(p._replace(fp8=True, fp8_block=64))[0]
+                    kernels["fwd-fp8"] = (tile8, lambda: forward(q.to(f8), k.to(f8), v.to(f8), tile8, FP8=True,
+                                                                 SCALE_BLOCK=64))
             for kind, (tile, build) in kernels.items():
                 name = f"{backend}:{kind}[{dqk}/{dv}]"
                 try:
@@ -434,7 +473,7 @@ def test_compiles_for_mi300_gfx942():
     triton's AMD backend (its built-in linker makes the hsaco): default tiles of every head-dim
     class fit the 64 KiB of LDS and spill nothing to scratch."""
     rows = _compile_rows("hip")
-    assert len(rows) == 12
+    assert len(rows) == 13
     for name, r in rows.items():
         assert r["ok"], (name, r["detail"])
         res = json.loads(r["detail"])
@@ -443,9 +482,10 @@ def test_compiles_for_mi300_gfx942():
 
 @pytest.mark.skipif(_nvidia_toolchain() is not None, reason=str(_nvidia_toolchain()))
 def test_compiles_for_hopper_sm90():
-    """The same kernels compile for sm_90 and their default tiles fit its shared memory (227 KiB)."""
+    """The same kernels compile for sm_90 and their default tiles fit its shared memory (227 KiB),
+    the fp8 forward (e4m3 dots) included."""
     rows = _compile_rows("cuda")
-    assert len(rows) == 12
+    assert len(rows) == 14
     for name, r in rows.items():
         assert r["ok"], (name, r["detail"])
         assert json.loads(r["detail"])["smem"] <= 227 * 1024, (name, r["detail"])

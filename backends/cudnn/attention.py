@@ -17,6 +17,7 @@ kernel again.
 * sliding windows, and causal masks with Sq != Sk (SDPA's is_causal is top-left aligned, the
   API promises bottom-right);
 * dropout, varlen (no packed layout through SDPA), deterministic=True (cuDNN's backward is not promised deterministic).
+* attention sinks and fp8 (``sdpa_feature_refusal``: SDPA has neither).
 
 ``return_lse=True`` goes to the kernel's aten op (``backends/torch/cudnn_lse.py``,
 ``aten._scaled_dot_product_cudnn_attention`` with ``compute_log_sumexp``), which returns the lse
@@ -40,7 +41,7 @@ import functools
 import torch
 
 from turbo_dispatch.backends.torch import cudnn_lse
-from turbo_dispatch.backends.torch.attention import TorchAttention
+from turbo_dispatch.backends.torch.attention import TorchAttention, sdpa_feature_refusal
 
 MAX_HEAD_DIM = 128
 #: The torch release from which SDPA hands GQA/MQA calls to cuDNN unexpanded and the GPU grid
@@ -88,6 +89,9 @@ class CudnnAttention(TorchAttention):
         return f"{torch.backends.cudnn.version()}/torch-{torch.__version__}"
 
     def supports(self, p) -> str | None:
+        reason = sdpa_feature_refusal(p)
+        if reason is not None:
+            return reason
         if p.platform != "cuda":
             return f"cuDNN SDPA runs on NVIDIA GPUs only (platform is {p.platform})"
         if p.dtype not in (torch.bfloat16, torch.float16):

@@ -46,6 +46,9 @@ indices are clamped so nothing reads out of bounds, but the result for those tok
 ``deterministic=True`` restricts SDPA to its math kernel on GPUs (deterministic, but slow and
 O(Sq*Sk) memory); on CPUs PyTorch's kernels are deterministic already.
 
+Attention sinks and fp8 calls are refused (``sdpa_feature_refusal``): SDPA has no sink term in
+its softmax denominator and no fp8 path; TRITON serves both.
+
 Dropout uses SDPA's own dropout (``dropout_p``); in eager mode the backward reuses the mask the
 forward drew (it is SDPA's own autograd graph).
 
@@ -273,6 +276,16 @@ def _sdpa_choice(p, q, k, v) -> Optional[int]:
         return None
 
 
+def sdpa_feature_refusal(p) -> Optional[str]:
+    """Why an SDPA-based adapter refuses a call with attention sinks or fp8 (None: it has
+    neither): SDPA has no term for a sink in the softmax denominator and no fp8 path."""
+    if p.sink:
+        return "attention sinks: SDPA's kernels have no sink term in the softmax denominator (TRITON serves sinks)"
+    if p.fp8:
+        return "fp8 attention: SDPA's kernels have no fp8 path (TRITON serves flash_attn_fp8_func)"
+    return None
+
+
 class TorchAttention(Adapter):
     """torch.nn.functional.scaled_dot_product_attention with PyTorch's own kernel choice."""
 
@@ -282,6 +295,9 @@ class TorchAttention(Adapter):
 
     def version(self) -> str:
         return torch.__version__
+
+    def supports(self, p) -> Optional[str]:
+        return sdpa_feature_refusal(p)
 
     def _kernels(self, p, device_is_cuda: bool):
         """SDPA backends to restrict to (None: PyTorch chooses)."""

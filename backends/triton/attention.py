@@ -2,17 +2,33 @@
 
 Serves dense and varlen calls, bf16/fp16, head dims up to 256 (Dqk and Dv independently; dims
 that are not powers of two run padded to the next one), MHA/GQA/MQA, bottom-right causal masks
-and sliding windows, Sq != Sk, any softmax scale, with the lse. Refused, each with its reason:
-fp32 inputs, dropout, platforms without a GPU (the CPU only under ``TRITON_INTERPRET=1``).
+and sliding windows, Sq != Sk, any softmax scale, with the lse; attention sinks (dense and varlen)
+and fp8 (dense, ``flash_attn_fp8_func``; ``attention_features``). Refused, each with its reason:
+fp32 inputs, dropout, platforms without a GPU (the CPU only under ``TRITON_INTERPRET=1``), fp8 on
+ROCm (its kernels are checked on NVIDIA only) and on NVIDIA GPUs older than sm_89.
+
+Sinks: the forward kernel opens each row's online softmax with the sink's term; the backward
+kernels run unchanged from the forward's lse, and the sink's gradient is computed here in torch
+from that lse and the backward's ``delta`` (``turbo_dispatch.ops.attention_sink.sink_grad``).
+
+fp8: q, k, v are quantised here (``turbo_dispatch.ops.attention_fp8.quantize_tokens``; v with its
+tokens innermost, the layout the PV product wants for an fp8 operand) and the forward kernel runs
+both products on fp8 operands. The backward runs the high-precision kernels on the dequantised
+q, k, v: the eager path saves the fp8 tensors and scales (half the bytes of bf16 copies) and
+dequantises them, the compiled path quantises the saved inputs again (the same values). Forward
+key blocks must lie inside one scale block and an fp8 ``tl.dot`` reduces over at least 32
+elements, so fp8 tiles have ``32 <= BLOCK_N <= block_size`` (block sizes below 32 are refused)
+and the q/k head dim is padded to at least 32.
 
 The backward is deterministic by construction (no atomics; a GQA group's dK/dV are summed
 in-kernel, or as partial sums added in a fixed order when the group is split over programs), so
 ``deterministic=True`` is always honoured and costs nothing.
 
 Adapter protocol (turbo_dispatch/ops/attention.py): ``forward`` returns ``(out, lse | None,
-saved)`` with ``saved = (q, k, v, cu_q, cu_k, out, lse)``; ``backward`` starts from that out and
-lse (nothing is recomputed), and so does ``compiled_backward`` from the forward op's out and lse,
-which ``compiled_forward`` always returns. No call reads cu_seqlens on the host or syncs it, so
+saved)`` with ``saved = (q, k, v, cu_q, cu_k, out, lse, sink, scales)`` (fp8: q, k, v quantised and
+their scales; else ``scales`` None); ``backward`` starts from that out and lse (nothing is
+recomputed), and so does ``compiled_backward`` from the forward op's out and lse, which
+``compiled_forward`` always returns. No call reads cu_seqlens on the host or syncs it, so
 every call can be captured in a CUDA graph.
 
 Configs are forward tiles ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``, a few per head dim
@@ -27,6 +43,8 @@ from typing import Hashable, Optional, Sequence
 import torch
 
 from turbo_dispatch.adapter import Adapter
+from turbo_dispatch.ops.attention_fp8 import dequantize_tokens, quantize_tokens
+from turbo_dispatch.ops.attention_sink import sink_grad
 
 from . import attention_kernels as AK
 
@@ -60,6 +78,9 @@ BWD_TILES = {
              (256, 256): ((16, 32, 4, 1), (32, 16, 4, 1))},
 }
 _MIN_BLOCK = 16  # tl.dot's smallest M/N/K
+_MIN_FP8_K = 32  # tl.dot's smallest K for 8-bit operands (the head dim of QK^T, BLOCK_N of PV)
+#: The SCALE_BLOCK of a per-tensor fp8 scale: longer than any sequence, so every token reads block 0.
+_TENSOR_SCALE_BLOCK = 1 << 30
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -86,11 +107,11 @@ def _family(p) -> str:
     return "rocm" if p.platform == "rocm" else "cuda"
 
 
-def _fit(tile: tuple, sq: int, sk: int) -> tuple:
-    """``tile`` with its query (BLOCK_M) and key (BLOCK_N) blocks no larger than the sequences
-    need (short sequences would otherwise compute mostly padding)."""
+def _fit(tile: tuple, sq: int, sk: int, min_n: int = _MIN_BLOCK) -> tuple:
+    """``tile`` with its query (BLOCK_M) and key (BLOCK_N, at least ``min_n``) blocks no larger
+    than the sequences need (short sequences would otherwise compute mostly padding)."""
     bm, bn, *rest = tile
-    return (max(_MIN_BLOCK, min(bm, _pow2(sq))), max(_MIN_BLOCK, min(bn, _pow2(sk))), *rest)
+    return (max(_MIN_BLOCK, min(bm, _pow2(sq))), max(min_n, min(bn, _pow2(sk))), *rest)
 
 
 def _check_tile(config) -> tuple[int, int, int, int]:
@@ -161,28 +182,50 @@ def _fresh(p, shape, like: torch.Tensor, dtype=None, fill: float = 0.0) -> torch
     return torch.empty(shape, device=like.device, dtype=dtype or like.dtype)
 
 
-def attend(p, q, k, v, cu_q, cu_k, tile) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out shaped like q with v's head dim, float32 lse in the API's layout)."""
+def _scale_block(p) -> int:
+    return (p.fp8_block or _TENSOR_SCALE_BLOCK) if p.fp8 else 1
+
+
+def attend(p, q, k, v, cu_q, cu_k, tile, sink: Optional[torch.Tensor] = None,
+           scales: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out shaped like q with v's head dim in the problem's dtype, float32 lse in the API's
+    layout). ``sink``: the ``[Hq]`` logits of a call with sinks. ``scales``: fp8 calls' (q, k, v)
+    dequantisation scales from ``quantize_tokens``, with q, k, v its e4m3 data."""
     bm, bn, warps, stages = tile
-    out = _fresh(p, (*q.shape[:-1], p.head_dim_v), q)
+    out = _fresh(p, (*q.shape[:-1], p.head_dim_v), q, p.dtype)
     lse_shape = (p.heads_q, p.total_q) if p.varlen else (p.batch, p.heads_q, p.seqlen_q)
     lse = _fresh(p, lse_shape, q, torch.float32, fill=float("-inf"))
+    scale_block = _scale_block(p)
+    if p.fp8 and (scale_block % bn or bn < _MIN_FP8_K):
+        raise ValueError(f"TRITON fp8 attention: BLOCK_N={bn} must be >= {_MIN_FP8_K} and divide the scale block "
+                         f"{scale_block}")
+    qs, ks, vs = scales if scales is not None else (lse,) * 3  # stand-ins: read under FP8 only
+    sink = sink.contiguous() if sink is not None else lse  # a stand-in, never read without HAS_SINK
     grid = (p.batch * p.heads_q, _cdiv(p.seqlen_q, bm))
     AK.attn_fwd_kernel[grid](
-        q, k, v, out, lse, _cu(cu_q, lse), _cu(cu_k, lse),
+        q, k, v, out, lse, _cu(cu_q, lse), _cu(cu_k, lse), sink, qs, ks, vs,
         *_dims(q, p.varlen), *_dims(k, p.varlen), *_dims(v, p.varlen), *_dims(out, p.varlen),
-        *_lse_dims(lse, p.varlen), p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_q // p.heads_kv,
+        *_lse_dims(lse, p.varlen), *(st for x in (qs, ks, vs) for st in x.stride()[:2]),
+        p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_q // p.heads_kv,
         p.softmax_scale * AK.LOG2E, VARLEN=p.varlen, D_QK=p.head_dim_qk, D_V=p.head_dim_v,
-        BLOCK_DQK=block_dim(p.head_dim_qk), BLOCK_DV=block_dim(p.head_dim_v), BLOCK_M=bm, BLOCK_N=bn,
-        REVERSE=p.window_right >= 0, UPCAST=_upcast(q.dtype), num_warps=warps, num_stages=stages,
-        **_window_args(p))
+        BLOCK_DQK=max(block_dim(p.head_dim_qk), _MIN_FP8_K if p.fp8 else 0), BLOCK_DV=block_dim(p.head_dim_v),
+        BLOCK_M=bm, BLOCK_N=bn, REVERSE=p.window_right >= 0, UPCAST=_upcast(q.dtype), HAS_SINK=p.sink, FP8=p.fp8,
+        SCALE_BLOCK=scale_block,
+        num_warps=warps, num_stages=stages, **_window_args(p))
     return out, lse
 
 
+def quantize_operands(p, q, k, v) -> tuple[tuple, tuple]:
+    """((q8, k8, v8), (q, k, v scales)) of an fp8 call."""
+    pairs = [quantize_tokens(x, p.fp8_block, token_contiguous=x is v) for x in (q, k, v)]
+    return tuple(d for d, _ in pairs), tuple(sc for _, sc in pairs)
+
+
 def attend_backward(p, q, k, v, cu_q, cu_k, out, lse, grad_out, tiles,
-                    splits: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) from the forward's out and lse. ``splits`` (programs per kv head of the dK/dV
-    kernel) defaults to ``gqa_splits``'s choice."""
+                    splits: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, delta) from the forward's out and lse; ``delta = rowsum(dO * O)`` in the lse's
+    layout (what a sink's gradient needs). ``splits`` (programs per kv head of the dK/dV kernel)
+    defaults to ``gqa_splits``'s choice."""
     (m1, n1, w1, s1), (m2, n2, w2, s2) = tiles
     group = p.heads_q // p.heads_kv
     grad_out = grad_out.to(q.dtype)
@@ -226,13 +269,24 @@ def attend_backward(p, q, k, v, cu_q, cu_k, out, lse, grad_out, tiles,
         *_dims(dq, p.varlen), *lse_dims, p.seqlen_q, p.seqlen_k, p.heads_q, group, scale2, p.softmax_scale,
         BLOCK_M=m2, BLOCK_N=n2, REVERSE=p.window_right >= 0, num_warps=w2, num_stages=s2, **common,
         **_window_args(p))
-    return dq, dk, dv
+    return dq, dk, dv, delta
+
+
+def _fp8_dot_reason() -> Optional[str]:
+    """Why this process's GPU cannot run fp8 dots (None: it can, or the interpreter runs them)."""
+    if AK.interpreting() or not torch.cuda.is_available() or torch.version.hip is not None:
+        return None
+    major, minor = torch.cuda.get_device_capability(torch.cuda.current_device())
+    if (major, minor) < (8, 9):
+        return f"fp8 attention needs fp8 tensor cores (sm_89 or newer); this GPU is sm_{major}{minor}"
+    return None
 
 
 class TritonAttention(Adapter):
     """Flash attention forward and backward in plain Triton; deterministic backward always."""
 
     library = "triton"
+    attention_features = frozenset({"sink", "fp8"})
 
     def available(self) -> Optional[str]:
         if AK.triton is None:
@@ -263,11 +317,25 @@ class TritonAttention(Adapter):
             return "dropout is not implemented in the Triton attention kernels"
         if max(p.head_dim_qk, p.head_dim_v) > 256:
             return f"head dims q/k {p.head_dim_qk}, v {p.head_dim_v}: the Triton kernels take up to 256"
+        if p.fp8:
+            if p.platform == "rocm":
+                return "fp8 attention: the Triton fp8 kernels are checked on NVIDIA GPUs only (ROCm's e4m3 is fnuz)"
+            if p.varlen:
+                return "fp8 attention serves dense batches (its per-block scales follow each sequence's tokens)"
+            if 0 < p.fp8_block < _MIN_FP8_K:
+                return (f"fp8 attention takes block_size >= {_MIN_FP8_K}: an fp8 product reduces over at least "
+                        f"{_MIN_FP8_K} keys and a key block must lie inside one scale block")
+            if p.platform == "cuda":
+                return _fp8_dot_reason()
         return None
 
     def configs(self, p) -> Sequence[Hashable]:
         tiles = FWD_TILES[_family(p)][_table_key(p)]
-        return list(dict.fromkeys(_fit(t, p.seqlen_q, p.seqlen_k) for t in tiles))
+        if not p.fp8:
+            return list(dict.fromkeys(_fit(t, p.seqlen_q, p.seqlen_k) for t in tiles))
+        # A key block lies inside one scale block and is at least an fp8 product's K.
+        tiles = [(bm, max(_MIN_FP8_K, min(bn, _scale_block(p))), *rest) for bm, bn, *rest in tiles]
+        return list(dict.fromkeys(_fit(t, p.seqlen_q, p.seqlen_k, _MIN_FP8_K) for t in tiles))
 
     def backward_tiles(self, p) -> tuple[tuple, tuple]:
         """(dK/dV tile, dQ tile) of this problem's backward."""
@@ -292,27 +360,55 @@ class TritonAttention(Adapter):
         pads = [f"{d}->{block_dim(d)}" for d in dict.fromkeys((p.head_dim_qk, p.head_dim_v)) if block_dim(d) != d]
         if pads:
             parts.append("head dims padded " + ", ".join(pads))
+        if p.sink:
+            parts.append("attention sinks: in the forward's softmax, their gradient from lse and delta")
+        if p.fp8:
+            scaling = f"{p.fp8_block}-token blocks" if p.fp8_block else "one scale per tensor"
+            parts.append(f"fp8 e4m3 forward ({scaling}), backward in {str(p.dtype).replace('torch.', '')} from the "
+                         "dequantised q, k, v")
         parts.append("deterministic backward (no atomics)")
         return "; ".join(parts)
 
     # -- the attention adapter protocol ---------------------------------------------------------------
-    def forward(self, p, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, config=None):
+    def _attend(self, p, q, k, v, cu_q, cu_k, config, sink) -> tuple:
+        """(out, lse, the operands the backward keeps: (q, k, v, scales))."""
+        tile = self._tile(p, config)
+        if not p.fp8:
+            return (*attend(p, q, k, v, cu_q, cu_k, tile, sink), (q, k, v, None))
+        operands, scales = quantize_operands(p, q, k, v)
+        return (*attend(p, *operands, cu_q, cu_k, tile, sink, scales), (*operands, scales))
+
+    def _grads(self, p, q, k, v, cu_q, cu_k, out, lse, sink, grad_out) -> tuple:
+        """(dq, dk, dv) and, for a call with a sink, dsink, from high-precision q, k, v."""
+        dq, dk, dv, delta = attend_backward(p, q, k, v, cu_q, cu_k, out, lse, grad_out, self.backward_tiles(p))
+        return (dq, dk, dv, sink_grad(sink, lse, delta)) if p.sink else (dq, dk, dv)
+
+    def forward(self, p, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, config=None, sink=None):
         """(out, lse if asked for, saved). ``saved`` holds detached out and lse: the op's autograd
         node keeps it, and the returned tensors themselves would point back at that node."""
-        out, lse = attend(p, q, k, v, cu_seqlens_q, cu_seqlens_k, self._tile(p, config))
-        saved = (q, k, v, cu_seqlens_q, cu_seqlens_k, out.detach(), lse.detach())
+        out, lse, (q_, k_, v_, scales) = self._attend(p, q, k, v, cu_seqlens_q, cu_seqlens_k, config, sink)
+        saved = (q_, k_, v_, cu_seqlens_q, cu_seqlens_k, out.detach(), lse.detach(), sink, scales)
         return out, (lse if p.return_lse else None), saved
 
     def backward(self, p, saved, grad_out, config=None):
-        """(dq, dk, dv) from ``saved = (q, k, v, cu_q, cu_k, out, lse)``."""
-        return attend_backward(p, *saved, grad_out, self.backward_tiles(p))
+        """(dq, dk, dv[, dsink]) from ``saved = (q, k, v, cu_q, cu_k, out, lse, sink, scales)``."""
+        q, k, v, cu_q, cu_k, out, lse, sink, scales = saved
+        if scales is not None:
+            q, k, v = (dequantize_tokens(x, sc, p.fp8_block, p.dtype) for x, sc in zip((q, k, v), scales))
+        return self._grads(p, q, k, v, cu_q, cu_k, out, lse, sink, grad_out)
 
-    def compiled_forward(self, p, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, config=None):
+    def compiled_forward(self, p, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, config=None, sink=None):
         """(out, lse): the lse always, for the backward op."""
-        return attend(p, q, k, v, cu_seqlens_q, cu_seqlens_k, self._tile(p, config))
+        return self._attend(p, q, k, v, cu_seqlens_q, cu_seqlens_k, config, sink)[:2]
 
-    def compiled_backward(self, p, saved, grad_out, config=None):
-        return self.backward(p, saved, grad_out, config)
+    def compiled_backward(self, p, saved, grad_out, config=None, sink=None):
+        """(dq, dk, dv[, dsink]) from the forward op's ``(q, k, v, cu_q, cu_k, out, lse)``; fp8 calls
+        quantise q, k, v again and run on the dequantised values, as the eager backward does."""
+        q, k, v, cu_q, cu_k, out, lse = saved
+        if p.fp8:
+            operands, scales = quantize_operands(p, q, k, v)
+            q, k, v = (dequantize_tokens(x, sc, p.fp8_block, p.dtype) for x, sc in zip(operands, scales))
+        return self._grads(p, q, k, v, cu_q, cu_k, out, lse, sink, grad_out)
 
-    def run(self, p, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, config=None):
-        return attend(p, q, k, v, cu_seqlens_q, cu_seqlens_k, self._tile(p, config))[0]
+    def run(self, p, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, config=None, sink=None):
+        return self.compiled_forward(p, q, k, v, cu_seqlens_q, cu_seqlens_k, config, sink)[0]

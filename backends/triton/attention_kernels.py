@@ -10,14 +10,27 @@ and for ROCm. Semantics are the ``attention`` op's (turbo_dispatch/ops/attention
   ``sk`` keys may attend key ``j`` when ``i + sk - sq - LEFT <= j <= i + sk - sq + RIGHT``, each
   side only where ``HAS_LEFT`` / ``HAS_RIGHT`` (causal is ``RIGHT = 0``);
 * the lse is the natural-log log-sum-exp of the scaled scores, float32, ``[B, H, Sq]`` dense or
-  ``[H, Tq]`` varlen; a row that may attend no key gets out = 0, lse = -inf and zero gradients.
+  ``[H, Tq]`` varlen; a row that may attend no key gets out = 0, lse = -inf and zero gradients;
+* attention sinks (``HAS_SINK``): a float logit ``SINK[h]`` per query head joins every row's
+  softmax denominator and contributes no value, so the lse includes it and a row that may attend
+  no key gets out = 0 and lse = ``SINK[h]``;
+* fp8 (``FP8``): q, k, v arrive as float8 e4m3 with float32 dequantisation scales (``QS``, ``KS``,
+  ``VS``, ``[B, H, blocks]``), one per ``SCALE_BLOCK`` tokens of one head (a per-tensor scale is
+  a one-element tensor with zero strides and a ``SCALE_BLOCK`` longer than any sequence).
 
 Forward (``attn_fwd_kernel``): one program per (query block, batch x head); online softmax over
 key blocks in the exp2 domain (scores times ``scale * log2(e)``), fp32 accumulation. Only the key
 blocks a query block may attend are visited, split in three runs (``_block_span``): masked blocks
 at the low edge, whole blocks that need no mask, masked blocks at the high edge (the diagonal and
 the sequence end). Head dims that are not powers of two are padded to the next one (at least 16,
-tl.dot's minimum) with masked loads.
+tl.dot's minimum) with masked loads. With a sink, the online softmax starts from the sink's
+term (running max = the sink, running sum = 1) instead of an empty sum, which costs nothing per
+key block. Under ``FP8`` both products run on fp8 operands with fp32 accumulation: the scores are
+dequantised by the q scale of each row and the k scale of the key block, and the probabilities
+(at most 1) are quantised to e4m3 times ``P_SCALE`` (the e4m3 maximum) for the PV product, whose
+result is scaled back by the v scale of the key block over ``P_SCALE``; a key block must lie in
+one scale block and fp8 dots reduce over at least 32 elements (``32 <= BLOCK_N``, ``BLOCK_N``
+divides ``SCALE_BLOCK``, ``BLOCK_DQK >= 32``: the launcher's guarantees).
 
 Backward, deterministic by construction (no atomics):
 
@@ -28,6 +41,10 @@ Backward, deterministic by construction (no atomics):
   partial sums the launcher adds in a fixed order) and over the query blocks that may attend its
   keys, accumulating dK and dV in fp32 registers;
 * ``attn_bwd_dq_kernel``: one program per (query block, batch x head), looping over key blocks.
+
+The backward kernels know nothing of sinks: a sink changes only the lse, and the probabilities
+``exp2(s - lse2)`` they recompute already carry its share of each row's denominator. The sink's
+own gradient is a per-head reduction of ``exp(sink - lse) * delta`` (the launcher's, in torch).
 
 ``UPCAST`` converts dot operands to fp32 first; the launcher sets it only under the Triton
 interpreter, whose bf16 ``tl.dot`` is wrong (triton 3.9, CPU).
@@ -44,10 +61,12 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
     tl = None
 
 #: Bumped whenever a kernel's code changes, so stored tuning results are invalidated.
-KERNEL_REVISION = "attn-r1"
+KERNEL_REVISION = "attn-r2"
 
 #: log2(e): the kernels work in the exp2 domain, so the launcher folds it into the softmax scale.
 LOG2E = 1.4426950408889634
+#: The largest float8 e4m3 (OCP ``float8_e4m3fn``) value: fp8 probabilities are stored times this.
+P_SCALE = 448.0
 
 
 def interpreting() -> bool:
@@ -178,17 +197,23 @@ if triton is not None:
     # -- forward ------------------------------------------------------------------------------------
     @triton.jit
     def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, rows, sk, shift,
-                    left, right, lo, hi, qk_scale, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
+                    left, right, lo, hi, qk_scale, ks_base, vs_base, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
                     HAS_RIGHT: tl.constexpr, D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
-                    BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
-        """Online softmax over the key blocks starting in [lo, hi)."""
+                    BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr,
+                    SCALE_BLOCK: tl.constexpr):
+        """Online softmax over the key blocks starting in [lo, hi). ``qk_scale`` is a scalar, or
+        under FP8 a per-row vector (softmax scale x log2(e) x the row's q scale); ``ks_base`` /
+        ``vs_base`` point at this head's k / v scales (FP8 only)."""
         offs_n = tl.arange(0, BLOCK_N)
         for n0 in range(lo, hi, BLOCK_N):
             keys = n0 + offs_n
             keys_ok = keys < sk
             n_off = tl.cast(n0, tl.int64)
             k = _tile(k_base, n_off, offs_n, keys_ok, stride_ks, stride_kd, D_QK, BLOCK_DQK, MASKED)
-            s = _mm(q, tl.trans(k), None, UPCAST) * qk_scale
+            if FP8:
+                s = _mm(q, tl.trans(k), None, False) * (qk_scale * tl.load(ks_base + n0 // SCALE_BLOCK))[:, None]
+            else:
+                s = _mm(q, tl.trans(k), None, UPCAST) * qk_scale
             if MASKED:
                 ok = _allowed(rows[:, None], keys[None, :], sk, shift, left, right, HAS_LEFT, HAS_RIGHT)
                 s = tl.where(ok, s, float("-inf"))
@@ -201,24 +226,31 @@ if triton is not None:
             alpha = tl.math.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = _tile(v_base, n_off, offs_n, keys_ok, stride_vs, stride_vd, D_V, BLOCK_DV, MASKED)
-            acc = _mm(p.to(v.dtype), v, acc * alpha[:, None], UPCAST)
+            if FP8:  # 448.0 is P_SCALE (a global would have to be a constexpr, which needs triton)
+                pv = tl.dot((p * 448.0).to(v.dtype), v)
+                acc = acc * alpha[:, None] + pv * (tl.load(vs_base + n0 // SCALE_BLOCK) / 448.0)
+            else:
+                acc = _mm(p.to(v.dtype), v, acc * alpha[:, None], UPCAST)
             m_i = m_new
         return acc, m_i, l_i
 
     @triton.jit
-    def attn_fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K,
+    def attn_fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SINK, QS, KS, VS,
                         stride_qb, stride_qs, stride_qh, stride_qd,
                         stride_kb, stride_ks, stride_kh, stride_kd,
                         stride_vb, stride_vs, stride_vh, stride_vd,
                         stride_ob, stride_os, stride_oh, stride_od,
                         stride_lb, stride_lh,
+                        stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
                         SEQ_Q, SEQ_K, HEADS_Q, GROUP, qk_scale, LEFT, RIGHT,
                         VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                         D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, REVERSE: tl.constexpr,
-                        UPCAST: tl.constexpr):
+                        UPCAST: tl.constexpr, HAS_SINK: tl.constexpr, FP8: tl.constexpr,
+                        SCALE_BLOCK: tl.constexpr):
         """Grid ``(batch * heads_q, cdiv(max seqlen_q, BLOCK_M))``. ``qk_scale`` is the softmax
-        scale times log2(e)."""
+        scale times log2(e). ``SINK`` (read where HAS_SINK) holds one logit per query head;
+        ``QS``/``KS``/``VS`` and their strides are read under FP8 only."""
         b, h, hk, q_start, sq, k_start, sk, m0 = _query_program(CU_Q, CU_K, SEQ_Q, SEQ_K, HEADS_Q, GROUP, BLOCK_M,
                                                                 VARLEN, REVERSE)
         if m0 >= sq:
@@ -232,10 +264,23 @@ if triton is not None:
                   BLOCK_DQK, True)
         k_base = _head(K, b64, hk64, stride_kb, stride_kh) + tl.cast(k_start, tl.int64) * stride_ks
         v_base = _head(V, b64, hk64, stride_vb, stride_vh) + tl.cast(k_start, tl.int64) * stride_vs
+        ks_base = KS
+        vs_base = VS
+        scale = qk_scale
+        if FP8:
+            ks_base = _head(KS, b64, hk64, stride_ksb, stride_ksh)
+            vs_base = _head(VS, b64, hk64, stride_vsb, stride_vsh)
+            q_scales = tl.load(_head(QS, b64, h64, stride_qsb, stride_qsh) + rows // SCALE_BLOCK, mask=rows_ok,
+                               other=0.0)
+            scale = qk_scale * q_scales
 
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_SINK:  # the sink's term opens the running sum: max = the sink, sum = exp2(0) = 1
+            m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(SINK + h).to(tl.float32) * 1.4426950408889634
+            l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        else:
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         shift = sk - sq
         m_last = tl.minimum(m0 + BLOCK_M, sq) - 1
         start, full_start, full_end, end = _block_span(m0, m_last, sk, shift, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT,
@@ -243,8 +288,9 @@ if triton is not None:
         for part in tl.static_range(3):
             lo, hi = _part(part, start, full_start, full_end, end)
             acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
-                                        rows, sk, shift, LEFT, RIGHT, lo, hi, qk_scale, part != 1, HAS_LEFT,
-                                        HAS_RIGHT, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, UPCAST)
+                                        rows, sk, shift, LEFT, RIGHT, lo, hi, scale, ks_base, vs_base, part != 1,
+                                        HAS_LEFT, HAS_RIGHT, D_QK, D_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, UPCAST, FP8,
+                                        SCALE_BLOCK)
 
         attended = l_i > 0.0
         l_safe = tl.where(attended, l_i, 1.0)

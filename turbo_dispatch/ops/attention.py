@@ -15,7 +15,13 @@ Semantics follow FlashAttention (>= 2.1):
   log of an empty sum and makes lse-weighted merging of partial results come out right);
 * ``return_lse=True`` also returns the float32 log-sum-exp of the scaled scores, ``[B, Hq, Sq]``
   (dense) or ``[Hq, Tq]`` (varlen, FlashAttention 2's packed layout). Like FlashAttention's, the
-  lse is not differentiable: no gradient flows back through it.
+  lse is not differentiable: no gradient flows back through it;
+* ``sink`` (keyword, Primus-Turbo's name): one learnable logit per query head that joins every
+  row's softmax denominator and contributes no value (GPT-OSS; see ``attention_sink``). The lse
+  then includes it, a row that may attend no key has lse ``sink[h]``, and ``sink`` gets its
+  gradient through autograd;
+* fp8 (``flash_attn_fp8_func`` in ``attention_fp8``): the same call with q, k, v quantised to
+  float8 e4m3 inside the backend (problem fields ``fp8`` and ``fp8_block``).
 
 Backends and autograd. The backend is resolved once per call, in the forward. An attention
 adapter exposes ``forward(problem, q, k, v, cu_q, cu_k, config) -> (out, lse | None, saved)`` and
@@ -24,6 +30,12 @@ pair ``compiled_forward(problem, q, k, v, cu_q, cu_k, config) -> (out, lse | Non
 autograd; an lse whenever its kernel returns one, asked for or not) and
 ``compiled_backward(problem, (q, k, v, cu_q, cu_k, out, lse), grad_out, config) -> (dq, dk, dv)``,
 which lets the backward start from the forward's out and lse instead of recomputing them.
+A call with a sink passes ``sink=`` to ``forward`` / ``compiled_forward`` / ``compiled_backward``
+(never to a call without one), and ``backward`` / ``compiled_backward`` then return
+``(dq, dk, dv, dsink)``. An adapter declares what it serves beyond plain attention in
+``attention_features`` (``"sink"``, ``"fp8"``): its ``supports()`` refuses the rest by reason,
+and a backend chosen for a sink or fp8 call without declaring the feature is an error, never a
+call that silently drops the sink or the quantisation.
 Adapters built on differentiable torch ops (``native_autograd = True``: TORCH and CUDNN) are
 simply called with the autograd-tracked inputs in eager mode, so the backward is the autograd
 graph their forward built (the backward node of the kernel that ran the forward; retain_graph,
@@ -44,14 +56,20 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..backend_type import PrecisionType
 from ..device_platform import platform_of
+from ..errors import BackendUnsupportedError
 from ..op_spec import OpSpec, precision_of_dtype, register_op
 from ..resolver import resolve
 from ._common import HIGH_PRECISION, check_rel, check_snr, require_bool, require_dtype, require_tensor
+from .attention_sink import check_sink
 from .attention_tuning import run_training_call
 from .varlen_checks import check_cu_seqlens_values
 
 MAX_HEAD_DIM = 256
+#: The autotuner's correctness gate for fp8 attention against the high-precision reference: e4m3
+#: keeps 3 mantissa bits, so the quantised products sit near 30 dB; 20 dB leaves margin.
+FP8_GATE_DB = 20.0
 
 
 class AttentionProblem(NamedTuple):
@@ -61,7 +79,9 @@ class AttentionProblem(NamedTuple):
     calls: ``seqlen_q``/``seqlen_k`` are the caller's max_seqlen values and ``total_q``/``total_k``
     the packed token counts. The window is normalised: ``causal`` sets ``window_right = 0``,
     windows that cannot exclude any key become -1, and ``causal`` is True exactly when
-    ``window_right == 0``.
+    ``window_right == 0``. ``sink``: the call passes one (its values stay on the device). ``fp8``:
+    q, k, v are quantised to e4m3 in the backend, with one scale per ``fp8_block`` tokens of one
+    head (0: one scale per tensor).
     """
 
     batch: int
@@ -83,6 +103,9 @@ class AttentionProblem(NamedTuple):
     return_lse: bool
     varlen: bool
     platform: str
+    sink: bool = False
+    fp8: bool = False
+    fp8_block: int = 0
 
 
 # -- validation ------------------------------------------------------------------------------------
@@ -116,9 +139,10 @@ def _scale(op: str, softmax_scale, head_dim: int) -> float:
 
 
 def _finish(op, q, k, v, batch, sq, sk, tq, tk, hq, hk, hv, dq, dk, dv, dropout_p, softmax_scale, causal,
-            window_size, deterministic, return_lse, varlen) -> AttentionProblem:
-    """Checks shared by the dense and varlen calls; returns the normalised problem."""
-    require_dtype(op, "q.dtype", q.dtype, HIGH_PRECISION)
+            window_size, deterministic, return_lse, varlen, sink, fp8_block) -> AttentionProblem:
+    """Checks shared by the dense and varlen calls; returns the normalised problem.
+    ``fp8_block`` is None for a high-precision call."""
+    require_dtype(op, "q.dtype", q.dtype, HIGH_PRECISION if fp8_block is None else (torch.bfloat16, torch.float16))
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"{op}: q, k and v must share one dtype; got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     if k.device != q.device or v.device != q.device:
@@ -151,13 +175,15 @@ def _finish(op, q, k, v, batch, sq, sk, tq, tk, hq, hk, hv, dq, dk, dv, dropout_
     return AttentionProblem(int(batch), int(sq), int(sk), int(tq), int(tk), int(hq), int(hk), int(dq), int(dv),
                             q.dtype, right == 0, left, right, _dropout(op, dropout_p),
                             _scale(op, softmax_scale, dq), deterministic, return_lse, varlen,
-                            platform_of(q.device.type))
+                            platform_of(q.device.type), check_sink(op, sink, hq, q.device), fp8_block is not None,
+                            int(fp8_block or 0))
 
 
 def attention_problem(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                      deterministic=False, return_lse=False) -> AttentionProblem:
-    """Validates flash_attn_func's arguments and returns its problem key."""
-    op = "flash_attn_func"
+                      deterministic=False, return_lse=False, sink=None, fp8_block=None,
+                      op="flash_attn_func") -> AttentionProblem:
+    """Validates flash_attn_func's arguments and returns its problem key; ``fp8_block`` (None:
+    not fp8) comes from ``flash_attn_fp8_func``, which names itself as ``op``."""
     require_tensor(op, "q", q, 4, "[batch, seqlen_q, heads_q, head_dim]")
     require_tensor(op, "k", k, 4, "[batch, seqlen_k, heads_kv, head_dim]")
     require_tensor(op, "v", v, 4, "[batch, seqlen_k, heads_kv, head_dim_v]")
@@ -169,12 +195,12 @@ def attention_problem(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, 
     if skv != sk:
         raise ValueError(f"{op}: k and v must have the same seqlen_k; got k {sk}, v {skv}")
     return _finish(op, q, k, v, b, sq, sk, b * sq, b * sk, hq, hk, hv, dq, dk, dv, dropout_p, softmax_scale,
-                   causal, window_size, deterministic, return_lse, False)
+                   causal, window_size, deterministic, return_lse, False, sink, fp8_block)
 
 
 def attention_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                              softmax_scale=None, causal=False, window_size=(-1, -1), deterministic=False,
-                             return_lse=False) -> AttentionProblem:
+                             return_lse=False, sink=None) -> AttentionProblem:
     """Validates flash_attn_varlen_func's arguments and returns its problem key.
 
     Only the shapes of cu_seqlens are read, never their values (that would sync the host). The
@@ -203,7 +229,7 @@ def attention_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     if tv != tk:
         raise ValueError(f"{op}: k and v must have the same number of tokens; got k {tk}, v {tv}")
     return _finish(op, q, k, v, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, tq, tk, hq, hk, hv, dq, dk,
-                   dv, dropout_p, softmax_scale, causal, window_size, deterministic, return_lse, True)
+                   dv, dropout_p, softmax_scale, causal, window_size, deterministic, return_lse, True, sink, None)
 
 
 def _out_shapes(p: AttentionProblem) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -225,8 +251,14 @@ def _even_cu_seqlens(total: int, batch: int, max_len: int, device) -> torch.Tens
 
 
 def _make_inputs(p: AttentionProblem, device: torch.device):
-    """Fresh random inputs for a key (autotuning works from keys alone); varlen splits the tokens
-    evenly over the sequences."""
+    """Fresh random inputs for a key (autotuning works from keys alone): q, k, v, then
+    cu_seqlens_q, cu_seqlens_k (varlen: the tokens split evenly over the sequences), then the
+    float32 sink (calls with one)."""
+    inputs = _make_attention_inputs(p, device)
+    return (*inputs, torch.randn(p.heads_q, device=device)) if p.sink else inputs
+
+
+def _make_attention_inputs(p: AttentionProblem, device: torch.device):
     if p.varlen:
         shapes = (p.total_q, p.heads_q, p.head_dim_qk), (p.total_k, p.heads_kv, p.head_dim_qk), \
                  (p.total_k, p.heads_kv, p.head_dim_v)
@@ -240,8 +272,9 @@ def _make_inputs(p: AttentionProblem, device: torch.device):
             _even_cu_seqlens(p.total_k, p.batch, p.seqlen_k, device))
 
 
-def _reference_dense(p: AttentionProblem, q, k, v) -> torch.Tensor:
-    """Naive softmax(q k^T * scale + mask) v, one batch entry and query block at a time."""
+def _reference_dense(p: AttentionProblem, q, k, v, sink=None) -> torch.Tensor:
+    """Naive softmax(q k^T * scale + mask) v, one batch entry and query block at a time; a sink
+    is one more (value-less) column of each row's softmax."""
     sq, sk = q.shape[1], k.shape[1]
     rep = p.heads_q // p.heads_kv
     out = q.new_zeros(q.shape[0], sq, p.heads_q, v.shape[-1])
@@ -259,9 +292,13 @@ def _reference_dense(p: AttentionProblem, q, k, v) -> torch.Tensor:
                 allowed &= j[None] <= diag + p.window_right
             if p.window_left >= 0:
                 allowed &= j[None] >= diag - p.window_left
-            rows = allowed.any(-1, keepdim=True)
-            scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(~rows, 0.0)
-            probs = torch.softmax(scores, -1) * rows
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            if sink is None:
+                rows = allowed.any(-1, keepdim=True)
+                probs = torch.softmax(scores.masked_fill(~rows, 0.0), -1) * rows
+            else:
+                column = sink.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
+                probs = torch.softmax(torch.cat([scores, column], -1), -1)[..., :-1]
             out[b, s:s + step] = torch.einsum("hqk,khd->qhd", probs, vb)
     return out
 
@@ -270,18 +307,21 @@ def _reference(p: AttentionProblem, inputs) -> torch.Tensor:
     """float64 on the CPU (float32 on a GPU) reference of the output; varlen reads cu_seqlens on
     the host (this is test/tuning code, never the hot path)."""
     q, k, v = (x.double() if x.device.type == "cpu" else x.float() for x in inputs[:3])
+    sink = inputs[-1].to(q.dtype) if p.sink else None
     if not p.varlen:
-        return _reference_dense(p, q, k, v)
+        return _reference_dense(p, q, k, v, sink)
     cu_q, cu_k = inputs[3].tolist(), inputs[4].tolist()
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
     for b in range(p.batch):
         (q0, q1), (k0, k1) = cu_q[b:b + 2], cu_k[b:b + 2]
         if q1 > q0:
-            out[q0:q1] = _reference_dense(p, q[None, q0:q1], k[None, k0:k1], v[None, k0:k1])[0]
+            out[q0:q1] = _reference_dense(p, q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], sink)[0]
     return out
 
 
 def _check(p: AttentionProblem, out, ref):
+    if p.fp8:
+        return check_snr(FP8_GATE_DB)(out, ref)
     return check_rel(out, ref) if p.dtype == torch.float32 else check_snr(40.0)(out, ref)
 
 
@@ -305,7 +345,7 @@ def _problem_from_call(*args, **kwargs) -> AttentionProblem:
 ATTENTION = register_op(OpSpec(
     name="attention",
     problem_type=AttentionProblem,
-    precision_of=lambda p: precision_of_dtype(p.dtype),
+    precision_of=lambda p: PrecisionType.FP8 if p.fp8 else precision_of_dtype(p.dtype),
     make_inputs=_make_inputs,
     reference=_reference,
     check=_check,
@@ -316,12 +356,32 @@ ATTENTION = register_op(OpSpec(
 
 
 # -- eager path --------------------------------------------------------------------------------------
+def _sink_kw(p: AttentionProblem, sink: Optional[torch.Tensor]) -> dict:
+    """``sink=`` for the adapter calls of a call with a sink, nothing otherwise: adapters that
+    serve no sinks keep their signatures."""
+    return {"sink": sink} if p.sink else {}
+
+
+def _decision(p: AttentionProblem):
+    """The resolver's decision for ``p``, refused when its backend does not declare the sink or
+    fp8 feature the call needs (an adapter written before the feature would ignore it)."""
+    decision = resolve(ATTENTION, p)
+    served = getattr(decision.entry.adapter, "attention_features", ())
+    missing = [name for name, wanted in (("sink", p.sink), ("fp8", p.fp8)) if wanted and name not in served]
+    if missing:
+        raise BackendUnsupportedError(
+            f"attention backend {decision.backend} ({decision.source}) cannot serve a call with "
+            f"{' and '.join(missing)}: its adapter does not declare {missing} in attention_features; "
+            "pin a backend that does (TRITON)")
+    return decision
+
+
 class _AttentionFunction(torch.autograd.Function):
     """Autograd for adapters with an explicit backward: the forward's adapter runs the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, problem, adapter, config):
-        out, lse, saved = adapter.forward(problem, q, k, v, cu_q, cu_k, config=config)
+    def forward(ctx, q, k, v, cu_q, cu_k, sink, problem, adapter, config):
+        out, lse, saved = adapter.forward(problem, q, k, v, cu_q, cu_k, config=config, **_sink_kw(problem, sink))
         ctx.problem, ctx.adapter, ctx.config, ctx.saved = problem, adapter, config, saved
         if lse is None:
             return out
@@ -331,28 +391,29 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, *_grad_lse):
-        dq, dk, dv = ctx.adapter.backward(ctx.problem, ctx.saved, grad_out, config=ctx.config)
-        return dq, dk, dv, None, None, None, None, None
+        grads = ctx.adapter.backward(ctx.problem, ctx.saved, grad_out, config=ctx.config)
+        dsink = grads[3] if ctx.problem.sink else None
+        return grads[0], grads[1], grads[2], None, None, dsink, None, None, None
 
 
-def _run_eager(p: AttentionProblem, q, k, v, cu_q, cu_k):
-    decision = resolve(ATTENTION, p)
+def _run_eager(p: AttentionProblem, q, k, v, cu_q, cu_k, sink=None):
+    decision = _decision(p)
     adapter = decision.entry.adapter
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sink))
     if needs_grad and not getattr(adapter, "native_autograd", False):
-        result = _AttentionFunction.apply(q, k, v, cu_q, cu_k, p, adapter, decision.config)
-        return result
-    out, lse, _ = adapter.forward(p, q, k, v, cu_q, cu_k, config=decision.config)
+        return _AttentionFunction.apply(q, k, v, cu_q, cu_k, sink, p, adapter, decision.config)
+    out, lse, _ = adapter.forward(p, q, k, v, cu_q, cu_k, config=decision.config, **_sink_kw(p, sink))
     return (out, lse) if p.return_lse else out
 
 
 # -- custom ops (the torch.compile path) ---------------------------------------------------------------
 def _op_problem(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, wl, wr, deterministic,
-                return_lse) -> AttentionProblem:
+                return_lse, sink, fp8, fp8_block) -> AttentionProblem:
     if cu_q is None:
-        return attention_problem(q, k, v, dropout_p, softmax_scale, causal, (wl, wr), deterministic, return_lse)
+        return attention_problem(q, k, v, dropout_p, softmax_scale, causal, (wl, wr), deterministic, return_lse, sink,
+                                 fp8_block if fp8 else None, "flash_attn_fp8_func" if fp8 else "flash_attn_func")
     return attention_varlen_problem(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal,
-                                    (wl, wr), deterministic, return_lse)
+                                    (wl, wr), deterministic, return_lse, sink)
 
 
 def _no_compiled_dropout(p: AttentionProblem) -> None:
@@ -365,19 +426,23 @@ def _no_compiled_dropout(p: AttentionProblem) -> None:
 # The ops were renamed (from flash_attn / flash_attn_backward) when the backward op gained out and
 # lse: torch's compiled-graph caches key a graph by the ops it calls, not by their registered
 # autograd, so a warm cache would otherwise replay a backward graph built for the old arguments.
+# For the same reason every call passes every argument (sink and the fp8 pair included): a graph
+# traced before an argument existed never matches a graph traced after.
 @torch.library.custom_op("turbo_dispatch::flash_attn_fwd", mutates_args=())
 def _flash_attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
                    cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
                    softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
-                   deterministic: bool, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   deterministic: bool, return_lse: bool, sink: Optional[torch.Tensor], fp8: bool,
+                   fp8_block: int) -> tuple[torch.Tensor, torch.Tensor]:
     p = _op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                    causal, window_left, window_right, deterministic, return_lse)
+                    causal, window_left, window_right, deterministic, return_lse, sink, fp8, fp8_block)
     _no_compiled_dropout(p)
-    decision = resolve(ATTENTION, p)
+    decision = _decision(p)
     adapter = decision.entry.adapter
     with torch.no_grad():
         if hasattr(adapter, "compiled_forward"):
-            out, lse = adapter.compiled_forward(p, q, k, v, cu_seqlens_q, cu_seqlens_k, config=decision.config)
+            out, lse = adapter.compiled_forward(p, q, k, v, cu_seqlens_q, cu_seqlens_k, config=decision.config,
+                                                **_sink_kw(p, sink))
         else:
             out, lse, _ = adapter.forward(p, q, k, v, cu_seqlens_q, cu_seqlens_k, config=decision.config)
     if lse is None:
@@ -389,59 +454,79 @@ def _flash_attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
 
 
 @_flash_attn_op.register_fake
-def _flash_attn_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                     causal, window_left, window_right, deterministic, return_lse):
-    p = _op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                    causal, window_left, window_right, deterministic, return_lse)
+def _flash_attn_fake(*args):
+    p = _op_problem(*args)
     _no_compiled_dropout(p)
     out_shape, lse_shape = _out_shapes(p)
-    return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
+    return args[0].new_empty(out_shape), args[0].new_empty(lse_shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("turbo_dispatch::flash_attn_bwd", mutates_args=())
 def _flash_attn_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
-                            cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
-                            dropout_p: float, softmax_scale: Optional[float], causal: bool, window_left: int,
-                            window_right: int, deterministic: bool,
-                            return_lse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                            cu_seqlens_k: Optional[torch.Tensor], sink: Optional[torch.Tensor], max_seqlen_q: int,
+                            max_seqlen_k: int, dropout_p: float, softmax_scale: Optional[float], causal: bool,
+                            window_left: int, window_right: int, deterministic: bool, return_lse: bool, fp8: bool,
+                            fp8_block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsink); dsink is an empty tensor for a call without a sink. An adapter that
+    declares ``"sink"`` has the compiled pair (the recomputing fallback gets no sink)."""
     p = _op_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                    causal, window_left, window_right, deterministic, return_lse)
-    decision = resolve(ATTENTION, p)  # the forward's key: its cached decision
+                    causal, window_left, window_right, deterministic, return_lse, sink, fp8, fp8_block)
+    decision = _decision(p)  # the forward's key: its cached decision
     adapter = decision.entry.adapter
     if hasattr(adapter, "compiled_backward"):
         saved = (q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
-        dq, dk, dv = adapter.compiled_backward(p, saved, grad_out, config=decision.config)
+        grads = adapter.compiled_backward(p, saved, grad_out, config=decision.config, **_sink_kw(p, sink))
     else:
-        dq, dk, dv = adapter.backward(p, (q, k, v, cu_seqlens_q, cu_seqlens_k), grad_out, config=decision.config)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+        grads = adapter.backward(p, (q, k, v, cu_seqlens_q, cu_seqlens_k), grad_out, config=decision.config)
+    dsink = grads[3] if p.sink else q.new_zeros(0)
+    return grads[0].contiguous(), grads[1].contiguous(), grads[2].contiguous(), dsink
 
 
 @_flash_attn_backward_op.register_fake
-def _flash_attn_backward_fake(grad_out, q, k, v, *args):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _flash_attn_backward_fake(grad_out, q, k, v, out, lse, cu_q, cu_k, sink, *args):
+    dsink = torch.empty_like(sink) if sink is not None else q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
 
 
 def _flash_attn_setup(ctx, inputs, output):
     q, k, v, cu_q, cu_k = inputs[:5]
+    sink = inputs[14]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-    ctx.args = inputs[5:]
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, sink)
+    ctx.args = inputs[5:14] + inputs[15:]
+    ctx.has_sink = sink is not None
     ctx.mark_non_differentiable(lse)
 
 
 def _flash_attn_backward(ctx, grad_out, _grad_lse):
-    dq, dk, dv = torch.ops.turbo_dispatch.flash_attn_bwd(grad_out, *ctx.saved_tensors, *ctx.args)
-    return (dq, dk, dv) + (None,) * 11
+    dq, dk, dv, dsink = torch.ops.turbo_dispatch.flash_attn_bwd(grad_out, *ctx.saved_tensors, *ctx.args)
+    return (dq, dk, dv) + (None,) * 11 + (dsink if ctx.has_sink else None, None, None)
 
 
 _flash_attn_op.register_autograd(_flash_attn_backward, setup_context=_flash_attn_setup)
 
 
 # -- public API ----------------------------------------------------------------------------------------
+def dense_attention(op: str, q, k, v, dropout_p, softmax_scale, causal, window_size, deterministic, return_lse,
+                    sink, fp8_block):
+    """flash_attn_func's work, shared with flash_attn_fp8_func (``fp8_block`` not None): the
+    custom op under torch.compile, else the eager path."""
+    if torch.compiler.is_compiling():
+        left, right = _window(op, window_size)
+        out, lse = torch.ops.turbo_dispatch.flash_attn_fwd(q, k, v, None, None, 0, 0, dropout_p, softmax_scale, causal,
+                                                           left, right, deterministic, return_lse, sink,
+                                                           fp8_block is not None, fp8_block or 0)
+        return (out, lse) if return_lse else out
+    p = attention_problem(q, k, v, dropout_p, softmax_scale, causal, window_size, deterministic, return_lse, sink,
+                          fp8_block, op)
+    return _run_eager(p, q, k, v, None, None, sink)
+
+
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                     softmax_scale: Optional[float] = None, causal: bool = False,
-                    window_size: tuple[int, int] = (-1, -1), deterministic: bool = False, return_lse: bool = False):
+                    window_size: tuple[int, int] = (-1, -1), deterministic: bool = False, return_lse: bool = False,
+                    *, sink: Optional[torch.Tensor] = None):
     """Attention over dense batches, forward and backward, on the backend the resolver picks.
 
     ``q [B, Sq, Hq, Dqk]``, ``k [B, Sk, Hkv, Dqk]``, ``v [B, Sk, Hkv, Dv]`` (bf16/fp16/fp32,
@@ -449,7 +534,10 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     ``return_lse`` also the float32 ``lse [B, Hq, Sq]``. ``softmax_scale`` defaults to
     ``Dqk ** -0.5``; masks are bottom-right aligned (see the module docstring).
     ``deterministic=True`` asks for a backward without atomics (the TORCH backend then runs
-    PyTorch's math kernel on GPUs; CUDNN refuses it).
+    PyTorch's math kernel on GPUs; CUDNN refuses it). ``sink`` (``[Hq]`` float32/bf16/fp16,
+    keyword only) adds one learnable logit per query head to every row's softmax denominator
+    (GPT-OSS attention sinks); it gets a gradient like any input, the lse includes it, and the
+    TRITON backend serves it (TORCH and CUDNN refuse it with their reason).
 
     Example:
         >>> import torch, turbo_dispatch as turbo
@@ -457,20 +545,15 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
         >>> turbo.ops.flash_attn_func(q, k, v, causal=True).shape
         torch.Size([2, 5, 4, 8])
     """
-    if torch.compiler.is_compiling():
-        left, right = _window("flash_attn_func", window_size)
-        out, lse = torch.ops.turbo_dispatch.flash_attn_fwd(q, k, v, None, None, 0, 0, dropout_p, softmax_scale,
-                                                           causal, left, right, deterministic, return_lse)
-        return (out, lse) if return_lse else out
-    p = attention_problem(q, k, v, dropout_p, softmax_scale, causal, window_size, deterministic, return_lse)
-    return _run_eager(p, q, k, v, None, None)
+    return dense_attention("flash_attn_func", q, k, v, dropout_p, softmax_scale, causal, window_size, deterministic,
+                           return_lse, sink, None)
 
 
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
                            softmax_scale: Optional[float] = None, causal: bool = False,
                            window_size: tuple[int, int] = (-1, -1), deterministic: bool = False,
-                           return_lse: bool = False):
+                           return_lse: bool = False, *, sink: Optional[torch.Tensor] = None):
     """Attention over packed variable-length sequences ("THD"), forward and backward.
 
     ``q [Tq, Hq, Dqk]``, ``k [Tk, Hkv, Dqk]``, ``v [Tk, Hkv, Dv]``; sequence ``b`` holds tokens
@@ -478,7 +561,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     k/v; ``max_seqlen_*`` are host ints >= every sequence's length. Masks are aligned per
     sequence. Returns ``out [Tq, Hq, Dv]`` and, with ``return_lse``, ``lse [Hq, Tq]`` float32.
     The problem key uses only host facts (token counts, B, max_seqlen values), never the
-    cu_seqlens values, so this call never syncs the host to build its key.
+    cu_seqlens values, so this call never syncs the host to build its key. ``sink`` is
+    flash_attn_func's (one logit per query head, shared by every sequence).
 
     Example:
         >>> import torch, turbo_dispatch as turbo
@@ -491,10 +575,10 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         left, right = _window("flash_attn_varlen_func", window_size)
         out, lse = torch.ops.turbo_dispatch.flash_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                            max_seqlen_k, dropout_p, softmax_scale, causal, left, right,
-                                                           deterministic, return_lse)
+                                                           deterministic, return_lse, sink, False, 0)
         return (out, lse) if return_lse else out
     p = attention_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                 softmax_scale, causal, window_size, deterministic, return_lse)
+                                 softmax_scale, causal, window_size, deterministic, return_lse, sink)
     check_cu_seqlens_values("flash_attn_varlen_func", cu_seqlens_q, cu_seqlens_k, p.total_q, p.total_k,
                             max_seqlen_q, max_seqlen_k)
-    return _run_eager(p, q, k, v, cu_seqlens_q, cu_seqlens_k)
+    return _run_eager(p, q, k, v, cu_seqlens_q, cu_seqlens_k, sink)
