@@ -1,12 +1,14 @@
 """Train a small Llama-style decoder with turbo_dispatch's modules, in bf16 or fp8.
 
 The model is the Llama recipe at a small size: RMSNorm, attention with grouped-query heads
-(``turbo_dispatch.ops.flash_attn_func``, causal) and rotary position embeddings, a SwiGLU MLP,
-and every projection a ``turbo_dispatch.modules.Linear``. ``--fp8 tensorwise|rowwise|blockwise``
-runs the block projections' GEMMs in fp8 (HYBRID format: E4M3 forward, E5M2 gradients; blockwise
-uses 1x128 activation and 128x128 weight blocks); the output head stays in the model's dtype, as
-is usual, because the logits feed the loss directly. Parameters are bf16 on a GPU and fp32 on the
-CPU.
+(``turbo_dispatch.ops.flash_attn_func``, causal) and rotary position embeddings, a SwiGLU MLP.
+The attention's norm and q/k/v projection are one ``turbo_dispatch.modules.RMSNormLinear``, the
+MLP a ``turbo_dispatch.modules.SwiGLUMLP``, the other projections ``turbo_dispatch.modules.Linear``.
+``--fp8 tensorwise|rowwise|blockwise`` runs the block projections' GEMMs in fp8 (HYBRID format:
+E4M3 forward, E5M2 gradients; blockwise uses 1x128 activation and 128x128 weight blocks); on a
+GPU the norm and the SwiGLU then write their GEMM's fp8 input themselves. The output head stays
+in the model's dtype, as is usual, because the logits feed the loss directly. Parameters are bf16
+on a GPU and fp32 on the CPU.
 
 The data is synthetic: a fixed token stream drawn from a random sparse bigram chain (each token
 has a few likely successors), so the loss falls quickly from ln(vocab) and a run shows at a glance
@@ -19,12 +21,14 @@ Usage::
     python examples/train_llama.py --steps 200 --fp8 rowwise     # one GPU
 
 Prints the loss every ``--log-every`` steps and, last, ``final loss X (first Y)``. Helpers here
-(the corpus, the decoder with a pluggable MLP, the training loop) are reused by train_moe.py.
+(the corpus, the decoder with a pluggable MLP, the training loop) are reused by train_moe.py, and
+the decoder with its ``LayerKit`` by benchmarks/bench_model.py.
 """
 from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -81,17 +85,36 @@ class BigramCorpus:
 
 
 # -- model -----------------------------------------------------------------------------------------------
-class RMSNorm(torch.nn.Module):
-    """Root-mean-square norm with a learned scale, computed in fp32 for bf16 inputs."""
+#: Llama's RMSNorm epsilon.
+NORM_EPS = 1e-5
 
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+@dataclass(frozen=True)
+class LayerKit:
+    """What a decoder's layers are made of. ``linear(in, out, fp8)``: a bias-free projection;
+    ``norm_linear(hidden, out, eps, fp8)``: ``linear(RMSNorm(x))`` as a module with children
+    ``norm`` and ``linear``; ``mlp(hidden, ffn, fp8)``: the SwiGLU MLP with children
+    ``gate_proj``, ``up_proj``, ``down_proj``; ``attend(q, k, v)``: causal attention of
+    ``[B, S, H, D]`` tensors, k and v with fewer heads than q (grouped-query).
+
+    Every kit names its parameters alike, so one state_dict loads into a decoder of each kit
+    (benchmarks/bench_model.py builds the same model from plain torch and from this library)."""
+
+    linear: Callable[[int, int, Optional[Float8QuantConfig]], torch.nn.Module]
+    norm_linear: Callable[[int, int, float, Optional[Float8QuantConfig]], torch.nn.Module]
+    mlp: Callable[[int, int, Optional[Float8QuantConfig]], torch.nn.Module]
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+#: The library's modules: ``RMSNormLinear`` and ``SwiGLUMLP`` write their GEMM's fp8 input from
+#: the norm / SwiGLU kernel itself where the fused producers run (a GPU with an fp8 recipe), and
+#: are the unfused pair elsewhere.
+TURBO_KIT = LayerKit(
+    linear=lambda i, o, fp8: turbo.modules.Linear(i, o, bias=False, fp8_config=fp8),
+    norm_linear=lambda h, o, eps, fp8: turbo.modules.RMSNormLinear(h, o, eps=eps, fp8_config=fp8),
+    mlp=lambda h, f, fp8: turbo.modules.SwiGLUMLP(h, f, fp8_config=fp8),
+    attend=lambda q, k, v: turbo.ops.flash_attn_func(q, k, v, causal=True),
+)
 
 
 def rotary_tables(seq_len: int, head_dim: int, device: torch.device, base: float = 10000.0):
@@ -110,66 +133,59 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(torch.nn.Module):
-    """Causal self-attention with ``kv_heads`` key/value heads shared by ``heads`` query heads."""
+    """The pre-norm attention branch ``out(attend(rope(qkv(norm(x)))))``: causal, ``kv_heads``
+    key/value heads shared by ``heads`` query heads of ``head_dim`` (default hidden / heads;
+    smaller under tensor parallelism), the norm and the q/k/v projection one ``kit.norm_linear``."""
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, fp8: Optional[Float8QuantConfig]) -> None:
+    def __init__(self, hidden: int, heads: int, kv_heads: int, fp8: Optional[Float8QuantConfig],
+                 kit: LayerKit = TURBO_KIT, head_dim: Optional[int] = None) -> None:
         super().__init__()
-        if hidden % heads or heads % kv_heads:
+        if heads % kv_heads or (head_dim is None and hidden % heads):
             raise ValueError(f"hidden ({hidden}) must divide by heads ({heads}) and heads by kv_heads ({kv_heads})")
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
-        self.q = turbo.modules.Linear(hidden, heads * self.head_dim, bias=False, fp8_config=fp8)
-        self.kv = turbo.modules.Linear(hidden, 2 * kv_heads * self.head_dim, bias=False, fp8_config=fp8)
-        self.out = turbo.modules.Linear(heads * self.head_dim, hidden, bias=False, fp8_config=fp8)
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim or hidden // heads
+        self.qkv = kit.norm_linear(hidden, (heads + 2 * kv_heads) * self.head_dim, NORM_EPS, fp8)
+        self.out = kit.linear(heads * self.head_dim, hidden, fp8)
+        self.attend = kit.attend
 
     def forward(self, x: torch.Tensor, rotary) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.q(x).view(b, s, self.heads, self.head_dim)
-        k, v = self.kv(x).view(b, s, 2, self.kv_heads, self.head_dim).unbind(2)
-        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        o = turbo.ops.flash_attn_func(q, k, v.contiguous(), causal=True)
+        q, k, v = self.qkv(x).split([self.heads * self.head_dim] + [self.kv_heads * self.head_dim] * 2, dim=-1)
+        q = apply_rotary(q.view(b, s, self.heads, self.head_dim), *rotary)
+        k = apply_rotary(k.view(b, s, self.kv_heads, self.head_dim), *rotary)
+        o = self.attend(q, k, v.reshape(b, s, self.kv_heads, self.head_dim).contiguous())
         return self.out(o.reshape(b, s, -1))
 
 
-class SwiGLU(torch.nn.Module):
-    """``down(silu(gate(x)) * up(x))``, with gate and up as one projection."""
-
-    def __init__(self, hidden: int, ffn: int, fp8: Optional[Float8QuantConfig]) -> None:
-        super().__init__()
-        self.up_gate = turbo.modules.Linear(hidden, 2 * ffn, bias=False, fp8_config=fp8)
-        self.down = turbo.modules.Linear(ffn, hidden, bias=False, fp8_config=fp8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.up_gate(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
-
-
 class Block(torch.nn.Module):
-    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm transformer block: ``x + attn(x)`` (the norm inside), then ``x + mlp(norm(x))``."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, mlp: torch.nn.Module,
-                 fp8: Optional[Float8QuantConfig]) -> None:
+                 fp8: Optional[Float8QuantConfig], kit: LayerKit = TURBO_KIT, head_dim: Optional[int] = None) -> None:
         super().__init__()
-        self.attn_norm, self.mlp_norm = RMSNorm(hidden), RMSNorm(hidden)
-        self.attn = Attention(hidden, heads, kv_heads, fp8)
+        self.attn = Attention(hidden, heads, kv_heads, fp8, kit, head_dim)
+        self.mlp_norm = torch.nn.RMSNorm(hidden, eps=NORM_EPS)
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, rotary) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rotary)
+        x = x + self.attn(x, rotary)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class Decoder(torch.nn.Module):
     """Token embedding, ``layers`` blocks whose MLP ``make_mlp(layer_index)`` builds, final norm,
-    and an output head; ``forward(tokens [B, S])`` returns logits ``[B, S, vocab]``."""
+    and an output head (``kit.linear``, never fp8: the logits feed the loss directly);
+    ``forward(tokens [B, S])`` returns logits ``[B, S, vocab]``."""
 
     def __init__(self, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int,
-                 make_mlp: Callable[[int], torch.nn.Module], fp8: Optional[Float8QuantConfig]) -> None:
+                 make_mlp: Callable[[int], torch.nn.Module], fp8: Optional[Float8QuantConfig],
+                 kit: LayerKit = TURBO_KIT, head_dim: Optional[int] = None) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, hidden)
-        self.blocks = torch.nn.ModuleList(Block(hidden, heads, kv_heads, make_mlp(i), fp8) for i in range(layers))
-        self.norm = RMSNorm(hidden)
-        self.head = turbo.modules.Linear(hidden, vocab, bias=False)
-        self.head_dim = hidden // heads
+        self.blocks = torch.nn.ModuleList(Block(hidden, heads, kv_heads, make_mlp(i), fp8, kit, head_dim)
+                                          for i in range(layers))
+        self.norm = torch.nn.RMSNorm(hidden, eps=NORM_EPS)
+        self.head = kit.linear(hidden, vocab, None)
+        self.head_dim = head_dim or hidden // heads
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         rotary = rotary_tables(tokens.shape[1], self.head_dim, tokens.device)
@@ -177,6 +193,11 @@ class Decoder(torch.nn.Module):
         for block in self.blocks:
             x = block(x, rotary)
         return self.head(self.norm(x))
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``logits [B, S, vocab]`` against ``targets [B, S]``, in fp32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 # -- command line and training loop ------------------------------------------------------------------------
@@ -220,8 +241,7 @@ def train(model: torch.nn.Module, corpus: BigramCorpus, args: argparse.Namespace
     first = last = math.nan
     for step in bar:
         inputs, targets = corpus.batch(args.batch, args.seq_len, generator, device)
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss = next_token_loss(model(inputs), targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if sync_grads is None:
@@ -247,7 +267,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     fp8 = fp8_config(args.fp8)
     ffn = round_up(8 * args.hidden // 3, 128)
     model = Decoder(args.vocab, args.hidden, args.layers, args.heads, args.kv_heads,
-                    lambda _: SwiGLU(args.hidden, ffn, fp8), fp8).to(args.device, args.dtype)
+                    lambda _: TURBO_KIT.mlp(args.hidden, ffn, fp8), fp8).to(args.device, args.dtype)
     params = sum(p.numel() for p in model.parameters())
     print(f"llama: {args.layers} layers, hidden {args.hidden}, heads {args.heads}/{args.kv_heads}, ffn {ffn}, "
           f"{params / 1e6:.2f}M params; {args.device} {str(args.dtype).removeprefix('torch.')}, fp8 {args.fp8}; "

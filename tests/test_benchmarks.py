@@ -108,6 +108,79 @@ def test_bench_grouped_gemm_cpu_smoke(tmp_path):
     assert "| grouped_gemm | empty | turbo TORCH |" in by_routing
 
 
+def test_bench_model_cpu_smoke(tmp_path):
+    """Every config (dense, TP widths, MoE) builds the same model from torch and from the library
+    with one state_dict: every row passes its check against the float64 reference, fp32 turbo
+    rows give the torch peer's losses, the fp8 ones stay within the loss target; the per-config
+    table leads the markdown and the autotuned rows filled a fresh DB. The suite's ``model``
+    family runs one config per run."""
+    rows = _run("bench_model.py", ["--variants", "torch,bf16,bf16:tune,fp8-rowwise:tune,fp8-blockwise:unfused"],
+                tmp_path)
+    assert {r["op"] for r in rows} == {"llama3.1-8b", "llama3.1-70b-tp8", "deepseek-v3-ep8"}
+    assert all(r["check"] == "PASS" and r["step_ms"] and r["train_step_ms"] for r in rows), rows
+    for op in {r["op"] for r in rows}:
+        mine = {r["backend"]: r for r in rows if r["op"] == op}
+        assert list(mine) == ["torch float32", "turbo float32", "turbo float32 autotune", "turbo fp8 rowwise autotune",
+                              "turbo fp8 blockwise unfused"]
+        assert mine["torch float32"]["peer"] == "yes" and float(mine["torch float32"]["ratio_vs_best_peer"]) == 1.0
+        assert float(mine["turbo float32"]["loss_dev_pct"]) < 1e-3
+        assert float(mine["turbo fp8 rowwise autotune"]["loss_dev_pct"]) < 1.0
+    text = next(tmp_path.glob("cpu_*.md")).read_text()
+    assert text.index("### deepseek-v3-ep8") < text.index("## Score")
+    assert '"type": "result"' in (tmp_path / "model_quick_tuning.jsonl").read_text()
+    listed = dict(line.split("\t") for line in _suite("--list").stdout.splitlines())
+    assert listed["model"].split(",") == ["model_llama3.1-8b", "model_llama3.1-70b-tp8", "model_deepseek-v3-ep8"]
+    dry = _suite("--family", "model", "--device", "cuda", "--dry-run", "--only", "model_deepseek-v3-ep8")
+    assert "bench_model.py --config deepseek-v3-ep8 --tune-budget-ms 300 --device cuda" in dry.stdout
+
+
+def _moe_rows(out_dir: Path, launcher: list[str], *args: str) -> tuple[list[dict], str]:
+    """benchmarks/bench_moe.py --quick over 2 gloo processes; its CSV rows and markdown."""
+    cmd = [*launcher, str(REPO / "benchmarks" / "bench_moe.py"), "--quick", "--device", "cpu", "--out", str(out_dir),
+           *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (path,) = out_dir.glob("cpu_*_moe.csv")
+    with open(path) as fh:
+        return list(csv.DictReader(fh)), path.with_suffix(".md").read_text()
+
+
+def test_bench_moe_cpu_smoke(tmp_path):
+    """Spawned over 2 gloo processes: every registered backend has a row per configuration (PASS
+    with times, or SKIP saying why), the no-sync round trip passes, the raw all_to_all_single row
+    passes, the peer copy says why a CPU run has none; the header names the device and the date."""
+    from turbo_dispatch.registry import get_registry
+
+    rows, text = _moe_rows(tmp_path, [sys.executable], "--models", "deepseek-v3,mixtral")
+    configs = {(r["model"], r["routing"], r["payload"]) for r in rows}
+    assert len(configs) == 8 and {r["tokens"] for r in rows} == {"16"} and {r["world"] for r in rows} == {"2"}
+    for config in configs:
+        mine = {r["backend"]: r for r in rows if (r["model"], r["routing"], r["payload"]) == config}
+        for entry in get_registry().backends("moe_dispatch_combine"):
+            for label in (f"turbo {entry.name}", f"turbo {entry.name} no-sync"):
+                assert mine[label]["check"] in ("PASS", "SKIP"), mine[label]
+                assert mine[label]["check"] == "PASS" or mine[label]["note"], mine[label]
+        torch_row, no_sync = mine["turbo TORCH"], mine["turbo TORCH no-sync"]
+        assert torch_row["check"] == "PASS" and float(torch_row["dispatch_ms"]) > 0 and torch_row["dispatch_vs_a2a"]
+        assert bool(torch_row["combine_ms"]) == (config[2] == "bf16")
+        assert no_sync["check"] == "PASS" and float(no_sync["round_trip_us"]) > 0 and int(no_sync["worst_tokens"]) >= 1
+        assert mine["torch all_to_all_single"]["check"] == "PASS" and float(mine["torch all_to_all_single"]["recv_mb"])
+        p2p = mine["p2p copy to next rank"]
+        assert p2p["check"] == "SKIP" and "no GPU peers" in p2p["note"]
+    assert text.startswith("# MoE dispatch / combine: CPU x 2, 20") and "timings below are meaningless" in text
+    assert "| deepseek-v3 | 16 | skewed | fp8 | turbo TORCH | PASS |" in text
+
+
+def test_bench_moe_under_torchrun(tmp_path):
+    """The torchrun launch (what qa/multi_gpu.sh runs): ranks from the environment, one report."""
+    rows, _ = _moe_rows(tmp_path, [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                   "--nproc_per_node", "2"],
+                        "--models", "mixtral", "--routings", "skewed", "--payloads", "bf16", "--backends", "torch")
+    assert [(r["backend"], r["check"]) for r in rows] == [
+        ("turbo TORCH", "PASS"), ("turbo TORCH no-sync", "PASS"), ("torch all_to_all_single", "PASS"),
+        ("p2p copy to next rank", "SKIP")]
+
+
 def test_summary_by_a_column_scores_each_value_apart():
     H = _harness()
     rows = []

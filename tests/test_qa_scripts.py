@@ -99,11 +99,13 @@ def test_multi_gpu_dry_run_names_every_nccl_check(tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "tests/test_moe.py -m gpu" in out and "benchmarks/probes/moe_gpu_check.py --world 4" in out
-    assert out.count("torch.distributed.run --standalone --nproc_per_node 4") == 3
+    assert out.count("torch.distributed.run --standalone --nproc_per_node 4") == 4
+    assert f"--nproc_per_node 4 benchmarks/bench_moe.py --out {tmp_path}/multi_gpu/bench_moe" in out
     assert "benchmarks/probes/probe_nccl_consensus.py" in out
     assert "-m turbo_dispatch.cli tune --distributed --model" in out and "tune --distributed --step" in out
     assert out.count("turbo_dispatch.cli db validate") == 2
-    for path in ("benchmarks/probes/moe_gpu_check.py", "benchmarks/probes/probe_nccl_consensus.py"):
+    for path in ("benchmarks/probes/moe_gpu_check.py", "benchmarks/bench_moe.py",
+                 "benchmarks/probes/probe_nccl_consensus.py"):
         assert (REPO / path).is_file()
 
 
