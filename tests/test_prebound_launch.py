@@ -83,6 +83,23 @@ def test_without_a_compiled_kernel_plans_take_the_normal_path_and_say_so_once(ca
     assert len(told) == 1 and told[0].levelno == logging.DEBUG and why in told[0].getMessage()
 
 
+def test_launch_keys_on_grid_fixed_values_and_each_tensors_specialisation():
+    jit = _Jit()
+    kernel = PreboundKernel(jit, per_call=("x", "y"))
+    x, y = torch.zeros(8), torch.zeros(8, dtype=torch.int32)
+    fixed, options = {"n": 7, "BLOCK": 32, "FLAG": True}, {"num_warps": 4}
+    kernel.launch((6,), (x, y), fixed, options)
+    kernel.launch((6,), (x + 1, y), fixed, options)  # another tensor, same specialisation: pre-bound
+    assert [entry[0] for entry in jit.log] == ["normal", "direct"] and kernel.binds == 1 and kernel.hits == 1
+    assert jit.log[-1][2][0] is not x  # the call's own tensor is launched, not the first call's
+    kernel.launch((7,), (x, y), fixed, options)  # another grid
+    kernel.launch((6,), (x, y), {**fixed, "n": 8}, options)  # another fixed value
+    kernel.launch((6,), (x, y.float()), fixed, options)  # another dtype
+    kernel.launch((6,), (x[1:], y), fixed, options)  # a pointer that is not 16-byte aligned
+    kernel.launch((6,), (x, y), fixed, {"num_warps": 8})  # other options
+    assert kernel.binds == 6 and [entry[0] for entry in jit.log].count("normal") == 6
+
+
 def test_arguments_must_cover_the_signature_once():
     assert order_of(["a", "B", "c"], ("a", "c"), ("B",)) == (0, 2, 1)
     with pytest.raises(ValueError, match=r"missing \['FLAG'\]"):

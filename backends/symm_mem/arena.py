@@ -100,7 +100,7 @@ class SymmetricArena:
 
     def peer_delta(self, dtype: torch.dtype) -> torch.Tensor:
         if dtype not in self._deltas:
-            size = torch.empty((), dtype=dtype).element_size()
+            size = dtype.itemsize
             base = self._ptrs[self.rank]
             self._deltas[dtype] = torch.tensor([(p - base) // size for p in self._ptrs], dtype=torch.int64,
                                                device=self.device)

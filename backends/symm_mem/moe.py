@@ -26,8 +26,10 @@ CUDA graph after one eager call has sized the arena.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Generator, Optional
 
 import torch
@@ -35,12 +37,14 @@ import torch
 from turbo_dispatch.adapter import Adapter
 from turbo_dispatch.ops.moe import check_id_ranges
 
-from .arena import BARRIER, Grow, align_up
+from .arena import BARRIER, Grow, SymmetricArena, align_up, drive
 
 #: Row copies move at most this many elements per loop step (one program per row).
 _BLOCK = 4096
 _NUM_WARPS = 8
 _ALIGN_ELEMS = 16
+#: Launch options of the small plan kernels.
+_SMALL = dict(num_warps=4)
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,30 @@ class SymmMemLayout:
 
 
 # -- kernel launches ------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _kernels() -> SimpleNamespace:
+    """The kernels, each launched through a pre-bound plan per call shape (triton's per-launch
+    argument binding is most of a small dispatch's host time); built on first use, since importing
+    them needs triton."""
+    from turbo_dispatch.backends.triton.prebound import PreboundKernel
+
+    from . import kernels as K
+
+    def bound(kernel, *per_call: str) -> PreboundKernel:
+        return PreboundKernel(kernel, per_call=per_call)
+
+    return SimpleNamespace(
+        route_count=bound(K.route_count_kernel, "idx", "block_counts", "msg"),
+        route_within=bound(K.route_within_kernel, "idx", "block_counts", "within"),
+        place=bound(K.place_kernel, "table", "within", "idx", "probs", "dst_row", "slot", "meta"),
+        receive_plan=bound(K.receive_plan_kernel, "table", "back_rank", "back_dst", "num_recv", "n_valid"),
+        push=bound(K.push_rows_kernel, "src", "pair_rank", "pair_dst", "local", "peer_delta", "phase"),
+        copy_out=bound(K.copy_out_kernel, "local", "phase", "out", "n_valid"),
+        sum_landed=bound(K.sum_landed_kernel, "local", "phase", "slot", "out"),
+        id_bias=K.ID_BIAS,
+    )
+
+
 def _word(nbytes: int) -> torch.dtype:
     return torch.int32 if nbytes % 4 == 0 else torch.uint8
 
@@ -69,58 +97,64 @@ def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << (max(n, 1) - 1).bit_length())
 
 
+def _fit(arena, nbytes: int) -> Generator[Any, None, None]:
+    """Grows the arena (collectively) when a phase needs more than a half holds."""
+    if nbytes > arena.half_bytes:
+        yield Grow(nbytes)
+
+
 def _push(arena, src_bytes: torch.Tensor, src_div: int, pair_dst: torch.Tensor, dst_offset: int, dst_stride: int,
           pair_rank: Optional[torch.Tensor] = None) -> None:
     """Pair p: row ``p // src_div`` of ``src_bytes`` ([rows, nbytes] uint8, contiguous) -> row
     ``pair_dst[p]`` of rank ``pair_rank[p]`` (default ``p % W``), current half, region ``dst_offset``."""
-    from .kernels import push_rows_kernel
-
     nbytes = src_bytes.shape[1]
     if not pair_dst.numel() or not nbytes or not src_bytes.shape[0]:
         return
     word = _word(nbytes)
-    size = torch.empty((), dtype=word).element_size()
+    size = word.itemsize
     src = src_bytes.view(word)
-    push_rows_kernel[(pair_dst.numel(),)](
-        src, src.stride(0), nbytes // size, src_div, pair_dst if pair_rank is None else pair_rank, pair_dst,
-        arena.local(word), arena.peer_delta(word), arena.phase, arena.half_bytes // size, dst_offset // size,
-        dst_stride // size, WORLD=arena.world, RANKS_GIVEN=pair_rank is not None,
-        BLOCK=min(_BLOCK, _pow2(nbytes // size)), ALIGN=_ALIGN_ELEMS, num_warps=_NUM_WARPS)
+    _kernels().push.launch(
+        (pair_dst.numel(),),
+        (src, pair_dst if pair_rank is None else pair_rank, pair_dst, arena.local(word), arena.peer_delta(word),
+         arena.phase),
+        dict(src_stride=src.stride(0), row_words=nbytes // size, src_div=src_div, half_words=arena.half_bytes // size,
+             dst_offset=dst_offset // size, dst_stride=dst_stride // size, WORLD=arena.world,
+             RANKS_GIVEN=pair_rank is not None, BLOCK=min(_BLOCK, _pow2(nbytes // size)), ALIGN=_ALIGN_ELEMS),
+        dict(num_warps=_NUM_WARPS))
 
 
 def _copy_out(arena, rows: int, nbytes: int, src_offset: int, src_stride: int, n_valid: torch.Tensor) -> torch.Tensor:
     """Rows ``[0, rows)`` of a region of this rank's current half as a new [rows, nbytes] uint8
     tensor; rows at or past ``n_valid`` come out as zeros."""
-    from .kernels import copy_out_kernel
-
     out = torch.empty((rows, nbytes), dtype=torch.uint8, device=arena.device)
     if not rows or not nbytes:
         return out
     word = _word(nbytes)
-    size = torch.empty((), dtype=word).element_size()
+    size = word.itemsize
     dst = out.view(word)
-    copy_out_kernel[(rows,)](arena.local(word), arena.phase, arena.half_bytes // size, src_offset // size,
-                             src_stride // size, dst, dst.stride(0), nbytes // size, n_valid,
-                             BLOCK=min(_BLOCK, _pow2(nbytes // size)), num_warps=_NUM_WARPS)
+    _kernels().copy_out.launch(
+        (rows,), (arena.local(word), arena.phase, dst, n_valid),
+        dict(half_words=arena.half_bytes // size, src_offset=src_offset // size, src_stride=src_stride // size,
+             out_stride=dst.stride(0), row_words=nbytes // size, BLOCK=min(_BLOCK, _pow2(nbytes // size))),
+        dict(num_warps=_NUM_WARPS))
     return out
 
 
 def _sum_landed(arena, slot: torch.Tensor, num_tokens: int, hidden: int, dtype: torch.dtype,
                 land_stride: int) -> torch.Tensor:
-    import triton
     import triton.language as tl
-
-    from .kernels import sum_landed_kernel
 
     out = torch.empty((num_tokens, hidden), dtype=dtype, device=arena.device)
     if not out.numel():
         return out
     size = out.element_size()
     block = min(2048, _pow2(hidden))
-    acc = tl.float64 if dtype == torch.float64 else tl.float32
-    sum_landed_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        arena.local(dtype), arena.phase, arena.half_bytes // size, 0, land_stride // size, slot, out, out.stride(0),
-        hidden, WORLD=arena.world, ACC=acc, BLOCK=block, num_warps=4)
+    _kernels().sum_landed.launch(
+        (num_tokens, -(-hidden // block)), (arena.local(dtype), arena.phase, slot, out),
+        dict(half_words=arena.half_bytes // size, land_offset=0, land_stride=land_stride // size,
+             out_stride=out.stride(0), hidden=hidden, WORLD=arena.world,
+             ACC=tl.float64 if dtype == torch.float64 else tl.float32, BLOCK=block),
+        dict(num_warps=4))
     return out
 
 
@@ -139,10 +173,7 @@ def _advance(arena) -> None:
 def dispatch_phases(arena, p, x: torch.Tensor, token_indices: torch.Tensor, token_probs: Optional[torch.Tensor]
                     ) -> Generator[Any, None, tuple]:
     """moe_dispatch on one rank, as a phase generator (see ``arena.drive``)."""
-    import triton
-
-    from .kernels import ID_BIAS, place_kernel, receive_plan_kernel, route_count_kernel, route_within_kernel
-
+    kern = _kernels()
     world, me, t, k, n = p.world_size, arena.rank, x.shape[0], p.topk, p.num_worst_tokens
     experts = p.num_experts
     local = experts // world
@@ -154,15 +185,15 @@ def dispatch_phases(arena, p, x: torch.Tensor, token_indices: torch.Tensor, toke
     within = torch.empty((t, world), dtype=torch.int64, device=device)
     msg = torch.zeros(world + experts + 2, dtype=torch.int64, device=device)
     block_t = max(16, 4096 // (topk_p * world_p))
-    blocks = max(1, triton.cdiv(t, block_t))
+    blocks = max(1, -(-t // block_t))
     block_counts = torch.empty((blocks, world), dtype=torch.int64, device=device)
-    meta_args = dict(TOPK=k, TOPK_P=topk_p, WORLD=world, WORLD_P=world_p, BLOCK_T=block_t, num_warps=4)
-    route_count_kernel[(blocks,)](idx, t, experts, local, block_counts, msg, **meta_args)
-    route_within_kernel[(blocks,)](idx, t, experts, local, block_counts, within, **meta_args)
+    sizes = dict(num_tokens=t, num_experts=experts, local_experts=local, TOPK=k, TOPK_P=topk_p, WORLD=world,
+                 WORLD_P=world_p, BLOCK_T=block_t)
+    kern.route_count.launch((blocks,), (idx, block_counts, msg), sizes, _SMALL)
+    kern.route_within.launch((blocks,), (idx, block_counts, within), sizes, _SMALL)
     msg_bytes = msg.numel() * 8
     msg_stride = align_up(msg_bytes)
-    if world * msg_stride > arena.half_bytes:
-        yield Grow(world * msg_stride)
+    yield from _fit(arena, world * msg_stride)
     _push(arena, msg.view(torch.uint8)[None], world, arena.me_rows, 0, msg_stride)
     yield BARRIER
     table = _copy_out(arena, world, msg_bytes, 0, msg_stride, arena.all_rows).view(torch.int64)  # [W, W + E + 2]
@@ -174,13 +205,14 @@ def dispatch_phases(arena, p, x: torch.Tensor, token_indices: torch.Tensor, toke
         tokens_per_expert = None
     else:
         host = table.tolist()
-        check_id_ranges([(ID_BIAS - row[-2] if row[-2] else -1, row[-1] - ID_BIAS if row[-1] else -1)
-                         for row in host], experts, me)
+        bias = kern.id_bias
+        check_id_ranges([(bias - row[-2] if row[-2] else -1, row[-1] - bias if row[-1] else -1) for row in host],
+                        experts, me)
         recv_rows = sum(row[me] for row in host)
         rows_cap = max(sum(row[r] for row in host) for r in range(world))
         land_cap = max(sum(row[:world]) for row in host)
         first = world + me * local
-        tokens_per_expert = [sum(col) for col in zip(*(row[first: first + local] for row in host))] if host else []
+        tokens_per_expert = [sum(col) for col in zip(*(row[first: first + local] for row in host))]
 
     # -- where every row goes, and where it comes back ----------------------------------------------------
     dst_row = torch.empty(t * world, dtype=torch.int64, device=device)
@@ -188,25 +220,25 @@ def dispatch_phases(arena, p, x: torch.Tensor, token_indices: torch.Tensor, toke
     meta = torch.empty((t * world, 2 * k), dtype=torch.int64, device=device)
     probs = token_probs.contiguous() if token_probs is not None else idx
     block_t = max(1, 1024 // (world_p * topk_p))
-    place_kernel[(max(1, triton.cdiv(t, block_t)),)](
-        table, table.stride(0), within, idx, probs, t, me, n, local, dst_row, slot, meta,
-        HAS_PROBS=token_probs is not None, TOPK=k, TOPK_P=topk_p, WORLD=world, WORLD_P=world_p, BLOCK_T=block_t,
-        num_warps=4)
+    kern.place.launch(
+        (max(1, -(-t // block_t)),), (table, within, idx, probs, dst_row, slot, meta),
+        dict(table_stride=table.stride(0), num_tokens=t, me=me, worst=n, local_experts=local,
+             HAS_PROBS=token_probs is not None, TOPK=k, TOPK_P=topk_p, WORLD=world, WORLD_P=world_p, BLOCK_T=block_t),
+        _SMALL)
     back_rank = torch.empty(recv_rows, dtype=torch.int64, device=device)
     back_dst = torch.empty(recv_rows, dtype=torch.int64, device=device)
     num_recv_dev = torch.empty(1, dtype=torch.int64, device=device)
     n_valid = torch.empty(1, dtype=torch.int64, device=device)
-    receive_plan_kernel[(max(1, triton.cdiv(recv_rows, 1024)),)](
-        table, table.stride(0), me, n, recv_rows, back_rank, back_dst, num_recv_dev, n_valid, WORLD=world,
-        WORLD_P=world_p, BLOCK_R=1024, num_warps=4)
+    kern.receive_plan.launch(
+        (max(1, -(-recv_rows // 1024)),), (table, back_rank, back_dst, num_recv_dev, n_valid),
+        dict(table_stride=table.stride(0), me=me, worst=n, recv_rows=recv_rows, WORLD=world, WORLD_P=world_p,
+             BLOCK_R=1024), _SMALL)
 
     # -- phase 2: rows and their metadata -----------------------------------------------------------------
     meta_bytes, row_bytes = 16 * k, x.shape[1] * x.element_size()
     meta_stride, row_stride = align_up(meta_bytes), align_up(row_bytes)
     data_offset = align_up(rows_cap * meta_stride)
-    need = data_offset + rows_cap * row_stride
-    if need > arena.half_bytes:
-        yield Grow(need)
+    yield from _fit(arena, data_offset + rows_cap * row_stride)
     _push(arena, _as_bytes(x), world, dst_row, data_offset, row_stride)
     _push(arena, meta.view(torch.uint8), 1, dst_row, 0, meta_stride)
     yield BARRIER
@@ -236,8 +268,7 @@ def dispatch_rows_phases(layout: SymmMemLayout, rows: torch.Tensor) -> Generator
     arena = layout.arena
     row_bytes = rows.shape[1] * rows.element_size()
     stride = align_up(row_bytes)
-    if layout.rows_cap * stride > arena.half_bytes:
-        yield Grow(layout.rows_cap * stride)
+    yield from _fit(arena, layout.rows_cap * stride)
     _push(arena, _as_bytes(rows), arena.world, layout.dst_row, 0, stride)
     yield BARRIER
     out = _copy_out(arena, layout.recv_rows, row_bytes, 0, stride, layout.n_valid).view(rows.dtype)
@@ -250,8 +281,7 @@ def combine_phases(layout: SymmMemLayout, y: torch.Tensor) -> Generator[Any, Non
     arena = layout.arena
     row_bytes = y.shape[1] * y.element_size()
     stride = align_up(row_bytes)
-    if layout.land_cap * stride > arena.half_bytes:
-        yield Grow(layout.land_cap * stride)
+    yield from _fit(arena, layout.land_cap * stride)
     _push(arena, _as_bytes(y), 1, layout.back_dst, 0, stride, pair_rank=layout.back_rank)
     yield BARRIER
     out = _sum_landed(arena, layout.slot, layout.num_tokens, y.shape[1], y.dtype, stride)
@@ -265,8 +295,6 @@ _ARENAS: dict = {}
 
 def _arena(group: Any, device: torch.device):
     import torch.distributed as dist
-
-    from .arena import SymmetricArena
 
     group = group if group is not None else dist.group.WORLD
     key = (group.group_name, device)
@@ -322,17 +350,11 @@ class SymmMemMoeDispatchCombine(Adapter):
 
     def dispatch(self, p, x: torch.Tensor, token_indices: torch.Tensor, token_probs: Optional[torch.Tensor],
                  group: Any):
-        from .arena import drive
-
         arena = _arena(group, x.device)
         return drive(dispatch_phases(arena, p, x, token_indices, token_probs), arena)
 
     def dispatch_rows(self, layout: SymmMemLayout, rows: torch.Tensor, group: Any) -> torch.Tensor:
-        from .arena import drive
-
         return drive(dispatch_rows_phases(layout, rows), layout.arena)
 
     def combine(self, layout: SymmMemLayout, y: torch.Tensor, group: Any) -> torch.Tensor:
-        from .arena import drive
-
         return drive(combine_phases(layout, y), layout.arena)

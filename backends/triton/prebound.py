@@ -150,6 +150,20 @@ class PreboundKernel:
             self._plans.put(key, plan)
         return plan
 
+    def launch(self, grid: Sequence[int], per_call: Sequence[Any], fixed: Mapping[str, Any],
+               options: Mapping[str, Any]) -> None:
+        """Launches with a key derived from the call itself: the grid, every fixed argument, the
+        options, and per tensor of ``per_call`` its dtype, device and whether its data pointer is
+        16-byte aligned (what Triton specialises a pointer on). For kernels whose per-call
+        arguments are all tensors; a key seen before skips Triton's per-call binding."""
+        key = (tuple(grid), tuple(fixed.items()), tuple(options.items()),
+               tuple((t.dtype, t.device, t.data_ptr() % 16 == 0) for t in per_call))
+        plan = self.plan(key)
+        if plan is None:
+            self.bind(key, grid, per_call, fixed, options)
+        else:
+            plan(*per_call)
+
     def clear(self) -> None:
         """Forgets every plan (the compiled kernels stay in Triton's own cache)."""
         with self._lock:
