@@ -185,6 +185,36 @@ if triton is not None:
         return b, h, h // GROUP, q_start, sq, k_start, sk, pid_m * BLOCK_M
 
     @triton.jit
+    def _query_block(Q, K, V, b, h, hk, q_start, sq, k_start, m0, stride_qb, stride_qs, stride_qh, stride_qd,
+                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, D_QK: tl.constexpr,
+                     BLOCK_DQK: tl.constexpr, BLOCK_M: tl.constexpr):
+        """What a query-block program of the forward and of the dQ kernel starts from:
+        ``(offs_m, rows, rows_ok, b64, h64, hk64, first, q, k_base, v_base)``: the block's row
+        offsets and positions, which of them are real, the int64 batch/head indices, its first
+        token, its q tile, and where its sequence's keys and values start."""
+        offs_m = tl.arange(0, BLOCK_M)
+        rows = m0 + offs_m
+        rows_ok = rows < sq
+        b64, h64, hk64 = tl.cast(b, tl.int64), tl.cast(h, tl.int64), tl.cast(hk, tl.int64)
+        first = tl.cast(q_start + m0, tl.int64)
+        q = _tile(_head(Q, b64, h64, stride_qb, stride_qh), first, offs_m, rows_ok, stride_qs, stride_qd, D_QK,
+                  BLOCK_DQK, True)
+        k_base = _head(K, b64, hk64, stride_kb, stride_kh) + tl.cast(k_start, tl.int64) * stride_ks
+        v_base = _head(V, b64, hk64, stride_vb, stride_vh) + tl.cast(k_start, tl.int64) * stride_vs
+        return offs_m, rows, rows_ok, b64, h64, hk64, first, q, k_base, v_base
+
+    @triton.jit
+    def _query_key_span(m0, sq, sk, LEFT, RIGHT, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """``(shift, start, full_start, full_end, end)``: sk - sq, and the key blocks that the
+        query rows of the block starting at ``m0`` meet (see ``_block_span``)."""
+        shift = sk - sq
+        m_last = tl.minimum(m0 + BLOCK_M, sq) - 1
+        start, full_start, full_end, end = _block_span(m0, m_last, sk, shift, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT,
+                                                       BLOCK_N)
+        return shift, start, full_start, full_end, end
+
+    @triton.jit
     def _allowed(i, j, len_j, shift, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
         """May query position ``i`` attend key position ``j`` (broadcast shapes; ``shift`` = sk - sq)."""
         ok = j < len_j
@@ -255,15 +285,9 @@ if triton is not None:
                                                                 VARLEN, REVERSE)
         if m0 >= sq:
             return
-        offs_m = tl.arange(0, BLOCK_M)
-        rows = m0 + offs_m
-        rows_ok = rows < sq
-        b64, h64, hk64 = tl.cast(b, tl.int64), tl.cast(h, tl.int64), tl.cast(hk, tl.int64)
-        first = tl.cast(q_start + m0, tl.int64)
-        q = _tile(_head(Q, b64, h64, stride_qb, stride_qh), first, offs_m, rows_ok, stride_qs, stride_qd, D_QK,
-                  BLOCK_DQK, True)
-        k_base = _head(K, b64, hk64, stride_kb, stride_kh) + tl.cast(k_start, tl.int64) * stride_ks
-        v_base = _head(V, b64, hk64, stride_vb, stride_vh) + tl.cast(k_start, tl.int64) * stride_vs
+        offs_m, rows, rows_ok, b64, h64, hk64, first, q, k_base, v_base = _query_block(
+            Q, K, V, b, h, hk, q_start, sq, k_start, m0, stride_qb, stride_qs, stride_qh, stride_qd, stride_kb,
+            stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, D_QK, BLOCK_DQK, BLOCK_M)
         ks_base = KS
         vs_base = VS
         scale = qk_scale
@@ -281,10 +305,8 @@ if triton is not None:
         else:
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        shift = sk - sq
-        m_last = tl.minimum(m0 + BLOCK_M, sq) - 1
-        start, full_start, full_end, end = _block_span(m0, m_last, sk, shift, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT,
-                                                       BLOCK_N)
+        shift, start, full_start, full_end, end = _query_key_span(m0, sq, sk, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT,
+                                                                  BLOCK_M, BLOCK_N)
         for part in tl.static_range(3):
             lo, hi = _part(part, start, full_start, full_end, end)
             acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
@@ -463,25 +485,17 @@ if triton is not None:
                                                                 VARLEN, REVERSE)
         if m0 >= sq:
             return
-        offs_m = tl.arange(0, BLOCK_M)
-        rows = m0 + offs_m
-        rows_ok = rows < sq
-        b64, h64, hk64 = tl.cast(b, tl.int64), tl.cast(h, tl.int64), tl.cast(hk, tl.int64)
-        first = tl.cast(q_start + m0, tl.int64)
-        q = _tile(_head(Q, b64, h64, stride_qb, stride_qh), first, offs_m, rows_ok, stride_qs, stride_qd, D_QK,
-                  BLOCK_DQK, True)
+        offs_m, rows, rows_ok, b64, h64, hk64, first, q, k_base, v_base = _query_block(
+            Q, K, V, b, h, hk, q_start, sq, k_start, m0, stride_qb, stride_qs, stride_qh, stride_qd, stride_kb,
+            stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, D_QK, BLOCK_DQK, BLOCK_M)
         do = _tile(_head(DO, b64, h64, stride_gb, stride_gh), first, offs_m, rows_ok, stride_gs, stride_gd, D_V,
                    BLOCK_DV, True)
         l_off = b64 * stride_lb + h64 * stride_lh + tl.cast(q_start, tl.int64) + rows
         lse2 = tl.load(LSE2 + l_off, mask=rows_ok, other=float("inf"))
         delta = tl.load(DELTA + l_off, mask=rows_ok, other=0.0)
-        k_base = _head(K, b64, hk64, stride_kb, stride_kh) + tl.cast(k_start, tl.int64) * stride_ks
-        v_base = _head(V, b64, hk64, stride_vb, stride_vh) + tl.cast(k_start, tl.int64) * stride_vs
         dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
-        shift = sk - sq
-        m_last = tl.minimum(m0 + BLOCK_M, sq) - 1
-        start, full_start, full_end, end = _block_span(m0, m_last, sk, shift, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT,
-                                                       BLOCK_N)
+        shift, start, full_start, full_end, end = _query_key_span(m0, sq, sk, LEFT, RIGHT, HAS_LEFT, HAS_RIGHT,
+                                                                  BLOCK_M, BLOCK_N)
         for part in tl.static_range(3):
             lo, hi = _part(part, start, full_start, full_end, end)
             dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, rows,
