@@ -74,7 +74,8 @@ FP8_BLOCK = 128
 ZIPF = 1.2
 COLUMNS = ["model", "hidden", "topk", "experts", "world", "tokens", "routing", "payload", "backend", "check",
            "dispatch_ms", "dispatch_gbps", "combine_ms", "combine_gbps", "dispatch_vs_a2a", "combine_vs_a2a",
-           "round_trip_us", "rt_vs_a2a", "worst_tokens", "recv_mb", "back_mb", "note"]
+           "round_trip_us", "rt_vs_a2a", "dispatch_host_us", "combine_host_us", "round_trip_host_us", "worst_tokens",
+           "recv_mb", "back_mb", "note"]
 
 
 @dataclass(frozen=True)
@@ -140,28 +141,81 @@ class Group:
         return "; ".join(f"rank {r}: {n}" for r, n in enumerate(notes) if n)
 
 
-def timed(g: Group, fn: Callable[[Any], Any], setup: Optional[Callable[[], Any]], warmup: int, iters: int) -> float:
-    """Milliseconds of ``fn(setup())``: per rank the median over ``iters`` rounds after ``warmup``
-    untimed ones, each round entered together at a barrier; the max over the ranks."""
-    times = []
+def timed(g: Group, fn: Callable[[Any], Any], setup: Optional[Callable[[], Any]], warmup: int,
+          iters: int) -> tuple[float, float]:
+    """``(ms, host_us)`` of ``fn(setup())``: per rank the median over ``iters`` rounds after ``warmup``
+    untimed ones, each round entered together at a barrier, then the max over the ranks. ``ms`` is
+    the whole call (CUDA events; ``perf_counter`` on a CPU); ``host_us`` is the host's time from the
+    call to its return (what a CUDA call costs the issuing thread; the whole call on a CPU)."""
+    times, host = [], []
     for i in range(warmup + iters):
         state = setup() if setup else None
         g.barrier()
         if g.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             fn(state)
+            t1 = time.perf_counter()
             end.record()
             end.synchronize()
             ms = start.elapsed_time(end)
         else:
             t0 = time.perf_counter()
             fn(state)
-            ms = (time.perf_counter() - t0) * 1e3
+            t1 = time.perf_counter()
+            ms = (t1 - t0) * 1e3
         if i >= warmup:
             times.append(ms)
+            host.append((t1 - t0) * 1e6)
         del state
-    return g.max(statistics.median(times))
+    return g.max(statistics.median(times)), g.max(statistics.median(host))
+
+
+def profiled(g: Group, fn: Callable[[Any], Any], iters: int, path: Path) -> None:
+    """Runs ``fn(None)`` ``iters`` times on every rank (it is a collective) twice, rank 0 under
+    cProfile and then under torch.profiler, and writes both tables to ``path``: where the host time
+    of a call goes (Python functions, torch ops, launches) and what the GPU ran."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    me = g.rank == 0
+    g.barrier()
+    prof = cProfile.Profile() if me else None
+    if prof:
+        prof.enable()
+    for _ in range(iters):
+        fn(None)
+    if prof:
+        prof.disable()
+    g.barrier()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if g.cuda else [])
+    tables = []
+    if me:
+        with profile(activities=activities) as trace:
+            for _ in range(iters):
+                fn(None)
+            if g.cuda:
+                torch.cuda.synchronize(g.device)
+        averages = trace.key_averages()
+        tables.append(averages.table(sort_by="self_cpu_time_total", row_limit=40))
+        if g.cuda:
+            tables.append(averages.table(sort_by="self_device_time_total", row_limit=25))
+    else:
+        for _ in range(iters):
+            fn(None)
+    g.barrier()
+    if me:
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("tottime").print_stats(40)
+        stats.sort_stats("cumulative").print_stats(30)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{iters} calls on rank 0 of {g.world}\n\n" + text.getvalue() + "\n\n".join(tables))
+        print(f"[bench_moe] profile: {path}", flush=True)
 
 
 # -- inputs and the reference --------------------------------------------------------------------------
@@ -325,23 +379,36 @@ def backend_rows(cfg: Config, g: Group, ref: Reference, entry, args, a2a_ms: tup
                     recv, _, _, _, handle = dispatch(n)
                     return combine(recv if y is None else y, handle)
 
-                rt = timed(g, round_trip, None, args.warmup, args.iters)
-                row.update(round_trip_us=rt * 1e3, rt_vs_a2a=_ratio(rt, a2a_ms[0]))
+                rt, rt_host = timed(g, round_trip, None, args.warmup, args.iters)
+                row.update(round_trip_us=rt * 1e3, rt_vs_a2a=_ratio(rt, a2a_ms[0]), round_trip_host_us=rt_host)
+                if args.profile:
+                    profiled(g, round_trip, args.iters, _profile_path(args, cfg, entry.name, "no-sync"))
                 continue
-            d_ms = timed(g, lambda _: dispatch(0), None, args.warmup, args.iters)
-            row.update(dispatch_ms=d_ms, dispatch_gbps=_gbps(recv_bytes, d_ms), dispatch_vs_a2a=_ratio(a2a_ms[0], d_ms))
+            d_ms, d_host = timed(g, lambda _: dispatch(0), None, args.warmup, args.iters)
+            row.update(dispatch_ms=d_ms, dispatch_gbps=_gbps(recv_bytes, d_ms), dispatch_vs_a2a=_ratio(a2a_ms[0], d_ms),
+                       dispatch_host_us=d_host)
             if cfg.payload == "bf16":
                 def setup():
                     recv, _, _, _, handle = dispatch(0)
                     return recv, handle
 
-                c_ms = timed(g, lambda s: combine(*s), setup, args.warmup, args.iters)
+                c_ms, c_host = timed(g, lambda s: combine(*s), setup, args.warmup, args.iters)
                 row.update(combine_ms=c_ms, combine_gbps=_gbps(back_bytes, c_ms),
-                           combine_vs_a2a=_ratio(a2a_ms[1], c_ms))
+                           combine_vs_a2a=_ratio(a2a_ms[1], c_ms), combine_host_us=c_host)
+            if args.profile:
+                def dispatch_combine(_):
+                    recv, _, _, _, handle = dispatch(0)
+                    return combine(recv, handle) if cfg.payload == "bf16" else recv
+
+                profiled(g, dispatch_combine, args.iters, _profile_path(args, cfg, entry.name, "sync"))
         finally:
             GlobalBackendManager.set_moe_dispatch_combine_backend(None)
             GlobalBackendManager.set_auto_tune(None)
     return rows
+
+
+def _profile_path(args, cfg: Config, backend: str, mode: str) -> Path:
+    return args.out / "profile" / f"{cfg.model_name}_{cfg.tokens}_{cfg.routing}_{cfg.payload}_{backend}_{mode}.txt"
 
 
 def a2a_row(cfg: Config, g: Group, ref: Reference, args) -> tuple[dict, tuple]:
@@ -368,11 +435,13 @@ def a2a_row(cfg: Config, g: Group, ref: Reference, args) -> tuple[dict, tuple]:
     if not ok:
         row["note"] = "all_to_all_single delivered other bytes than the reference"
         return row, (None, None)
-    d_ms = timed(g, go, None, args.warmup, args.iters)
-    c_ms = timed(g, come_back, None, args.warmup, args.iters) if cfg.payload == "bf16" else None
-    row.update(dispatch_ms=d_ms, dispatch_gbps=_gbps(int(row["recv_mb"] * 1e6), d_ms), dispatch_vs_a2a=1.0)
+    d_ms, d_host = timed(g, go, None, args.warmup, args.iters)
+    c_ms, c_host = timed(g, come_back, None, args.warmup, args.iters) if cfg.payload == "bf16" else (None, None)
+    row.update(dispatch_ms=d_ms, dispatch_gbps=_gbps(int(row["recv_mb"] * 1e6), d_ms), dispatch_vs_a2a=1.0,
+               dispatch_host_us=d_host)
     if c_ms is not None:
-        row.update(combine_ms=c_ms, combine_gbps=_gbps(int(row["back_mb"] * 1e6), c_ms), combine_vs_a2a=1.0)
+        row.update(combine_ms=c_ms, combine_gbps=_gbps(int(row["back_mb"] * 1e6), c_ms), combine_vs_a2a=1.0,
+                   combine_host_us=c_host)
     return row, (d_ms, c_ms)
 
 
@@ -398,7 +467,7 @@ def p2p_row(cfg: Config, g: Group, ref: Reference, args, a2a_ms: tuple) -> dict:
     dst = torch.empty_like(src, device=torch.device("cuda", peer))
     times = []
     for n in sizes:
-        times.append(timed(g, lambda _: dst[:n].copy_(src[:n]), None, args.warmup, args.iters))
+        times.append(timed(g, lambda _: dst[:n].copy_(src[:n]), None, args.warmup, args.iters)[0])
     seen = min(sizes[0], 4096)
     ok = g.all_true(torch.equal(dst[:seen].cpu(), src[:seen].cpu()))
     row.update(check="PASS" if ok else "FAIL", note="copy_ into a tensor on the peer GPU (peer access)")
@@ -469,19 +538,23 @@ def write_reports(rows: list[dict], g: Group, args, started: str) -> tuple[Path,
               "own exchange)",
               "- no-sync: dispatch + combine with num_worst_tokens = the most rows any rank receives, in us, and as "
               "a multiple of one raw all_to_all_single of the dispatch's rows",
-              "- p2p: copy_ of the same byte count into a tensor on the next rank's GPU, all ranks at once", "",
+              "- p2p: copy_ of the same byte count into a tensor on the next rank's GPU, all ranks at once",
+              "- host us: the issuing thread's time per call, from the call to its return (dispatch / combine, or "
+              "the no-sync round trip)", "",
               "| model | tokens | routing | payload | backend | check | dispatch ms | GB/s | combine ms | GB/s "
-              "| x a2a (dispatch / combine) | no-sync round trip us (x a2a) | note |",
-              "|---|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+              "| x a2a (dispatch / combine) | no-sync round trip us (x a2a) | host us | note |",
+              "|---|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         ratios = " / ".join(_cell(r.get(k), 2) or "-" for k in ("dispatch_vs_a2a", "combine_vs_a2a"))
         rt = _cell(r.get("round_trip_us"), 1)
         rt += f" ({_cell(r.get('rt_vs_a2a'), 2)})" if rt and r.get("rt_vs_a2a") else ""
         note = str(r.get("note") or "").replace("|", "/")
+        host = " / ".join(_cell(r.get(k), 0) for k in ("dispatch_host_us", "combine_host_us", "round_trip_host_us")
+                          if r.get(k) is not None)
         lines.append(f"| {r['model']} | {r['tokens']} | {r['routing']} | {r['payload']} | {r['backend']} | "
                      f"{r.get('check', '')} | {_cell(r.get('dispatch_ms'), 3)} | {_cell(r.get('dispatch_gbps'), 1)} | "
                      f"{_cell(r.get('combine_ms'), 3)} | {_cell(r.get('combine_gbps'), 1)} | "
-                     f"{ratios if ratios != '- / -' else ''} | {rt} | {note} |")
+                     f"{ratios if ratios != '- / -' else ''} | {rt} | {host} | {note} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return stem.with_suffix(".csv"), stem.with_suffix(".md")
 
@@ -565,6 +638,9 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--name", default="moe", help="report name: <gpu>_<date>_<name>.csv/.md (default moe)")
     parser.add_argument("--quick", action="store_true", help="smoke form: a few tokens, few rounds (CPU works)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile every turbo row (cProfile and torch.profiler on rank 0, "
+                             "<out>/profile/<model>_<tokens>_<routing>_<payload>_<backend>_<mode>.txt)")
     parser.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds")
     args = parser.parse_args(argv)
     args.models = args.models.split(",") if args.models else list(MODELS)

@@ -109,6 +109,16 @@ def test_multi_gpu_dry_run_names_every_nccl_check(tmp_path):
         assert (REPO / path).is_file()
 
 
+def test_multi_gpu_runs_only_the_named_checks_and_passes_bench_arguments(tmp_path):
+    proc = _qa("multi_gpu.sh", "--dry-run", "bench_moe", "--", "--tokens", "128", "--profile", out=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("[dry-run] bench_moe:")
+    assert lines[0].endswith(f"--out {tmp_path}/multi_gpu/bench_moe --tokens 128 --profile")
+    unknown = _qa("multi_gpu.sh", "--dry-run", "no_such_check", out=tmp_path)
+    assert unknown.returncode == 2 and "unknown check no_such_check" in unknown.stderr
+
+
 def test_rocm_dry_run_runs_the_gpu_tests_and_the_perf_families(tmp_path):
     proc = _qa("rocm.sh", "--dry-run", out=tmp_path)
     assert proc.returncode == 0, proc.stderr
