@@ -49,13 +49,15 @@ def _kept(cases, world, worst):
     return kept
 
 
-def _round_trip(world, seed, dtype=torch.float64, probs_dtype=torch.float32, worst=0, with_probs=True, sizes=SMALL):
+def _round_trip(world, seed, dtype=torch.float64, probs_dtype=torch.float32, worst=0, with_probs=True, sizes=SMALL,
+                tokens=None):
     import moe_checks
     from symm_mem_fake import FakeFabric, lockstep
 
     from turbo_dispatch.backends.symm_mem import moe as SM
 
-    cases = [moe_checks.Case(seed, s, world, **sizes) for s in range(world)]
+    cases = [moe_checks.Case(seed, s, world, **sizes, **({"tokens": tokens} if tokens else {}))
+             for s in range(world)]
     fabric = FakeFabric(world)
     xs = [c.x.to(dtype) for c in cases]
     probs = [c.probs.to(probs_dtype) if with_probs else None for c in cases]
@@ -137,6 +139,12 @@ def _interpreter_checks() -> None:  # pragma: no cover - runs in the subprocess
         "w1-fp16": lambda: _round_trip(1, 5, dtype=torch.float16),
         "w3-fp8-odd-hidden": lambda: _round_trip(3, 6, dtype=torch.float8_e4m3fn,
                                                  sizes=dict(hidden=35, topk=2, local_experts=2)),
+        # more tokens than one routing block (256 at top-8 of 2 ranks): positions carry across blocks
+        "w2-blocks": lambda: _round_trip(2, 7, dtype=torch.float32, sizes=dict(hidden=8, topk=8, local_experts=5),
+                                         tokens=(600, 517)),
+        "w2-blocks-worst": lambda: _round_trip(2, 8, dtype=torch.float32, sizes=dict(hidden=8, topk=8,
+                                                                                      local_experts=5),
+                                               tokens=(600, 517), worst=700),
         "bad-ids": _check_bad_ids,
     }
     for name, fn in checks.items():
@@ -149,7 +157,7 @@ def _interpreter_checks() -> None:  # pragma: no cover - runs in the subprocess
 
 
 _NAMES = ["w3-fp64-sync", "w3-fp64-worst", "w4-bf16-bf16probs", "w2-fp32-noprobs-worst-roomy", "w1-fp16",
-          "w3-fp8-odd-hidden", "bad-ids"]
+          "w3-fp8-odd-hidden", "w2-blocks", "w2-blocks-worst", "bad-ids"]
 
 
 @pytest.fixture(scope="module")

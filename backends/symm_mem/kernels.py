@@ -69,42 +69,38 @@ def route_count_kernel(idx, num_tokens, num_experts, local_experts, block_counts
 
 
 @triton.jit
-def route_within_kernel(idx, num_tokens, num_experts, local_experts, block_counts, within, TOPK: tl.constexpr,
-                        TOPK_P: tl.constexpr, WORLD: tl.constexpr, WORLD_P: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Program b: ``within[t, r]`` = the rank of token t among this rank's tokens bound for rank r
-    (earlier blocks' counts first), or -1 when t does not go to r."""
+def place_kernel(table, table_stride, idx, probs, block_counts, num_tokens, num_experts, me, worst, local_experts,
+                 dst_row, slot, local, peer_delta, phase, half_words, meta_stride, HAS_PROBS: tl.constexpr,
+                 TOPK: tl.constexpr, TOPK_P: tl.constexpr, WORLD: tl.constexpr, WORLD_P: tl.constexpr,
+                 BLOCK_T: tl.constexpr):
+    """Program b, tokens [b * BLOCK_T, (b + 1) * BLOCK_T) (``route_count_kernel``'s blocks, whose
+    ``block_counts`` give the tokens of earlier blocks), per (token, rank) pair, from the
+    all-gathered count table (``table[s, r]``, r < W: rows s sends r):
+
+    * ``dst_row``: the receive row on r (rows of ranks before this one, then this rank's tokens
+      for r in token order), -1 if not sent or past ``worst``;
+    * ``slot``: where r's row comes back to (after this rank's rows for ranks < r, or r * worst
+      under a worst case), -1 if nothing comes back;
+    * the row's metadata, stored straight into row ``dst_row`` of rank r's metadata region (the
+      current half of its arena, ``local`` viewed as int64, rows ``meta_stride`` apart): local
+      expert ids, then probabilities as fp32 bits, one int64 each; id -1 / probability 0 where
+      the expert is not on r."""
     b = tl.program_id(0)
     rows, ids, cell, valid, sent = _sent_to(idx, num_tokens, num_experts, local_experts, b, TOPK, TOPK_P, WORLD_P,
                                             BLOCK_T)
     ranks = tl.arange(0, WORLD_P)
+    real = ranks < WORLD
     before = tl.zeros([WORLD_P], dtype=tl.int64)
     for prior in range(0, b):
-        before += tl.load(block_counts + prior * WORLD + ranks, mask=ranks < WORLD, other=0)
-    pos = tl.cumsum(sent, axis=0) - 1 + before[None, :]
-    keep = (rows < num_tokens)[:, None] & (ranks < WORLD)[None, :]
-    tl.store(within + rows[:, None] * WORLD + ranks[None, :], tl.where(sent > 0, pos, -1), mask=keep)
-
-
-@triton.jit
-def place_kernel(table, table_stride, within, idx, probs, num_tokens, me, worst, local_experts, dst_row, slot, meta,
-                 HAS_PROBS: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr, WORLD: tl.constexpr,
-                 WORLD_P: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Per (token, rank) pair, from the all-gathered count table (``table[s, r]``, r < W: rows s
-    sends r): ``dst_row`` (receive row on r, -1 if not sent or past ``worst``), ``slot`` (where
-    r's row comes back to: after this rank's rows for ranks < r, or r * worst under a worst
-    case; -1 if nothing comes back) and ``meta`` (local expert ids then probabilities as fp32
-    bits, int64 each; id -1 / probability 0 where the expert is not on r)."""
-    ranks = tl.arange(0, WORLD_P)
-    real = ranks < WORLD
+        before += tl.load(block_counts + prior * WORLD + ranks, mask=real, other=0)
+    pos = tl.where(sent > 0, tl.cumsum(sent, axis=0) - 1 + before[None, :], -1)  # rank among my tokens for r
     counts = tl.load(table + ranks[:, None] * table_stride + ranks[None, :], mask=real[:, None] & real[None, :],
                      other=0)  # [s, r]
     base = tl.sum(tl.where((ranks < me)[:, None], counts, 0), axis=0)  # rows of ranks before me, per r
     mine = tl.load(table + me * table_stride + ranks, mask=real, other=0)
     send_base = tl.cumsum(mine, axis=0) - mine
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_rows = rows < num_tokens
     pair = in_rows[:, None] & real[None, :]
-    pos = tl.load(within + rows[:, None] * WORLD + ranks[None, :], mask=pair, other=-1)
     dst = base[None, :] + pos
     if worst > 0:
         kept = (pos >= 0) & (dst < worst)
@@ -116,8 +112,6 @@ def place_kernel(table, table_stride, within, idx, probs, num_tokens, me, worst,
     tl.store(dst_row + p, tl.where(kept, dst, -1), mask=pair)
     tl.store(slot + p, tl.where(kept, back, -1), mask=pair)
     slots = tl.arange(0, TOPK_P)
-    cell = in_rows[:, None] & (slots < TOPK)[None, :]
-    ids = tl.load(idx + rows[:, None] * TOPK + slots[None, :], mask=cell, other=-1)  # [BLOCK_T, TOPK_P]
     if HAS_PROBS:
         w = tl.load(probs + rows[:, None] * TOPK + slots[None, :], mask=cell, other=0).to(tl.float32)
     else:
@@ -125,8 +119,11 @@ def place_kernel(table, table_stride, within, idx, probs, num_tokens, me, worst,
     bits = w.to(tl.int32, bitcast=True).to(tl.int64)
     lid = ids[:, None, :] - (ranks * local_experts)[None, :, None]  # [BLOCK_T, WORLD_P, TOPK_P]
     here = (lid >= 0) & (lid < local_experts)
-    out = meta + (p * (2 * TOPK))[:, :, None] + slots[None, None, :]
-    m3 = pair[:, :, None] & (slots < TOPK)[None, None, :]
+    delta = tl.load(peer_delta + ranks, mask=real, other=0)
+    half = tl.load(phase) % 2
+    row_at = delta[None, :] + half * half_words + tl.where(kept, dst, 0) * meta_stride  # [BLOCK_T, WORLD_P]
+    out = local + row_at[:, :, None] + slots[None, None, :]
+    m3 = (pair & kept)[:, :, None] & (slots < TOPK)[None, None, :]
     tl.store(out, tl.where(here, lid, -1), mask=m3)
     tl.store(out + TOPK, tl.where(here, bits[:, None, :], 0), mask=m3)
 
@@ -200,6 +197,40 @@ def copy_out_kernel(local, phase, half_words, src_offset, src_stride, out, out_s
         mask = cols < row_words
         v = tl.load(src_base + cols, mask=cols < readable, other=0)
         tl.store(out + i * out_stride + cols, v, mask=mask)
+
+
+@triton.jit
+def receive_kernel(local, local_meta, phase, half_words, half_meta, x_offset, x_stride, meta_stride, n_valid,
+                   out, out_stride, row_words, recv_idx, recv_probs, counts, local_experts, HAS_PROBS: tl.constexpr,
+                   COUNT: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr, BLOCK: tl.constexpr):
+    """Received row ``i`` out of the current half of this rank's arena: its payload (region
+    ``x_offset`` of ``local``, rows ``x_stride`` apart) into row i of ``out``, its metadata (row i of
+    ``local_meta``, the arena as int64) into ``recv_idx`` (int64 local expert ids) and, with
+    ``HAS_PROBS``, ``recv_probs`` (fp32 bits, converted to its type). Rows at or past
+    ``n_valid[0]`` are padding: payload zeros, ids -1, probabilities 0. With ``COUNT`` every local
+    id of a real row adds one to ``counts[id]`` (zeroed by the caller)."""
+    i = tl.program_id(0)
+    real = i < tl.load(n_valid)
+    half = tl.load(phase) % 2
+    readable = tl.where(real, row_words, 0)
+    src_base = local + half * half_words + x_offset + i * x_stride
+    for start in range(0, row_words, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        v = tl.load(src_base + cols, mask=cols < readable, other=0)
+        tl.store(out + i * out_stride + cols, v, mask=cols < row_words)
+    slots = tl.arange(0, TOPK_P)
+    cell = slots < TOPK
+    kept = cell & (slots * 0 + i < tl.load(n_valid))  # a [TOPK_P] mask: a scalar one breaks the interpreter
+    meta = local_meta + half * half_meta + i * meta_stride
+    ids = tl.load(meta + slots, mask=kept, other=-1)
+    tl.store(recv_idx + i * TOPK + slots, ids, mask=cell)
+    if HAS_PROBS:
+        bits = tl.load(meta + TOPK + slots, mask=kept, other=0)
+        w = bits.to(tl.int32).to(tl.float32, bitcast=True)
+        tl.store(recv_probs + i * TOPK + slots, w.to(recv_probs.dtype.element_ty), mask=cell)
+    if COUNT:
+        named = cell & (ids >= 0) & (ids < local_experts)
+        tl.atomic_add(counts + tl.where(named, ids, 0), tl.full([TOPK_P], 1, tl.int64), mask=named)
 
 
 @triton.jit

@@ -79,11 +79,13 @@ def _kernels() -> SimpleNamespace:
 
     return SimpleNamespace(
         route_count=bound(K.route_count_kernel, "idx", "block_counts", "msg"),
-        route_within=bound(K.route_within_kernel, "idx", "block_counts", "within"),
-        place=bound(K.place_kernel, "table", "within", "idx", "probs", "dst_row", "slot", "meta"),
+        place=bound(K.place_kernel, "table", "idx", "probs", "block_counts", "dst_row", "slot", "local", "peer_delta",
+                    "phase"),
         receive_plan=bound(K.receive_plan_kernel, "table", "back_rank", "back_dst", "num_recv", "n_valid"),
         push=bound(K.push_rows_kernel, "src", "pair_rank", "pair_dst", "local", "peer_delta", "phase"),
         copy_out=bound(K.copy_out_kernel, "local", "phase", "out", "n_valid"),
+        receive=bound(K.receive_kernel, "local", "local_meta", "phase", "n_valid", "out", "recv_idx", "recv_probs",
+                      "counts"),
         sum_landed=bound(K.sum_landed_kernel, "local", "phase", "slot", "out"),
         id_bias=K.ID_BIAS,
     )
@@ -158,6 +160,31 @@ def _sum_landed(arena, slot: torch.Tensor, num_tokens: int, hidden: int, dtype: 
     return out
 
 
+def _receive(arena, rows: int, row_bytes: int, x_offset: int, x_stride: int, meta_stride: int, k: int,
+             n_valid: torch.Tensor, probs_dtype: Optional[torch.dtype], counts: Optional[torch.Tensor],
+             local_experts: int) -> tuple:
+    """The received rows out of this rank's current half: ``(payload [rows, row_bytes] uint8,
+    recv_idx [rows, k] int64, recv_probs [rows, k] or None)``; with ``counts`` the per-expert
+    counts are added into it on the way (one kernel for all of it)."""
+    out = torch.empty((rows, row_bytes), dtype=torch.uint8, device=arena.device)
+    recv_idx = torch.empty((rows, k), dtype=torch.int64, device=arena.device)
+    recv_probs = None if probs_dtype is None else torch.empty((rows, k), dtype=probs_dtype, device=arena.device)
+    if not rows:
+        return out, recv_idx, recv_probs
+    word = _word(row_bytes)
+    size = word.itemsize
+    dst = out.view(word)
+    _kernels().receive.launch(
+        (rows,), (arena.local(word), arena.local(torch.int64), arena.phase, n_valid, dst, recv_idx,
+                  recv_idx if recv_probs is None else recv_probs, recv_idx if counts is None else counts),
+        dict(half_words=arena.half_bytes // size, half_meta=arena.half_bytes // 8, x_offset=x_offset // size,
+             x_stride=x_stride // size, meta_stride=meta_stride // 8, out_stride=dst.stride(0),
+             row_words=row_bytes // size, local_experts=local_experts, HAS_PROBS=recv_probs is not None,
+             COUNT=counts is not None, TOPK=k, TOPK_P=_pow2(k, 2), BLOCK=min(_BLOCK, _pow2(row_bytes // size))),
+        dict(num_warps=_NUM_WARPS))
+    return out, recv_idx, recv_probs
+
+
 def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
     """[N, C] of any dtype -> [N, C * itemsize] uint8 (a view of a contiguous copy)."""
     if not rows.numel():
@@ -182,16 +209,20 @@ def dispatch_phases(arena, p, x: torch.Tensor, token_indices: torch.Tensor, toke
     world_p, topk_p = _pow2(world, 2), _pow2(k, 2)
 
     # -- phase 1: counts, all-gathered ------------------------------------------------------------------
-    within = torch.empty((t, world), dtype=torch.int64, device=device)
-    msg = torch.zeros(world + experts + 2, dtype=torch.int64, device=device)
+    # one zeroed scratch holds the count message (built by atomics), the per-block counts and the
+    # pair maps the handle keeps: one allocation and one fill instead of one per buffer
     block_t = max(16, 4096 // (topk_p * world_p))
     blocks = max(1, -(-t // block_t))
-    block_counts = torch.empty((blocks, world), dtype=torch.int64, device=device)
+    n_msg = world + experts + 2
+    scratch = torch.zeros(n_msg + blocks * world + 2 * t * world, dtype=torch.int64, device=device)
+    msg = scratch[:n_msg]
+    block_counts = scratch[n_msg: n_msg + blocks * world]
+    dst_row = scratch[n_msg + blocks * world: n_msg + blocks * world + t * world]
+    slot = scratch[n_msg + blocks * world + t * world:]
     sizes = dict(num_tokens=t, num_experts=experts, local_experts=local, TOPK=k, TOPK_P=topk_p, WORLD=world,
                  WORLD_P=world_p, BLOCK_T=block_t)
     kern.route_count.launch((blocks,), (idx, block_counts, msg), sizes, _SMALL)
-    kern.route_within.launch((blocks,), (idx, block_counts, within), sizes, _SMALL)
-    msg_bytes = msg.numel() * 8
+    msg_bytes = n_msg * 8
     msg_stride = align_up(msg_bytes)
     yield from _fit(arena, world * msg_stride)
     _push(arena, msg.view(torch.uint8)[None], world, arena.me_rows, 0, msg_stride)
@@ -214,53 +245,41 @@ def dispatch_phases(arena, p, x: torch.Tensor, token_indices: torch.Tensor, toke
         first = world + me * local
         tokens_per_expert = [sum(col) for col in zip(*(row[first: first + local] for row in host))]
 
-    # -- where every row goes, and where it comes back ----------------------------------------------------
-    dst_row = torch.empty(t * world, dtype=torch.int64, device=device)
-    slot = torch.empty(t * world, dtype=torch.int64, device=device)
-    meta = torch.empty((t * world, 2 * k), dtype=torch.int64, device=device)
-    probs = token_probs.contiguous() if token_probs is not None else idx
-    block_t = max(1, 1024 // (world_p * topk_p))
-    kern.place.launch(
-        (max(1, -(-t // block_t)),), (table, within, idx, probs, dst_row, slot, meta),
-        dict(table_stride=table.stride(0), num_tokens=t, me=me, worst=n, local_experts=local,
-             HAS_PROBS=token_probs is not None, TOPK=k, TOPK_P=topk_p, WORLD=world, WORLD_P=world_p, BLOCK_T=block_t),
-        _SMALL)
-    back_rank = torch.empty(recv_rows, dtype=torch.int64, device=device)
-    back_dst = torch.empty(recv_rows, dtype=torch.int64, device=device)
-    num_recv_dev = torch.empty(1, dtype=torch.int64, device=device)
-    n_valid = torch.empty(1, dtype=torch.int64, device=device)
-    kern.receive_plan.launch(
-        (max(1, -(-recv_rows // 1024)),), (table, back_rank, back_dst, num_recv_dev, n_valid),
-        dict(table_stride=table.stride(0), me=me, worst=n, recv_rows=recv_rows, WORLD=world, WORLD_P=world_p,
-             BLOCK_R=1024), _SMALL)
-
-    # -- phase 2: rows and their metadata -----------------------------------------------------------------
+    # -- phase 2: where every row goes (its metadata stored into the receiver on the way), the rows --------
     meta_bytes, row_bytes = 16 * k, x.shape[1] * x.element_size()
     meta_stride, row_stride = align_up(meta_bytes), align_up(row_bytes)
     data_offset = align_up(rows_cap * meta_stride)
     yield from _fit(arena, data_offset + rows_cap * row_stride)
+    probs = token_probs.contiguous() if token_probs is not None else idx
+    kern.place.launch(
+        (blocks,), (table, idx, probs, block_counts, dst_row, slot, arena.local(torch.int64),
+                    arena.peer_delta(torch.int64), arena.phase),
+        dict(table_stride=table.stride(0), num_tokens=t, num_experts=experts, me=me, worst=n, local_experts=local,
+             half_words=arena.half_bytes // 8, meta_stride=meta_stride // 8, HAS_PROBS=token_probs is not None,
+             TOPK=k, TOPK_P=topk_p, WORLD=world, WORLD_P=world_p, BLOCK_T=block_t),
+        _SMALL)
+    # the receive plan (and, without a host read, the per-expert counts, which need zeros)
+    plan = (torch.zeros if n else torch.empty)(2 * recv_rows + 2 + (local if n else 0), dtype=torch.int64,
+                                                device=device)
+    back_rank, back_dst = plan[:recv_rows], plan[recv_rows: 2 * recv_rows]
+    num_recv_dev, n_valid = plan[2 * recv_rows: 2 * recv_rows + 1], plan[2 * recv_rows + 1: 2 * recv_rows + 2]
+    kern.receive_plan.launch(
+        (max(1, -(-recv_rows // 1024)),), (table, back_rank, back_dst, num_recv_dev, n_valid),
+        dict(table_stride=table.stride(0), me=me, worst=n, recv_rows=recv_rows, WORLD=world, WORLD_P=world_p,
+             BLOCK_R=1024), _SMALL)
     _push(arena, _as_bytes(x), world, dst_row, data_offset, row_stride)
-    _push(arena, meta.view(torch.uint8), 1, dst_row, 0, meta_stride)
     yield BARRIER
-    recv_x = _copy_out(arena, recv_rows, row_bytes, data_offset, row_stride, n_valid).view(x.dtype)
-    recv_meta = _copy_out(arena, recv_rows, meta_bytes, 0, meta_stride, n_valid).view(torch.int64)
+    recv_x, recv_idx, recv_probs = _receive(arena, recv_rows, row_bytes, data_offset, row_stride, meta_stride, k,
+                                            n_valid, token_probs.dtype if token_probs is not None else None,
+                                            plan[2 * recv_rows + 2:] if n else None, local)
     _advance(arena)
 
-    recv_idx = recv_meta[:, :k].contiguous()
-    recv_probs = None
-    if token_probs is not None:
-        recv_probs = recv_meta[:, k:].to(torch.int32).view(torch.float32).to(token_probs.dtype)
     if n:
-        rows_real = torch.arange(n, dtype=torch.int64, device=device) < n_valid
-        recv_idx = torch.where(rows_real[:, None], recv_idx, torch.full((), -1, dtype=torch.int64, device=device))
-        tokens_per_expert = torch.zeros(local + 1, dtype=torch.int64, device=device)
-        named = torch.where(recv_idx >= 0, recv_idx, local).reshape(-1)
-        tokens_per_expert.scatter_add_(0, named, torch.ones_like(named))
-        tokens_per_expert = tokens_per_expert[:local]
+        tokens_per_expert = plan[2 * recv_rows + 2:]
     num_recv = num_recv_dev[0] if n else recv_rows
     layout = SymmMemLayout(arena, dst_row, back_rank, back_dst, slot, n_valid, t, num_recv, recv_rows, rows_cap,
                            land_cap)
-    return recv_x, recv_idx, recv_probs, tokens_per_expert, layout
+    return recv_x.view(x.dtype), recv_idx, recv_probs, tokens_per_expert, layout
 
 
 def dispatch_rows_phases(layout: SymmMemLayout, rows: torch.Tensor) -> Generator[Any, None, torch.Tensor]:
