@@ -383,6 +383,33 @@ def check_captured_step(ctx: Ctx, seed=13, sizes=SMALL):
     dist.barrier()
 
 
+def check_repeated_worst_tokens(ctx: Ctx, seed=15, sizes=SMALL):
+    """Same-shape ``num_worst_tokens`` calls on new data (a backend may replay a captured graph for
+    them), with every handle and output held until the end and combined in reverse order, as a
+    model's backward does: each call's results stay its own."""
+    from turbo_dispatch.ops.moe import moe_combine, moe_dispatch
+
+    rounds = [ctx.cases(seed + i, **sizes) for i in range(4)]
+    worst = max(sum(c.x.shape[0] for c in cases) for cases in rounds)
+    held = []
+    for cases in rounds:
+        mine = cases[ctx.rank]
+        out = moe_dispatch(ctx.to(mine.x), ctx.to(mine.idx), ctx.to(mine.probs), mine.num_experts, None,
+                           num_worst_tokens=worst)
+        held.append((cases, out))
+    for cases, (recv_x, recv_idx, recv_probs, counts, handle) in reversed(held):
+        mine, want = cases[ctx.rank], Expected(cases, ctx.rank, ctx.world)
+        r = want.x.shape[0]
+        _eq("repeated recv_x", recv_x[:r], want.x)
+        _eq("repeated recv_idx", recv_idx[:r], want.idx)
+        _eq("repeated recv_probs", recv_probs[:r], want.probs)
+        _eq("repeated padding", recv_idx[r:], torch.full((worst - r, want.idx.shape[1]), -1))
+        assert counts.tolist() == want.counts and int(handle.num_recv) == r, (counts, want.counts)
+        n_dest = torch.tensor([len(d) for d in mine.dest_ranks(ctx.world)], dtype=torch.float64)[:, None]
+        _close("repeated combine", moe_combine(recv_x * 3, None, handle), mine.x * 3 * n_dest, 1e-15)
+    dist.barrier()
+
+
 CHECKS = {
     "dispatch_combine": check_dispatch_combine,
     "worst_tokens": check_worst_tokens,
@@ -392,6 +419,7 @@ CHECKS = {
     "handle_errors": check_handle_errors,
     "buffer": check_buffer,
     "resolver": check_resolver,
+    "repeated_worst_tokens": check_repeated_worst_tokens,
 }
 GPU_EXTRA = {
     "large_dispatch_combine": lambda ctx: check_dispatch_combine(ctx, seed=11, sizes=LARGE),

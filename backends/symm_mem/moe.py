@@ -26,6 +26,7 @@ CUDA graph after one eager call has sized the arena.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from turbo_dispatch.adapter import Adapter
 from turbo_dispatch.ops.moe import check_id_ranges
 
 from .arena import BARRIER, Grow, SymmetricArena, align_up, drive
+from .graphs import GraphedCalls
 
 #: Row copies move at most this many elements per loop step (one program per row).
 _BLOCK = 4096
@@ -310,6 +312,28 @@ def combine_phases(layout: SymmMemLayout, y: torch.Tensor) -> Generator[Any, Non
 
 # -- the adapter --------------------------------------------------------------------------------------------
 _ARENAS: dict = {}
+_GRAPHS: dict = {}
+
+
+def _graphs(arena) -> GraphedCalls:
+    if id(arena) not in _GRAPHS:
+        _GRAPHS[id(arena)] = GraphedCalls(arena)
+    return _GRAPHS[id(arena)]
+
+
+_LAYOUT_TENSORS = ("dst_row", "back_rank", "back_dst", "slot", "n_valid")
+
+
+def _dispatch_tensors(result: tuple) -> list:
+    recv_x, recv_idx, recv_probs, counts, layout = result
+    return [recv_x, recv_idx, recv_probs, counts, layout.num_recv, *(getattr(layout, f) for f in _LAYOUT_TENSORS)]
+
+
+def _dispatch_rebuilt(result: tuple, tensors: list) -> tuple:
+    layout = result[4]
+    recv_x, recv_idx, recv_probs, counts, num_recv, *maps = tensors
+    fields = dict(zip(_LAYOUT_TENSORS, maps), num_recv=num_recv)
+    return recv_x, recv_idx, recv_probs, counts, dataclasses.replace(layout, **fields)
 
 
 def _arena(group: Any, device: torch.device):
@@ -370,10 +394,28 @@ class SymmMemMoeDispatchCombine(Adapter):
     def dispatch(self, p, x: torch.Tensor, token_indices: torch.Tensor, token_probs: Optional[torch.Tensor],
                  group: Any):
         arena = _arena(group, x.device)
-        return drive(dispatch_phases(arena, p, x, token_indices, token_probs), arena)
+        call = lambda x, idx, probs: drive(dispatch_phases(arena, p, x, idx, probs), arena)  # noqa: E731
+        inputs = (x, token_indices, token_probs)
+        graphs = _graphs(arena)
+        if not p.num_worst_tokens or not graphs.eligible(inputs):
+            return call(*inputs)
+        key = ("dispatch", p, x.shape[0], None if token_probs is None else token_probs.dtype)
+        return graphs.run(key, call, inputs, (), _dispatch_tensors, _dispatch_rebuilt)
 
     def dispatch_rows(self, layout: SymmMemLayout, rows: torch.Tensor, group: Any) -> torch.Tensor:
         return drive(dispatch_rows_phases(layout, rows), layout.arena)
 
     def combine(self, layout: SymmMemLayout, y: torch.Tensor, group: Any) -> torch.Tensor:
-        return drive(combine_phases(layout, y), layout.arena)
+        arena = layout.arena
+        graphs = _graphs(arena)
+        if not isinstance(layout.num_recv, torch.Tensor) or not graphs.eligible((y,)):
+            return drive(combine_phases(layout, y), arena)
+        maps = (layout.slot, layout.back_rank, layout.back_dst)
+
+        def call(y, slot, back_rank, back_dst):
+            return drive(combine_phases(dataclasses.replace(layout, slot=slot, back_rank=back_rank,
+                                                            back_dst=back_dst), y), arena)
+
+        key = ("combine", tuple(y.shape), y.dtype, layout.num_tokens, layout.recv_rows, layout.land_cap,
+               tuple((m.untyped_storage().nbytes(), m.storage_offset(), m.numel()) for m in maps))
+        return graphs.run(key, call, (y,), maps, lambda out: [out], lambda _, tensors: tensors[0])
