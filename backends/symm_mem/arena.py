@@ -28,6 +28,8 @@ ALIGN_BYTES = 64
 MIN_HALF_BYTES = 1 << 20
 
 BARRIER = "barrier"
+#: Element types the kernels address the arena in (row words, int64 metadata, payload types).
+DELTA_DTYPES = (torch.uint8, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,9 @@ class SymmetricArena:
         self._buffer, self._handle, self._ptrs = buffer, handle, ptrs
         self.half_bytes = half
         self._deltas.clear()
+        # made here, not on first use: a host-to-device copy cannot run inside a CUDA graph capture
+        for dtype in DELTA_DTYPES:
+            self.peer_delta(dtype)
 
     def local(self, dtype: torch.dtype) -> torch.Tensor:
         assert self._buffer is not None, "grow() first"

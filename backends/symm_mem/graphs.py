@@ -18,10 +18,13 @@ Calls made while the caller is itself capturing a graph run eagerly into the cal
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
+
+log = logging.getLogger("turbo_dispatch.backends.symm_mem.graphs")
 
 #: Graphs kept per arena; the least recently used is dropped beyond it.
 MAX_GRAPHS = 16
@@ -89,6 +92,7 @@ class GraphedCalls:
         self.limit = limit
         self._graphs: "OrderedDict[Hashable, _Captured]" = OrderedDict()
         self._seen: set = set()
+        self._eager: set = set()  # keys whose capture failed
         self._half_bytes = arena.half_bytes
 
     def eligible(self, inputs: Sequence[Optional[torch.Tensor]]) -> bool:
@@ -103,10 +107,16 @@ class GraphedCalls:
             self._half_bytes = self.arena.half_bytes
         captured = self._graphs.get(key)
         if captured is None:
-            if key not in self._seen:
+            if key not in self._seen or key in self._eager:
                 self._seen.add(key)
                 return call(*inputs, *layout_inputs)
-            captured = self._capture(key, call, inputs, layout_inputs, flatten)
+            try:
+                captured = self._capture(key, call, inputs, layout_inputs, flatten)
+            except Exception as exc:  # nothing ran while capturing, so the eager call is still the first
+                self._eager.add(key)
+                log.warning("SYMM_MEM: could not capture %s as a CUDA graph (%s: %s); it runs eagerly from now on",
+                            key[0], type(exc).__name__, exc)
+                return call(*inputs, *layout_inputs)
         else:
             self._graphs.move_to_end(key)
         for static, t in zip(captured.inputs, inputs):
