@@ -320,7 +320,7 @@ def check_buffer(ctx: Ctx, seed=8, sizes=SMALL):
 def check_resolver(ctx: Ctx, seed=9, sizes=SMALL):
     """Global autotuning does not break the op (it is recorded as not tunable); code pins work."""
     import turbo_dispatch as turbo
-    from turbo_dispatch.ops.moe import moe_dispatch
+    from turbo_dispatch.ops.moe import group_is_intranode, moe_dispatch
 
     c = ctx.cases(seed, **sizes)[ctx.rank]
     args = (ctx.to(c.x), ctx.to(c.idx), ctx.to(c.probs), c.num_experts, None)
@@ -329,7 +329,9 @@ def check_resolver(ctx: Ctx, seed=9, sizes=SMALL):
         moe_dispatch(*args)
         d = turbo.explain("moe_dispatch_combine", *args)
         if PINNED is None:
-            assert d.backend == "TORCH" and d.source == "default", d
+            # one host's GPUs: symmetric memory first; gloo CPU ranks: TORCH
+            assert d.backend == ("SYMM_MEM" if ctx.device.type == "cuda" else "TORCH") and d.source == "default", d
+            assert group_is_intranode() and group_is_intranode(ask_peers=False), "every rank runs on this host"
             assert any("not tunable without a process group" in n for n in d.notes), d.notes
         else:
             assert d.backend == PINNED, d

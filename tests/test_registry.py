@@ -44,6 +44,23 @@ def test_extra_registry_adds_plugin_backend(tmp_path):
     assert names[0] == "TORCH" and names[-1] == "NN_ONLY"  # built-ins first, then plugins, in file order
 
 
+def test_a_default_may_be_a_chain_whose_head_is_the_default(tmp_path):
+    extra = write(tmp_path, """
+        version: 1
+        ops:
+          gemm:
+            defaults: {cpu: [nn_only, TORCH]}
+            backends:
+              - name: nn_only
+                adapter: fixture_backends:NNOnlyGemm
+                platforms: [cpu]
+        """)
+    reg = load_registry(extra_files=[extra])
+    assert reg.default_chain("gemm", "cpu") == ("NN_ONLY", "TORCH") and reg.default("gemm", "cpu") == "NN_ONLY"
+    assert reg.default_chain("gemm", "cuda") == (reg.default("gemm", "cuda"),)
+    assert reg.default_chain("no_such_op", "cpu") == () and reg.default("no_such_op", "cpu") is None
+
+
 @pytest.mark.parametrize("body, message", [
     ("""
         ops:
@@ -95,6 +112,16 @@ def test_extra_registry_adds_plugin_backend(tmp_path):
           gemm:
             defaults: {cpu: MISSING}
      """, "is not a backend registered"),
+    ("""
+        ops:
+          gemm:
+            defaults: {cpu: [TORCH, MISSING]}
+     """, "default 'MISSING' is not a backend registered"),
+    ("""
+        ops:
+          gemm:
+            defaults: {cpu: []}
+     """, "a non-empty list of names"),
 ])
 def test_bad_registry_is_a_clear_error_naming_the_line(tmp_path, body, message):
     extra = write(tmp_path, body)

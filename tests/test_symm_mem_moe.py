@@ -184,12 +184,29 @@ def test_registered_for_cuda_with_reasons_elsewhere():
     names = [e.name for e in registry.get_registry().backends("moe_dispatch_combine")]
     assert "SYMM_MEM" in names
     adapter = SymmMemMoeDispatchCombine()
-    p = MoeDispatchProblem(7168, 8, 256, 2, torch.bfloat16, True, 0, "rocm")
+    p = MoeDispatchProblem(7168, 8, 256, 2, torch.bfloat16, True, 0, "rocm", True)
     assert "CUDA" in adapter.supports(p)
     assert adapter.supports(p._replace(platform="cuda")) is None
+    assert "not all on this host" in adapter.supports(p._replace(platform="cuda", intranode=False))
     if not torch.cuda.is_available():
         assert "CUDA" in adapter.available()
     assert "host read" in adapter.describe(p) and "no host read" in adapter.describe(p._replace(num_worst_tokens=64))
+
+
+def test_cuda_default_is_symm_mem_then_torch():
+    from turbo_dispatch import registry
+    from turbo_dispatch.ops.moe import MOE_DISPATCH_COMBINE, MoeDispatchProblem
+    from turbo_dispatch.resolver import resolve
+
+    assert registry.get_registry().default_chain("moe_dispatch_combine", "cuda") == ("SYMM_MEM", "TORCH")
+    across_hosts = MoeDispatchProblem(7168, 8, 256, 2, torch.bfloat16, True, 0, "cuda", False)
+    d = resolve(MOE_DISPATCH_COMBINE, across_hosts)
+    assert d.backend == "TORCH" and d.source == "default", d
+    assert any("platform default SYMM_MEM rejected" in n for n in d.notes), d.notes
+    one_host = resolve(MOE_DISPATCH_COMBINE, across_hosts._replace(intranode=True))
+    want = "SYMM_MEM" if registry.get_registry().get("moe_dispatch_combine", "SYMM_MEM").check(
+        one_host.problem, "cuda") is None else "TORCH"
+    assert one_host.backend == want and one_host.source == "default", one_host
 
 
 if __name__ == "__main__":

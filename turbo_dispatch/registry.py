@@ -6,6 +6,7 @@ Schema (see docs/architecture.md)::
     ops:
       <op>:
         defaults: {cuda: <BACKEND>, rocm: <BACKEND>, cpu: <BACKEND>}
+                                       # or a list per platform, [A, B]: the first that serves
         backends:                      # listed order = fallback order
           - name: <BACKEND>            # BackendType value, or a plugin's own name
             adapter: package.module:Class
@@ -88,10 +89,14 @@ class _LineLoader(yaml.SafeLoader):
 
 @dataclass
 class Registry:
-    """All backends per op, with each op's default per platform, and the named kernel modules."""
+    """All backends per op, with each op's default per platform, and the named kernel modules.
+
+    A platform's default is a chain of one or more backends: the resolver takes the first that
+    serves the problem (``SYMM_MEM`` where the group is one host's GPUs, else ``TORCH``, say);
+    ``default`` names the chain's head."""
 
     entries: dict[str, list[BackendEntry]] = field(default_factory=dict)
-    defaults: dict[str, dict[str, str]] = field(default_factory=dict)
+    defaults: dict[str, dict[str, tuple[str, ...]]] = field(default_factory=dict)
     kernels: dict[str, str] = field(default_factory=dict)
 
     def backends(self, op: str, platform: str | None = None) -> list[BackendEntry]:
@@ -108,7 +113,13 @@ class Registry:
         return None
 
     def default(self, op: str, platform: str) -> str | None:
-        return self.defaults.get(op, {}).get(platform)
+        """The head of the op's default chain on ``platform`` (None without one)."""
+        chain = self.defaults.get(op, {}).get(platform)
+        return chain[0] if chain else None
+
+    def default_chain(self, op: str, platform: str) -> tuple[str, ...]:
+        """The op's defaults on ``platform`` in order of preference (empty without one)."""
+        return self.defaults.get(op, {}).get(platform, ())
 
     def names(self) -> set[str]:
         """Every backend name registered for any op."""
@@ -147,13 +158,18 @@ class Registry:
                         f"{where(defaults)}: op {op!r} default names unknown platform {platform!r}; "
                         f"valid: {', '.join(PLATFORMS)}"
                     )
-                name = str(name).upper()
+                names = name if isinstance(name, list) else [name]
+                if not names or not all(isinstance(n, str) and n for n in names):
+                    raise RegistryError(f"{where(defaults)}: op {op!r}: the {platform} default must be a backend "
+                                        f"name or a non-empty list of names; got {name!r}")
+                chain = tuple(str(n).upper() for n in names)
                 previous = self.defaults.setdefault(op, {}).get(platform)
-                if previous is not None and previous != name and not allow_defaults_override:
+                if previous is not None and previous != chain and not allow_defaults_override:
                     raise RegistryError(f"{where(defaults)}: op {op!r} already has a {platform} default")
-                if previous is not None and previous != name:
-                    log.info("%s: %s default on %s changed from %s to %s", origin, op, platform, previous, name)
-                self.defaults[op][platform] = name
+                if previous is not None and previous != chain:
+                    log.info("%s: %s default on %s changed from %s to %s", origin, op, platform,
+                             " then ".join(previous), " then ".join(chain))
+                self.defaults[op][platform] = chain
 
     def _add_kernels(self, kernels: Any, origin: str, where) -> None:
         """Records ``kernels: {name: package.module}``; a later document may point a name elsewhere."""
@@ -201,13 +217,13 @@ class Registry:
     def validate_defaults(self) -> None:
         """Every default must name a backend registered for that op and platform."""
         for op, per_platform in self.defaults.items():
-            for platform, name in per_platform.items():
-                entry = self.get(op, name)
-                if entry is None or platform not in entry.platforms:
-                    raise RegistryError(
-                        f"op {op!r}: the {platform} default {name!r} is not a backend registered for "
-                        f"{platform} (registered: {', '.join(e.name for e in self.backends(op, platform)) or 'none'})"
-                    )
+            for platform, chain in per_platform.items():
+                for name in chain:
+                    entry = self.get(op, name)
+                    if entry is None or platform not in entry.platforms:
+                        registered = ", ".join(e.name for e in self.backends(op, platform)) or "none"
+                        raise RegistryError(f"op {op!r}: the {platform} default {name!r} is not a backend "
+                                            f"registered for {platform} (registered: {registered})")
 
 
 def _load_adapter(path: str, where: str) -> Adapter:

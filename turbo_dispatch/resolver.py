@@ -130,9 +130,11 @@ def _decide(spec: OpSpec, problem: Any, settings: "_manager.Settings") -> Decisi
     notes += outcome.notes
     provisional = outcome.provisional
 
-    default_name = registry.default(spec.name, platform)
-    if default_name is not None:
+    chain = registry.default_chain(spec.name, platform)
+    for i, default_name in enumerate(chain):
         if reasons.get(default_name) is None:
+            if i:
+                notes.append(f"platform default {default_name} (after {', '.join(chain[:i])})")
             return decided(registry.get(spec.name, default_name), "default", notes=notes, provisional=provisional)
         notes.append(f"platform default {default_name} rejected: {reasons[default_name]}")
 

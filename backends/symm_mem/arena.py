@@ -85,8 +85,13 @@ class SymmetricArena:
         with warnings.catch_warnings():  # required before torch 2.9, a deprecated no-op since
             warnings.simplefilter("ignore", FutureWarning)
             symm_mem.enable_symm_mem_for_group(group_name)
-        buffer = symm_mem.empty(2 * half, dtype=torch.uint8, device=self.device)
-        handle = symm_mem.rendezvous(buffer, group_name)
+        try:
+            buffer = symm_mem.empty(2 * half, dtype=torch.uint8, device=self.device)
+            handle = symm_mem.rendezvous(buffer, group_name)
+        except RuntimeError as exc:
+            raise RuntimeError(f"SYMM_MEM: could not map {2 * half} bytes of symmetric memory over the group "
+                               f"({exc}); the GPUs need peer access to each other (NVLink, or PCIe P2P). Pin the "
+                               "TORCH backend: PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND=TORCH") from exc
         ptrs = [int(p) for p in handle.buffer_ptrs]
         base = ptrs[self.rank]
         if any((p - base) % ALIGN_BYTES for p in ptrs):

@@ -379,6 +379,9 @@ class SymmMemMoeDispatchCombine(Adapter):
     def supports(self, p) -> str | None:
         if p.platform != "cuda":
             return f"symmetric memory needs CUDA GPUs of one host; platform is {p.platform}"
+        if not p.intranode:
+            return ("the group's ranks are not all on this host (symmetric memory maps the GPU memory of one "
+                    "host's peers)")
         return None
 
     def describe(self, p) -> str:

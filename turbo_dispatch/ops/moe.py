@@ -108,6 +108,8 @@ class MoeDispatchProblem(NamedTuple):
     with_probs: bool
     num_worst_tokens: int
     platform: str
+    #: every rank of the group runs on this host (what a backend that maps peers' GPU memory needs)
+    intranode: bool = False
 
 
 class MoeHandle:
@@ -177,8 +179,10 @@ def _require_int(op: str, name: str, value: object, minimum: int) -> int:
 
 
 def moe_dispatch_problem(x: torch.Tensor, token_indices: torch.Tensor, token_probs: Optional[torch.Tensor],
-                         num_experts: int, group: Any = None, num_worst_tokens: int = 0) -> MoeDispatchProblem:
-    """Validates moe_dispatch's arguments (shapes, dtypes, devices, group) and returns its key."""
+                         num_experts: int, group: Any = None, num_worst_tokens: int = 0,
+                         ask_peers: bool = True) -> MoeDispatchProblem:
+    """Validates moe_dispatch's arguments (shapes, dtypes, devices, group) and returns its key
+    (``ask_peers``: see ``group_is_intranode``; every argument error is raised before it)."""
     op = "moe_dispatch"
     require_tensor(op, "x", x, 2, "[num_tokens, hidden]")
     require_dtype(op, "x.dtype", x.dtype, DISPATCH_DTYPES)
@@ -208,8 +212,48 @@ def moe_dispatch_problem(x: torch.Tensor, token_indices: torch.Tensor, token_pro
     if num_experts % world_size:
         raise ValueError(f"{op}: num_experts={num_experts} must be divisible by the group size {world_size} "
                          "(experts are split evenly over the ranks, in rank order)")
+    platform = platform_of(x.device.type)
+    intranode = platform != "cpu" and group_is_intranode(group, ask_peers=ask_peers)
     return MoeDispatchProblem(hidden, topk, num_experts, world_size, x.dtype, token_probs is not None,
-                              num_worst_tokens, platform_of(x.device.type))
+                              num_worst_tokens, platform, intranode)
+
+
+_INTRANODE: dict = {}
+
+
+def group_is_intranode(group: Any = None, ask_peers: bool = True) -> bool:
+    """Whether every rank of ``group`` (None: the default group) runs on this host.
+
+    The first call per group all-gathers the ranks' host names over the group (a collective: every
+    rank of the group must make it, as every rank makes the moe_dispatch it is part of); later
+    calls read the cached answer. With ``ask_peers=False`` (``explain``, which one rank may call
+    alone) nothing is exchanged: before that first gather the answer comes from the launcher's
+    environment, true only when torchrun's ``LOCAL_WORLD_SIZE`` equals ``WORLD_SIZE``.
+
+    >>> group_is_intranode(ask_peers=False)  # doctest: +SKIP
+    True
+    """
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    key = (group if group is not None else dist.group.WORLD).group_name
+    known = _INTRANODE.get(key)
+    if known is not None:
+        return known
+    size = dist.get_world_size(group)
+    if size == 1:
+        known = True
+    elif not ask_peers:
+        local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+        return local is not None and local == world
+    else:
+        hosts: list = [None] * size
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        known = len(set(hosts)) == 1
+    _INTRANODE[key] = known
+    return known
 
 
 def _check_handle(op: str, handle: object, group: Any) -> MoeHandle:
@@ -253,7 +297,8 @@ def _explain_problem(x, token_indices, token_probs=None, num_experts=None, group
                      allocate_on_comm_stream=False, num_worst_tokens=0) -> MoeDispatchProblem:
     payload = fp8_payload("moe_dispatch", x)
     data = x if payload is None else payload.data
-    return moe_dispatch_problem(data, token_indices, token_probs, num_experts, group, num_worst_tokens)
+    return moe_dispatch_problem(data, token_indices, token_probs, num_experts, group, num_worst_tokens,
+                                ask_peers=False)
 
 
 MOE_DISPATCH_COMBINE = register_op(OpSpec(
