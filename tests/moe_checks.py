@@ -87,6 +87,14 @@ class Ctx:
         return None if t is None else t.to(self.device, copy=True)
 
 
+def expected_backend(ctx: Ctx) -> str:
+    """The backend a dispatch runs on: the pinned one, else the default (SYMM_MEM on one host's
+    NVIDIA GPUs, TORCH on gloo CPU ranks)."""
+    if PINNED:
+        return PINNED
+    return "SYMM_MEM" if ctx.device.type == "cuda" and torch.version.cuda else "TORCH"
+
+
 def _eq(name, got, want):
     assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     assert torch.equal(got.cpu(), want.cpu()), f"{name}: values differ (max |diff| " \
@@ -125,7 +133,8 @@ def check_dispatch_combine(ctx: Ctx, seed=1, sizes=SMALL):
         _eq("recv_probs", recv_probs, want.probs)
         assert counts == want.counts, f"tokens_per_expert {counts} != {want.counts}"
         assert handle.num_recv == handle.recv_rows == want.x.shape[0]
-        assert handle.backend == (PINNED or "TORCH"), f"dispatch ran on {handle.backend}, expected {PINNED}"
+        assert handle.backend == expected_backend(ctx), f"dispatch ran on {handle.backend}, expected " \
+            f"{expected_backend(ctx)}"
         out = moe_combine(recv_x, None, handle)
         assert out.dtype == dtype and out.shape == x.shape
         _eq(f"{dtype} combine(recv_x)", out, (mine.x.to(dtype).float() * n_dest.float()).to(dtype))
@@ -329,8 +338,7 @@ def check_resolver(ctx: Ctx, seed=9, sizes=SMALL):
         moe_dispatch(*args)
         d = turbo.explain("moe_dispatch_combine", *args)
         if PINNED is None:
-            # one host's GPUs: symmetric memory first; gloo CPU ranks: TORCH
-            assert d.backend == ("SYMM_MEM" if ctx.device.type == "cuda" else "TORCH") and d.source == "default", d
+            assert d.backend == expected_backend(ctx) and d.source == "default", d
             assert group_is_intranode() and group_is_intranode(ask_peers=False), "every rank runs on this host"
             assert any("not tunable without a process group" in n for n in d.notes), d.notes
         else:
