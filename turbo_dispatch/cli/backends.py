@@ -81,12 +81,17 @@ def _cmd_backends(args: argparse.Namespace) -> int:
             else:
                 reason = entry.available()
                 status = "available" if reason is None else "unavailable"
-            default_on = [p for p in entry.platforms if registry.default(op, p) == entry.name]
-            mark = "*" if here in default_on else ""
+            default_on = []
+            for p in entry.platforms:
+                chain = registry.default_chain(op, p)
+                if entry.name in chain:
+                    before = chain[:chain.index(entry.name)]
+                    default_on.append(f"{p} (after {', '.join(before)})" if before else p)
+            mark = "*" if entry.name in registry.default_chain(op, here) else ""
             library = str(getattr(entry.adapter, "library", "unknown"))
             rows.append([mark, op, entry.name, ",".join(entry.platforms), status,
                          ",".join(default_on) or "-", library, _safe(entry.adapter.version), reason or ""])
-    print(f"backends (this machine's platform: {here}; * = the op's default here)")
+    print(f"backends (this machine's platform: {here}; * = the op's default here, or in its default chain)")
     if rows:
         headers = ["", "OP", "BACKEND", "PLATFORMS", "STATUS", "DEFAULT ON", "LIBRARY", "VERSION", "REASON"]
         print(table(headers, rows))
