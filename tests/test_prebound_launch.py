@@ -83,6 +83,39 @@ def test_without_a_compiled_kernel_plans_take_the_normal_path_and_say_so_once(ca
     assert len(told) == 1 and told[0].levelno == logging.DEBUG and why in told[0].getMessage()
 
 
+class _RawCompiled(_Compiled):
+    """A CompiledKernel with its C launcher (``run``), function handle and packed metadata."""
+
+    packed_metadata = ("packed",)
+
+    def run(self, *args):
+        self.log.append(("raw", args))
+
+
+class _Chain:
+    def __init__(self, calls=()):
+        self.calls = list(calls)
+
+
+def test_a_plan_calls_the_c_launcher_itself_unless_a_launch_hook_is_installed(monkeypatch):
+    jit = _Jit()
+    jit.compiled = _RawCompiled(jit.log)
+    hooks = [_Chain(), _Chain()]
+    monkeypatch.setattr(prebound, "_launch_hooks", lambda: tuple(hooks))
+    monkeypatch.setattr(prebound, "_current_stream", lambda: 77)
+    kernel = PreboundKernel(jit, per_call=("x", "y"))
+    plan = kernel.bind("key", (6, 2), ("x0", "y0"), {"n": 7, "BLOCK": 32, "FLAG": True}, {"num_warps": 4})
+    plan("x1", "y1")
+    assert jit.log[-1] == ("raw", (6, 2, 1, 77, _RawCompiled.function, ("packed",), None, None, None,
+                                   "x1", 32, "y1", 7, True))
+    hooks[0] = _Chain([print])  # a profiler's hook: Triton's own launcher calls it
+    plan("x2", "y2")
+    assert jit.log[-1] == ("direct", (6, 2, 1), ("x2", 32, "y2", 7, True), {})
+    hooks[0], hooks[1] = None, print  # a plain callable set by hand counts too
+    plan("x3", "y3")
+    assert jit.log[-1][0] == "direct"
+
+
 def test_launch_keys_on_grid_fixed_values_and_each_tensors_specialisation():
     jit = _Jit()
     kernel = PreboundKernel(jit, per_call=("x", "y"))

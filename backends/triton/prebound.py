@@ -178,6 +178,54 @@ def _direct_launcher(kernel: Any, compiled: Any, grid3: tuple) -> tuple[Callable
             or not hasattr(compiled, "function"):
         return None, "no compiled kernel came back from the first launch (the interpreter compiles nothing)"
     try:
-        return compiled[grid3], ""
+        runner = compiled[grid3]
     except Exception as exc:  # a Triton whose CompiledKernel has no launcher of this form
         return None, f"the compiled kernel has no launcher: {type(exc).__name__}: {exc}"
+    return _raw_launcher(compiled, grid3, runner) or runner, ""
+
+
+def _launch_hooks() -> tuple[Any, Any]:
+    """Triton's launch enter and exit hooks (a profiler such as proton installs them)."""
+    from triton import knobs
+
+    return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+
+
+def _current_stream() -> int:
+    """The current CUDA stream of the current device, as Triton's own launcher takes it."""
+    import torch
+
+    return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+
+
+def _hooked(hook: Any) -> bool:
+    # triton 3.6+ keeps hooks in a HookChain (``calls`` lists them); an older Triton, or a user,
+    # may set a plain callable or None
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _raw_launcher(compiled: Any, grid3: tuple, runner: Callable[..., Any]) -> Callable[..., Any] | None:
+    """A launch straight into the compiled kernel's C launcher (``compiled.run``) with its function
+    handle and packed metadata, or None where this Triton's CompiledKernel lacks them.
+
+    It skips what Triton's ``runner`` does per call besides the launch: looking up the device and
+    stream through its driver, building launch metadata and calling the empty hook chains, several
+    microseconds of Python per launch. While a launch hook is installed it hands the call to
+    ``runner``, which calls the hooks with the metadata they expect."""
+    try:
+        run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
+        _launch_hooks()
+    except Exception:
+        return None
+    if not callable(run):
+        return None
+    gx, gy, gz = grid3
+
+    def launch(*args: Any) -> None:
+        enter, leave = _launch_hooks()
+        if _hooked(enter) or _hooked(leave):
+            runner(*args)
+        else:
+            run(gx, gy, gz, _current_stream(), function, packed, None, None, None, *args)
+
+    return launch
