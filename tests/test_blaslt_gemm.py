@@ -2,10 +2,11 @@
 
 CPU: registration, availability and supports() reasons (with the device capability faked where a
 reason depends on it), config validation, the preferred-library switch's restore logic on a fake
-switch, and the quantizer choice. GPU (``gpu`` marker): results against a float64 reference over
-layouts, odd sizes, output dtypes, configs and fp8 granularities; the real preferred-library switch
-restored after a call and after an exception; the op pinned to CUBLASLT (and the BLASLT alias)
-forward and backward.
+switch, the quantizer choice, and where the keys cuBLASLt refuses go (the cuda default chain).
+GPU (``gpu`` marker): results against a float64 reference over layouts, odd sizes, output dtypes,
+configs and fp8 granularities; the real preferred-library switch restored after a call and after an
+exception; the op pinned to CUBLASLT (and the BLASLT alias) forward and backward; an unpinned
+HYBRID blockwise step with no GEMM on TORCH's emulation.
 """
 from __future__ import annotations
 
@@ -19,8 +20,12 @@ from turbo_dispatch.backends.blaslt import gemm as blaslt
 from turbo_dispatch.backends.torch import gemm as torch_gemm
 from turbo_dispatch.low_precision import Float8QuantConfig, Format, ScalingGranularity
 from turbo_dispatch.ops._common import REL_TOL, rel_error, snr_db
-from turbo_dispatch.ops.gemm import GemmFp8Problem, GemmProblem, gemm_fp8_problem, gemm_problem
-from turbo_dispatch.registry import load_registry
+from turbo_dispatch.ops.gemm import GEMM_FP8, GemmFp8Problem, GemmProblem, gemm_fp8_problem, gemm_problem
+from turbo_dispatch.ops.gemm_fp8_step import wgrad_operand_like
+from turbo_dispatch.ops.gemm_grads import fp8_grads
+from turbo_dispatch.ops.gemm_problem import forward_fp8_problem
+from turbo_dispatch.registry import get_registry, load_registry
+from turbo_dispatch.resolver import clear_cache, resolve
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 TW, RW, BW, MX = (ScalingGranularity.TENSORWISE, ScalingGranularity.ROWWISE, ScalingGranularity.BLOCKWISE,
@@ -132,6 +137,51 @@ def test_fp8_supported_recipes_and_configs(fake_sm):
 def test_fp8_old_gpu_refused(fake_sm):
     fake_sm(8, 0)
     assert "sm_89" in blaslt.BlasLtGemmFp8().supports(_p8())
+
+
+HYBRID_BLOCKWISE = Float8QuantConfig(format=Format.HYBRID, granularity=BW, block_size=128)
+
+
+def _linear_step_keys(x: torch.Tensor, w: torch.Tensor, cfg: Float8QuantConfig) -> list:
+    """The forward, dgrad and wgrad keys of modules.Linear's fp8 step (y = x @ w^T) under ``cfg``,
+    built by the op's own problem builders and gradient formula (no GEMM runs)."""
+    keys = [forward_fp8_problem(x, w, False, True, None, cfg)]
+
+    def record(a, b, ta, tb, od, af, bf, a2d, b2d):
+        keys.append(gemm_fp8_problem(a, b, ta, tb, od, af, bf, cfg.granularity, cfg.block_size, a2d, b2d))
+
+    dy = x.new_empty(x.shape[0], w.shape[0])
+    fp8_grads(record, wgrad_operand_like(x, False, cfg), w, dy, False, True, cfg.format.fwd_dtype(),
+              cfg.format.bwd_dtype(), cfg.granularity, True, True, a_dtype=x.dtype)
+    return keys
+
+
+@pytest.mark.parametrize("m, n, k", [(8192, 28672, 4096), (1000, 384, 1000)])
+def test_hybrid_blockwise_grads_default_to_triton_not_emulation(fake_sm, monkeypatch, m, n, k):
+    """On sm_90, the HYBRID blockwise dgrad and wgrad, whose e5m2 gradient cuBLASLt's blockwise
+    kernel refuses (and any key it refuses for its sizes), go to the next platform default,
+    TRITON, never to TORCH's dequantise-then-matmul emulation."""
+    from turbo_dispatch.backends.triton import fp8_blockwise_gluon, fp8_blockwise_gluon_ws
+
+    fake_sm(9, 0)
+    for module in (fp8_blockwise_gluon, fp8_blockwise_gluon_ws):
+        monkeypatch.setattr(module, "available", lambda *args, **kwargs: "faked sm_90 without a GPU")
+    for name in ("CUBLASLT", "TRITON"):  # what a CUDA build with a GPU reports
+        monkeypatch.setattr(get_registry().get("gemm_fp8", name), "_available", None)
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    keys = [p._replace(platform="cuda")
+            for p in _linear_step_keys(torch.empty(m, k, **meta), torch.empty(n, k, **meta), HYBRID_BLOCKWISE)]
+    assert [(p.a_fp8, p.b_fp8) for p in keys] == [(E4M3, E4M3), (E5M2, E4M3), (E5M2, E4M3)]
+    clear_cache()
+    try:
+        fwd, dgrad, wgrad = (resolve(GEMM_FP8, p) for p in keys)
+    finally:
+        clear_cache()
+    aligned = m % 8 == 0 and n % 128 == 0 and k % 128 == 0
+    assert (fwd.backend, fwd.source) == ("CUBLASLT" if aligned else "TRITON", "default")
+    for d in (dgrad, wgrad):
+        assert (d.backend, d.source) == ("TRITON", "default"), d
+        assert any("platform default CUBLASLT rejected" in note for note in d.notes), d.notes
 
 
 class _FakeSwitch:
@@ -312,6 +362,26 @@ def test_gpu_fp8_op_pinned_to_cublaslt_forward_and_backward(gran, fmt):
     assert snr_db(out, a64 @ w64.t()) >= 25.0
     assert snr_db(a.grad, g64 @ w64) >= gate_bwd
     assert snr_db(w.grad, g64.t() @ a64) >= gate_bwd
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", [(512, 384, 1024), (200, 384, 1000)])
+def test_gpu_hybrid_blockwise_step_never_emulates(m, n, k):
+    """Unpinned, no GEMM of a HYBRID blockwise fp8 Linear step resolves to TORCH's emulation (the
+    dgrad and wgrad go to TRITON where cuBLASLt refuses their e5m2 gradient), and the step matches
+    float64."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for p in _linear_step_keys(x.detach(), w.detach(), HYBRID_BLOCKWISE):
+        d = resolve(GEMM_FP8, p)
+        assert d.backend != "TORCH" and not any("emulation" in note for note in d.notes), d
+    out = turbo.ops.gemm_fp8(x, w, trans_b=True, config=HYBRID_BLOCKWISE)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    x64, w64, g64 = x.detach().double(), w.detach().double(), grad.double()
+    assert snr_db(out, x64 @ w64.t()) >= 25.0
+    assert snr_db(x.grad, g64 @ w64) >= 20.0
+    assert snr_db(w.grad, g64.t() @ x64) >= 20.0
 
 
 @pytest.mark.gpu

@@ -25,6 +25,8 @@ def test_builtin_registry_loads_and_defaults_resolve():
             name = reg.default(op, platform)
             assert name == expected.get((op, platform), "TORCH"), (op, platform)
             assert platform in reg.get(op, name).platforms
+    # what cuBLASLt refuses (HYBRID blockwise grads: e5m2) goes to TRITON, not TORCH's emulation
+    assert reg.default_chain("gemm_fp8", "cuda") == ("CUBLASLT", "TRITON")
 
 
 def test_extra_registry_adds_plugin_backend(tmp_path):

@@ -269,6 +269,43 @@ def _interpreter_checks() -> None:  # pragma: no cover - runs in the subprocess
         _emit(f"fp8_prequantized_wgrad[{g.name}-{'T' if ta else 'N'}{'T' if tb else 'N'}]",
               ok and len(msgs) == 1 and snr > 100, f"snr_vs_f64={snr:.1f}; " + "; ".join(msgs))
 
+    # 6. the HYBRID blockwise backward as the op runs it (ops.gemm_autograd.fp8_gemm_backward: the
+    # activation saved pre-quantised as e4m3, the gradient quantised as e5m2), its GEMMs on TRITON,
+    # which the cuda default chain gives them where cuBLASLt refuses the e5m2 operand: each agrees
+    # with TORCH's emulation on the same quantised values, and the gradients with float64 of the inputs.
+    from turbo_dispatch.low_precision import Format
+    from turbo_dispatch.ops import gemm_autograd
+    from turbo_dispatch.ops.gemm_problem import forward_fp8_problem
+
+    hybrid = Float8QuantConfig(format=Format.HYBRID, granularity=G.BLOCKWISE, block_size=32)
+    m, n, k = 37, 72, 96  # odd M: the wgrad's reduction dim ends in a partial block
+
+    def on_triton(p, x, y):
+        out = fad.run(p, x, y)
+        emu = tad.run(p, x, y).double()
+        agreement.append((p.a_fp8, p.b_fp8, float((out.double() - emu).norm() / emu.norm())))
+        return out
+
+    resolved = gemm_autograd.run_gemm_fp8
+    gemm_autograd.run_gemm_fp8 = on_triton
+    try:
+        for tb in (True, False):
+            agreement = []
+            a, grad = torch.randn(m, k), torch.randn(m, n)
+            b = torch.randn((n, k) if tb else (k, n))
+            p = forward_fp8_problem(a, b, False, tb, None, hybrid)
+            ga, gb = gemm_autograd.fp8_gemm_backward(p, hybrid, wgrad_operand(a, False, hybrid), b, grad, True, True)
+            wt = b.double().t() if tb else b.double()  # op(b) [K, N]
+            ref_a = grad.double() @ wt.t()
+            ref_b = grad.double().t() @ a.double() if tb else a.double().t() @ grad.double()
+            snrs = (_snr(ga, ref_a), _snr(gb, ref_b))
+            ok = (min(snrs) >= 20.0 and len(agreement) == 2 and all(E5 in (x, y) for x, y, _ in agreement)
+                  and all(err < 1e-5 for *_, err in agreement))
+            _emit(f"fp8_hybrid_blockwise_backward[N{'T' if tb else 'N'}]", ok,
+                  f"snr dgrad/wgrad {snrs[0]:.1f}/{snrs[1]:.1f}; vs_emul {agreement}")
+    finally:
+        gemm_autograd.run_gemm_fp8 = resolved
+
 
 _CPU_NAMES = (
     ["interp_facts", "interp_facts_bf16_dot_broken", "quantize_nan_row", "quantize_tiny_values", "quantize_gpu_scale_form",
@@ -282,6 +319,7 @@ _CPU_NAMES = (
     + [f"fp8_adapter[{g}-{lay}-{fmt}]" for g in G_NAMES for lay in ("NN", "NT", "TN", "TT") for fmt in ("e4m3", "hybrid")
        if fmt == "e4m3" or lay == "NN"]
     + [f"fp8_prequantized_wgrad[{g}-{lay}]" for g in G_NAMES for lay in ("NN", "NT", "TN", "TT")]
+    + [f"fp8_hybrid_blockwise_backward[{lay}]" for lay in ("NT", "NN")]
 )
 
 
