@@ -124,6 +124,8 @@ def test_bench_model_cpu_smoke(tmp_path):
                               "turbo fp8 blockwise unfused"]
         assert mine["torch float32"]["peer"] == "yes" and float(mine["torch float32"]["ratio_vs_best_peer"]) == 1.0
         assert float(mine["turbo float32"]["loss_dev_pct"]) < 1e-3
+        assert mine["turbo float32"]["loss_ok"] == "yes" and float(mine["turbo float32"]["loss_tol_pct"]) >= 1.0
+        assert float(mine["turbo float32"]["loss_noise_pct"]) < 1e-3  # the fp32 replay: split-K sums, same curve
         assert float(mine["turbo fp8 rowwise autotune"]["loss_dev_pct"]) < 1.0
     text = next(tmp_path.glob("cpu_*.md")).read_text()
     assert text.index("### deepseek-v3-ep8") < text.index("## Score")
@@ -132,6 +134,44 @@ def test_bench_model_cpu_smoke(tmp_path):
     assert listed["model"].split(",") == ["model_llama3.1-8b", "model_llama3.1-70b-tp8", "model_deepseek-v3-ep8"]
     dry = _suite("--family", "model", "--device", "cuda", "--dry-run", "--only", "model_deepseek-v3-ep8")
     assert "bench_model.py --config deepseek-v3-ep8 --tune-budget-ms 300 --device cuda" in dry.stdout
+
+
+def test_bench_model_check_sees_every_parameter(monkeypatch, tmp_path):
+    """The first-step check compares every parameter's gradient: a build whose norm weight gets
+    a wrong gradient, or none, FAILs naming it, where the library's build passes; the replay's
+    SplitKLinear is nn.Linear summed in another order."""
+    import torch
+    from types import SimpleNamespace
+    B = _bench_module("bench_model")
+    c = B.cpu_config(B.CONFIGS["deepseek-v3-ep8"])
+    cpu, f32 = torch.device("cpu"), torch.float32
+    torch.manual_seed(0)
+    state = B.build_model(c, B.TORCH_KIT, None).state_dict()
+    batches = [B.BigramCorpus(c.vocab, length=4096).batch(c.batch, c.seq_len, torch.Generator().manual_seed(1), cpu)]
+    ref = B.reference(c, state, batches[0], cpu, torch.float64)
+    assert {n for n, *_ in ref.params} <= set(ref.tensors) and "blocks.1.mlp_norm.weight" in ref.tensors
+    load = B.load_model
+
+    def run(defect=None):
+        def loaded(*a):
+            model = load(*a)
+            if defect is not None:
+                defect(dict(model.named_parameters())["blocks.1.mlp_norm.weight"])
+            return model
+        monkeypatch.setattr(B, "load_model", loaded)
+        m = B.train_variant(c, B.parse_variant("bf16"), state, batches, ref, {}, SimpleNamespace(lr=3e-4), cpu, f32,
+                            tmp_path / "db.jsonl")
+        return m.check
+    assert run().ok
+    doubled = run(lambda w: w.register_hook(lambda g: 2 * g))
+    assert not doubled.ok and any(r.startswith("blocks.1.mlp_norm.weight: rel err") for r in doubled.reasons)
+    frozen = run(lambda w: w.requires_grad_(False))
+    assert not frozen.ok and "blocks.1.mlp_norm.weight: no gradient" in frozen.reasons
+    assert any("differ from the torch model's: blocks.1.mlp_norm.weight" in r for r in frozen.reasons)
+    linear, split = torch.nn.Linear(37, 5, bias=False), B.SplitKLinear(37, 5, bias=False)
+    split.load_state_dict(linear.state_dict())
+    x = torch.randn(3, 4, 37)
+    torch.testing.assert_close(split(x), linear(x), rtol=1e-5, atol=1e-6)
 
 
 def _moe_rows(out_dir: Path, launcher: list[str], *args: str) -> tuple[list[dict], str]:
