@@ -203,6 +203,7 @@ def test_cuda_default_is_symm_mem_then_torch():
     d = resolve(MOE_DISPATCH_COMBINE, across_hosts)
     assert d.backend == "TORCH" and d.source == "default", d
     assert any("platform default SYMM_MEM rejected" in n for n in d.notes), d.notes
+    assert registry.get_registry().default_for("moe_dispatch_combine", "cuda", across_hosts) == "TORCH"
     one_host = resolve(MOE_DISPATCH_COMBINE, across_hosts._replace(intranode=True))
     want = "SYMM_MEM" if registry.get_registry().get("moe_dispatch_combine", "SYMM_MEM").check(
         one_host.problem, "cuda") is None else "TORCH"

@@ -396,7 +396,7 @@ def _confirm_against_default(spec: OpSpec, problem: Any, candidates: Sequence[An
     kept, its device/host split in the confirmation (its time is the pick's; else None)."""
     from .registry import get_registry
 
-    default = get_registry().default(spec.name, spec.platform_of(problem))
+    default = get_registry().default_for(spec.name, spec.platform_of(problem), problem)
     entries = {c.name: c for c in candidates}
     measured = [config for name, config, _ in finite if name == default]
     if default is None or default == best[1] or default not in entries or not measured:

@@ -121,6 +121,15 @@ class Registry:
         """The op's defaults on ``platform`` in order of preference (empty without one)."""
         return self.defaults.get(op, {}).get(platform, ())
 
+    def default_for(self, op: str, platform: str, problem: Any) -> str | None:
+        """The platform default that serves ``problem``: the first of the default chain whose
+        entry takes it (None when none does), the backend the resolver's default step picks."""
+        for name in self.default_chain(op, platform):
+            entry = self.get(op, name)
+            if entry is not None and entry.check(problem, platform) is None:
+                return name
+        return None
+
     def names(self) -> set[str]:
         """Every backend name registered for any op."""
         return {e.name for entries in self.entries.values() for e in entries}

@@ -64,7 +64,7 @@ def recorded_keys(path: "str | os.PathLike[str]") -> list[tuple[str, Any]]:
 
 
 def _default_label(op: str, problem: Any) -> str | None:
-    return get_registry().default(op, get_op_spec(op).platform_of(problem))
+    return get_registry().default_for(op, get_op_spec(op).platform_of(problem), problem)
 
 
 def default_ms(default: str, timings: Sequence[tuple[str, float]]) -> float:

@@ -133,11 +133,14 @@ def speedup_over_default(result: store.Result) -> float:
         return math.nan
     if result.default_ms is not None:  # a step result: its layer's confirmed speedup
         return result.default_ms / result.time_ms
-    default = get_registry().default(result.op, result.key.get("platform", ""))
-    if default is None:
-        return math.nan
     timings = [(label, math.inf if ms is None else ms) for label, ms in result.candidates.items()]
-    return default_ms(default, timings) / result.time_ms
+    # the default that served the key is the first of the chain that was timed (one that refused
+    # the key was no candidate)
+    for default in get_registry().default_chain(result.op, result.key.get("platform", "")):
+        ms = default_ms(default, timings)
+        if not math.isnan(ms):
+            return ms / result.time_ms
+    return math.nan
 
 
 def merge(output: "str | os.PathLike[str]", inputs: Sequence["str | os.PathLike[str]"]) -> tuple[int, list[str]]:

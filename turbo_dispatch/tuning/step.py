@@ -163,7 +163,7 @@ def _gated_role(name: str, op: str, problem: Any, device: torch.device) -> _Role
     entries = [e for e in get_registry().backends(op) if e.check(problem, platform) is None]
     checked = spec.make_inputs(problem, device)
     reference = spec.reference(problem, checked)
-    default_name = get_registry().default(op, platform)
+    default_name = get_registry().default_for(op, platform, problem)
     passed, rejected, default = [], [], None
     for entry, config, first in autotune._plan(entries, problem):
         candidate = Candidate(entry.name, config, entry)
