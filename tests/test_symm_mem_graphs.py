@@ -2,10 +2,13 @@
 run in the GPU checks: benchmarks/probes/moe_gpu_check.py --backend SYMM_MEM)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from turbo_dispatch.backends.symm_mem.graphs import copy_storages, fresh_copies
+from turbo_dispatch.backends.symm_mem import graphs
+from turbo_dispatch.backends.symm_mem.graphs import GraphedCalls, copy_storages, fresh_copies
 
 
 def test_fresh_copies_keep_views_of_one_buffer_together_in_new_memory():
@@ -29,3 +32,69 @@ def test_copy_storages_refills_static_copies_and_refuses_another_size():
     assert torch.equal(static[0], new[:4]) and torch.equal(static[1], new[8:])
     with pytest.raises(ValueError, match="captured"):
         copy_storages(static, [torch.randn(17)[:4], torch.randn(17)[8:]])
+
+
+class _Recorder(GraphedCalls):
+    """GraphedCalls whose capture records the key and whose graph's replay does nothing (its
+    outputs are the captured call's), so the policy runs on a CPU."""
+
+    def __init__(self, **limits):
+        super().__init__(SimpleNamespace(device=torch.device("cpu"), half_bytes=1))
+        for name, value in limits.items():
+            setattr(self, name, value)
+        self.captured: list = []
+        self.eager: list = []
+
+    def _capture(self, key, call, inputs, layout_inputs, flatten):
+        self.captured.append(key)
+        result = call(*inputs, *layout_inputs)
+        self.eager.pop()  # capturing records, it does not run the call
+        return graphs._Captured(SimpleNamespace(replay=lambda: None), [t.clone() for t in inputs], [],
+                                (result, flatten(result)))
+
+
+def _run(calls: _Recorder, key, x):
+    def call(t):
+        calls.eager.append(key)
+        return t * 2
+
+    return calls.run(key, call, (x,), (), lambda out: [out], lambda _, tensors: tensors[0])
+
+
+def test_a_shape_is_captured_on_its_third_call_then_replayed():
+    calls = _Recorder()
+    x = torch.arange(4.0)
+    outs = [_run(calls, "a", x) for _ in range(5)]
+    assert calls.eager == ["a", "a"] and calls.captured == ["a"]
+    assert all(torch.equal(o, x * 2) for o in outs)
+    assert outs[3].data_ptr() != outs[4].data_ptr()  # every replay hands out its own copy
+
+
+def test_evicted_shapes_and_shapes_past_the_capture_budget_run_eagerly():
+    calls = _Recorder(limit=1)
+    x = torch.ones(2)
+    for key in ("a", "b"):
+        for _ in range(3):
+            _run(calls, key, x)
+    assert calls.captured == ["a", "b"]  # b's graph pushed a's out
+    calls.eager.clear()
+    for _ in range(4):
+        _run(calls, "a", x)
+    assert calls.eager == ["a"] * 4 and calls.captured == ["a", "b"]
+    budget = _Recorder(max_captures=1)
+    for key in ("a", "b"):
+        for _ in range(4):
+            _run(budget, key, x)
+    assert budget.captured == ["a"] and budget.eager.count("b") == 4
+
+
+def test_an_arena_that_moved_drops_its_graphs():
+    calls = _Recorder()
+    x = torch.ones(3)
+    for _ in range(3):
+        _run(calls, "a", x)
+    calls.arena.half_bytes = 2
+    calls.eager.clear()
+    for _ in range(3):
+        _run(calls, "a", x)
+    assert calls.eager == ["a", "a"] and calls.captured == ["a", "a"]

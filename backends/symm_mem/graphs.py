@@ -11,10 +11,15 @@ dispatch's outputs and handle while later calls of the same shape run (a model's
 their backward passes use the handles in reverse order). Outputs are copied per storage, so views
 that share one buffer (the handle's maps) still share one afterwards.
 
-A shape's first call runs eagerly: it compiles the kernels and sizes the arena, neither of which
-may happen inside a capture. The arena only grows, so a later capture of that shape never needs to
+A shape's first calls run eagerly: the first compiles the kernels and sizes the arena, neither of
+which may happen inside a capture, and a capture (which synchronises the device, as torch's graph
+context does) is only worth it for a shape that recurs, so it comes on the shape's
+``CAPTURE_AFTER``-th call. The arena only grows, so a later capture of that shape never needs to
 grow it; a growth (for another shape) moves the arena, and every graph captured before is dropped.
-Calls made while the caller is itself capturing a graph run eagerly into the caller's graph.
+A shape whose graph was evicted (more recurring shapes than ``MAX_GRAPHS``, e.g. a decode loop's
+ever-changing token counts) runs eagerly from then on, and an arena captures at most
+``MAX_CAPTURES`` graphs in all, so shapes that churn never pay a capture per call. Calls made while
+the caller is itself capturing a graph run eagerly into the caller's graph.
 """
 from __future__ import annotations
 
@@ -26,8 +31,14 @@ import torch
 
 log = logging.getLogger("turbo_dispatch.backends.symm_mem.graphs")
 
-#: Graphs kept per arena; the least recently used is dropped beyond it.
+#: Graphs kept per arena; the least recently used is dropped beyond it (and its shape runs eagerly).
 MAX_GRAPHS = 16
+#: Calls of one shape before it is captured (the first runs eagerly to compile and size the arena).
+CAPTURE_AFTER = 3
+#: Captures per arena in all; past it every new shape runs eagerly.
+MAX_CAPTURES = 64
+#: Shapes whose calls are counted before capture; the counts start over beyond it.
+MAX_SEEN = 4096
 #: Inputs above this many bytes run eagerly: their static copies would cost memory and copy time,
 #: and at that size the kernels, not the host, bound the call.
 MAX_INPUT_BYTES = 32 << 20
@@ -91,8 +102,10 @@ class GraphedCalls:
         self.arena = arena
         self.limit = limit
         self._graphs: "OrderedDict[Hashable, _Captured]" = OrderedDict()
-        self._seen: set = set()
-        self._eager: set = set()  # keys whose capture failed
+        self._seen: dict = {}  # calls per key not (or no longer) captured
+        self._eager: set = set()  # keys whose capture failed or whose graph was evicted
+        self.capture_after, self.max_captures = CAPTURE_AFTER, MAX_CAPTURES
+        self.captures = 0
         self._half_bytes = arena.half_bytes
 
     def eligible(self, inputs: Sequence[Optional[torch.Tensor]]) -> bool:
@@ -107,16 +120,24 @@ class GraphedCalls:
             self._half_bytes = self.arena.half_bytes
         captured = self._graphs.get(key)
         if captured is None:
-            if key not in self._seen or key in self._eager:
-                self._seen.add(key)
+            if len(self._seen) >= MAX_SEEN:  # counts of shapes that never recurred enough: start over
+                self._seen.clear()
+            calls = self._seen[key] = self._seen.get(key, 0) + 1
+            if calls < self.capture_after or key in self._eager or self.captures >= self.max_captures:
                 return call(*inputs, *layout_inputs)
             try:
+                self.captures += 1
                 captured = self._capture(key, call, inputs, layout_inputs, flatten)
-            except Exception as exc:  # nothing ran while capturing, so the eager call is still the first
+            except Exception as exc:  # capturing runs nothing, so this call can still run eagerly
                 self._eager.add(key)
                 log.warning("SYMM_MEM: could not capture %s as a CUDA graph (%s: %s); it runs eagerly from now on",
                             key[0], type(exc).__name__, exc)
                 return call(*inputs, *layout_inputs)
+            self._graphs[key] = captured
+            self._seen.pop(key, None)
+            if len(self._graphs) > self.limit:
+                evicted, _ = self._graphs.popitem(last=False)
+                self._eager.add(evicted)
         else:
             self._graphs.move_to_end(key)
         for static, t in zip(captured.inputs, inputs):
@@ -134,8 +155,4 @@ class GraphedCalls:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             result = call(*static, *static_layout)
-        captured = _Captured(graph, static, static_layout, (result, flatten(result)))
-        self._graphs[key] = captured
-        if len(self._graphs) > self.limit:
-            self._graphs.popitem(last=False)
-        return captured
+        return _Captured(graph, static, static_layout, (result, flatten(result)))
