@@ -5,7 +5,10 @@ CPU, no triton needed: the plan logic against a scripted kernel that records how
 with every argument in signature order; the normal path where no compiled kernel comes back).
 CPU, triton: the GEMM launch keys change with every fact Triton specialises on. CPU, Triton
 interpreter (a subprocess, as in test_triton_gemm.py): a second call of a key takes its plan and
-gives the first call's bits, on the TMA and pointer paths, every layout, bf16 and fp8.
+gives the first call's bits, on the TMA and pointer paths, every layout, bf16 and fp8; the fp8
+quantiser's launches likewise (with the reference quantiser's bits), and TritonGemmFp8 lists a
+problem's candidates once. CPU: the quantiser's keys, its cached cast constants, and the fp8
+adapter's plan key.
 GPU (``gpu``): the second call launches the compiled kernel directly, with the same result.
 """
 from __future__ import annotations
@@ -210,6 +213,64 @@ def test_fp8_launch_key_changes_with_every_specialised_fact():
     assert len({base, *variants}) == len(variants) + 1
 
 
+def test_quantiser_key_changes_with_every_specialised_fact():
+    pytest.importorskip("triton")
+    from turbo_dispatch.backends.triton import quantize as Q
+    from turbo_dispatch.low_precision import ScalingGranularity as G
+
+    e4 = torch.float8_e4m3fn
+    x = torch.randn(40, 64)
+    args = dict(dtype=e4, gran=G.BLOCKWISE, axis=1, block_size=32, block_2d=False, want_t=False, row_pad=16,
+                scale_mn_major=True, amax=None)
+    base = Q._run_key(x, **args)
+    variants = [Q._run_key(x.t().contiguous().t(), **args), Q._run_key(torch.randn(40, 96), **args),
+                Q._run_key(x.half(), **args), Q._run_key(torch.randn(641)[1:].view(40, 16), **args)]
+    variants += [Q._run_key(x, **{**args, name: value}) for name, value in
+                 (("dtype", torch.float8_e5m2), ("gran", G.ROWWISE), ("axis", 0), ("block_size", 64),
+                  ("block_2d", True), ("want_t", True), ("row_pad", 1), ("scale_mn_major", False),
+                  ("amax", torch.zeros(40)))]
+    assert len({base, *variants}) == len(variants) + 1
+    assert Q._run_key(torch.randn(40, 64), **args) == base  # the values are not part of it
+    both = Q._both_key(x, True)
+    assert len({both, Q._both_key(x, False), Q._both_key(x.t().contiguous().t(), True),
+                Q._both_key(x.double(), True)}) == 4
+
+
+def test_cast_constants_are_computed_once_per_dtype_and_scale_form(monkeypatch):
+    pytest.importorskip("triton")
+    from turbo_dispatch.backends.triton import quantize as Q
+
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    monkeypatch.setattr(Q, "SCALE_BY_DIVISION", False)
+    by_recip = Q._cast_constants(e4)
+    assert Q._cast_constants(e4) is by_recip and by_recip["RECIP"] == Q._f32_recip(448.0)
+    assert Q._cast_constants(e5)["RECIP"] == Q._f32_recip(57344.0)
+    monkeypatch.setattr(Q, "SCALE_BY_DIVISION", True)
+    assert Q._cast_constants(e4)["RECIP"] == 0.0
+
+
+def test_fp8_plan_key_follows_the_gluon_switch_where_gluon_can_serve(monkeypatch):
+    from turbo_dispatch.backends.triton import gemm as TG
+    from turbo_dispatch.low_precision import ScalingGranularity as G
+    from turbo_dispatch.ops.gemm import gemm_fp8_problem
+
+    e4 = torch.float8_e4m3fn
+    a, b = torch.randn(48, 128), torch.randn(40, 128)
+    blockwise = gemm_fp8_problem(a, b, False, True, torch.float32, e4, e4, G.BLOCKWISE, 128, False, True)
+    rowwise = gemm_fp8_problem(a, b, False, True, torch.float32, e4, e4, G.ROWWISE, None, False, False)
+    on_gpu = blockwise._replace(platform="cuda")
+    monkeypatch.delenv(TG._GLUON_ENV, raising=False)
+    keys = {TG._fp8_plan_key(p, None) for p in (blockwise, rowwise, on_gpu)}
+    monkeypatch.setenv(TG._GLUON_ENV, "0")
+    assert TG._fp8_plan_key(on_gpu, None) not in keys
+    assert TG._fp8_plan_key(rowwise, None) in keys and TG._fp8_plan_key(blockwise, None) in keys
+    assert TG._fp8_plan_key(rowwise, [64, 64, 128, 8, 3, 4]) == TG._fp8_plan_key(rowwise, (64, 64, 128, 8, 3, 4))
+    pytest.importorskip("triton")
+    from turbo_dispatch.backends.triton import fp8_blockwise_gluon
+
+    assert TG._GLUON_ENV == fp8_blockwise_gluon.GLUON_ENV
+
+
 # -- the interpreter: a planned call gives the first call's bits ---------------------------------------
 def _emit(name: str, ok: bool, detail: str = "") -> None:
     print("RESULT " + json.dumps({"name": name, "ok": bool(ok), "detail": detail}), flush=True)
@@ -268,11 +329,121 @@ def _interpreter_checks() -> None:  # pragma: no cover - runs in the subprocess
         _emit(f"fp8_planned[{g.name}-tma={tma}]", torch.equal(second, fresh) and FK.FP8_GEMM_LAUNCHER.binds - binds == 2,
               f"binds {FK.FP8_GEMM_LAUNCHER.binds - binds}, max diff {float((second - fresh).abs().max())}")
 
+    _quantiser_checks()
+    _fp8_adapter_checks()
+
+
+#: (name, granularity, axis, block_size, block_2d, transposed input) of the quantiser's plan
+#: checks: every path of ``quantize._run`` (one-pass row, split amax along a strided dim,
+#: tensorwise's two kernels, 1-D runs, 2-D tiles).
+_QUANT_CASES = [("rowwise", "ROWWISE", 1, None, False, False), ("rowwise_strided", "ROWWISE", 1, None, False, True),
+                ("rowwise_axis0", "ROWWISE", 0, None, False, False), ("tensorwise", "TENSORWISE", 1, None, False, False),
+                ("blockwise", "BLOCKWISE", 1, 32, False, False), ("blockwise_axis0", "BLOCKWISE", 0, 32, False, True),
+                ("blockwise_2d", "BLOCKWISE", 1, 32, True, False)]
+
+
+def _quantiser_checks() -> None:  # pragma: no cover - runs in the subprocess
+    """A second quantisation of a key takes its plans (no new bind) and gives the reference's
+    bits, through every entry point: ``quantize_fp8`` (and its transposed copy),
+    ``quantize_kmajor``, ``quantize_fp8_both`` and ``quantize_fp8_in_turn``."""
+    from turbo_dispatch.backends.triton import quantize as Q
+    from turbo_dispatch.low_precision import ScalingGranularity as G, quantize
+
+    torch.manual_seed(11)
+    e4 = torch.float8_e4m3fn
+    launchers = (Q._QUANT_LAUNCHER, Q._AMAX_LAUNCHER, Q._AMAX_BOTH_LAUNCHER, Q._CAST_BOTH_LAUNCHER)
+
+    def same(q, ref) -> bool:
+        return (torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8))
+                and torch.equal(q.scale.reshape(ref.scale.shape), ref.scale))
+
+    def planned(make) -> tuple[bool, str]:
+        """``make(x)`` twice on new inputs of one key: (second call bound nothing new and matched
+        the reference, detail)."""
+        make(torch.randn(40, 72))
+        binds = [k.binds for k in launchers]
+        x = torch.randn(40, 72)
+        ok = make(x)
+        new = [k.binds - b for k, b in zip(launchers, binds)]
+        return ok and not any(new), f"new binds {new}"
+
+    for name, g_name, axis, bs, b2d, transposed in _QUANT_CASES:
+        g = G[g_name]
+
+        def direct(x):
+            x = x.t().contiguous().t() if transposed else x
+            q, q_t = Q.quantize_fp8_with_transpose(x, e4, g, axis=axis, block_size=bs, block_2d=b2d)
+            ref = quantize(x, e4, g, axis=axis, block_size=bs, block_2d=b2d)
+            return (same(Q.quantize_fp8(x, e4, g, axis=axis, block_size=bs, block_2d=b2d), ref) and same(q, ref)
+                    and torch.equal(q_t.data.view(torch.uint8), ref.data.t().contiguous().view(torch.uint8)))
+
+        ok, detail = planned(direct)
+        _emit(f"quantize_planned[{name}]", ok, detail)
+        if axis == 1:
+            def kmajor(x):
+                x = x.t().contiguous().t() if transposed else x
+                data, scale = Q.quantize_kmajor(x, e4, g, bs, b2d)
+                ref = quantize(x, e4, g, axis=1, block_size=bs, block_2d=b2d)
+                return torch.equal(data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(
+                    scale.reshape(ref.scale.shape), ref.scale)
+
+            ok, detail = planned(kmajor)
+            _emit(f"kmajor_planned[{name}]", ok, detail)
+    for g in (G.TENSORWISE, G.ROWWISE):
+        def both(x):
+            rows, cols = Q.quantize_fp8_both(x, e4, g)
+            along_rows, along_cols = Q.quantize_fp8_in_turn(x, e4, g)
+            ref_rows, ref_cols = quantize(x, e4, g, axis=1), quantize(x, e4, g, axis=0)
+            return (same(rows, ref_rows) and same(cols, ref_cols) and same(along_rows(), ref_rows)
+                    and same(along_cols(), ref_cols))
+
+        ok, detail = planned(both)
+        _emit(f"both_planned[{g.name}]", ok, detail)
+
+
+def _fp8_adapter_checks() -> None:  # pragma: no cover - runs in the subprocess
+    """TritonGemmFp8 lists a problem's candidates once, then runs from its plan: a later call of
+    the same (problem, config) gives what a call with every cache emptied gives."""
+    from turbo_dispatch.backends.triton import fp8_gemm_kernels as FK
+    from turbo_dispatch.backends.triton import gemm as TG
+    from turbo_dispatch.backends.triton import quantize as Q
+    from turbo_dispatch.low_precision import ScalingGranularity as G
+    from turbo_dispatch.ops.gemm import gemm_fp8_problem
+
+    torch.manual_seed(12)
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    adapter = TG.TritonGemmFp8()
+    listed = []
+    candidates = adapter._candidates
+    adapter._candidates = lambda p: listed.append(p) or candidates(p)
+    for g, bs in ((G.TENSORWISE, None), (G.ROWWISE, None), (G.BLOCKWISE, 32)):
+        w2d = g is G.BLOCKWISE
+        x, w, grad = torch.randn(48, 64), torch.randn(40, 64), torch.randn(48, 40)
+        fwd = gemm_fp8_problem(x, w, False, True, torch.float32, e4, e4, g, bs, False, w2d)
+        dgrad = gemm_fp8_problem(grad, w, False, False, torch.float32, e5, e4, g, bs, False, w2d)
+        for name, p, a, b in (("fwd", fwd, x, w), ("dgrad", dgrad, grad, w)):
+            listed.clear()
+            adapter.run(p, a, b)
+            second = adapter.run(p, a, b)
+            third = adapter.run(p, a, b)
+            TG._FP8_PLANS.clear()
+            for launcher in (FK.FP8_GEMM_LAUNCHER, Q._QUANT_LAUNCHER, Q._AMAX_LAUNCHER):
+                launcher.clear()
+            Q._LAYOUTS.clear()
+            fresh = adapter.run(p, a, b)
+            _emit(f"fp8_adapter_planned[{g.name}-{name}]",
+                  len(listed) == 2 and torch.equal(second, third) and torch.equal(second, fresh),
+                  f"candidate lists built {len(listed)} (want 2: first call, after clearing)")
+
 
 _CPU_NAMES = (
     [f"gemm_planned[{dt}-{ta}{tb}-tma={tma}]" for dt in (torch.float16, torch.bfloat16) for ta in (0, 1)
      for tb in (0, 1) for tma in (None, False)]
     + [f"fp8_planned[{g}-tma={tma}]" for g in ("TENSORWISE", "ROWWISE", "BLOCKWISE") for tma in (None, False)]
+    + [f"quantize_planned[{case[0]}]" for case in _QUANT_CASES]
+    + [f"kmajor_planned[{case[0]}]" for case in _QUANT_CASES if case[2] == 1]
+    + [f"both_planned[{g}]" for g in ("TENSORWISE", "ROWWISE")]
+    + [f"fp8_adapter_planned[{g}-{name}]" for g in ("TENSORWISE", "ROWWISE", "BLOCKWISE") for name in ("fwd", "dgrad")]
 )
 
 
@@ -350,6 +521,48 @@ def test_gpu_fp8_second_call_is_prebound_and_identical(granularity):
     ref = a.double() @ b.double().t()
     noise = float((second.double() - ref).pow(2).sum())
     assert 10 * torch.log10(torch.tensor(float(ref.pow(2).sum()) / noise)) >= 25
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("granularity, block_2d, transposed", [
+    ("tensorwise", False, False), ("rowwise", False, False), ("rowwise", False, True),
+    ("blockwise", False, False), ("blockwise", True, False), ("blockwise", False, True)])
+def test_gpu_quantiser_second_call_is_prebound_and_identical(granularity, block_2d, transposed):
+    """The quantiser's launches (``quantize_kmajor``, as both fp8 GEMM adapters' quantisers call
+    ``_run``) take the compiled kernel directly from the second call of a key, with the
+    reference's bits; so do ``quantize_fp8_both``'s."""
+    from turbo_dispatch.backends.triton import quantize as Q
+    from turbo_dispatch.low_precision import ScalingGranularity as G, quantize
+
+    torch.manual_seed(5)
+    g = G(granularity)
+    bs = 128 if g is G.BLOCKWISE else None
+    e4 = torch.float8_e4m3fn
+
+    def make():
+        x = torch.randn(300, 520, device="cuda", dtype=torch.bfloat16)
+        return x.t().contiguous().t() if transposed else x
+
+    Q.quantize_kmajor(make(), e4, g, bs, block_2d)
+    binds = Q._QUANT_LAUNCHER.binds, Q._AMAX_LAUNCHER.binds
+    x = make()
+    data, scale = Q.quantize_kmajor(x, e4, g, bs, block_2d)
+    torch.cuda.synchronize()
+    assert (Q._QUANT_LAUNCHER.binds, Q._AMAX_LAUNCHER.binds) == binds, "the second call must be planned"
+    key = Q._run_key(x, e4, g, 1, bs, block_2d, False, 16, g is G.BLOCKWISE and not block_2d, None)
+    assert Q._QUANT_LAUNCHER.plan(key).direct, "on a GPU the plan launches the compiled kernel"
+    ref = quantize(x, e4, g, axis=1, block_size=bs, block_2d=block_2d)
+    assert torch.equal(data.view(torch.uint8), ref.data.view(torch.uint8))
+    assert torch.equal(scale.reshape(ref.scale.shape), ref.scale)
+    if g is not G.BLOCKWISE:
+        Q.quantize_fp8_both(make(), e4, g)
+        binds = Q._AMAX_BOTH_LAUNCHER.binds, Q._CAST_BOTH_LAUNCHER.binds
+        rows, cols = Q.quantize_fp8_both(x, e4, g)
+        assert (Q._AMAX_BOTH_LAUNCHER.binds, Q._CAST_BOTH_LAUNCHER.binds) == binds
+        ref_cols = quantize(x, e4, g, axis=0)
+        assert torch.equal(rows.data.view(torch.uint8), ref.data.view(torch.uint8))
+        assert torch.equal(cols.data.view(torch.uint8), ref_cols.data.view(torch.uint8))
+        assert torch.equal(cols.scale, ref_cols.scale)
 
 
 @pytest.mark.gpu

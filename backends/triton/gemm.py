@@ -15,6 +15,8 @@ Importing this module never needs triton; ``available()`` says when it is missin
 from __future__ import annotations
 
 import functools
+import os
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -71,6 +73,45 @@ def _pick(config, candidates: list, what: str):
 #: The tile config of each (problem, config) a TritonGemm call met: the candidate list and the
 #: config's validation are pure functions of the two, and a call should not redo them.
 _TILES = BoundedCache(MAX_PLANS)
+
+
+class _Fp8Plan(NamedTuple):
+    """A TritonGemmFp8 call's choices for one (problem, config): the tile config, the Gluon
+    kernel's entry point (None: the Triton kernel), the scale mode, whether the row scales are
+    flattened (ROWWISE), the block size passed to the quantiser, and each operand's scale group."""
+
+    cfg: _cfg.TileConfig
+    gluon_gemm: Optional[Callable]
+    mode: int
+    rowwise: bool
+    block_size: Optional[int]
+    a_group: int
+    b_group: int
+
+
+#: The ``_Fp8Plan`` of each (problem, config[, Gluon switch]) a TritonGemmFp8 call met.
+_FP8_PLANS = BoundedCache(MAX_PLANS)
+#: The environment switch of the Gluon blockwise kernels (fp8_blockwise_gluon.GLUON_ENV): read per
+#: call where it can change the plan, as the kernels' own ``available()`` reads it.
+_GLUON_ENV = "PRIMUS_TURBO_GLUON_KERNELS"
+
+
+def _fp8_plan_key(p, config) -> tuple:
+    """The ``_FP8_PLANS`` key of a call: the problem and config, and where a Gluon kernel could
+    serve the problem (BLOCKWISE on cuda), the Gluon switch's value."""
+    if config is not None and not isinstance(config, tuple):
+        config = tuple(config)  # a JSON list from a tuning DB
+    if p.granularity is ScalingGranularity.BLOCKWISE and p.platform == "cuda":
+        return p, config, os.environ.get(_GLUON_ENV)
+    return p, config
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_modules():
+    """(quantize, fp8_gemm_kernels), imported on first use (importing this module must not need triton)."""
+    from . import fp8_gemm_kernels, quantize
+
+    return quantize, fp8_gemm_kernels
 
 
 @functools.lru_cache(maxsize=None)
@@ -260,9 +301,10 @@ class TritonGemmFp8(_TritonAdapter):
     def describe(self, p) -> str:
         return f"triton quantise (fused, K-major) + persistent fp8 gemm, {p.granularity.value}, default tile {self.configs(p)[0]}"
 
-    def run(self, p, a, b, config=None):
-        from .fp8_gemm_kernels import SCALE_BLOCK, SCALE_ROW, SCALE_TENSOR, fp8_gemm
-        from .quantize import quantize_kmajor
+    def _plan(self, p, config) -> "_Fp8Plan":
+        """What ``run`` needs of ``(p, config)`` besides the tensors: the tile config (checked
+        against ``p``) and the kernel, scale mode and scale groups it runs with."""
+        from . import fp8_gemm_kernels as fk
 
         cfg = _pick(config, self._candidates(p), "gemm_fp8")
         g = p.granularity
@@ -274,23 +316,29 @@ class TritonGemmFp8(_TritonAdapter):
         why = _gluon_refusal(p, cfg) if gluon and config is not None else None
         if why:
             raise ValueError(f"TritonGemmFp8: config {_cfg.as_tuple(cfg)} selects the Gluon kernel, but {why}")
-        bs = p.block_size if blockwise else None
-        a_group, b_group = _scale_groups(p)
+        mode = {ScalingGranularity.TENSORWISE: fk.SCALE_TENSOR, ScalingGranularity.ROWWISE: fk.SCALE_ROW}.get(
+            g, fk.SCALE_BLOCK)
+        return _Fp8Plan(cfg, gluon_kernel(cfg.kernel).fp8_blockwise_gemm if gluon else None, mode,
+                        g is ScalingGranularity.ROWWISE, p.block_size if blockwise else None, *_scale_groups(p))
+
+    def run(self, p, a, b, config=None):
+        key = _fp8_plan_key(p, config)
+        plan = _FP8_PLANS.get(key)
+        if plan is None:
+            plan = _FP8_PLANS.put(key, self._plan(p, config))
+        g = p.granularity
         # Both operands K-major ([M, K] and [N, K]); a transposed view is quantised into a
         # contiguous K-major copy by the same pass (cast + scale + transpose).
         lhs = a.t() if p.trans_a else a
         rhs = b if p.trans_b else b.t()
+        quantize_kmajor = _fp8_modules()[0].quantize_kmajor
         qa, sa = _kmajor_prequantized(lhs) if isinstance(lhs, QuantizedTensor) else quantize_kmajor(
-            lhs, p.a_fp8, g, bs, p.a_2d)
+            lhs, p.a_fp8, g, plan.block_size, p.a_2d)
         qb, sb = _kmajor_prequantized(rhs) if isinstance(rhs, QuantizedTensor) else quantize_kmajor(
-            rhs, p.b_fp8, g, bs, p.b_2d)
-        if g is ScalingGranularity.TENSORWISE:
-            mode = SCALE_TENSOR
-        elif g is ScalingGranularity.ROWWISE:
-            mode, sa, sb = SCALE_ROW, sa.reshape(-1), sb.reshape(-1)
-        else:
-            mode = SCALE_BLOCK
-        if gluon:
-            return gluon_kernel(cfg.kernel).fp8_blockwise_gemm(qa, qb, sa, sb, p.out_dtype, cfg, a_group=a_group,
-                                                               b_group=b_group)
-        return fp8_gemm(qa, qb, sa, sb, mode, p.out_dtype, cfg, a_group=a_group, b_group=b_group)
+            rhs, p.b_fp8, g, plan.block_size, p.b_2d)
+        if plan.rowwise:
+            sa, sb = sa.reshape(-1), sb.reshape(-1)
+        if plan.gluon_gemm is not None:
+            return plan.gluon_gemm(qa, qb, sa, sb, p.out_dtype, plan.cfg, a_group=plan.a_group, b_group=plan.b_group)
+        return _fp8_modules()[1].fp8_gemm(qa, qb, sa, sb, plan.mode, p.out_dtype, plan.cfg, a_group=plan.a_group,
+                                          b_group=plan.b_group)

@@ -30,13 +30,15 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 from turbo_dispatch.low_precision.dual_quantize import empty_padded_rows
 from turbo_dispatch.low_precision import FP8_MAX, QuantizedTensor, ScalingGranularity
 from turbo_dispatch.low_precision.config import _coerce_enum
+
+from .prebound import MAX_PLANS, BoundedCache, PreboundKernel
 
 try:  # Triton stays optional: this module imports without it; available() says why.
     import triton
@@ -306,18 +308,22 @@ def _f32_recip(v: float) -> float:
 SCALE_BY_DIVISION: bool | None = None
 
 
-def _recip_for(fmax: float) -> float:
-    divide = _interpreting() if SCALE_BY_DIVISION is None else SCALE_BY_DIVISION
-    return 0.0 if divide else _f32_recip(fmax)
-
-
 def _cast_constants(dtype: torch.dtype) -> dict:
     """The cast's constexprs for an fp8 ``dtype``: its range, the emulated cast under the
-    interpreter, its mantissa bits and smallest normal exponent, and how the scale is formed."""
+    interpreter, its mantissa bits and smallest normal exponent, and how the scale is formed.
+    Callers unpack it (``**``) and must not change it: it is shared per (dtype, interpreter, scale form)."""
+    emulate = _interpreting()
+    return _cast_constants_for(dtype, emulate, emulate if SCALE_BY_DIVISION is None else SCALE_BY_DIVISION)
+
+
+@functools.lru_cache(maxsize=None)
+def _cast_constants_for(dtype: torch.dtype, emulate: bool, divide: bool) -> dict:
+    """``_cast_constants`` once per argument set: the float32 reciprocal costs two tensor
+    constructions and a host read, the same for every call."""
     fmax = FP8_MAX[dtype]
     man_bits, min_exp = (3, -6) if dtype == torch.float8_e4m3fn else (2, -14)
-    return dict(FP8_MAX_=fmax, TINY=_FP32_TINY, EMULATE_CAST=_interpreting(), MAN_BITS=man_bits, MIN_EXP=min_exp,
-                RECIP=_recip_for(fmax))
+    return dict(FP8_MAX_=fmax, TINY=_FP32_TINY, EMULATE_CAST=emulate, MAN_BITS=man_bits, MIN_EXP=min_exp,
+                RECIP=0.0 if divide else _f32_recip(fmax))
 
 
 def _next_pow2(v: int) -> int:
@@ -366,6 +372,31 @@ def _empty_scale(shape: tuple[int, int], mn_major: bool, device) -> torch.Tensor
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
+class _Layout(NamedTuple):
+    """What one ``_run`` key fixes besides its launches: the scale buffer (shape, and whether it
+    is stored transposed) and, where the split amax kernel runs, its buffer's length."""
+
+    scale_shape: tuple
+    scale_mn_major: bool
+    amax_len: int | None
+
+
+def _prebound(launcher: PreboundKernel, key: tuple, per_call: tuple,
+              resolve: Callable[[], tuple[tuple, dict, dict]]) -> None:
+    """Launches ``per_call`` through ``launcher``'s plan for ``key``; on a miss ``resolve()``
+    gives the launch's (grid, fixed arguments, options) and the plan is bound with them."""
+    plan = launcher.plan(key)
+    if plan is None:
+        grid, fixed, options = resolve()
+        launcher.bind(key, grid, per_call, fixed, options)
+    else:
+        plan(*per_call)
+
+
+#: ``_run``'s layouts per key; its launches' plans live in the launchers below, under the same key.
+_LAYOUTS = BoundedCache(MAX_PLANS)
+
+
 def _run(x, dtype, gran, axis, block_size, block_2d, want_t, row_pad: int = 1, scale_mn_major: bool = False,
          amax: torch.Tensor | None = None):
     """Launches the kernels; returns (data, data_t or None, scale) in the reference's shapes.
@@ -374,73 +405,128 @@ def _run(x, dtype, gran, axis, block_size, block_2d, want_t, row_pad: int = 1, s
     TMA (16-byte strides) can read any K; ``scale_mn_major`` stores 2-D scales transposed.
     ``amax`` (TENSORWISE / ROWWISE) is the groups' amax already taken (``_amax_both``): only
     the two-kernel path's cast runs.
-    """
-    rows, cols = x.shape
-    if rows == 0 or cols == 0:
-        raise ValueError(f"quantize_fp8: x must be non-empty; got shape {tuple(x.shape)}")
-    data = empty_padded_rows(x, (rows, cols), dtype, pad=row_pad)
-    ld = data.stride(0)
-    data_t = torch.empty((cols, rows), dtype=dtype, device=x.device) if want_t else None
-    # Kernel coordinates: p = the other dim, q = the reduction dim (axis).
-    if axis == 1:
-        P, Q, sx_p, sx_q, sd_p, sd_q, st_p, st_q = rows, cols, x.stride(0), x.stride(1), ld, 1, 1, rows
-    else:
-        P, Q, sx_p, sx_q, sd_p, sd_q, st_p, st_q = cols, rows, x.stride(1), x.stride(0), 1, ld, rows, 1
-    dt = data_t if want_t else data
-    common = dict(WRITE_T=want_t, **_cast_constants(dtype))
-    strides = (P, Q, sx_p, sx_q, sd_p, sd_q, st_p, st_q)
 
+    Everything but the buffers is resolved once per key (``_run_key``): the layout, and each
+    kernel's launch, pre-bound (prebound.py). The buffers this allocates are fresh, hence 16-byte
+    aligned, so only ``x``'s and a given ``amax``'s alignment enter the key.
+    """
+    key = _run_key(x, dtype, gran, axis, block_size, block_2d, want_t, row_pad, scale_mn_major, amax)
+    layout = _LAYOUTS.get(key)
+    rows, cols = x.shape
+    if layout is None:
+        if rows == 0 or cols == 0:
+            raise ValueError(f"quantize_fp8: x must be non-empty; got shape {tuple(x.shape)}")
+    data = empty_padded_rows(x, (rows, cols), dtype, pad=row_pad)
+    data_t = torch.empty((cols, rows), dtype=dtype, device=x.device) if want_t else None
+    dt = data_t if want_t else data
+    if layout is None:
+        layout = _LAYOUTS.put(key, _layout_of(gran, axis, rows, cols, block_size, block_2d, scale_mn_major,
+                                              amax is not None, _along_strided(x, axis)))
+    scale = _empty_scale(layout.scale_shape, layout.scale_mn_major, x.device)
+    if layout.amax_len is not None:
+        amax = torch.zeros(layout.amax_len, dtype=torch.float32, device=x.device)
+        _prebound(_AMAX_LAUNCHER, key, (x, amax), lambda: _amax_launch(x, gran, axis))
+    _prebound(_QUANT_LAUNCHER, key, (x, data, dt, scale, scale if amax is None else amax),
+              lambda: _cast_launch(x, data, dtype, gran, axis, block_size, block_2d, want_t, scale, amax is not None))
+    return data, data_t, scale
+
+
+def _run_key(x, dtype, gran, axis, block_size, block_2d, want_t, row_pad, scale_mn_major, amax) -> tuple:
+    """What fixes ``_run``'s layout and launches: ``x``'s shape, strides, dtype, device and 16-byte
+    alignment, the recipe and output layout, whether (and how aligned) an amax is given, and the
+    scale form (``SCALE_BY_DIVISION``; whether the interpreter runs is fixed per process)."""
+    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0, dtype, gran, axis, block_size, block_2d,
+            want_t, row_pad, scale_mn_major, None if amax is None else amax.data_ptr() % 16 == 0, SCALE_BY_DIVISION)
+
+
+def _coords(x: torch.Tensor, axis: int, ld: int, rows: int) -> tuple[int, ...]:
+    """(P, Q, sx_p, sx_q, sd_p, sd_q, st_p, st_q): sizes and strides in kernel coordinates, p the
+    other dim and q the reduction dim (``axis``); ``ld`` is the data's row stride."""
+    r, c = x.shape
+    if axis == 1:
+        return r, c, x.stride(0), x.stride(1), ld, 1, 1, rows
+    return c, r, x.stride(1), x.stride(0), 1, ld, rows, 1
+
+
+def _along_strided(x: torch.Tensor, axis: int) -> bool:
+    """Whether ``x``'s reduction dim is strided while the other is contiguous."""
+    sx_p, sx_q = (x.stride(0), x.stride(1)) if axis == 1 else (x.stride(1), x.stride(0))
+    return sx_q != 1 and sx_p == 1
+
+
+def _row_path(gran, q: int, along_strided: bool, amax_given: bool) -> bool:
+    """Whether ROWWISE takes the one-pass row kernel. A program of it reads its whole group; along
+    a strided dim (a column of a row-major x, the transposed view a K-major copy is made from)
+    that is one element per 32-byte sector, so such groups take the two-kernel path, whose tiles
+    read along p. A given amax (``quantize_fp8_in_turn``) is used as is: the one-pass kernel would
+    take it again."""
+    return gran is ScalingGranularity.ROWWISE and q <= _ROW_SINGLE_MAX and not along_strided and not amax_given
+
+
+def _layout_of(gran, axis: int, rows: int, cols: int, block_size, block_2d: bool, scale_mn_major: bool,
+               amax_given: bool, along_strided: bool) -> _Layout:
+    """``_run``'s scale and amax buffers for one key."""
+    q = cols if axis == 1 else rows
     if gran is ScalingGranularity.BLOCKWISE and block_2d:
-        nr, nc = -(-rows // block_size), -(-cols // block_size)
-        scale = _empty_scale((nr, nc), scale_mn_major, x.device)
-        grid = (nr, nc) if axis == 1 else (nc, nr)
-        bp = _next_pow2(block_size)
-        _quant_kernel[grid](x, data, dt, scale, scale, *strides, *_scale_strides(scale, axis), 0, block_size,
-                            MODE=_MODE_TILE2D, BLOCK_P=bp, BLOCK_Q=bp, num_warps=8 if bp >= 128 else 4, **common)
-        return data, data_t, scale
+        return _Layout((-(-rows // block_size), -(-cols // block_size)), scale_mn_major, None)
     if gran is ScalingGranularity.BLOCKWISE:
-        nb = -(-Q // block_size)
-        scale = _empty_scale((rows, nb) if axis == 1 else (nb, cols), scale_mn_major, x.device)
+        nb = -(-q // block_size)
+        return _Layout((rows, nb) if axis == 1 else (nb, cols), scale_mn_major, None)
+    per_row = gran is ScalingGranularity.ROWWISE
+    shape = ((rows, 1) if axis == 1 else (1, cols)) if per_row else ()
+    if _row_path(gran, q, along_strided, amax_given):
+        return _Layout(shape, False, None)
+    # Two kernels: a split amax (atomic max into a zeroed buffer), then the cast.
+    return _Layout(shape, False, None if amax_given else ((rows if axis == 1 else cols) if per_row else 1))
+
+
+def _amax_launch(x: torch.Tensor, gran, axis: int) -> tuple[tuple, dict, dict]:
+    """(grid, fixed arguments, options) of the split amax kernel for ``x``."""
+    P, Q, sx_p, sx_q = _coords(x, axis, 0, 0)[:4]
+    per_row = gran is ScalingGranularity.ROWWISE
+    # Tiles wide along the contiguous dim; q split so that about AMAX_PROGRAMS programs run.
+    bp_a, bq_a = AMAX_TILE_STRIDED if _along_strided(x, axis) else AMAX_TILE
+    q_per_prog = max(bq_a, _next_pow2(-(-Q // max(1, AMAX_PROGRAMS // triton.cdiv(P, bp_a)))))
+    q_per_prog = min(q_per_prog, 16384)
+    fixed = dict(P=P, Q=Q, sx_p=sx_p, sx_q=sx_q, s_amax=1 if per_row else 0, BLOCK_P=bp_a, BLOCK_Q=bq_a,
+                 Q_PER_PROG=q_per_prog, ONE_AMAX=not per_row)
+    return (triton.cdiv(P, bp_a), triton.cdiv(Q, q_per_prog)), fixed, dict(num_warps=4)
+
+
+def _cast_launch(x: torch.Tensor, data: torch.Tensor, dtype, gran, axis: int, block_size, block_2d: bool,
+                 want_t: bool, scale: torch.Tensor, amax_given: bool) -> tuple[tuple, dict, dict]:
+    """(grid, fixed arguments, options) of the quantise (cast) kernel for one ``_run`` key."""
+    rows, cols = x.shape
+    P, Q, sx_p, sx_q, sd_p, sd_q, st_p, st_q = _coords(x, axis, data.stride(0), rows)
+    fixed = dict(P=P, Q=Q, sx_p=sx_p, sx_q=sx_q, sd_p=sd_p, sd_q=sd_q, st_p=st_p, st_q=st_q, WRITE_T=want_t,
+                 **_cast_constants(dtype))
+    if gran is ScalingGranularity.BLOCKWISE:
+        ss_p, ss_q = _scale_strides(scale, axis)
         bq = _next_pow2(block_size)
-        bp = max(1, min(64, 8192 // bq))
-        _quant_kernel[(triton.cdiv(P, bp), nb)](x, data, dt, scale, scale, *strides, *_scale_strides(scale, axis), 0,
-                                                block_size, MODE=_MODE_BLOCK1D, BLOCK_P=bp, BLOCK_Q=bq,
-                                                num_warps=4, **common)
-        return data, data_t, scale
-    # A program of the one-pass row kernel reads its whole group; along a strided dim (a column
-    # of a row-major x, the transposed view a K-major copy is made from) that is one element per
-    # 32-byte sector, so such groups take the two-kernel path, whose tiles read along p.
-    # A given amax (``quantize_fp8_in_turn``) is used as is: the one-pass kernel would take it again.
-    along_strided = sx_q != 1 and sx_p == 1
-    if gran is ScalingGranularity.ROWWISE and Q <= _ROW_SINGLE_MAX and not along_strided and amax is None:
-        scale = torch.empty((rows, 1) if axis == 1 else (1, cols), dtype=torch.float32, device=x.device)
+        if block_2d:
+            nr, nc = -(-rows // block_size), -(-cols // block_size)
+            grid, mode, bp, warps = ((nr, nc) if axis == 1 else (nc, nr)), _MODE_TILE2D, bq, 8 if bq >= 128 else 4
+        else:
+            mode, bp, warps = _MODE_BLOCK1D, max(1, min(64, 8192 // bq)), 4
+            grid = (triton.cdiv(P, bp), -(-Q // block_size))
+        fixed.update(ss_p=ss_p, ss_q=ss_q, s_amax=0, BS=block_size, MODE=mode, BLOCK_P=bp, BLOCK_Q=bq)
+        return grid, fixed, dict(num_warps=warps)
+    if _row_path(gran, Q, _along_strided(x, axis), amax_given):
         bq = _next_pow2(Q)
         bp = max(1, min(64, 4096 // bq))
-        _quant_kernel[(triton.cdiv(P, bp), 1)](x, data, dt, scale, scale, *strides, 1, 0, 0, Q, MODE=_MODE_ROW,
-                                               BLOCK_P=bp, BLOCK_Q=bq, num_warps=8 if bq >= 4096 else 4, **common)
-        return data, data_t, scale
-
-    # Two kernels: a split amax (atomic max into a zeroed buffer), then the cast.
-    per_row = gran is ScalingGranularity.ROWWISE
-    s_amax = 1 if per_row else 0
-    if amax is None:
-        amax = torch.zeros(P if per_row else 1, dtype=torch.float32, device=x.device)
-        # Tiles wide along the contiguous dim; q split so that about AMAX_PROGRAMS programs run.
-        bp_a, bq_a = AMAX_TILE_STRIDED if along_strided else AMAX_TILE
-        q_per_prog = max(bq_a, _next_pow2(-(-Q // max(1, AMAX_PROGRAMS // triton.cdiv(P, bp_a)))))
-        q_per_prog = min(q_per_prog, 16384)
-        _amax_kernel[(triton.cdiv(P, bp_a), triton.cdiv(Q, q_per_prog))](
-            x, amax, P, Q, sx_p, sx_q, s_amax, BLOCK_P=bp_a, BLOCK_Q=bq_a, Q_PER_PROG=q_per_prog,
-            ONE_AMAX=not per_row, num_warps=4)
-    if per_row:
-        scale = torch.empty((rows, 1) if axis == 1 else (1, cols), dtype=torch.float32, device=x.device)
-    else:
-        scale = torch.empty((), dtype=torch.float32, device=x.device)
+        fixed.update(ss_p=1, ss_q=0, s_amax=0, BS=Q, MODE=_MODE_ROW, BLOCK_P=bp, BLOCK_Q=bq)
+        return (triton.cdiv(P, bp), 1), fixed, dict(num_warps=8 if bq >= 4096 else 4)
+    s_amax = 1 if gran is ScalingGranularity.ROWWISE else 0
     bp, bq = 64, 64
-    _quant_kernel[(triton.cdiv(P, bp), triton.cdiv(Q, bq))](
-        x, data, dt, scale, amax, *strides, s_amax, 0, s_amax, 0,
-        MODE=_MODE_LOADED, BLOCK_P=bp, BLOCK_Q=bq, num_warps=4, **common)
-    return data, data_t, scale
+    fixed.update(ss_p=s_amax, ss_q=0, s_amax=s_amax, BS=0, MODE=_MODE_LOADED, BLOCK_P=bp, BLOCK_Q=bq)
+    return (triton.cdiv(P, bp), triton.cdiv(Q, bq)), fixed, dict(num_warps=4)
+
+
+#: The quantiser's kernels, launched through one plan per key (the per-call arguments are the
+#: input and the buffers each call allocates).
+_QUANT_LAUNCHER = (PreboundKernel(_quant_kernel, per_call=("x_ptr", "data_ptr", "data_t_ptr", "scale_ptr", "amax_ptr"))
+                   if triton is not None else None)
+_AMAX_LAUNCHER = PreboundKernel(_amax_kernel, per_call=("x_ptr", "amax_ptr")) if triton is not None else None
 
 
 #: Launch shapes of ``quantize_fp8_both``: the amax kernel's (BLOCK_P, BLOCK_Q, P_STEPS,
@@ -475,11 +561,9 @@ def quantize_fp8_both(x: torch.Tensor, dtype: torch.dtype,
         scale_t = torch.empty((1, cols), dtype=torch.float32, device=x.device)
     else:
         scale = scale_t = torch.empty((), dtype=torch.float32, device=x.device)
-    bp, bq, warps = BOTH_CAST_LAUNCH
-    _cast_both_kernel[(triton.cdiv(rows, bp), triton.cdiv(cols, bq))](
-        x, data, data_t, row_amax, col_amax, scale, scale_t, rows, cols, x.stride(0), x.stride(1),
-        data.stride(0), data_t.stride(0), PER_ROW=per_row, BLOCK_P=bp, BLOCK_Q=bq, num_warps=warps,
-        **_cast_constants(dtype))
+    _prebound(_CAST_BOTH_LAUNCHER, (*_both_key(x, per_row), dtype, SCALE_BY_DIVISION),
+              (x, data, data_t, row_amax, col_amax, scale, scale_t),
+              lambda: _cast_both_launch(x, data, data_t, dtype, per_row))
     make = dict(granularity=gran, block_size=None, block_2d=False)
     return (QuantizedTensor(data=data, scale=scale, axis=1, **make),
             QuantizedTensor(data=data_t.t(), scale=scale_t, axis=0, **make))
@@ -500,11 +584,40 @@ def _amax_both(x: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tens
     rows, cols = x.shape
     row_amax = torch.zeros(rows if per_row else 1, dtype=torch.float32, device=x.device)
     col_amax = torch.zeros(cols, dtype=torch.float32, device=x.device) if per_row else row_amax
-    bp, bq, steps, warps = BOTH_AMAX_LAUNCH
-    _amax_both_kernel[(triton.cdiv(rows, bp * steps), triton.cdiv(cols, bq))](
-        x, row_amax, col_amax, rows, cols, x.stride(0), x.stride(1), PER_ROW=per_row, BLOCK_P=bp, BLOCK_Q=bq,
-        P_STEPS=steps, num_warps=warps)
+    _prebound(_AMAX_BOTH_LAUNCHER, _both_key(x, per_row), (x, row_amax, col_amax),
+              lambda: _amax_both_launch(x, per_row))
     return row_amax, col_amax
+
+
+def _both_key(x: torch.Tensor, per_row: bool) -> tuple:
+    """What fixes the launches of ``_amax_both`` (and, with the fp8 dtype and the scale form, of
+    ``quantize_fp8_both``'s cast): ``x``'s shape, strides, dtype, device and 16-byte alignment and
+    the recipe. Their other buffers are fresh allocations, hence aligned."""
+    return x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0, per_row
+
+
+def _amax_both_launch(x: torch.Tensor, per_row: bool) -> tuple[tuple, dict, dict]:
+    rows, cols = x.shape
+    bp, bq, steps, warps = BOTH_AMAX_LAUNCH
+    fixed = dict(P=rows, Q=cols, sx_p=x.stride(0), sx_q=x.stride(1), PER_ROW=per_row, BLOCK_P=bp, BLOCK_Q=bq,
+                 P_STEPS=steps)
+    return (triton.cdiv(rows, bp * steps), triton.cdiv(cols, bq)), fixed, dict(num_warps=warps)
+
+
+def _cast_both_launch(x: torch.Tensor, data: torch.Tensor, data_t: torch.Tensor, dtype: torch.dtype,
+                      per_row: bool) -> tuple[tuple, dict, dict]:
+    rows, cols = x.shape
+    bp, bq, warps = BOTH_CAST_LAUNCH
+    fixed = dict(P=rows, Q=cols, sx_p=x.stride(0), sx_q=x.stride(1), ld=data.stride(0), ld_t=data_t.stride(0),
+                 PER_ROW=per_row, BLOCK_P=bp, BLOCK_Q=bq, **_cast_constants(dtype))
+    return (triton.cdiv(rows, bp), triton.cdiv(cols, bq)), fixed, dict(num_warps=warps)
+
+
+_AMAX_BOTH_LAUNCHER = (PreboundKernel(_amax_both_kernel, per_call=("x_ptr", "row_ptr", "col_ptr"))
+                       if triton is not None else None)
+_CAST_BOTH_LAUNCHER = (PreboundKernel(_cast_both_kernel, per_call=(
+    "x_ptr", "data_ptr", "data_t_ptr", "row_amax_ptr", "col_amax_ptr", "scale_ptr", "scale_t_ptr"))
+    if triton is not None else None)
 
 
 def quantize_fp8_in_turn(x: torch.Tensor, dtype: torch.dtype, granularity: ScalingGranularity
