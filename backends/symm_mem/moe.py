@@ -10,10 +10,11 @@ Dispatch, two phases:
      the full table. Without ``num_worst_tokens`` the host reads it (the op's one sync: receive
      size, ``tokens_per_expert``, the collective bad-id check, buffer sizes).
   2. rows: token ``t`` goes to rank ``r`` at row ``sum_{s < me} C[s, r] + (its rank among this
-     rank's tokens for r)``, which is the contract's order (source rank, then source token); its
-     metadata (local expert ids, probabilities) goes to the same row of a metadata region; barrier;
-     each rank copies its rows out of the arena (the arena is reused by the next phase, so results
-     cannot be views of it).
+     rank's tokens for r)``, which is the contract's order (source rank, then source token); the
+     placement kernel stores its metadata (local expert ids, probabilities) into the same row of
+     the receiver's metadata region, then its row is pushed; barrier; one receive kernel per row
+     copies it out of the arena (reused by the next phase, so results cannot be views of it) and
+     unpacks ids, probabilities, padding and, without a host read, the per-expert counts.
 Combine, one phase: each received row is pushed back to its source, into the slot the source
 assigned to that (token, destination) pair; barrier; each source sums its slots per token in rank
 order (fp32 for bf16/fp16, fp64 for fp64), so results match the TORCH backend bit for bit.
@@ -22,7 +23,8 @@ A cached dispatch (``dispatch_rows``) is phase 2 again with the handle's row map
 Under ``num_worst_tokens = N`` nothing is read on the host: buffers and the rows kept (the first N
 in receive order, as the TORCH backend keeps) follow from N, counts stay on the device, and every
 step is a kernel or a barrier on the current stream, so the whole round trip can be captured in a
-CUDA graph after one eager call has sized the arena.
+CUDA graph after one eager call has sized the arena; the adapter itself replays one per recurring
+shape (``graphs.py``).
 """
 from __future__ import annotations
 
