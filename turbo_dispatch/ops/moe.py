@@ -213,7 +213,7 @@ def moe_dispatch_problem(x: torch.Tensor, token_indices: torch.Tensor, token_pro
         raise ValueError(f"{op}: num_experts={num_experts} must be divisible by the group size {world_size} "
                          "(experts are split evenly over the ranks, in rank order)")
     platform = platform_of(x.device.type)
-    intranode = platform != "cpu" and group_is_intranode(group, ask_peers=ask_peers)
+    intranode = platform != "cpu" and group_is_intranode(group, ask_peers=ask_peers, device=x.device)
     return MoeDispatchProblem(hidden, topk, num_experts, world_size, x.dtype, token_probs is not None,
                               num_worst_tokens, platform, intranode)
 
@@ -221,18 +221,21 @@ def moe_dispatch_problem(x: torch.Tensor, token_indices: torch.Tensor, token_pro
 _INTRANODE: dict = {}
 
 
-def group_is_intranode(group: Any = None, ask_peers: bool = True) -> bool:
+def group_is_intranode(group: Any = None, ask_peers: bool = True, device: "torch.device | None" = None) -> bool:
     """Whether every rank of ``group`` (None: the default group) runs on this host.
 
-    The first call per group all-gathers the ranks' host names over the group (a collective: every
-    rank of the group must make it, as every rank makes the moe_dispatch it is part of); later
-    calls read the cached answer. With ``ask_peers=False`` (``explain``, which one rank may call
-    alone) nothing is exchanged: before that first gather the answer comes from the launcher's
-    environment, true only when torchrun's ``LOCAL_WORLD_SIZE`` equals ``WORLD_SIZE``.
+    The first call per group all-gathers a hash of each rank's host name over the group, as one
+    int64 tensor on ``device`` (default: the CPU for a gloo group, else the current CUDA device),
+    so it needs no ``torch.cuda.set_device``; it is a collective: every rank of the group must make
+    it, as every rank makes the moe_dispatch it is part of. Later calls read the cached answer.
+    With ``ask_peers=False`` (``explain``, which one rank may call alone) nothing is exchanged:
+    before that first gather the answer comes from the launcher's environment, true only when
+    torchrun's ``LOCAL_WORLD_SIZE`` equals ``WORLD_SIZE``.
 
     >>> group_is_intranode(ask_peers=False)  # doctest: +SKIP
     True
     """
+    import hashlib
     import os
     import socket
 
@@ -249,9 +252,14 @@ def group_is_intranode(group: Any = None, ask_peers: bool = True) -> bool:
         local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
         return local is not None and local == world
     else:
-        hosts: list = [None] * size
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        known = len(set(hosts)) == 1
+        if device is None:
+            device = torch.device("cpu") if dist.get_backend(group) == "gloo" else \
+                torch.device("cuda", torch.cuda.current_device())
+        digest = hashlib.blake2b(socket.gethostname().encode(), digest_size=8).digest()
+        mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64, device=device)
+        hosts = torch.empty(size, dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(hosts, mine, group=group)
+        known = bool((hosts == hosts[0]).all())
     _INTRANODE[key] = known
     return known
 
