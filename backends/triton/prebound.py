@@ -158,8 +158,16 @@ class PreboundKernel:
         arguments are all tensors; a key seen before skips Triton's per-call binding."""
         key = (tuple(grid), tuple(fixed.items()), tuple(options.items()),
                tuple((t.dtype, t.device, t.data_ptr() % 16 == 0) for t in per_call))
+        self.launch_keyed(key, per_call, lambda: (grid, fixed, options))
+
+    def launch_keyed(self, key: Hashable, per_call: Sequence[Any],
+                     resolve: Callable[[], tuple[Sequence[int], Mapping[str, Any], Mapping[str, Any]]]) -> None:
+        """Launches ``per_call`` through the plan of a caller-made ``key``; on a miss ``resolve()``
+        gives the launch's (grid, fixed arguments, options) and the plan is bound with them, so a
+        call that finds its plan works out none of them."""
         plan = self.plan(key)
         if plan is None:
+            grid, fixed, options = resolve()
             self.bind(key, grid, per_call, fixed, options)
         else:
             plan(*per_call)

@@ -381,18 +381,6 @@ class _Layout(NamedTuple):
     amax_len: int | None
 
 
-def _prebound(launcher: PreboundKernel, key: tuple, per_call: tuple,
-              resolve: Callable[[], tuple[tuple, dict, dict]]) -> None:
-    """Launches ``per_call`` through ``launcher``'s plan for ``key``; on a miss ``resolve()``
-    gives the launch's (grid, fixed arguments, options) and the plan is bound with them."""
-    plan = launcher.plan(key)
-    if plan is None:
-        grid, fixed, options = resolve()
-        launcher.bind(key, grid, per_call, fixed, options)
-    else:
-        plan(*per_call)
-
-
 #: ``_run``'s layouts per key; its launches' plans live in the launchers below, under the same key.
 _LAYOUTS = BoundedCache(MAX_PLANS)
 
@@ -416,18 +404,18 @@ def _run(x, dtype, gran, axis, block_size, block_2d, want_t, row_pad: int = 1, s
     if layout is None:
         if rows == 0 or cols == 0:
             raise ValueError(f"quantize_fp8: x must be non-empty; got shape {tuple(x.shape)}")
+        layout = _LAYOUTS.put(key, _layout_of(gran, axis, rows, cols, block_size, block_2d, scale_mn_major,
+                                              amax is not None, _along_strided(x, axis)))
     data = empty_padded_rows(x, (rows, cols), dtype, pad=row_pad)
     data_t = torch.empty((cols, rows), dtype=dtype, device=x.device) if want_t else None
     dt = data_t if want_t else data
-    if layout is None:
-        layout = _LAYOUTS.put(key, _layout_of(gran, axis, rows, cols, block_size, block_2d, scale_mn_major,
-                                              amax is not None, _along_strided(x, axis)))
     scale = _empty_scale(layout.scale_shape, layout.scale_mn_major, x.device)
     if layout.amax_len is not None:
         amax = torch.zeros(layout.amax_len, dtype=torch.float32, device=x.device)
-        _prebound(_AMAX_LAUNCHER, key, (x, amax), lambda: _amax_launch(x, gran, axis))
-    _prebound(_QUANT_LAUNCHER, key, (x, data, dt, scale, scale if amax is None else amax),
-              lambda: _cast_launch(x, data, dtype, gran, axis, block_size, block_2d, want_t, scale, amax is not None))
+        _AMAX_LAUNCHER.launch_keyed(key, (x, amax), lambda: _amax_launch(x, gran, axis))
+    _QUANT_LAUNCHER.launch_keyed(key, (x, data, dt, scale, scale if amax is None else amax),
+                                 lambda: _cast_launch(x, data, dtype, gran, axis, block_size, block_2d, want_t, scale,
+                                                      amax is not None))
     return data, data_t, scale
 
 
@@ -561,9 +549,9 @@ def quantize_fp8_both(x: torch.Tensor, dtype: torch.dtype,
         scale_t = torch.empty((1, cols), dtype=torch.float32, device=x.device)
     else:
         scale = scale_t = torch.empty((), dtype=torch.float32, device=x.device)
-    _prebound(_CAST_BOTH_LAUNCHER, (*_both_key(x, per_row), dtype, SCALE_BY_DIVISION),
-              (x, data, data_t, row_amax, col_amax, scale, scale_t),
-              lambda: _cast_both_launch(x, data, data_t, dtype, per_row))
+    _CAST_BOTH_LAUNCHER.launch_keyed((*_both_key(x, per_row), dtype, SCALE_BY_DIVISION),
+                                     (x, data, data_t, row_amax, col_amax, scale, scale_t),
+                                     lambda: _cast_both_launch(x, data, data_t, dtype, per_row))
     make = dict(granularity=gran, block_size=None, block_2d=False)
     return (QuantizedTensor(data=data, scale=scale, axis=1, **make),
             QuantizedTensor(data=data_t.t(), scale=scale_t, axis=0, **make))
@@ -584,8 +572,8 @@ def _amax_both(x: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tens
     rows, cols = x.shape
     row_amax = torch.zeros(rows if per_row else 1, dtype=torch.float32, device=x.device)
     col_amax = torch.zeros(cols, dtype=torch.float32, device=x.device) if per_row else row_amax
-    _prebound(_AMAX_BOTH_LAUNCHER, _both_key(x, per_row), (x, row_amax, col_amax),
-              lambda: _amax_both_launch(x, per_row))
+    _AMAX_BOTH_LAUNCHER.launch_keyed(_both_key(x, per_row), (x, row_amax, col_amax),
+                                     lambda: _amax_both_launch(x, per_row))
     return row_amax, col_amax
 
 
