@@ -184,19 +184,25 @@ def push_rows_kernel(src, src_stride, row_words, src_div, pair_rank, pair_dst, l
 
 
 @triton.jit
+def _copy_row(src_base, dst_base, row_words, readable, BLOCK: tl.constexpr):
+    """``row_words`` words from ``src_base`` to ``dst_base``; words at or past ``readable`` are
+    written as zeros (0: a padding row, which reads nothing)."""
+    for start in range(0, row_words, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        v = tl.load(src_base + cols, mask=cols < readable, other=0)
+        tl.store(dst_base + cols, v, mask=cols < row_words)
+
+
+@triton.jit
 def copy_out_kernel(local, phase, half_words, src_offset, src_stride, out, out_stride, row_words, n_valid,
                     BLOCK: tl.constexpr):
     """Row ``i`` of region ``src_offset`` in the current half of this rank's arena -> row ``i`` of
     ``out``; rows at or past ``n_valid[0]`` are written as zeros."""
     i = tl.program_id(0)
-    readable = tl.where(i < tl.load(n_valid), row_words, 0)  # a padding row reads nothing
+    readable = tl.where(i < tl.load(n_valid), row_words, 0)
     half = tl.load(phase) % 2
-    src_base = local + half * half_words + src_offset + i * src_stride
-    for start in range(0, row_words, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < row_words
-        v = tl.load(src_base + cols, mask=cols < readable, other=0)
-        tl.store(out + i * out_stride + cols, v, mask=mask)
+    _copy_row(local + half * half_words + src_offset + i * src_stride, out + i * out_stride, row_words, readable,
+              BLOCK)
 
 
 @triton.jit
@@ -210,14 +216,9 @@ def receive_kernel(local, local_meta, phase, half_words, half_meta, x_offset, x_
     ``n_valid[0]`` are padding: payload zeros, ids -1, probabilities 0. With ``COUNT`` every local
     id of a real row adds one to ``counts[id]`` (zeroed by the caller)."""
     i = tl.program_id(0)
-    real = i < tl.load(n_valid)
     half = tl.load(phase) % 2
-    readable = tl.where(real, row_words, 0)
-    src_base = local + half * half_words + x_offset + i * x_stride
-    for start in range(0, row_words, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        v = tl.load(src_base + cols, mask=cols < readable, other=0)
-        tl.store(out + i * out_stride + cols, v, mask=cols < row_words)
+    readable = tl.where(i < tl.load(n_valid), row_words, 0)
+    _copy_row(local + half * half_words + x_offset + i * x_stride, out + i * out_stride, row_words, readable, BLOCK)
     slots = tl.arange(0, TOPK_P)
     cell = slots < TOPK
     kept = cell & (slots * 0 + i < tl.load(n_valid))  # a [TOPK_P] mask: a scalar one breaks the interpreter

@@ -273,13 +273,13 @@ def dispatch_phases(arena, p, x: torch.Tensor, token_indices: torch.Tensor, toke
              BLOCK_R=1024), _SMALL)
     _push(arena, _as_bytes(x), world, dst_row, data_offset, row_stride)
     yield BARRIER
+    if n:
+        tokens_per_expert = plan[2 * recv_rows + 2:]  # counted by the receive kernel
     recv_x, recv_idx, recv_probs = _receive(arena, recv_rows, row_bytes, data_offset, row_stride, meta_stride, k,
                                             n_valid, token_probs.dtype if token_probs is not None else None,
-                                            plan[2 * recv_rows + 2:] if n else None, local)
+                                            tokens_per_expert if n else None, local)
     _advance(arena)
 
-    if n:
-        tokens_per_expert = plan[2 * recv_rows + 2:]
     num_recv = num_recv_dev[0] if n else recv_rows
     layout = SymmMemLayout(arena, dst_row, back_rank, back_dst, slot, n_valid, t, num_recv, recv_rows, rows_cap,
                            land_cap)
