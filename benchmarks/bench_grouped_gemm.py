@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import harness as H  # noqa: E402
+from bench_out import resolve_out_dir  # noqa: E402
 import turbo_dispatch as turbo  # noqa: E402
 from turbo_dispatch.device_platform import platform_of  # noqa: E402
 from turbo_dispatch.low_precision import Float8QuantConfig  # noqa: E402
@@ -103,6 +105,24 @@ def collect_cases(models, eps, tpes, routings) -> tuple[list[Case], list[str]]:
         notes.append(f"skipped {len(skipped)} shape(s) above {MAX_TOKENS} routed tokens: "
                      + "; ".join(dict.fromkeys(skipped)))
     return cases, notes
+
+
+def custom_cases(spec: str, routings) -> list[Case]:
+    """Cases from ``--shapes``: comma-separated ``GxTxNxK`` (G experts of T tokens each on average,
+    weights [G, N, K]), e.g. ``16x2048x4096x1536``; shapes no preset has, as a tuner meets them."""
+    cases = []
+    for item in (v.strip() for v in spec.split(",") if v.strip()):
+        try:
+            g, t, n, k = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--shapes: {item!r} is not GxTxNxK (four integers joined by 'x')") from None
+        if min(g, t, n, k) <= 0:
+            raise SystemExit(f"--shapes: {item!r} needs positive sizes")
+        for routing in routings:
+            if routing == "empty" and g < 4:
+                continue
+            cases.append(Case(f"custom/G{g}xT{t}/N{n}/K{k}/{routing}", "custom", 0, t, routing, g, g * t, n, k))
+    return cases
 
 
 def group_lens(routing: str, g: int, total: int, device) -> torch.Tensor:
@@ -254,6 +274,20 @@ def _explain(op, a, b, lens, kw):
     return text
 
 
+def profile_steps(args, device, case: Case, entries, a, b, grad) -> None:
+    """``--profile N``: N eager steps of each variant under the profilers, one text file each."""
+    folder = resolve_out_dir(args.out_dir) / "profiles"
+    folder.mkdir(parents=True, exist_ok=True)
+    for row, v in entries:
+        v.enter()
+        text = H.profile_calls(lambda v=v: torch.autograd.grad(v.fwd(), (a, b), grad), args.profile, device,
+                               f"{case.label}: {row.backend}, forward + backward")
+        slug = re.sub(r"[^A-Za-z0-9]+", "_", f"{case.label}_{row.backend}").strip("_")
+        path = folder / f"{slug}.txt"
+        path.write_text(text)
+        print(f"profile: {path}", flush=True)
+
+
 def run(args, device, timer, cases: list[Case], rows: list[H.Row]) -> None:
     op_label = "grouped_gemm" if args.dtype == "bf16" else f"grouped_gemm_fp8_{args.granularity}"
     for i, c in enumerate(cases):
@@ -279,11 +313,22 @@ def run(args, device, timer, cases: list[Case], rows: list[H.Row]) -> None:
             shape_rows[j] = gate(v, row, a, b, grad, refs)
         H.time_rows([(shape_rows[j], variants[j]) for j in H.rotated(range(len(variants)), i)], timer, (a, b), grad,
                     wants_grad=lambda v: v.grads)
+        stepped = [(shape_rows[j], variants[j]) for j in H.rotated(range(len(variants)), i)
+                   if variants[j].grads and shape_rows[j].passed and shape_rows[j].step_ms]
+        if args.wall_iters > 0 and stepped:
+            walls = H.wall_ms([lambda v=v: torch.autograd.grad(v.fwd(), (a, b), grad) for _, v in stepped],
+                              [v.enter for _, v in stepped], device, iters=args.wall_iters)
+            for (r, _), ms in zip(stepped, walls):
+                r.extra["step_wall_ms"] = round(ms, 4)
+        if args.profile > 0:
+            profile_steps(args, device, c, [(r, v) for r, v in stepped if v.label.startswith("turbo")], a, b, grad)
         if args.dtype == "fp8":
             bf16 = shape_rows[-1]
             for r in shape_rows[:-1]:
                 if r.passed and bf16.passed and r.step_ms:
                     r.extra["vs_bf16_step"] = round(bf16.step_ms / r.step_ms, 3)
+                    if "step_wall_ms" in r.extra and "step_wall_ms" in bf16.extra:
+                        r.extra["vs_bf16_wall"] = round(bf16.extra["step_wall_ms"] / r.extra["step_wall_ms"], 3)
         rows += shape_rows
         del a, b, grad, refs, lens, offs_end, variants
         plain()
@@ -306,6 +351,13 @@ def main(argv=None) -> int:
                         help="comma-separated turbo backends to pin and time (default: all registered; the "
                              "autotuned row and the peers always run), e.g. TRITON to skip the TORCH blockwise "
                              "emulation, which takes minutes at large shapes")
+    parser.add_argument("--shapes", default=None, metavar="GxTxNxK[,...]",
+                        help="custom shapes instead of the presets: G experts x T tokens each x N x K")
+    parser.add_argument("--wall-iters", type=int, default=20,
+                        help="steps per round of the wall-time loop (step_wall_ms; 0: not measured)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="profile N eager steps of every turbo variant per case (cProfile + torch.profiler "
+                             "tables, one text file per case and variant in the output folder)")
     H.add_common_args(parser)
     args = parser.parse_args(argv)
     device = H.pick_device(args.device)
@@ -325,7 +377,11 @@ def main(argv=None) -> int:
     for r in routings:
         if r not in ROUTINGS:
             raise SystemExit(f"--routings: unknown {r!r}; valid: {', '.join(ROUTINGS)}")
-    cases, notes = collect_cases(models, eps, tpes, routings)
+    if args.shapes:
+        cases, notes = custom_cases(args.shapes, routings), []
+        models = ["custom"]
+    else:
+        cases, notes = collect_cases(models, eps, tpes, routings)
     timer = H.make_timer(device, args.quick, args.target_ms)
     torch.manual_seed(0)
     t0 = time.time()

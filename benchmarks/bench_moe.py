@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 from bench_out import resolve_out_dir
-from harness import gpu_slug
+from harness import gpu_slug, profile_calls
 
 HERE = Path(__file__).resolve().parent
 OP = "moe_dispatch_combine"
@@ -173,48 +173,18 @@ def timed(g: Group, fn: Callable[[Any], Any], setup: Optional[Callable[[], Any]]
 
 
 def profiled(g: Group, fn: Callable[[Any], Any], iters: int, path: Path) -> None:
-    """Runs ``fn(None)`` ``iters`` times on every rank (it is a collective) twice, rank 0 under
-    cProfile and then under torch.profiler, and writes both tables to ``path``: where the host time
-    of a call goes (Python functions, torch ops, launches) and what the GPU ran."""
-    import cProfile
-    import io
-    import pstats
-
-    from torch.profiler import ProfilerActivity, profile
-
-    me = g.rank == 0
+    """Runs ``fn(None)`` (a collective) ``2 * iters`` times on every rank, rank 0 under cProfile and
+    torch.profiler (``harness.profile_calls``), and writes rank 0's tables to ``path``."""
     g.barrier()
-    prof = cProfile.Profile() if me else None
-    if prof:
-        prof.enable()
-    for _ in range(iters):
-        fn(None)
-    if prof:
-        prof.disable()
-    g.barrier()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if g.cuda else [])
-    tables = []
-    if me:
-        with profile(activities=activities) as trace:
-            for _ in range(iters):
-                fn(None)
-            if g.cuda:
-                torch.cuda.synchronize(g.device)
-        averages = trace.key_averages()
-        tables.append(averages.table(sort_by="self_cpu_time_total", row_limit=40))
-        if g.cuda:
-            tables.append(averages.table(sort_by="self_device_time_total", row_limit=25))
+    if g.rank == 0:
+        text = profile_calls(lambda: fn(None), iters, g.device, f"rank 0 of {g.world}")
     else:
-        for _ in range(iters):
+        for _ in range(2 * iters):
             fn(None)
     g.barrier()
-    if me:
-        text = io.StringIO()
-        stats = pstats.Stats(prof, stream=text)
-        stats.sort_stats("tottime").print_stats(40)
-        stats.sort_stats("cumulative").print_stats(30)
+    if g.rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"{iters} calls on rank 0 of {g.world}\n\n" + text.getvalue() + "\n\n".join(tables))
+        path.write_text(text)
         print(f"[bench_moe] profile: {path}", flush=True)
 
 

@@ -427,6 +427,63 @@ def time_rows(entries: Sequence[tuple[Row, Any]], timer: Timer, inputs: tuple, g
         row.bwd_ms, row.step_ms, row.step_host_ms = b, st, host
 
 
+def wall_ms(fns: Sequence[Callable[[], Any]], setups: Sequence[Callable[[], None]], device: torch.device,
+            iters: int = 20, rounds: int = 3) -> list[float]:
+    """Wall time per call (ms) of each function run ``iters`` times back to back, synchronised only
+    at the end: what a training loop calling it sees, the larger of its GPU time and its host issue
+    time, nothing hidden. Rounds go in turns over the functions (setup, one warm call, then the
+    timed loop) and each function's median round is returned.
+
+    >>> wall_ms([lambda: None], [lambda: None], torch.device("cpu"), iters=2, rounds=1)[0] >= 0.0
+    True
+    """
+    per: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, (fn, setup) in enumerate(zip(fns, setups)):
+            setup()
+            fn()
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            sync(device)
+            per[i].append((time.perf_counter() - t0) * 1e3 / iters)
+    return [statistics.median(p) for p in per]
+
+
+def profile_calls(fn: Callable[[], Any], iters: int, device: torch.device, title: str = "", rows: int = 80) -> str:
+    """Runs ``fn`` ``iters`` times under cProfile, then again under torch.profiler, and returns both
+    tables as text: where the host time of a call goes (Python functions, torch ops, launches) and
+    what the device ran; ``rows`` Python functions per cProfile table. The caller has run ``fn``
+    before (compilation and tuning are not profiled)."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        fn()
+    sync(device)
+    prof.disable()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as trace:
+        for _ in range(iters):
+            fn()
+        sync(device)
+    averages = trace.key_averages()
+    tables = [averages.table(sort_by="self_cpu_time_total", row_limit=40)]
+    if device.type == "cuda":
+        tables.append(averages.table(sort_by="self_device_time_total", row_limit=25))
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(rows)
+    return f"{title}\n{iters} calls\n\n" + text.getvalue() + "\n\n".join(tables)
+
+
 def assign_ratios(rows: list[Row]) -> None:
     """ratio = best PASSing peer's time / this row's time, per shape (same op + shape), on the
     combined step when both the row and a peer have one, else on the forward."""

@@ -108,6 +108,27 @@ def test_bench_grouped_gemm_cpu_smoke(tmp_path):
     assert "| grouped_gemm | empty | turbo TORCH |" in by_routing
 
 
+def test_bench_grouped_gemm_custom_shapes_wall_time_and_profile(tmp_path):
+    """``--shapes`` runs shapes no preset has; every timed step gets its wall time in a loop
+    (``step_wall_ms``, and ``vs_bf16_wall`` for fp8 against the bf16 step); ``--profile`` writes
+    one cProfile + torch.profiler file per turbo variant."""
+    rows = _run("bench_grouped_gemm.py", ["--dtype", "fp8", "--granularity", "blockwise", "--backends", "TORCH",
+                                          "--shapes", "4x16x32x256", "--routings", "balanced", "--wall-iters", "2",
+                                          "--profile", "1"], tmp_path)
+    assert {r["shape"] for r in rows} == {"custom/G4xT16/N32/K256/balanced"} and {r["m"] for r in rows} == {"64"}
+    timed = [r for r in rows if r["step_ms"]]
+    assert timed and all(float(r["step_wall_ms"]) > 0 for r in timed)
+    assert all(float(r["vs_bf16_wall"]) > 0 for r in timed if r["backend"].startswith("turbo"))
+    profiles = sorted(p.name for p in (tmp_path / "profiles").iterdir())
+    assert profiles == ["custom_G4xT16_N32_K256_balanced_turbo_TORCH.txt",
+                        "custom_G4xT16_N32_K256_balanced_turbo_autotune.txt"]
+    text = (tmp_path / "profiles" / profiles[0]).read_text()
+    assert "forward + backward" in text and "Ordered by: internal time" in text
+    bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_grouped_gemm.py"), "--device", "cpu",
+                          "--shapes", "4x16x32"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--shapes: '4x16x32' is not GxTxNxK" in bad.stderr
+
+
 def test_bench_model_cpu_smoke(tmp_path):
     """Every config (dense, TP widths, MoE) builds the same model from torch and from the library
     with one state_dict: every row passes its check against the float64 reference, fp32 turbo

@@ -232,11 +232,11 @@ def available(device_index: int | None = None) -> str | None:
     """None when this kernel can run, else why not (switched off, no Gluon, an unchecked Triton
     release, interpreter, not sm_90).
 
-    Asked several times per blockwise step, so the device's part of the answer (its compute
-    capability query, the costly part) is kept per device; the env switch and the interpreter
-    flag are read on every call."""
+    Asked several times per blockwise step, so the machine's part of the answer (a CUDA build
+    with a GPU, the device's compute capability: costly queries) is kept per device; the env
+    switch, the Triton release and the interpreter flag are looked at on every call."""
     switch = os.environ.get(GLUON_ENV)
-    if parse_bool(switch, GLUON_ENV) is False:
+    if switch is not None and parse_bool(switch, GLUON_ENV) is False:
         return f"the Gluon kernels are switched off ({GLUON_ENV}={switch})"
     if gluon is None:
         return "triton.experimental.gluon is missing (triton >= 3.6 needed)"
@@ -246,13 +246,26 @@ def available(device_index: int | None = None) -> str | None:
                 f"{release}")
     if interpreting():
         return "the Triton interpreter does not run Gluon kernels"
+    if device_index is None:
+        why = _machine_refusal()
+        if why is not None:
+            return why
+        device_index = torch.cuda.current_device()
+    return _device_refusal(device_index)
+
+
+@functools.lru_cache(maxsize=None)
+def _machine_refusal() -> str | None:
     if not torch.cuda.is_available() or getattr(torch.version, "hip", None):
         return "the Gluon blockwise kernel needs an NVIDIA GPU"
-    return _device_refusal(torch.cuda.current_device() if device_index is None else device_index)
+    return None
 
 
 @functools.lru_cache(maxsize=None)
 def _device_refusal(device_index: int) -> str | None:
+    why = _machine_refusal()
+    if why is not None:
+        return why
     major, minor = torch.cuda.get_device_capability(device_index)
     if (major, minor) != (9, 0):
         return f"the Gluon blockwise kernel is written for sm_90 wgmma (this GPU is sm_{major}{minor})"
