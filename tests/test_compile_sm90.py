@@ -1,5 +1,6 @@
 """The Triton GEMM kernels compile for Hopper (sm_90) on a CPU-only machine, and every config that
-asks for more than one persistent program per SM gets that many in the compiled kernel.
+asks for more than one persistent program per SM gets that many in the compiled kernel; the Gluon
+attention forward compiles there without spills.
 
 Runs ``tools/compile_sm90.py --occupancy-only`` in a subprocess (the tool unsets TRITON_INTERPRET,
 which this test session sets, before importing triton). The fit is read from the cubin that
@@ -44,7 +45,7 @@ def test_occupancy_configs_fit_on_sm90(tmp_path):
     # Gluon families compile on the releases the library runs them on, and only there.
     assert {"dense_fp8_blockwise", "dense_bf16", "grouped_fp8_blockwise", "grouped_wgrad_bf16"} <= families
     gluon_families = {"dense_fp8_blockwise_gluon", "dense_fp8_blockwise_gluon_ws", "grouped_fp8_blockwise_gluon_ws",
-                      "grouped_wgrad_fp8_blockwise_gluon_ws"}
+                      "grouped_wgrad_fp8_blockwise_gluon_ws", "attention_gluon_fwd"}
     assert gluon_families <= families if report["gluon_checked"] else not gluon_families & families
     multi = [r for r in rows if r["occupancy"] > 1]
     assert {r["family"] for r in multi} >= {"dense_fp8_blockwise", "grouped_fp8_blockwise"}
@@ -60,6 +61,29 @@ def test_occupancy_configs_fit_on_sm90(tmp_path):
     # them asynchronous (no serialisation note).
     gluon = [r for r in rows if r["family"] == "dense_fp8_blockwise_gluon"]
     assert all(1 in r["wgmma_waits"] for r in gluon) and (gluon or not report["gluon_checked"]), gluon
+
+
+@pytest.mark.skipif(_nvidia_toolchain() is not None, reason=str(_nvidia_toolchain()))
+def test_gluon_attention_forward_fits_on_sm90(tmp_path):
+    """Every variant of the Gluon attention forward (head dims 64 and 128, full and causal)
+    compiles for sm_90 without a spill, within one SM's shared memory, its wgmmas asynchronous."""
+    pytest.importorskip("triton.experimental.gluon")
+    out = tmp_path / "attn.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "compile_sm90.py"), "--only", "attention_gluon_fwd",
+                           "--json", str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert out.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    if not report["gluon_checked"]:
+        pytest.skip(f"triton {report['triton']} is not a release the Gluon kernels are checked on")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = report["rows"]
+    assert sorted((r["config"][2], r["config"][3]) for r in rows) == [(64, False), (64, True), (128, False),
+                                                                      (128, True)]
+    for r in rows:
+        assert r["status"] == "PASS" and r["stack"] == 0 and r["loop_spills"] == 0 and not r["serialised"], r
+        assert r["shared"] <= 227 * 1024 and r["fit"] == 1, r
 
 
 @pytest.mark.skipif(_nvidia_toolchain() is not None, reason=str(_nvidia_toolchain()))

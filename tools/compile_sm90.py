@@ -1,4 +1,4 @@
-"""Compile the Triton GEMM kernels for a Hopper GPU on a machine without one, and check their fit.
+"""Compile the GEMM kernels and the Gluon attention forward for Hopper on a machine without one; check their fit.
 
 Triton compiles to PTX and a cubin with its bundled ptxas; only loading needs a driver. A stand-in
 driver that names the target (sm_90 by default) lets ``JITFunction.warmup`` specialise and compile
@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/, for of
 
 from offline_driver import OfflineDriver  # noqa: E402
 
+from turbo_dispatch.backends.triton import attention_gluon as AG  # noqa: E402
 from turbo_dispatch.backends.triton import configs as C  # noqa: E402
 from turbo_dispatch.backends.triton import fp8_blockwise_gluon as GL  # noqa: E402
 from turbo_dispatch.backends.triton import fp8_blockwise_gluon_ws as GWS  # noqa: E402
@@ -232,6 +233,19 @@ def _grouped_wgrad_gluon_ws(cfg: tuple):
     return GWW._fp8_blockwise_wgrad_kernel.warmup(*args, **kwargs, grid=(1,))
 
 
+B_ATTN, S_ATTN, HQ_ATTN, HKV_ATTN = 2, 4096, 32, 8  # GQA 32/8 at 4096 tokens
+
+
+def _attention_gluon_fwd(cfg: AG.GluonAttnConfig):
+    """The Gluon attention forward at B 2, S 4096, GQA 32/8, bf16, the launcher's own arguments
+    (``attention_gluon.launch_args``)."""
+    d = cfg.head_dim
+    q, out = (torch.empty((B_ATTN, S_ATTN, HQ_ATTN, d), dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.empty((B_ATTN, S_ATTN, HKV_ATTN, d), dtype=torch.bfloat16) for _ in range(2))
+    _, args, kwargs = AG.launch_args(q, k, v, out, torch.empty((B_ATTN, HQ_ATTN, S_ATTN)), d ** -0.5, cfg.causal)
+    return AG.attn_fwd_gluon_kernel.warmup(*args, **kwargs, grid=(1,))
+
+
 def _dense_bf16(cfg: C.TileConfig):
     M, N, K = M_DENSE, N_DENSE, 4096
     a, b = torch.empty((M, K), dtype=torch.bfloat16), torch.empty((K, N), dtype=torch.bfloat16)
@@ -336,6 +350,8 @@ def families() -> dict:
          lambda c: _grouped_variable_k(c, 1, E4), grouped),
         ("grouped_wgrad_bf16", GG._half_configs(vk_half), lambda c: _grouped_variable_k(c, 0, torch.bfloat16),
          grouped),
+        ("attention_gluon_fwd", [AG.config_for(d, causal) for d in (128, 64) for causal in (False, True)],
+         _attention_gluon_fwd, len(AG.GluonAttnConfig._fields)),
     ]
     return {name: (cfgs, build, occ_at) for name, cfgs, build, occ_at in table}
 

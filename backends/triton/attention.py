@@ -31,6 +31,12 @@ recomputed), and so does ``compiled_backward`` from the forward op's out and lse
 ``compiled_forward`` always returns. No call reads cu_seqlens on the host or syncs it, so
 every call can be captured in a CUDA graph.
 
+On sm_90 the dense bf16/fp16 forward with head dims 64 or 128 and no mask or a causal one runs
+on the warp-specialised Gluon kernel of attention_gluon.py (TMA, wgmma), which writes the same out
+and lse; ``attention_gluon.gluon_forward_refusal`` names every call it leaves to the plain-Triton
+kernel, and ``PRIMUS_TURBO_ATTN_GLUON=0`` (or ``PRIMUS_TURBO_GLUON_KERNELS=0``) switches it off. The
+forward configs below then apply to the calls it refuses only.
+
 Configs are forward tiles ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``, a few per head dim
 (``configs()``, the first being the default); the autotuner times the forward (``run``). The
 backward's tiles come from ``BWD_TILES`` per head dim.
@@ -46,6 +52,7 @@ from turbo_dispatch.adapter import Adapter
 from turbo_dispatch.ops.attention_fp8 import dequantize_tokens, quantize_tokens
 from turbo_dispatch.ops.attention_sink import sink_grad
 
+from . import attention_gluon as AG
 from . import attention_kernels as AK
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -306,7 +313,8 @@ class TritonAttention(Adapter):
 
     def identity(self, config: Hashable = None) -> str:
         suffix = "" if config is None else f"/{tuple(config)}"
-        return f"triton-{self.version()}:{type(self).__name__}/{AK.KERNEL_REVISION}{suffix}"
+        # Both forward kernels' revisions: the timed forward is the Gluon one where it serves.
+        return f"triton-{self.version()}:{type(self).__name__}/{AK.KERNEL_REVISION}+{AG.KERNEL_REVISION}{suffix}"
 
     def supports(self, p) -> Optional[str]:
         if p.platform not in ("cuda", "rocm") and not (p.platform == "cpu" and AK.interpreting()):
@@ -351,6 +359,8 @@ class TritonAttention(Adapter):
         layout = "packed varlen tokens (cu_seqlens read on the device)" if p.varlen else "the dense batch"
         parts = [f"Triton flash attention (FlashAttention-2 algorithm) on {layout}; forward tile {bm}x{bn}, "
                  f"{warps} warps, {stages} stages by default; backward dK/dV {dkdv[:2]}, dQ {dq[:2]}"]
+        if AG.gluon_forward_refusal(p) is None:
+            parts.append("forward on the warp-specialised Gluon kernel (TMA, wgmma) where q, k, v suit its TMA reads")
         if p.window_left < 0 and p.window_right == 0:
             parts.append("causal: key blocks past the diagonal skipped")
         elif p.window_left >= 0 or p.window_right >= 0:
@@ -374,6 +384,8 @@ class TritonAttention(Adapter):
         """(out, lse, the operands the backward keeps: (q, k, v, scales))."""
         tile = self._tile(p, config)
         if not p.fp8:
+            if AG.gluon_forward_refusal(p, q, k, v) is None:
+                return (*AG.attend(p, q, k, v), (q, k, v, None))
             return (*attend(p, q, k, v, cu_q, cu_k, tile, sink), (q, k, v, None))
         operands, scales = quantize_operands(p, q, k, v)
         return (*attend(p, *operands, cu_q, cu_k, tile, sink, scales), (*operands, scales))

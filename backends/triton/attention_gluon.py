@@ -1,0 +1,384 @@
+"""Flash attention forward for Hopper in Gluon: one TMA warp, two softmax/MMA warpgroups.
+
+Serves a subset of the TRITON attention adapter's calls (``gluon_forward_refusal`` names every
+case it leaves to the plain-Triton kernel of attention_kernels.py): dense bf16/fp16 batches
+``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]`` with D = 64 or 128 for q, k and v, MHA/GQA/MQA,
+no mask or the bottom-right causal mask, Sq != Sk, any softmax scale. Its results mean what
+``attention_kernels.attn_fwd_kernel``'s mean, so the backward kernels start from them unchanged:
+out ``[B, Sq, Hq, D]`` in the inputs' dtype, and the float32 natural-log lse of the scaled scores
+``[B, Hq, Sq]``; a row that may attend no key (causal with Sq > Sk) gets out = 0 and lse = -inf.
+
+Structure (one program per 128 query rows of one head, ``(query blocks, B * Hq)`` grid, the
+causal blocks with the most keys first):
+
+* a loader partition of one warp issues TMA copies: each math warpgroup's 64 rows of q once,
+  then k and v blocks of ``BLOCK_N`` keys into a ring of ``STAGES`` slots, each slot with a
+  ``k_ready`` and a ``v_ready`` mbarrier (so S = Q K^T starts before v lands) and a ``kv_empty``
+  mbarrier that both math warpgroups arrive on once their PV product has read the slot;
+* two math warpgroups (the default partition and a 4-warp worker, as in
+  fp8_blockwise_gluon_ws.py) own 64 rows each and synchronise only through those mbarriers, so
+  one warpgroup's softmax runs on the CUDA cores while the other's wgmmas run on the tensor
+  cores. Per key block: S = Q K^T (wgmma, both operands in shared memory), the online softmax in
+  fp32 in the exp2 domain (scores times ``scale * log2(e)``), P rounded to the inputs' dtype in
+  registers as the A operand of O += P V (wgmma), then the slot is released;
+* causal: key blocks past the last row's diagonal are never loaded; the blocks that every row of
+  the program may attend whole run without a mask, the rest (the diagonal and the sequence end)
+  with one;
+* tails: q, k, v and out are read and written through rank-3 TMA descriptors over
+  ``[B, S, H * D]``, which clip at each sequence's end (zeros read, nothing written past it), so
+  odd lengths need no padding and no other batch's tokens are read; keys past Sk are masked out
+  of the scores;
+* epilogue: each math warpgroup normalises its rows, stages them in its own q buffer (no longer
+  read) and stores them by TMA; the lse goes out through masked pointer stores.
+
+Needs triton with Gluon on a release in ``GLUON_TRITON_RELEASES`` and an sm_90 GPU.
+``PRIMUS_TURBO_ATTN_GLUON=0`` switches the kernel off, as ``PRIMUS_TURBO_GLUON_KERNELS=0`` does
+every Gluon kernel (the adapter then runs the plain-Triton forward); both are read on every call.
+"""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple, Optional
+
+import torch
+
+from turbo_dispatch.env import parse_bool
+
+from .fp8_blockwise_gluon import available, gluon, shared_layout
+from .gemm_kernels import bind_cuda_context
+
+if gluon is not None:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+
+    from .fp8_blockwise_gluon import GluonDescriptor, _cta_barrier, _tma_load
+    from .fp8_blockwise_gluon_ws import _tma_store
+
+#: Set to 0/false to keep every attention call on the plain-Triton forward kernel.
+ATTN_GLUON_ENV = "PRIMUS_TURBO_ATTN_GLUON"
+#: Bumped whenever the kernel's code changes.
+KERNEL_REVISION = "attn-gluon-r1"
+#: Query rows per program: two math warpgroups of 64 rows (one wgmma M each).
+BLOCK_M = 128
+#: Registers per thread requested for the math warpgroups and the loader, and the kernel-wide
+#: cap: three warpgroups (default math, worker math, loader padded to a warpgroup) share 64K
+#: registers, and the default partition gets what the cap leaves (3 * 168 - 232 - 40 = 232).
+MATH_REGS, LOAD_REGS, MAXNREG = 232, 40, 168
+#: Warps a program runs: the default math warpgroup, the worker math warpgroup and the loader.
+WARPS = 9
+_HALF = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_LOG2E = 1.4426950408889634
+
+
+class GluonAttnConfig(NamedTuple):
+    """One compiled variant: ``BLOCK_N`` keys per ring slot and ``STAGES`` slots for head dim
+    ``head_dim``. Fields 4 and 5 are where tools/compile_sm90.py reads stages and warps."""
+
+    block_m: int
+    block_n: int
+    head_dim: int
+    causal: bool
+    stages: int
+    warps: int = WARPS
+
+
+#: (BLOCK_N, STAGES) per head dim: the ring fills shared memory as far as it goes with 128-key
+#: slots (d128: q 32 KiB + 2 x 64 KiB; d64: q 16 KiB + 3 x 32 KiB).
+TILES = {64: (128, 3), 128: (128, 2)}
+
+
+def config_for(head_dim: int, causal: bool) -> GluonAttnConfig:
+    """The variant that serves head dim ``head_dim`` (64 or 128)."""
+    block_n, stages = TILES[head_dim]
+    return GluonAttnConfig(BLOCK_M, block_n, head_dim, bool(causal), stages)
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _key_span(m0, sq, sk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """``(full_end, end)`` for the query rows ``m0 .. m0 + BLOCK_M - 1``: key blocks starting
+        below ``full_end`` need no mask for any row, those in [full_end, end) need one, keys from
+        ``end`` on are attended by no row. Causal row ``i`` attends keys ``j <= i + sk - sq``."""
+        if CAUSAL:
+            m_last = gl.minimum(m0 + BLOCK_M, sq) - 1
+            end = gl.maximum(gl.minimum(m_last + sk - sq + 1, sk), 0)
+            full = gl.maximum(gl.minimum(m0 + sk - sq + 1, sk), 0)
+        else:
+            end = sk
+            full = sk
+        return (full // BLOCK_N) * BLOCK_N, end
+
+    @gluon.jit
+    def _program(SEQ_Q, HEADS_Q, GROUP, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+        """(batch, head, kv head, first query row) of this program; causal programs walk the
+        query blocks last-first, so the blocks with the most keys start first."""
+        pid_m = gl.program_id(0)
+        if CAUSAL:
+            pid_m = gl.num_programs(0) - 1 - pid_m
+        bh = gl.program_id(1)
+        h = bh % HEADS_Q
+        return bh // HEADS_Q, h, h // GROUP, pid_m * BLOCK_M
+
+    @gluon.jit
+    def _attn_load(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready, v_ready,
+                   kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, CAUSAL: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        """The loader: both warpgroups' q rows, then every key block of the span in ring order."""
+        b, h, hk, m0 = _program(SEQ_Q, HEADS_Q, GROUP, CAUSAL, BLOCK_M)
+        ROWS: gl.constexpr = BLOCK_M // 2
+        for wg in gl.static_range(2):
+            bar = q_ready.index(wg)
+            mbarrier.expect(bar, q_desc.block_type.nbytes)
+            _tma_load(q_desc, [b, m0 + wg * ROWS, h * HEAD_DIM], bar, q_smem.index(wg))
+        _, end = _key_span(m0, SEQ_Q, SEQ_K, CAUSAL, BLOCK_M, BLOCK_N)
+        step = 0
+        for n0 in range(0, end, BLOCK_N):
+            slot = step % STAGES
+            # A fresh mbarrier counts as having completed the phase before phase 0, so the first
+            # pass over the ring does not wait.
+            mbarrier.wait(kv_empty.index(slot), ((step // STAGES) & 1) ^ 1)
+            kbar = k_ready.index(slot)
+            mbarrier.expect(kbar, k_desc.block_type.nbytes)
+            _tma_load(k_desc, [b, n0, hk * HEAD_DIM], kbar, k_ring.index(slot))
+            vbar = v_ready.index(slot)
+            mbarrier.expect(vbar, v_desc.block_type.nbytes)
+            _tma_load(v_desc, [b, n0, hk * HEAD_DIM], vbar, v_ring.index(slot))
+            step += 1
+
+    @gluon.jit
+    def _attn_blocks(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i, zero_s, step, lo, hi, rows,
+                     sk, shift, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        """The online softmax over the key blocks starting in [lo, hi), ring steps from ``step``;
+        ``MASKED`` blocks mask keys past ``sk`` and, causal, past each row's diagonal.
+        Returns ``(acc, m_i, l_i, step)``."""
+        s_layout: gl.constexpr = zero_s.type.layout
+        o_layout: gl.constexpr = acc.type.layout
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        for n0 in range(lo, hi, BLOCK_N):
+            slot = step % STAGES
+            phase = (step // STAGES) & 1
+            mbarrier.wait(k_ready.index(slot), phase)
+            k_tile = k_ring.index(slot).reshape([BLOCK_N, HEAD_DIM])
+            s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            s = s * qk_scale
+            if MASKED:
+                cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                ok = cols[None, :] < sk
+                if CAUSAL:
+                    ok = ok & (cols[None, :] <= rows[:, None] + shift)
+                s = gl.where(ok, s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            if MASKED:  # a row with no key yet keeps m = -inf: subtract 0 instead (exp2(-inf) = 0)
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_use = m_new
+            p = gl.exp2(s - m_use[:, None])
+            alpha = gl.exp2(m_i - m_use)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            p_op = gl.convert_layout(p.to(k_ring.dtype), p_layout)
+            mbarrier.wait(v_ready.index(slot), phase)
+            acc = warpgroup_mma(p_op, v_ring.index(slot).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            # The slot is read by this warpgroup's two products: hand it back to the loader.
+            mbarrier.arrive(kv_empty.index(slot), count=1)
+            m_i = m_new
+            step += 1
+        return acc, m_i, l_i, step
+
+    @gluon.jit
+    def _attn_math(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready, v_ready,
+                   kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, CAUSAL: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                   WG: gl.constexpr):
+        """Math warpgroup ``WG``: query rows ``m0 + WG * 64`` to ``m0 + WG * 64 + 63``."""
+        ROWS: gl.constexpr = BLOCK_M // 2
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        b, h, hk, m0 = _program(SEQ_Q, HEADS_Q, GROUP, CAUSAL, BLOCK_M)
+        row0 = m0 + WG * ROWS
+        full_end, end = _key_span(m0, SEQ_Q, SEQ_K, CAUSAL, BLOCK_M, BLOCK_N)
+        shift = SEQ_K - SEQ_Q
+        rows = row0 + gl.arange(0, ROWS, layout=row_layout)
+
+        zero_s = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=s_layout)
+        acc = gl.zeros((ROWS, HEAD_DIM), dtype=gl.float32, layout=o_layout)
+        m_i = gl.full((ROWS,), float("-inf"), dtype=gl.float32, layout=row_layout)
+        l_i = gl.zeros((ROWS,), dtype=gl.float32, layout=row_layout)
+        q_buf = q_smem.index(WG)
+        mbarrier.wait(q_ready.index(WG), 0)
+        q_tile = q_buf.reshape([ROWS, HEAD_DIM])
+        # The ring step starts as a tensor (a literal 0 would be a constexpr, not loop-carriable).
+        acc, m_i, l_i, step = _attn_blocks(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i, zero_s,
+                                           full_end * 0, 0, full_end, rows, SEQ_K, shift, qk_scale, False, CAUSAL,
+                                           BLOCK_N, HEAD_DIM, STAGES)
+        acc, m_i, l_i, step = _attn_blocks(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i, zero_s,
+                                           step, full_end, end, rows, SEQ_K, shift, qk_scale, True, CAUSAL, BLOCK_N,
+                                           HEAD_DIM, STAGES)
+
+        attended = l_i > 0.0
+        l_safe = gl.where(attended, l_i, 1.0)
+        lse = gl.where(attended, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        lse_base = lse_ptr + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+        gl.store(lse_base + rows, lse, mask=rows < SEQ_Q)
+        out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
+        # This warpgroup's q buffer is read by no pending wgmma now: it stages the output. The
+        # TMA store clips at the sequence's end.
+        q_tile.store(out.to(o_desc.dtype))
+        # Every thread's generic-proxy writes must be visible to the async proxy before the copy.
+        fence_async_shared()
+        _cta_barrier()
+        _tma_store(o_desc, [b, row0, h * HEAD_DIM], q_buf)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb,
+                              stride_lh, qk_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                              MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+        """Grid ``(cdiv(Sq, BLOCK_M), B * Hq)``; launched with 4 warps (the default partition)
+        and ``maxnreg``. ``qk_scale`` is the softmax scale times log2(e); the descriptors are
+        ``descriptor``'s, q and out with ``BLOCK_M / 2`` rows per block, k and v ``BLOCK_N``."""
+        # Buffers of rank 3 like the descriptors' blocks ([1, rows, D]); the math reshapes them to 2-D.
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 1, BLOCK_M // 2, HEAD_DIM], q_desc.layout)
+        k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(q_ready.index(i), count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(s), count=1)
+            mbarrier.init(v_ready.index(s), count=1)
+            # One arrival per math warpgroup.
+            mbarrier.init(kv_empty.index(s), count=2)
+        # The argument tuples are spelled out at each use: assigned to a variable, their constexpr
+        # entries would become tensors (triton 3.6). The math partitions differ only in WG.
+        gl.warp_specialize([
+            (_attn_math, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready, v_ready,
+                           kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, CAUSAL, BLOCK_M,
+                           BLOCK_N, HEAD_DIM, STAGES, 0)),
+            (_attn_math, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready, v_ready,
+                           kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, CAUSAL, BLOCK_M,
+                           BLOCK_N, HEAD_DIM, STAGES, 1)),
+            (_attn_load, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready, v_ready,
+                          kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, CAUSAL, BLOCK_M,
+                          BLOCK_N, HEAD_DIM, STAGES)),
+        ], [4, 1], [MATH_REGS, LOAD_REGS])
+
+
+# -- the gate ------------------------------------------------------------------------------------------
+def _switch_refusal() -> Optional[str]:
+    raw = os.environ.get(ATTN_GLUON_ENV)
+    if parse_bool(raw, ATTN_GLUON_ENV) is False:
+        return f"the Gluon attention forward is switched off ({ATTN_GLUON_ENV}={raw})"
+    return None
+
+
+def machine_refusal() -> Optional[str]:
+    """Why this process cannot run the kernel at all, or None: this kernel's switch
+    (``PRIMUS_TURBO_ATTN_GLUON``), then the machine gate every Gluon kernel of the package shares
+    (``fp8_blockwise_gluon.available``: ``PRIMUS_TURBO_GLUON_KERNELS``, no Gluon, a Triton release
+    outside ``GLUON_TRITON_RELEASES``, the interpreter, no NVIDIA GPU, not sm_90)."""
+    return _switch_refusal() or available()
+
+
+def problem_refusal(p) -> Optional[str]:
+    """Why the kernel does not serve the attention problem ``p`` (an ``AttentionProblem``), or None."""
+    if p.varlen:
+        return "varlen calls run on the plain-Triton forward"
+    if p.fp8:
+        return "fp8 calls run on the plain-Triton forward"
+    if p.sink:
+        return "calls with attention sinks run on the plain-Triton forward"
+    if p.dropout_p > 0:
+        return "dropout is not implemented"
+    if p.window_left >= 0 or p.window_right > 0:
+        return f"window ({p.window_left}, {p.window_right}): only full and causal masks"
+    if p.dtype not in _HALF:
+        return f"dtype {p.dtype}: bf16/fp16 only"
+    if p.head_dim_qk != p.head_dim_v or p.head_dim_qk not in TILES:
+        return f"head dims q/k {p.head_dim_qk}, v {p.head_dim_v}: both must be one of {sorted(TILES)}"
+    if p.seqlen_q < 1 or p.seqlen_k < 1 or p.batch < 1:
+        return "empty batch or sequence"
+    if p.batch * p.heads_q > 65535:
+        return f"batch x query heads = {p.batch * p.heads_q}: the grid's second dimension holds 65535"
+    return None
+
+
+def tensor_refusal(**tensors: torch.Tensor) -> Optional[str]:
+    """Why the named dense ``[B, S, H, D]`` tensors cannot be read by this kernel's TMA
+    descriptors (``descriptor``), or None: each token's heads packed (``stride(2) == D``,
+    ``stride(3) == 1``), the base and the batch and token strides 16-byte aligned, and CUDA
+    tensors (asked last, so the layout rules are checkable on any device)."""
+    for name, t in tensors.items():
+        if t.dim() != 4 or t.stride(3) != 1 or t.stride(2) != t.shape[3]:
+            return f"{name} strides {tuple(t.stride())}: each token's heads must be packed and contiguous"
+        es = t.element_size()
+        if t.data_ptr() % 16 or (t.stride(0) * es) % 16 or (t.stride(1) * es) % 16:
+            return f"{name}: base and batch/token strides must be 16-byte aligned for TMA"
+    for name, t in tensors.items():
+        if t.device.type != "cuda":
+            return f"{name} is on {t.device}"
+    return None
+
+
+def gluon_forward_refusal(p, q: Optional[torch.Tensor] = None, k: Optional[torch.Tensor] = None,
+                          v: Optional[torch.Tensor] = None) -> Optional[str]:
+    """None when the Gluon forward serves problem ``p`` (with these q, k, v where given), else why
+    not: the machine's reason first (``machine_refusal``), then the problem's, then the tensors'."""
+    why = machine_refusal() or problem_refusal(p)
+    if why or q is None:
+        return why
+    return tensor_refusal(q=q, k=k, v=v)
+
+
+# -- launch --------------------------------------------------------------------------------------------
+def descriptor(x: torch.Tensor, rows: int):
+    """A rank-3 TMA descriptor over the dense ``[B, S, H, D]`` tensor ``x`` read as
+    ``[B, S, H * D]`` (heads packed, ``tensor_refusal``), with blocks of ``rows`` tokens of one head
+    (``[1, rows, D]``). TMA clips the block at ``S`` per batch."""
+    b, s, h, d = x.shape
+    block = (1, rows, d)
+    bind_cuda_context(x)
+    return GluonDescriptor(x, [b, s, h * d], [x.stride(0), x.stride(1), 1], list(block),
+                           shared_layout(block, _HALF[x.dtype]))
+
+
+def launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                softmax_scale: float, causal: bool) -> tuple[tuple, tuple, dict]:
+    """``(grid, args, kwargs)`` of one launch writing ``out`` and ``lse``; tools/compile_sm90.py
+    compiles with them."""
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    cfg = config_for(d, causal)
+    args = (descriptor(q, cfg.block_m // 2), descriptor(k, cfg.block_n), descriptor(v, cfg.block_n),
+            descriptor(out, cfg.block_m // 2), lse, sq, sk, hq, hq // hk, lse.stride(0), lse.stride(1),
+            softmax_scale * _LOG2E)
+    kwargs = dict(CAUSAL=bool(causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.stages,
+                  MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)
+    return (-(-sq // cfg.block_m), b * hq), args, kwargs
+
+
+def attend(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out ``[B, Sq, Hq, D]`` in the inputs' dtype, float32 natural-log lse ``[B, Hq, Sq]``) of
+    a call ``gluon_forward_refusal(p, q, k, v)`` accepted; the same contract as
+    ``attention.attend``'s dense forward."""
+    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    lse = torch.empty((p.batch, p.heads_q, p.seqlen_q), device=q.device, dtype=torch.float32)
+    grid, args, kwargs = launch_args(q, k, v, out, lse, p.softmax_scale, p.causal)
+    attn_fwd_gluon_kernel[grid](*args, **kwargs)
+    return out, lse
+
+
+__all__ = ["ATTN_GLUON_ENV", "KERNEL_REVISION", "GluonAttnConfig", "attend", "config_for", "gluon_forward_refusal",
+           "launch_args", "machine_refusal", "problem_refusal", "tensor_refusal"]

@@ -1,0 +1,389 @@
+"""The Gluon Hopper attention forward (backends/triton/attention_gluon.py) and its use by TRITON.
+
+CPU (no marker): the gate's reasons, each condition forced with monkeypatch (no GPU needed): the
+env switch, Gluon missing, an unchecked Triton release, the interpreter, no GPU, not sm_90, every
+problem and tensor layout it leaves to the plain-Triton kernel; and the adapter's wiring: the
+eager and the compiled forward take the Gluon launcher exactly when the gate says None, else the
+plain-Triton one. The kernel's sm_90 compile (registers, spills, shared memory) is checked by
+tests/test_compile_sm90.py through tools/compile_sm90.py (family ``attention_gluon_fwd``).
+
+GPU (``@pytest.mark.gpu``, sm_90 only): out and lse of the kernel itself against a float32
+reference (materialised softmax) on random non-zero inputs, SNR >= 40 dB, over head dims 64/128,
+full and causal masks, MHA/GQA/MQA, Sq == Sk and Sq != Sk (rows that attend nothing included),
+odd lengths, bf16 and fp16; gradients through ``ops.flash_attn_func`` pinned to TRITON (the
+backward starts from this kernel's out and lse) against the float64 reference; and that the call
+went through the Gluon kernel, or not with ``PRIMUS_TURBO_ATTN_GLUON=0``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from turbo_dispatch.errors import ConfigError
+
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
+def _ag():
+    from turbo_dispatch.backends.triton import attention_gluon as AG
+
+    return AG
+
+
+def _problem(**changes):
+    from turbo_dispatch.ops.attention import AttentionProblem
+
+    base = AttentionProblem(2, 1000, 1000, 2000, 2000, 8, 2, 128, 128, BF16, True, -1, 0, 0.0, 128 ** -0.5, False,
+                            True, False, "cuda")
+    return base._replace(**changes)
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """The machine made to look like an sm_90 host with a checked Triton release, so the problem
+    and tensor reasons can be asked on the CPU."""
+    from turbo_dispatch.backends.triton import fp8_blockwise_gluon as GB
+
+    AG = _ag()
+    if AG.gluon is None:
+        pytest.skip("triton.experimental.gluon is missing")
+    for var in (AG.ATTN_GLUON_ENV, GB.GLUON_ENV, "TRITON_INTERPRET"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(GB, "_triton_release", lambda: GB.GLUON_TRITON_RELEASES[0])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    _clear_device_caches(GB)
+    yield AG
+    _clear_device_caches(GB)
+
+
+def _clear_device_caches(GB) -> None:
+    """The Gluon gate keeps its device answers per process; cleared around a forced machine."""
+    for name in ("_device_refusal", "_machine_refusal"):
+        cached = getattr(GB, name, None)
+        if cached is not None:
+            cached.cache_clear()
+
+
+# -- the gate --------------------------------------------------------------------------------------------
+def test_machine_reasons(sm90, monkeypatch):
+    """Each machine condition that refuses names itself, the package-wide Gluon switch included;
+    an sm_90 host with a checked release serves."""
+    from turbo_dispatch.backends.triton import fp8_blockwise_gluon as GB
+
+    AG = sm90
+    assert AG.machine_refusal() is None
+    monkeypatch.setenv(GB.GLUON_ENV, "0")
+    assert GB.GLUON_ENV in AG.machine_refusal()
+    monkeypatch.delenv(GB.GLUON_ENV)
+    for cc in ((8, 0), (10, 0)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None, cc=cc: cc)
+        _clear_device_caches(GB)
+        assert f"sm_{cc[0]}{cc[1]}" in AG.machine_refusal()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _clear_device_caches(GB)
+    assert "NVIDIA GPU" in AG.machine_refusal()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "interpreter" in AG.machine_refusal()
+    monkeypatch.setattr(GB, "_triton_release", lambda: "3.7")
+    why = AG.machine_refusal()
+    assert "checked on triton 3.6" in why and "this is triton 3.7" in why
+    monkeypatch.setattr(GB, "gluon", None)
+    assert "gluon is missing" in AG.machine_refusal()
+
+
+@pytest.mark.parametrize("value", ["0", "false", "off", "no"])
+def test_env_switch_turns_it_off(sm90, monkeypatch, value):
+    monkeypatch.setenv(sm90.ATTN_GLUON_ENV, value)
+    assert f"switched off ({sm90.ATTN_GLUON_ENV}={value})" in sm90.gluon_forward_refusal(_problem())
+
+
+@pytest.mark.parametrize("value", ["1", "on", "true"])
+def test_env_switch_on_is_the_default(sm90, monkeypatch, value):
+    assert sm90.gluon_forward_refusal(_problem()) is None
+    monkeypatch.setenv(sm90.ATTN_GLUON_ENV, value)
+    assert sm90.gluon_forward_refusal(_problem()) is None
+
+
+def test_env_switch_bad_value_names_the_variable(sm90, monkeypatch):
+    monkeypatch.setenv(sm90.ATTN_GLUON_ENV, "maybe")
+    with pytest.raises(ConfigError, match=sm90.ATTN_GLUON_ENV):
+        sm90.gluon_forward_refusal(_problem())
+
+
+def test_problem_reasons(sm90):
+    """What the kernel serves is accepted; everything else is refused with its reason."""
+    served = [_problem(), _problem(causal=False, window_right=-1), _problem(head_dim_qk=64, head_dim_v=64),
+              _problem(dtype=FP16), _problem(seqlen_q=77, seqlen_k=1000), _problem(seqlen_q=1000, seqlen_k=257),
+              _problem(heads_kv=1), _problem(heads_kv=8), _problem(softmax_scale=0.05), _problem(deterministic=True),
+              _problem(return_lse=False), _problem(batch=1, seqlen_q=1, seqlen_k=1)]
+    for p in served:
+        assert sm90.gluon_forward_refusal(p) is None, p
+    refused = {
+        "varlen": _problem(varlen=True),
+        "fp8": _problem(fp8=True, fp8_block=128),
+        "sinks": _problem(sink=True),
+        "dropout": _problem(dropout_p=0.1),
+        "window (128, 0)": _problem(window_left=128),
+        "window (-1, 16)": _problem(causal=False, window_right=16),
+        "bf16/fp16": _problem(dtype=torch.float32),
+        "q/k 96": _problem(head_dim_qk=96, head_dim_v=96),
+        "q/k 192, v 128": _problem(head_dim_qk=192, head_dim_v=128),
+        "q/k 128, v 64": _problem(head_dim_v=64),
+        "q/k 256": _problem(head_dim_qk=256, head_dim_v=256),
+        "empty": _problem(seqlen_k=0),
+        "65535": _problem(batch=1024, heads_q=128, heads_kv=128),
+    }
+    for reason, p in refused.items():
+        assert reason in (sm90.gluon_forward_refusal(p) or ""), (reason, sm90.gluon_forward_refusal(p))
+
+
+def test_tensor_reasons(sm90):
+    """The TMA reads need each token's heads packed, 16-byte aligned bases and batch/token
+    strides, and CUDA tensors (the layout is judged first, so these run on the CPU)."""
+    AG = sm90
+    q = torch.randn(2, 33, 8, 64, dtype=BF16)
+    kv = torch.randn(2, 33, 2, 64, dtype=BF16)
+    assert "q is on cpu" in AG.tensor_refusal(q=q, k=kv, v=kv)
+    heads_major = torch.randn(2, 8, 33, 64, dtype=BF16).transpose(1, 2)
+    assert "heads must be packed" in AG.tensor_refusal(q=heads_major)
+    padded = torch.randn(2, 33, 8, 72, dtype=BF16)[..., :64]
+    assert "heads must be packed" in AG.tensor_refusal(q=padded)
+    odd_tokens = torch.randn(2, 33 * 8 * 64 + 8, dtype=BF16)[:, 4:4 + 33 * 8 * 64].view(2, 33, 8, 64)
+    assert "16-byte aligned" in AG.tensor_refusal(q=odd_tokens)
+    qkv = torch.randn(2, 33, 3, 8, 64, dtype=BF16)  # packed qkv: strided tokens, heads still packed
+    assert "is on cpu" in AG.tensor_refusal(q=qkv[:, :, 0])
+
+
+def test_the_real_gate_refuses_on_this_cpu_machine():
+    """Without an sm_90 GPU (or under the interpreter) the gate always has a reason."""
+    AG = _ag()
+    if torch.cuda.is_available() and AG.machine_refusal() is None:
+        pytest.skip("this host runs the kernel")
+    assert AG.gluon_forward_refusal(_problem()) is not None
+
+
+# -- the adapter's wiring -----------------------------------------------------------------------------------
+@pytest.fixture
+def launchers(monkeypatch):
+    """The adapter with both forward launchers replaced by recorders returning tagged results,
+    and the gate's answer settable: ``(adapter, calls, set_refusal)``."""
+    from turbo_dispatch.backends.triton import attention as TA
+
+    AG = _ag()
+    calls = []
+
+    def plain(p, q, k, v, cu_q, cu_k, tile, sink=None, scales=None):
+        calls.append("plain")
+        return q.new_full(q.shape, 1.0), torch.full((p.batch, p.heads_q, p.seqlen_q), 1.0)
+
+    def gluon(p, q, k, v):
+        calls.append("gluon")
+        return q.new_full(q.shape, 2.0), torch.full((p.batch, p.heads_q, p.seqlen_q), 2.0)
+
+    answer = {"why": None}
+    monkeypatch.setattr(TA, "attend", plain)
+    monkeypatch.setattr(AG, "attend", gluon)
+    monkeypatch.setattr(AG, "gluon_forward_refusal", lambda p, q=None, k=None, v=None: answer["why"])
+    return TA.TritonAttention(), calls, lambda why: answer.update(why=why)
+
+
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+def test_adapter_takes_gluon_when_the_gate_allows(launchers, path):
+    from turbo_dispatch.ops.attention import attention_problem
+
+    ad, calls, set_refusal = launchers
+    q, k, v = torch.randn(1, 9, 4, 64, dtype=BF16), torch.randn(1, 9, 2, 64, dtype=BF16), torch.randn(
+        1, 9, 2, 64, dtype=BF16)
+    p = attention_problem(q, k, v, causal=True, return_lse=True)
+
+    def forward():
+        if path == "eager":
+            out, lse, saved = ad.forward(p, q, k, v)
+            assert saved[5] is not out and torch.equal(saved[5], out) and torch.equal(saved[6], lse)
+            return out, lse
+        return ad.compiled_forward(p, q, k, v)
+
+    out, lse = forward()
+    assert calls == ["gluon"] and (out == 2).all() and (lse == 2).all()
+    set_refusal("the Gluon attention forward is switched off")
+    out, lse = forward()
+    assert calls == ["gluon", "plain"] and (out == 1).all() and (lse == 1).all()
+
+
+def test_adapter_keeps_fp8_and_bad_configs_on_the_plain_path(launchers):
+    """fp8 calls never reach the Gluon launcher (they quantise first), and a malformed pinned
+    config is still an error even where the Gluon kernel would serve."""
+    from turbo_dispatch.ops.attention import attention_problem
+
+    ad, calls, _ = launchers
+    q = torch.randn(1, 9, 4, 64, dtype=BF16)
+    p = attention_problem(q, q, q)
+    with pytest.raises(ValueError, match="BLOCK_M, BLOCK_N"):
+        ad.forward(p, q, q, q, config=(64, 64))
+    assert calls == []
+
+
+def test_describe_names_the_gluon_forward(sm90):
+    from turbo_dispatch.backends.triton.attention import TritonAttention
+
+    assert "Gluon" in TritonAttention().describe(_problem())
+    assert "Gluon" not in TritonAttention().describe(_problem(varlen=True))
+
+
+# -- GPU --------------------------------------------------------------------------------------------------
+def _gpu_gate():
+    AG = _ag()
+    why = AG.machine_refusal()
+    if why is not None:
+        pytest.skip(f"the Gluon attention forward does not run here: {why}")
+    return AG
+
+
+def _inputs(b, sq, sk, hq, hk, d, dtype):
+    from test_attention import randn
+
+    return [randn(s, dtype).cuda() for s in ((b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, d))]
+
+
+#: (B, Sq, Sk, Hq, Hkv, D, dtype, causal)
+GPU_CASES = [
+    (2, 1000, 1000, 8, 8, 128, BF16, False),
+    (2, 1000, 1000, 8, 2, 128, BF16, True),
+    (1, 257, 1000, 8, 2, 128, FP16, True),
+    (1, 1000, 257, 8, 2, 128, BF16, True),  # rows 0..742 attend nothing
+    (2, 77, 257, 8, 1, 128, FP16, False),
+    (1, 1, 77, 4, 4, 128, BF16, True),
+    (2, 1000, 1000, 8, 2, 64, BF16, False),
+    (2, 1000, 1000, 8, 8, 64, FP16, True),
+    (1, 257, 77, 8, 2, 64, BF16, False),
+    (1, 77, 1000, 4, 1, 64, BF16, True),
+    (2, 128, 128, 4, 4, 64, FP16, True),
+    (1, 129, 255, 8, 2, 128, FP16, False),
+]
+
+
+def _case_id(c):
+    b, sq, sk, hq, hk, d, dtype, causal = c
+    return f"b{b}-{sq}x{sk}-h{hq}/{hk}-d{d}-{str(dtype)[6:]}-{'causal' if causal else 'full'}"
+
+
+def _reference(q, k, v, causal, scale):
+    from test_attention import ref_attention
+
+    return ref_attention(q.cpu().float(), k.cpu().float(), v.cpu().float(), scale=scale, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
+def test_gpu_forward_matches_reference(case):
+    """out and lse of the kernel against a float32 materialised softmax: SNR >= 40 dB, and the
+    rows that attend nothing exactly 0 / -inf."""
+    from test_triton_attention import _snr
+
+    from turbo_dispatch.ops.attention import attention_problem
+
+    AG = _gpu_gate()
+    b, sq, sk, hq, hk, d, dtype, causal = case
+    q, k, v = _inputs(b, sq, sk, hq, hk, d, dtype)
+    p = attention_problem(q, k, v, causal=causal, return_lse=True)
+    assert AG.gluon_forward_refusal(p, q, k, v) is None
+    out, lse = AG.attend(p, q, k, v)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = _reference(q, k, v, causal, p.softmax_scale)
+    assert out.dtype == dtype and out.shape == q.shape and lse.shape == (b, hq, sq) and lse.dtype == torch.float32
+    assert torch.isfinite(out).all()
+    assert _snr(out.float(), ref_out) >= 40.0, _snr(out.float(), ref_out)
+    assert _snr(lse, ref_lse) >= 40.0, _snr(lse, ref_lse)  # -inf rows must match exactly
+    if causal and sq > sk:
+        empty = sq - sk
+        assert (out[:, :empty] == 0).all() and torch.isneginf(lse[:, :, :empty]).all()
+
+
+@pytest.mark.gpu
+def test_gpu_forward_any_scale_and_strided_qkv():
+    """A softmax scale other than 1/sqrt(d), and q, k, v sliced from one packed qkv tensor (token
+    stride 3 * H * D): read in place through the descriptors."""
+    from test_triton_attention import _snr
+
+    from turbo_dispatch.ops.attention import attention_problem
+
+    AG = _gpu_gate()
+    qkv = torch.randn(2, 333, 3, 8, 128, device="cuda").to(BF16)
+    q, k, v = qkv.unbind(2)
+    p = attention_problem(q, k, v, causal=True, softmax_scale=0.37, return_lse=True)
+    assert AG.gluon_forward_refusal(p, q, k, v) is None
+    out, lse = AG.attend(p, q, k, v)
+    ref_out, ref_lse = _reference(q, k, v, True, 0.37)
+    assert _snr(out.float(), ref_out) >= 40.0 and _snr(lse, ref_lse) >= 40.0
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """TRITON pinned, and the Gluon launcher wrapped to count its calls: ``(turbo, calls)``."""
+    import turbo_dispatch as turbo
+
+    AG = _gpu_gate()
+    calls = []
+    launch = AG.attend
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(AG, "attend", counting)
+    turbo.GlobalBackendManager.set_attn_backend("TRITON")
+    yield turbo, calls
+    turbo.GlobalBackendManager.set_attn_backend(None)
+
+
+#: (B, Sq, Sk, Hq, Hkv, D, dtype, causal) for the gradient checks (reference in float64 on the CPU)
+GRAD_CASES = [
+    (1, 1000, 1000, 8, 2, 128, BF16, True),
+    (2, 257, 257, 8, 8, 128, FP16, False),
+    (1, 77, 257, 8, 2, 64, BF16, True),
+    (1, 257, 77, 4, 1, 64, FP16, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GRAD_CASES, ids=_case_id)
+def test_gpu_gradients_from_the_gluon_forward(case, counted):
+    """ops.flash_attn_func pinned to TRITON runs its forward on the Gluon kernel and its backward
+    from that out and lse: out, lse, dq, dk, dv against the float64 reference."""
+    from test_attention import assert_result, ref_grads, run_op
+
+    turbo, calls = counted
+    b, sq, sk, hq, hk, d, dtype, causal = case
+    q, k, v = _inputs(b, sq, sk, hq, hk, d, dtype)
+    grad = torch.randn(b, sq, hq, d, device="cuda").to(dtype)
+    ref = ref_grads(q, k, v, grad, causal=causal)
+    got = run_op(turbo.ops.flash_attn_func, q, k, v, grad, causal=causal, return_lse=True)
+    assert calls, "the forward did not run on the Gluon kernel"
+    assert_result(got, ref, dtype, True)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_path_taken_and_switch(counted, monkeypatch, fresh_dynamo):
+    """A d128 call on sm_90 runs the Gluon forward, eager and under torch.compile (the custom op);
+    PRIMUS_TURBO_ATTN_GLUON=0 sends the same call to the plain-Triton kernel, with the same result
+    to within rounding."""
+    from turbo_dispatch.ops._common import snr_db
+
+    turbo, calls = counted
+    q, k, v = _inputs(2, 512, 512, 16, 4, 128, BF16)
+
+    def call(q, k, v):
+        return turbo.ops.flash_attn_func(q, k, v, causal=True, return_lse=True)
+
+    out, lse = call(q, k, v)
+    assert len(calls) == 1
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+    c_out, c_lse = compiled(q, k, v)
+    assert len(calls) == 2 and torch.equal(c_out, out) and torch.equal(c_lse, lse)
+    monkeypatch.setenv("PRIMUS_TURBO_ATTN_GLUON", "0")
+    plain_out, plain_lse = call(q, k, v)
+    assert len(calls) == 2
+    assert snr_db(out.float().cpu(), plain_out.float().cpu()) > 40 and snr_db(lse.cpu(), plain_lse.cpu()) > 60
