@@ -618,7 +618,8 @@ def write_reports(rows: list[Row], *, name: str, device: torch.device, out_dir: 
 
 
 def plot(rows: list[Row], path: Path, *, metric: str = "step", title: str = "") -> str | None:
-    """Grouped bars of TFLOPS per shape and backend (PASS rows only); returns why not, or None."""
+    """Grouped bars of TFLOPS per shape and backend (PASS rows only), or of the rows' ``extra``
+    column named ``metric`` where they have one (e.g. ``gb_s``); returns why not, or None."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -626,8 +627,12 @@ def plot(rows: list[Row], path: Path, *, metric: str = "step", title: str = "") 
     except ImportError:
         return "matplotlib is not installed: skipped the PNG (pip install matplotlib to get it)"
     values = {}
+    by_extra = any(metric in r.extra for r in rows)
     for r in rows:
-        t = r.tflops(metric) if r.tflops(metric) is not None else r.tflops("fwd")
+        if by_extra:
+            t = r.extra.get(metric) if r.passed else None
+        else:
+            t = r.tflops(metric) if r.tflops(metric) is not None else r.tflops("fwd")
         if t is not None:
             values.setdefault(f"{r.op}:{r.shape}", {})[r.backend] = t
     if not values:
@@ -641,7 +646,7 @@ def plot(rows: list[Row], path: Path, *, metric: str = "step", title: str = "") 
         ax.bar(xs, [values[s].get(b, 0.0) for s in shapes], width=width, label=b)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
     ax.set_xticklabels([s.split(":", 1)[1] for s in shapes], rotation=75, ha="right", fontsize=6)
-    ax.set_ylabel(f"{metric} TFLOPS (fwd where no {metric})")
+    ax.set_ylabel(metric if by_extra else f"{metric} TFLOPS (fwd where no {metric})")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()

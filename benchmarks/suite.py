@@ -2,8 +2,8 @@
 collects their reports in one output folder.
 
 A family is a list of runs of the scripts in this folder (bench_gemm.py, bench_grouped_gemm.py,
-bench_dispatch_overhead.py, bench_blaslt_switch.py, bench_wrappers.py, bench_attention.py,
-probes/probe_attention.py, bench_model.py),
+bench_dispatch_overhead.py, bench_blaslt_switch.py, bench_wrappers.py, bench_fused_producers.py,
+bench_attention.py, probes/probe_attention.py, bench_model.py),
 each with the arguments that produce the figures in docs/performance.md. Every run is a
 subprocess: its stdout and stderr go to ``<out>/<run>.log``, the harness benches write their
 CSV/markdown/PNG reports into ``<out>`` too, and one JSON line per run (status, seconds, command)
@@ -102,6 +102,7 @@ FAMILIES: dict[str, tuple[Run, ...]] = {
     "blaslt_switch": (Run("blaslt_switch", "bench_blaslt_switch.py", kind="log", needs_gpu="always",
                           device_arg=False),),
     "wrappers": (Run("wrappers", "bench_wrappers.py", kind="json", needs_gpu="always", device_arg=False),),
+    "fused_producers": (Run("fused_producers", "bench_fused_producers.py"),),
     "attention": (Run("attention", "bench_attention.py", full=TUNE_BUDGET),
                   Run("attention_paths", "probes/probe_attention.py", kind="log", needs_gpu="always",
                       device_arg=False)),

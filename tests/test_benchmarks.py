@@ -129,6 +129,22 @@ def test_bench_grouped_gemm_custom_shapes_wall_time_and_profile(tmp_path):
     assert bad.returncode != 0 and "--shapes: '4x16x32' is not GxTxNxK" in bad.stderr
 
 
+def test_bench_fused_producers_cpu_smoke(tmp_path):
+    """Every case has a fused row (SKIP on a CPU without the interpreter, saying why), a checked
+    unfused row and a copy row, each timed one with its GB/s and the fraction of the copy's."""
+    rows = _run("bench_fused_producers.py", ["--recipes", "rowwise,blockwise"], tmp_path)
+    shapes = {r["shape"] for r in rows}
+    assert shapes == {f"llama3.1-8b/{op}/{recipe}" for op in ("rms_norm", "swiglu") for recipe in ("rowwise",
+                                                                                                 "blockwise")}
+    for r in rows:
+        if r["backend"] == "turbo fused":
+            assert r["check"] == "SKIP" and "fused kernel not run" in r["note"]
+        else:
+            assert r["check"] == "PASS" and float(r["gb_s"]) > 0
+        if r["backend"] == "turbo unfused":
+            assert float(r["of_copy"]) > 0 and float(r["snr_db"]) >= 25
+
+
 def test_bench_model_cpu_smoke(tmp_path):
     """Every config (dense, TP widths, MoE) builds the same model from torch and from the library
     with one state_dict: every row passes its check against the float64 reference, fp32 turbo

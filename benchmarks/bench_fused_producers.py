@@ -1,0 +1,197 @@
+"""Fused fp8 producers (RMSNorm + quantise, SwiGLU + quantise) against the copy bandwidth of the
+same GPU and against the unfused pair, in one run.
+
+Cases: the activations a dense layer's fp8 GEMMs read, ``--tokens`` rows (default 8192):
+
+* ``rms_norm``: RMSNorm over the hidden dim (``x [T, hidden]`` and its weight), quantised along it;
+* ``swiglu``: ``silu(gate) * up`` of one ``[T, 2F]`` gate/up projection (the two halves as views),
+  quantised along F;
+
+for Llama-3.1-8B (hidden 4096, F 14336), Llama-3.1-70B at TP8 (hidden 8192, F 3584) and
+Qwen2.5-7B (hidden 3584, F 18944); recipes e4m3 rowwise, blockwise (1 x 128) and tensorwise.
+
+Rows per case, timed in turns (CUDA events, L2 flushed before each call; benchmarks/harness.py):
+
+* ``turbo fused``: ``backends.triton.fused_producers`` (the kernels the fp8 modules run; rows
+  longer than its ``MAX_ROW`` are refused by contract and the modules run the unfused pair: SKIP);
+* ``turbo unfused``: the op in plain torch, then the library's own quantiser of its output (the
+  Triton one on a GPU; the peer);
+* ``torch copy``: ``dst.copy_(src)`` of a bf16 tensor the size of the case's input, the GPU's copy
+  rate.
+
+``gb_s`` is the bytes the op must move (its inputs read once, the fp8 data and the float32 scales
+written once; the weight of RMSNorm counted too) over the time; ``of_copy`` is that rate over
+the copy's rate on the same GPU (the issue's target: >= 0.8). Tensorwise needs the amax of the
+whole output before any cast, so its kernel writes the high-precision output and quantises it in
+a second pass: its bytes are counted at the same minimum, so its rate is what a caller gets.
+
+Check: the fused result dequantised against the op computed in float32, SNR >= 25 dB (the
+unfused row the same); a failing row is not timed and the script exits 1.
+
+Usage:
+    python benchmarks/bench_fused_producers.py [--tokens 8192] [--models ...] [--recipes ...] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import harness as H  # noqa: E402
+from turbo_dispatch.low_precision import ScalingGranularity, dequantize  # noqa: E402
+from turbo_dispatch.low_precision.fast_quantize import quantize_rows  # noqa: E402
+
+#: (hidden, FFN width per rank) of the models the cases come from.
+MODELS = {"llama3.1-8b": (4096, 14336), "llama3.1-70b-tp8": (8192, 3584), "qwen2.5-7b": (3584, 18944)}
+RECIPES = ("rowwise", "blockwise", "tensorwise")
+E4M3 = torch.float8_e4m3fn
+BLOCK = 128
+EPS = 1e-5
+MIN_SNR_DB = 25.0
+
+
+def _producers():
+    """The fused kernels' module, or (None, why not) where they cannot run here."""
+    from turbo_dispatch.backends.triton import fused_producers as FP
+
+    why = FP.available()
+    return (FP, None) if why is None else (None, why)
+
+
+def rms_norm_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS) * w.float()
+
+
+def swiglu_f32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate.float()) * up.float()
+
+
+def minimum_bytes(op: str, t: int, n: int, recipe: str) -> int:
+    """Bytes the op must move: its bf16 inputs read once, the fp8 data and the scales written."""
+    scales = {"rowwise": t, "blockwise": t * -(-n // BLOCK), "tensorwise": 1}[recipe] * 4
+    reads = t * n * 2 * (2 if op == "swiglu" else 1) + (n * 2 if op == "rms_norm" else 0)
+    return reads + t * n + scales
+
+
+def case_calls(op: str, t: int, n: int, recipe: str, device, FP):
+    """(inputs' float32 reference, fused call or None, unfused call, copy call, input bytes)."""
+    gran = ScalingGranularity(recipe)
+    bs = BLOCK if recipe == "blockwise" else None
+    if op == "rms_norm":
+        x = torch.randn(t, n, device=device, dtype=torch.bfloat16)
+        w = (1.0 + 0.1 * torch.randn(n, device=device)).to(torch.bfloat16)
+        ref = rms_norm_f32(x, w)
+        fused = None if FP is None else (lambda: FP.rms_norm_quantize(x, w, EPS, E4M3, gran, bs)[0])
+        unfused = lambda: quantize_rows(F.rms_norm(x, (n,), w, EPS), E4M3, gran, bs)
+        src = x
+    else:
+        gate_up = torch.randn(t, 2 * n, device=device, dtype=torch.bfloat16)
+        gate, up = gate_up[:, :n], gate_up[:, n:]
+        ref = swiglu_f32(gate, up)
+        fused = None if FP is None else (lambda: FP.swiglu_quantize(gate, up, E4M3, gran, bs)[0])
+        unfused = lambda: quantize_rows(F.silu(gate) * up, E4M3, gran, bs)
+        src = gate_up
+    dst = torch.empty_like(src)
+    return ref, fused, unfused, (lambda: dst.copy_(src)), src.numel() * src.element_size()
+
+
+def check(call, ref: torch.Tensor) -> H.Check:
+    try:
+        q = call()
+        out = dequantize(q).float()
+    except Exception as exc:  # a failing kernel is a FAIL row, not a crash of the whole run
+        return H.failed(H.error_note(exc))
+    return H.gate([("out", out, ref)], min_snr_db=MIN_SNR_DB)
+
+
+def run(args, device, timer, rows: list[H.Row]) -> bool:
+    FP, why_not = _producers()
+    ok = True
+    cases = [(op, model, args.tokens, MODELS[model][0 if op == "rms_norm" else 1], recipe)
+             for model in args.models for op in ("rms_norm", "swiglu") for recipe in args.recipes]
+    for i, (op, model, t, n, recipe) in enumerate(cases):
+        t0 = time.time()
+        ref, fused, unfused, copy, copy_in = case_calls(op, t, n, recipe, device, FP)
+        shape = f"{model}/{op}/{recipe}"
+        skip_fused = why_not
+        if FP is not None and n > FP.MAX_ROW:  # refused by contract: the fp8 modules run the unfused pair
+            fused, skip_fused = None, f"rows of {n} exceed the kernels' MAX_ROW {FP.MAX_ROW} (the modules run unfused)"
+        need = minimum_bytes(op, t, n, recipe)
+        made = []
+        for label, call, peer in (("turbo fused", fused, False), ("turbo unfused", unfused, True),
+                                  ("torch copy", copy, False)):
+            row = H.Row(op=f"{op}_quantize", shape=shape, backend=label, model=model, m=t, n=n, peer=peer,
+                        extra={"recipe": recipe,
+                               "bytes_mb": round((2 * copy_in if label == "torch copy" else need) / 1e6, 2)})
+            if call is None:
+                row.note = f"fused kernel not run: {skip_fused}"  # no check: a SKIP row
+            elif label == "torch copy":
+                row.check = H.Check()
+            else:
+                row.check = check(call, ref)
+                ok = ok and row.check.ok
+            rows.append(row)
+            if row.passed:
+                made.append((row, call))
+        times = timer.time_interleaved([call for _, call in made]) if made else []
+        for (row, _), ms in zip(made, times):
+            row.fwd_ms = ms
+            row.extra["gb_s"] = round(row.extra["bytes_mb"] / ms, 1)  # MB / ms = GB/s
+        copy_row = next((r for r, _ in made if r.backend == "torch copy"), None)
+        for row, _ in made:
+            if copy_row is not None and row is not copy_row:
+                row.extra["of_copy"] = round(row.extra["gb_s"] / copy_row.extra["gb_s"], 3)
+        print(f"[{i + 1}/{len(cases)}] {shape} T={t} N={n}: " + ", ".join(
+            f"{r.backend}={r.check.status if r.check else 'SKIP'}"
+            + (f" {r.extra['gb_s']} GB/s" if "gb_s" in r.extra else "") for r in rows[-3:])
+            + f" ({time.time() - t0:.1f}s)", flush=True)
+        del ref, fused, unfused, copy
+        H.free_memory(device)
+    return ok
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=None, help="rows per case (default 8192; 64 with --quick on CPU)")
+    parser.add_argument("--models", default=None, help=f"comma-separated subset of {','.join(MODELS)}")
+    parser.add_argument("--recipes", default=None, help=f"comma-separated subset of {','.join(RECIPES)}")
+    H.add_common_args(parser)
+    args = parser.parse_args(argv)
+    device = H.pick_device(args.device)
+    cpu = device.type == "cpu"
+    args.models = args.models.split(",") if args.models else (["llama3.1-8b"] if args.quick else list(MODELS))
+    args.recipes = args.recipes.split(",") if args.recipes else list(RECIPES)
+    for name, given, known in (("--models", args.models, MODELS), ("--recipes", args.recipes, RECIPES)):
+        for v in given:
+            if v not in known:
+                raise SystemExit(f"{name}: unknown {v!r}; valid: {', '.join(known)}")
+    if args.tokens is None:
+        args.tokens = 64 if cpu else 8192
+    if args.tokens <= 0:
+        raise SystemExit(f"--tokens must be positive; got {args.tokens}")
+    timer = H.make_timer(device, args.quick, args.target_ms)
+    torch.manual_seed(0)
+    t0 = time.time()
+    rows: list[H.Row] = []
+    with H.interruptible() as stopped:
+        ok = run(args, device, timer, rows)
+    notes = [f"models: {', '.join(args.models)}; recipes {', '.join(args.recipes)}; {args.tokens} tokens",
+             "gb_s: the op's minimum bytes (inputs read, fp8 data and scales written) per second; of_copy: over "
+             "the copy row's rate; ratio: the unfused pair's time over this row's", f"elapsed {time.time() - t0:.0f} s"]
+    if stopped:
+        notes = [f"INTERRUPTED ({stopped[0]}): partial results"] + notes
+    H.write_reports(rows, name=args.name or "fused_producers" + ("_quick" if args.quick else ""), device=device,
+                    out_dir=args.out_dir, notes=notes, title="Fused fp8 producers", plot_metric="gb_s",
+                    breakdown=("recipe",))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
