@@ -65,4 +65,29 @@ def test_backend_env_edited_in_a_running_process_counts_on_the_next_call(monkeyp
         turbo.ops.gemm(a, b)
     monkeypatch.delenv("PRIMUS_TURBO_GEMM_BACKEND")
     assert turbo.explain("gemm", a, b).source == "default"
+    import os  # a plain edit of os.environ, as a user's script makes it, counts the same way
+
+    os.environ["PRIMUS_TURBO_GEMM_BACKEND"] = "torch"
+    try:
+        assert turbo.explain("gemm", a, b).source == "env"
+    finally:
+        del os.environ["PRIMUS_TURBO_GEMM_BACKEND"]
+    assert turbo.explain("gemm", a, b).source == "default"
     GlobalBackendManager.reset()
+
+
+def test_env_reader_sees_every_edit_of_os_environ(monkeypatch):
+    from turbo_dispatch.env import env_reader
+
+    read = env_reader("PRIMUS_TURBO_TEST_READER")
+    monkeypatch.delenv("PRIMUS_TURBO_TEST_READER", raising=False)
+    unset = read()
+    assert unset is None
+    monkeypatch.setenv("PRIMUS_TURBO_TEST_READER", "a")
+    first = read()
+    monkeypatch.setenv("PRIMUS_TURBO_TEST_READER", "b")
+    assert read() != first and read() == read() and first is not None
+    monkeypatch.setenv("PRIMUS_TURBO_TEST_READER", "a")
+    assert read() == first
+    monkeypatch.delenv("PRIMUS_TURBO_TEST_READER")
+    assert read() is None

@@ -9,7 +9,8 @@ may be ``autotune``. Names are case-insensitive. Examples: ``TRITON``,
 """
 from __future__ import annotations
 
-from typing import Iterable
+import os
+from typing import Callable, Iterable
 
 from .backend_type import BackendType, PrecisionType, settable_precisions
 from .errors import ConfigError
@@ -97,3 +98,24 @@ def parse_nonnegative_float(raw: str | None, env_var: str, default: float) -> fl
     if not (value >= 0 and value != float("inf")):
         raise ConfigError(f"{env_var}={raw!r}: expected a number >= 0 (default {default:g})")
     return value
+
+
+def env_reader(name: str) -> Callable[[], "str | bytes | None"]:
+    """A reader of environment variable ``name`` for paths taken on every call: it returns a
+    value that compares equal between two reads exactly when the variable's text is the same
+    (None when unset), not necessarily a ``str``.
+
+    ``os.environ.get`` encodes the key, looks it up and decodes the value through three Python
+    frames; on POSIX, where ``os.environ`` keeps the encoded variables in a dict that every
+    change through ``os.environ`` updates, the reader looks the encoded key up there directly.
+    Elsewhere, or if that dict is not there, it is ``os.environ.get``.
+
+    >>> read = env_reader("PATH")
+    >>> read() == env_reader("PATH")()
+    True
+    """
+    data = getattr(os.environ, "_data", None)
+    if os.name != "posix" or not isinstance(data, dict):
+        return lambda: os.environ.get(name)
+    key = os.fsencode(name)
+    return lambda: data.get(key)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .backend_type import BackendChoice, BackendLike, BackendType, PrecisionType
-from .env import ALL_PRECISIONS, AUTO_TUNE_ENV, check_backend_name, parse_backend_setting, parse_bool
+from .env import ALL_PRECISIONS, AUTO_TUNE_ENV, check_backend_name, env_reader, parse_backend_setting, parse_bool
 from .op_spec import FAMILY_ENV
 from .tuning import config as _db_config
 
@@ -38,6 +38,7 @@ class Settings:
     code_db: dict = field(default_factory=dict)  # tuning-DB settings set in code (tuning.config names)
     env_db: dict = field(default_factory=dict)  # tuning-DB settings read from the environment
     env_text: dict = field(default_factory=dict)  # family -> the raw text of its *_BACKEND variable
+    env_raw: dict = field(default_factory=dict)  # family -> its env_reader's value when env_text was read
 
     @functools.cached_property
     def db(self) -> "_db_config.DbSettings":
@@ -63,6 +64,8 @@ class Settings:
 
 
 _generation = itertools.count(1)
+#: Per family, the fast reader of its PRIMUS_TURBO_*_BACKEND variable (``settings_for``).
+_ENV_READERS = {family: env_reader(var) for family, var in FAMILY_ENV.items()}
 _lock = threading.RLock()
 _settings: Settings | None = None
 _listeners: list[Callable[[], None]] = []
@@ -75,9 +78,13 @@ def _plugin_names() -> set[str]:
     return get_registry().names()
 
 
-def _read_env() -> tuple[dict, dict, bool | None, dict]:
-    """(each family's raw *_BACKEND text, the parsed settings, autotune, tuning-DB settings)."""
+def _read_env() -> tuple[dict, dict, dict, bool | None, dict]:
+    """(each family's raw *_BACKEND text, its reader's value, the parsed settings, autotune,
+    tuning-DB settings)."""
     plugins = None
+    # The readers' values first: a change made while the text is read shows as a changed value
+    # on the next call, which reads the environment again.
+    env_raw = {family: read() for family, read in _ENV_READERS.items()}
     env_text = {family: os.environ.get(var) for family, var in FAMILY_ENV.items()}
     env = {}
     for family, raw in env_text.items():
@@ -86,7 +93,7 @@ def _read_env() -> tuple[dict, dict, bool | None, dict]:
         if plugins is None:
             plugins = _plugin_names()
         env[family] = parse_backend_setting(raw, FAMILY_ENV[family], plugins)
-    return env_text, env, parse_bool(os.environ.get(AUTO_TUNE_ENV), AUTO_TUNE_ENV), _db_config.read_env()
+    return env_text, env_raw, env, parse_bool(os.environ.get(AUTO_TUNE_ENV), AUTO_TUNE_ENV), _db_config.read_env()
 
 
 def current_settings() -> Settings:
@@ -103,9 +110,9 @@ def current_settings() -> Settings:
 def _publish(base: Settings, **changes) -> None:
     """Re-reads the environment, applies ``changes`` and installs the result as a new generation."""
     global _settings
-    env_text, env, env_auto_tune, env_db = _read_env()
+    env_text, env_raw, env, env_auto_tune, env_db = _read_env()
     _settings = replace(base, generation=next(_generation), env=env, env_auto_tune=env_auto_tune, env_db=env_db,
-                        env_text=env_text, **changes)
+                        env_text=env_text, env_raw=env_raw, **changes)
     for listener in list(_listeners):
         listener()
 
@@ -113,13 +120,15 @@ def _publish(base: Settings, **changes) -> None:
 def settings_for(family: str) -> Settings:
     """The live snapshot, re-read from the environment first if ``family``'s
     ``PRIMUS_TURBO_*_BACKEND`` text changed since it was taken: a process that edits
-    ``os.environ`` gets the new backend on its next call. One environment lookup per call; the
-    text is parsed again only when it changed."""
+    ``os.environ`` gets the new backend on its next call. One environment lookup per call (the
+    raw value, compared with the one the snapshot was taken at); the text is parsed again only
+    when it changed."""
     settings = _settings or current_settings()
-    if os.environ.get(FAMILY_ENV[family]) != settings.env_text.get(family):
+    read = _ENV_READERS[family]
+    if read() != settings.env_raw.get(family):
         with _lock:
             settings = _settings or current_settings()
-            if os.environ.get(FAMILY_ENV[family]) != settings.env_text.get(family):
+            if read() != settings.env_raw.get(family):
                 _publish(settings)
             settings = _settings
     return settings  # type: ignore[return-value]

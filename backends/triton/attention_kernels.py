@@ -51,7 +51,7 @@ interpreter, whose bf16 ``tl.dot`` is wrong (triton 3.9, CPU).
 """
 from __future__ import annotations
 
-import os
+from .interpret import interpreting  # noqa: F401  (the adapter asks AK.interpreting())
 
 try:  # Triton stays optional: this module imports without it, and the adapter's available() says why.
     import triton
@@ -67,10 +67,6 @@ KERNEL_REVISION = "attn-r2"
 LOG2E = 1.4426950408889634
 #: The largest float8 e4m3 (OCP ``float8_e4m3fn``) value: fp8 probabilities are stored times this.
 P_SCALE = 448.0
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 if triton is not None:

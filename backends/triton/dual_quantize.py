@@ -22,13 +22,13 @@ the padding is never read.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from turbo_dispatch.low_precision.dual_quantize import DUAL_BLOCK_SIZES, empty_padded_rows
+from .interpret import interpreting as _interpreting
 from .grouped_quantize import _MANT_BITS, _MIN_EXP, _TINY, FP8_MAX, _round_to_fp8_grid
 
 
@@ -207,7 +207,7 @@ def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
         scale_t = torch.empty((g, n_r, c), **f32)
     if g * r * c == 0:
         return data, scale, data_t, scale_t
-    interpreting = os.environ.get("TRITON_INTERPRET", "") == "1"
+    interpreting = _interpreting()
     if gluon:
         from . import dual_quantize_gluon  # its available() also says no under the interpreter
 

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import threading
 
 import torch
 
+from .interpret import interpreting  # re-exported: kernels and adapters import it from here
 from .prebound import PreboundKernel
 
 try:
@@ -46,8 +46,6 @@ except ImportError:  # pragma: no cover
 KERNEL_REVISION = "gemm-r1"
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 _BOUND = threading.local()

@@ -11,14 +11,14 @@ import torch
 
 from turbo_dispatch.ops.grouped_gemm_compute_units import current_compute_unit_limit
 
+from .interpret import interpreting as _interpreting
+
 #: A grouped config: (BM, BN, BK, GROUP_M, num_stages, num_warps, tma[, occupancy[, kernel]]).
 Config = tuple
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
 @functools.lru_cache(maxsize=None)

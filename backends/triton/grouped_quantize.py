@@ -23,13 +23,14 @@ above inf), so the cell dequantises to NaN rather than hiding the overflow.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from turbo_dispatch.low_precision.dual_quantize import empty_padded_rows
+
+from .interpret import interpreting
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 _MANT_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
@@ -192,7 +193,7 @@ def quantize_cells(x: torch.Tensor, dtype: torch.dtype, cell_r: int, cell_c: int
         r, c, cell_r, cell_c, n_pr, n_pc,
         *x.stride(), *data.stride(), *s_strides,
         FP8_MAX=FP8_MAX[dtype], TINY=_TINY, RED_R=red_r, RED_C=red_c, PRESCALED=prescaled, BR=br, BC=bc,
-        ROUND_FIRST=os.environ.get("TRITON_INTERPRET", "") == "1", MANT_BITS=_MANT_BITS[dtype],
+        ROUND_FIRST=interpreting(), MANT_BITS=_MANT_BITS[dtype],
         MIN_EXP=_MIN_EXP[dtype],
         num_warps=4,
     )

@@ -29,7 +29,6 @@ layouts from one read.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Callable, NamedTuple
 
 import torch
@@ -38,6 +37,7 @@ from turbo_dispatch.low_precision.dual_quantize import empty_padded_rows
 from turbo_dispatch.low_precision import FP8_MAX, QuantizedTensor, ScalingGranularity
 from turbo_dispatch.low_precision.config import _coerce_enum
 
+from .interpret import interpreting as _interpreting
 from .prebound import MAX_PLANS, BoundedCache, PreboundKernel
 
 try:  # Triton stays optional: this module imports without it; available() says why.
@@ -67,8 +67,6 @@ _MODE_TILE2D = 2  # amax of the whole tile
 _MODE_LOADED = 3  # amax read from a buffer, one per row (stride 0: one for the tensor)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @functools.lru_cache(maxsize=None)
