@@ -233,6 +233,19 @@ def test_describe_names_the_gluon_forward(sm90):
     assert "Gluon" not in TritonAttention().describe(_problem(varlen=True))
 
 
+def test_configs_offer_one_tile_where_the_gluon_forward_serves(sm90, monkeypatch):
+    """The Gluon forward ignores the tile, so the tuner gets one TRITON candidate there; where the
+    plain kernel runs (switched off, varlen) every tile of the table is offered."""
+    from turbo_dispatch.backends.triton.attention import TritonAttention
+
+    ad = TritonAttention()
+    assert len(ad.configs(_problem())) == 1
+    assert len(ad.configs(_problem(varlen=True))) > 1
+    monkeypatch.setenv(sm90.ATTN_GLUON_ENV, "0")
+    every = ad.configs(_problem())
+    assert len(every) > 1 and every[0] == TritonAttention().configs(_problem(varlen=True))[0]
+
+
 # -- GPU --------------------------------------------------------------------------------------------------
 def _gpu_gate():
     AG = _ag()

@@ -119,3 +119,19 @@ def env_reader(name: str) -> Callable[[], "str | bytes | None"]:
         return lambda: os.environ.get(name)
     key = os.fsencode(name)
     return lambda: data.get(key)
+
+
+def env_text_reader(name: str) -> Callable[[], "str | None"]:
+    """``env_reader`` whose value is the variable's text (None when unset): for switches read on
+    every call and then parsed; the decoding happens only when the variable is set.
+
+    >>> env_text_reader("PRIMUS_TURBO_SURELY_UNSET_VARIABLE")() is None
+    True
+    """
+    read = env_reader(name)
+
+    def text() -> "str | None":
+        raw = read()
+        return os.fsdecode(raw) if isinstance(raw, bytes) else raw
+
+    return text

@@ -37,12 +37,11 @@ every Gluon kernel (the adapter then runs the plain-Triton forward); both are re
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple, Optional
 
 import torch
 
-from turbo_dispatch.env import parse_bool
+from turbo_dispatch.env import env_text_reader, parse_bool
 
 from .fp8_blockwise_gluon import available, gluon, shared_layout
 from .gemm_kernels import bind_cuda_context
@@ -277,8 +276,11 @@ if gluon is not None:
 
 
 # -- the gate ------------------------------------------------------------------------------------------
+_read_switch = env_text_reader(ATTN_GLUON_ENV)
+
+
 def _switch_refusal() -> Optional[str]:
-    raw = os.environ.get(ATTN_GLUON_ENV)
+    raw = _read_switch()
     if parse_bool(raw, ATTN_GLUON_ENV) is False:
         return f"the Gluon attention forward is switched off ({ATTN_GLUON_ENV}={raw})"
     return None

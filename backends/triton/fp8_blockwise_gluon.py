@@ -28,11 +28,10 @@ interpreter does not run Gluon, so ``available()`` says why it cannot serve a ca
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from turbo_dispatch.env import parse_bool
+from turbo_dispatch.env import env_text_reader, parse_bool
 
 from .gemm_kernels import bind_cuda_context, interpreting, num_programs, tile_coords, tma_ok
 
@@ -228,6 +227,9 @@ if gluon is not None:
             mbarrier.invalidate(ready.index(s))
 
 
+_read_switch = env_text_reader(GLUON_ENV)
+
+
 def available(device_index: int | None = None) -> str | None:
     """None when this kernel can run, else why not (switched off, no Gluon, an unchecked Triton
     release, interpreter, not sm_90).
@@ -235,7 +237,7 @@ def available(device_index: int | None = None) -> str | None:
     Asked several times per blockwise step, so the machine's part of the answer (a CUDA build
     with a GPU, the device's compute capability: costly queries) is kept per device; the env
     switch, the Triton release and the interpreter flag are looked at on every call."""
-    switch = os.environ.get(GLUON_ENV)
+    switch = _read_switch()
     if switch is not None and parse_bool(switch, GLUON_ENV) is False:
         return f"the Gluon kernels are switched off ({GLUON_ENV}={switch})"
     if gluon is None:

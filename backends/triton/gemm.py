@@ -15,12 +15,12 @@ Importing this module never needs triton; ``available()`` says when it is missin
 from __future__ import annotations
 
 import functools
-import os
 from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from turbo_dispatch.adapter import Adapter
+from turbo_dispatch.env import env_text_reader
 from turbo_dispatch.low_precision import QuantizedTensor, ScalingGranularity
 
 from . import configs as _cfg
@@ -96,13 +96,16 @@ _FP8_PLANS = BoundedCache(MAX_PLANS)
 _GLUON_ENV = "PRIMUS_TURBO_GLUON_KERNELS"
 
 
+_read_gluon_switch = env_text_reader(_GLUON_ENV)
+
+
 def _fp8_plan_key(p, config) -> tuple:
     """The ``_FP8_PLANS`` key of a call: the problem and config, and where a Gluon kernel could
     serve the problem (BLOCKWISE on cuda), the Gluon switch's value."""
     if config is not None and not isinstance(config, tuple):
         config = tuple(config)  # a JSON list from a tuning DB
     if p.granularity is ScalingGranularity.BLOCKWISE and p.platform == "cuda":
-        return p, config, os.environ.get(_GLUON_ENV)
+        return p, config, _read_gluon_switch()
     return p, config
 
 
