@@ -94,8 +94,8 @@ def assert_matches(got: dict, want: dict, backend: str, dtype: torch.dtype, exac
             # rounding between them; in the fp8 MLP a one-ulp change of a hidden activation can
             # move its fp8 rounding (a 2**-3 step), hence the looser gate without emulation.
             # Emulated casts leave the hidden activations' bf16 rounding to inductor's own GELU, which
-            # need not match eager's to the ulp (torch 2.11's CPU inductor: 1.4e-2 at this MLP,
-            # round 179); a changed ulp can move a rowwise scale and so every fp8 rounding of its
+            # need not match eager's to the ulp (torch 2.11's CPU inductor: 1.4e-2 at this MLP);
+            # a changed ulp can move a rowwise scale and so every fp8 rounding of its
             # row. Compile may therefore differ from eager by up to half of what fp8 itself costs
             # (``exact``: eager without fp8, in float32); a graph that skipped or misplaced a
             # quantisation differs by all of it or more.

@@ -248,7 +248,7 @@ def _linear_peak_mib(fp8_config, m: int, k: int, n: int) -> float:
 
 
 #: The one (recipe, backend) whose peak is known to exceed the bar, and why. A strict xfail: if it
-#: stops exceeding it, the test fails and this entry must go. (H200, round 159: TORCH blockwise 387
+#: stops exceeding it, the test fails and this entry must go. (H200: TORCH blockwise 387
 #: MiB against bf16's 224; TORCH tensorwise and rowwise 224.0 and 224.1, within the bar, so they are
 #: asserted like the others. On 2026-11-23 they measured 320 MiB and were xfailed unconditionally.)
 _PEAK_OVER_BF16 = {

@@ -796,7 +796,7 @@ def test_warp_specialised_grouped_config_and_refusals(gluon_off_here):
 def test_gluon_entry_points_name_a_tensor_off_the_gpu():
     """The Gluon kernels' public entry points check every tensor's device before Triton's launcher
     sees it: a CPU tensor (or one on another GPU) is named, instead of Triton's "cannot be accessed
-    from Triton (cpu tensor?)" after descriptors were built (round 179, an H100 host)."""
+    from Triton (cpu tensor?)" after descriptors were built (seen on an H100 host)."""
     from types import SimpleNamespace
 
     from turbo_dispatch.backends.triton.fp8_blockwise_gluon import device_error
@@ -1141,7 +1141,7 @@ def test_gpu_gluon_dual_quantizer_matches_triton_bit_for_bit(fmt):
     x[0, 700:800, 40:60] *= 3e37
     x[1, 300:400, 200:300] *= -1e-30
     # contiguous rows whose count is a multiple of 16: vector loads and 16-byte transposed stores
-    # together (round 67's step found a mismatch no ragged or strided operand had shown)
+    # together (a step once found a mismatch there that no ragged or strided operand had shown)
     even = torch.randn(2, 256, 384, device="cuda", dtype=torch.bfloat16)
     outs = {}
     for gluon in (True, False):
@@ -1189,7 +1189,7 @@ def test_gpu_runs_kernel_strips_match_triton_bit_for_bit(spans, monkeypatch):
 def test_gpu_dual_quantizer_float32_matches_reference(tile_2d):
     """float32 inputs take the Triton dual kernel (the Gluon ones read 16-bit floats): both copies
     and both scale sets equal the reference quantisation's (two quantize calls on the CPU). Its
-    transposed store of float32 2-D tiles had every fourth row wrong on an H100 (round 99); a
+    transposed store of float32 2-D tiles had every fourth row wrong on an H100; a
     float32 weight's transposed copy is now torch's copy of its row copy."""
     from turbo_dispatch.low_precision.dual_quantize import quantize_both_tensors
     from turbo_dispatch.backends.triton.dual_quantize import dual_quantize
@@ -1291,8 +1291,8 @@ def test_gpu_side_output_block_reused_after_the_caller_switched_streams():
 def test_gpu_tma_launch_as_first_cuda_work_of_a_fresh_thread():
     """A thread whose first CUDA work is a TMA launch, as the autograd engine's backward thread
     when a TMA kernel opens its backward: Triton encodes the descriptor before its launcher binds
-    a context, which failed with "invalid device context" until ``bind_cuda_context`` (H100,
-    round 76). The token-run quantiser's TMA form is that launch here; its bits must match the
+    a context, which failed with "invalid device context" until ``bind_cuda_context`` (H100).
+    The token-run quantiser's TMA form is that launch here; its bits must match the
     main thread's."""
     import threading
 
