@@ -2,15 +2,17 @@
 
 CPU (no marker): the gate's reasons, each condition forced with monkeypatch (no GPU needed): the
 env switch, Gluon missing, an unchecked Triton release, the interpreter, no GPU, not sm_90, every
-problem and tensor layout it leaves to the plain-Triton kernel; and the adapter's wiring: the
-eager and the compiled forward take the Gluon launcher exactly when the gate says None, else the
-plain-Triton one. The kernel's sm_90 compile (registers, spills, shared memory) is checked by
-tests/test_compile_sm90.py through tools/compile_sm90.py (family ``attention_gluon_fwd``).
+problem and tensor layout it leaves to the plain-Triton kernel; the pipelined variant's switch
+(``PRIMUS_TURBO_ATTN_GLUON_PIPELINE``: the launch's ``PIPELINE`` constexpr and ring, unset the
+default variant's); and the adapter's wiring: the eager and the compiled forward take the Gluon
+launcher exactly when the gate says None, else the plain-Triton one. The kernel's sm_90 compile
+(registers, spills, shared memory) is checked by tests/test_compile_sm90.py through
+tools/compile_sm90.py (families ``attention_gluon_fwd`` and ``attention_gluon_fwd_pipelined``).
 
-GPU (``@pytest.mark.gpu``, sm_90 only): out and lse of the kernel itself against a float32
-reference (materialised softmax) on random non-zero inputs, SNR >= 40 dB, over head dims 64/128,
-full and causal masks, MHA/GQA/MQA, Sq == Sk and Sq != Sk (rows that attend nothing included),
-odd lengths, bf16 and fp16; gradients through ``ops.flash_attn_func`` pinned to TRITON (the
+GPU (``@pytest.mark.gpu``, sm_90 only): out and lse of the kernel itself, default and pipelined
+variant, against a float32 reference (materialised softmax) on random non-zero inputs, SNR >= 40
+dB, over head dims 64/128, full and causal masks, MHA/GQA/MQA, Sq == Sk and Sq != Sk (rows that
+attend nothing included), odd lengths, bf16 and fp16; gradients through ``ops.flash_attn_func`` pinned to TRITON (the
 backward starts from this kernel's out and lse) against the float64 reference; and that the call
 went through the Gluon kernel, or not with ``PRIMUS_TURBO_ATTN_GLUON=0``.
 """
@@ -113,15 +115,17 @@ def test_env_switch_bad_value_names_the_variable(sm90, monkeypatch):
         sm90.gluon_forward_refusal(_problem())
 
 
-def test_problem_reasons(sm90):
-    """What the kernel serves is accepted; everything else is refused with its reason."""
-    served = [_problem(), _problem(causal=False, window_right=-1), _problem(head_dim_qk=64, head_dim_v=64),
-              _problem(dtype=FP16), _problem(seqlen_q=77, seqlen_k=1000), _problem(seqlen_q=1000, seqlen_k=257),
-              _problem(heads_kv=1), _problem(heads_kv=8), _problem(softmax_scale=0.05), _problem(deterministic=True),
-              _problem(return_lse=False), _problem(batch=1, seqlen_q=1, seqlen_k=1)]
-    for p in served:
-        assert sm90.gluon_forward_refusal(p) is None, p
-    refused = {
+def served_problems() -> list:
+    """Problems the Gluon kernels serve (forward and backward alike)."""
+    return [_problem(), _problem(causal=False, window_right=-1), _problem(head_dim_qk=64, head_dim_v=64),
+            _problem(dtype=FP16), _problem(seqlen_q=77, seqlen_k=1000), _problem(seqlen_q=1000, seqlen_k=257),
+            _problem(heads_kv=1), _problem(heads_kv=8), _problem(softmax_scale=0.05), _problem(deterministic=True),
+            _problem(return_lse=False), _problem(batch=1, seqlen_q=1, seqlen_k=1)]
+
+
+def refused_problems() -> dict:
+    """Problems the Gluon kernels refuse, keyed by a phrase of the reason they give."""
+    return {
         "varlen": _problem(varlen=True),
         "fp8": _problem(fp8=True, fp8_block=128),
         "sinks": _problem(sink=True),
@@ -136,8 +140,50 @@ def test_problem_reasons(sm90):
         "empty": _problem(seqlen_k=0),
         "65535": _problem(batch=1024, heads_q=128, heads_kv=128),
     }
-    for reason, p in refused.items():
+
+
+def test_problem_reasons(sm90):
+    """What the kernel serves is accepted; everything else is refused with its reason."""
+    for p in served_problems():
+        assert sm90.gluon_forward_refusal(p) is None, p
+    for reason, p in refused_problems().items():
         assert reason in (sm90.gluon_forward_refusal(p) or ""), (reason, sm90.gluon_forward_refusal(p))
+
+
+@pytest.mark.parametrize("value, pipelined", [(None, False), ("0", False), ("1", True), ("on", True)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_pipeline_switch_selects_the_variant(sm90, monkeypatch, value, pipelined, head_dim):
+    """PRIMUS_TURBO_ATTN_GLUON_PIPELINE, read per call, hands the launch the PIPELINE constexpr and
+    that variant's ring; unset (or off) the launch is the default variant's, tiles unchanged."""
+    AG = sm90
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, kwargs))
+
+    monkeypatch.setattr(AG, "attn_fwd_gluon_kernel", Recorder())
+    monkeypatch.setattr(AG, "descriptor", lambda x, rows: rows)
+    if value is None:
+        monkeypatch.delenv(AG.ATTN_GLUON_PIPELINE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(AG.ATTN_GLUON_PIPELINE_ENV, value)
+    p = _problem(head_dim_qk=head_dim, head_dim_v=head_dim, seqlen_q=300, seqlen_k=300, batch=1)
+    q = torch.randn(1, 300, 8, head_dim, dtype=BF16)
+    kv = torch.randn(1, 300, 2, head_dim, dtype=BF16)
+    AG.attend(p, q, kv, kv)
+    (grid, kwargs), = launches
+    block_n, stages = (AG.PIPELINED_TILES if pipelined else AG.TILES)[head_dim]
+    assert kwargs["PIPELINE"] is pipelined and (kwargs["BLOCK_N"], kwargs["STAGES"]) == (block_n, stages)
+    assert grid == (3, 8) and kwargs["num_warps"] == 4 and kwargs["maxnreg"] == AG.MAXNREG
+    if not pipelined:
+        assert AG.TILES == {64: (128, 3), 128: (128, 2)}  # the GPU-verified default variant's tiles
+
+
+def test_pipeline_switch_bad_value_names_the_variable(sm90, monkeypatch):
+    monkeypatch.setenv(sm90.ATTN_GLUON_PIPELINE_ENV, "maybe")
+    with pytest.raises(ConfigError, match=sm90.ATTN_GLUON_PIPELINE_ENV):
+        sm90.pipeline_requested()
 
 
 def test_tensor_reasons(sm90):
@@ -290,15 +336,19 @@ def _reference(q, k, v, causal, scale):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pipeline", [False, True], ids=["default", "pipelined"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
-def test_gpu_forward_matches_reference(case):
-    """out and lse of the kernel against a float32 materialised softmax: SNR >= 40 dB, and the
-    rows that attend nothing exactly 0 / -inf."""
+def test_gpu_forward_matches_reference(case, pipeline, monkeypatch):
+    """out and lse of the kernel (the variant set through PRIMUS_TURBO_ATTN_GLUON_PIPELINE)
+    against a float32 materialised softmax: SNR >= 40 dB, and the rows that attend nothing
+    exactly 0 / -inf."""
     from test_triton_attention import _snr
 
     from turbo_dispatch.ops.attention import attention_problem
 
     AG = _gpu_gate()
+    monkeypatch.setenv(AG.ATTN_GLUON_PIPELINE_ENV, "1" if pipeline else "0")
+    assert AG.pipeline_requested() is pipeline
     b, sq, sk, hq, hk, d, dtype, causal = case
     q, k, v = _inputs(b, sq, sk, hq, hk, d, dtype)
     p = attention_problem(q, k, v, causal=causal, return_lse=True)
@@ -333,20 +383,25 @@ def test_gpu_forward_any_scale_and_strided_qkv():
     assert _snr(out.float(), ref_out) >= 40.0 and _snr(lse, ref_lse) >= 40.0
 
 
-@pytest.fixture
-def counted(monkeypatch):
-    """TRITON pinned, and the Gluon launcher wrapped to count its calls: ``(turbo, calls)``."""
-    import turbo_dispatch as turbo
-
-    AG = _gpu_gate()
+def count_calls(monkeypatch, module, name: str) -> list:
+    """Wraps ``module.name`` so that each call appends to the returned list, then calls it."""
     calls = []
-    launch = AG.attend
+    launch = getattr(module, name)
 
     def counting(*args, **kwargs):
         calls.append(1)
         return launch(*args, **kwargs)
 
-    monkeypatch.setattr(AG, "attend", counting)
+    monkeypatch.setattr(module, name, counting)
+    return calls
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """TRITON pinned, and the Gluon launcher wrapped to count its calls: ``(turbo, calls)``."""
+    import turbo_dispatch as turbo
+
+    calls = count_calls(monkeypatch, _gpu_gate(), "attend")
     turbo.GlobalBackendManager.set_attn_backend("TRITON")
     yield turbo, calls
     turbo.GlobalBackendManager.set_attn_backend(None)

@@ -1,6 +1,6 @@
 """The Triton GEMM kernels compile for Hopper (sm_90) on a CPU-only machine, and every config that
 asks for more than one persistent program per SM gets that many in the compiled kernel; the Gluon
-attention forward compiles there without spills.
+attention forward and backward compile there without spills.
 
 Runs ``tools/compile_sm90.py --occupancy-only`` in a subprocess (the tool unsets TRITON_INTERPRET,
 which this test session sets, before importing triton). The fit is read from the cubin that
@@ -45,7 +45,7 @@ def test_occupancy_configs_fit_on_sm90(tmp_path):
     # Gluon families compile on the releases the library runs them on, and only there.
     assert {"dense_fp8_blockwise", "dense_bf16", "grouped_fp8_blockwise", "grouped_wgrad_bf16"} <= families
     gluon_families = {"dense_fp8_blockwise_gluon", "dense_fp8_blockwise_gluon_ws", "grouped_fp8_blockwise_gluon_ws",
-                      "grouped_wgrad_fp8_blockwise_gluon_ws", "attention_gluon_fwd"}
+                      "grouped_wgrad_fp8_blockwise_gluon_ws", "attention_gluon_fwd", "attention_gluon_bwd"}
     assert gluon_families <= families if report["gluon_checked"] else not gluon_families & families
     multi = [r for r in rows if r["occupancy"] > 1]
     assert {r["family"] for r in multi} >= {"dense_fp8_blockwise", "grouped_fp8_blockwise"}
@@ -53,8 +53,10 @@ def test_occupancy_configs_fit_on_sm90(tmp_path):
         assert r["status"] == "PASS", r
         assert r["fit"] >= r["occupancy"] and r["loop_spills"] <= 1 and not r["serialised"], r
         # Only the warp-specialised kernel's wide tile spills at all (a per-tile index table, outside
-        # its K loop); every other kernel fits its registers outright.
-        assert r["stack"] == 0 or (r["family"].endswith("gluon_ws") and r["config"][1] == 256), r
+        # its K loop), and the attention backward's d128 dK/dV kernel on triton 3.6 (one value,
+        # once per program); every other kernel fits its registers outright.
+        assert r["stack"] == 0 or (r["family"].endswith("gluon_ws") and r["config"][1] == 256) or (
+            r["family"] == "attention_gluon_bwd" and r["stack"] <= 16), r
     # The reason occupancy exists: the Triton blockwise K loop waits for all of its MMAs every step.
     assert all(r["wgmma_waits"] == [0] for r in rows if "blockwise" in r["family"] and "gluon" not in r["family"])
     # The reason the Gluon kernel exists: it waits for all but the newest wgmma, and ptxas keeps
@@ -63,27 +65,48 @@ def test_occupancy_configs_fit_on_sm90(tmp_path):
     assert all(1 in r["wgmma_waits"] for r in gluon) and (gluon or not report["gluon_checked"]), gluon
 
 
-@pytest.mark.skipif(_nvidia_toolchain() is not None, reason=str(_nvidia_toolchain()))
-def test_gluon_attention_forward_fits_on_sm90(tmp_path):
-    """Every variant of the Gluon attention forward (head dims 64 and 128, full and causal)
-    compiles for sm_90 without a spill, within one SM's shared memory, its wgmmas asynchronous."""
+def _gluon_family_rows(tmp_path, family: str) -> list[dict]:
+    """compile_sm90's rows for the Gluon ``family``, compiled cold in a subprocess; skips where
+    this Triton release is not one the Gluon kernels are checked on, fails if the tool does."""
     pytest.importorskip("triton.experimental.gluon")
-    out = tmp_path / "attn.json"
+    out = tmp_path / f"{family}.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "compile_sm90.py"), "--only", "attention_gluon_fwd",
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "compile_sm90.py"), "--only", family,
                            "--json", str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert out.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
     if not report["gluon_checked"]:
         pytest.skip(f"triton {report['triton']} is not a release the Gluon kernels are checked on")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    rows = report["rows"]
+    return report["rows"]
+
+
+@pytest.mark.skipif(_nvidia_toolchain() is not None, reason=str(_nvidia_toolchain()))
+def test_gluon_attention_forward_fits_on_sm90(tmp_path):
+    """Every variant of the Gluon attention forward (head dims 64 and 128, full and causal)
+    compiles for sm_90 without a spill, within one SM's shared memory, its wgmmas asynchronous."""
+    rows = _gluon_family_rows(tmp_path, "attention_gluon_fwd")
     assert sorted((r["config"][2], r["config"][3]) for r in rows) == [(64, False), (64, True), (128, False),
                                                                       (128, True)]
     for r in rows:
         assert r["status"] == "PASS" and r["stack"] == 0 and r["loop_spills"] == 0 and not r["serialised"], r
         assert r["shared"] <= 227 * 1024 and r["fit"] == 1, r
+
+
+@pytest.mark.skipif(_nvidia_toolchain() is not None, reason=str(_nvidia_toolchain()))
+def test_gluon_attention_backward_fits_on_sm90(tmp_path):
+    """Both Gluon attention backward kernels (dK/dV and dQ; head dims 64 and 128, full and causal)
+    compile for sm_90 with no spill inside a wgmma loop, within one SM's shared memory, their
+    wgmmas asynchronous."""
+    rows = _gluon_family_rows(tmp_path, "attention_gluon_bwd")
+    assert sorted((r["config"][6], r["config"][2], r["config"][3]) for r in rows) == [
+        (kernel, d, causal) for kernel in ("dkdv", "dq") for d in (64, 128) for causal in (False, True)]
+    for r in rows:
+        # A few bytes of stack outside the loops are allowed (triton 3.6 keeps one value there in
+        # the d128 dK/dV kernel, reloaded once per program).
+        assert r["status"] == "PASS" and r["loop_spills"] == 0 and r["stack"] <= 16 and not r["serialised"], r
+        assert r["shared"] <= 227 * 1024 and r["fit"] == 1 and 1 in r["wgmma_waits"], r
 
 
 @pytest.mark.skipif(_nvidia_toolchain() is not None, reason=str(_nvidia_toolchain()))

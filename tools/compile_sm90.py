@@ -50,6 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/, for of
 from offline_driver import OfflineDriver  # noqa: E402
 
 from turbo_dispatch.backends.triton import attention_gluon as AG  # noqa: E402
+from turbo_dispatch.backends.triton import attention_gluon_bwd as AGB  # noqa: E402
 from turbo_dispatch.backends.triton import configs as C  # noqa: E402
 from turbo_dispatch.backends.triton import fp8_blockwise_gluon as GL  # noqa: E402
 from turbo_dispatch.backends.triton import fp8_blockwise_gluon_ws as GWS  # noqa: E402
@@ -237,13 +238,28 @@ B_ATTN, S_ATTN, HQ_ATTN, HKV_ATTN = 2, 4096, 32, 8  # GQA 32/8 at 4096 tokens
 
 
 def _attention_gluon_fwd(cfg: AG.GluonAttnConfig):
-    """The Gluon attention forward at B 2, S 4096, GQA 32/8, bf16, the launcher's own arguments
-    (``attention_gluon.launch_args``)."""
+    """The Gluon attention forward (the pipelined variant if ``cfg.pipeline``) at B 2, S 4096, GQA
+    32/8, bf16, the launcher's own arguments (``attention_gluon.launch_args``)."""
     d = cfg.head_dim
     q, out = (torch.empty((B_ATTN, S_ATTN, HQ_ATTN, d), dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.empty((B_ATTN, S_ATTN, HKV_ATTN, d), dtype=torch.bfloat16) for _ in range(2))
-    _, args, kwargs = AG.launch_args(q, k, v, out, torch.empty((B_ATTN, HQ_ATTN, S_ATTN)), d ** -0.5, cfg.causal)
+    _, args, kwargs = AG.launch_args(q, k, v, out, torch.empty((B_ATTN, HQ_ATTN, S_ATTN)), d ** -0.5, cfg.causal,
+                                     cfg.pipeline)
     return AG.attn_fwd_gluon_kernel.warmup(*args, **kwargs, grid=(1,))
+
+
+def _attention_gluon_bwd(cfg: AGB.GluonAttnBwdConfig):
+    """One Gluon attention backward kernel (``cfg.kernel``: dK/dV or dQ) at the forward's problem,
+    the launcher's own arguments (``attention_gluon_bwd.dkdv_launch_args`` / ``dq_launch_args``)."""
+    d = cfg.head_dim
+    q, dout, dq = (torch.empty((B_ATTN, S_ATTN, HQ_ATTN, d), dtype=torch.bfloat16) for _ in range(3))
+    k, v, dk, dv = (torch.empty((B_ATTN, S_ATTN, HKV_ATTN, d), dtype=torch.bfloat16) for _ in range(4))
+    lse2, delta = (torch.empty((B_ATTN, HQ_ATTN, S_ATTN)) for _ in range(2))
+    if cfg.kernel == "dkdv":
+        _, args, kwargs = AGB.dkdv_launch_args(q, k, v, dout, dk, dv, lse2, delta, d ** -0.5, cfg.causal)
+        return AGB.attn_bwd_dkdv_gluon_kernel.warmup(*args, **kwargs, grid=(1,))
+    _, args, kwargs = AGB.dq_launch_args(q, k, v, dout, dq, lse2, delta, d ** -0.5, cfg.causal)
+    return AGB.attn_bwd_dq_gluon_kernel.warmup(*args, **kwargs, grid=(1,))
 
 
 def _dense_bf16(cfg: C.TileConfig):
@@ -352,6 +368,12 @@ def families() -> dict:
          grouped),
         ("attention_gluon_fwd", [AG.config_for(d, causal) for d in (128, 64) for causal in (False, True)],
          _attention_gluon_fwd, len(AG.GluonAttnConfig._fields)),
+        ("attention_gluon_bwd", [make(d, causal) for make in (AGB.dkdv_config, AGB.dq_config) for d in (128, 64)
+                                 for causal in (False, True)], _attention_gluon_bwd,
+         len(AGB.GluonAttnBwdConfig._fields)),
+        ("attention_gluon_fwd_pipelined", [AG.config_for(d, causal, pipeline=True) for d in (128, 64)
+                                           for causal in (False, True)], _attention_gluon_fwd,
+         len(AG.GluonAttnConfig._fields)),
     ]
     return {name: (cfgs, build, occ_at) for name, cfgs, build, occ_at in table}
 

@@ -53,6 +53,7 @@ from turbo_dispatch.ops.attention_fp8 import dequantize_tokens, quantize_tokens
 from turbo_dispatch.ops.attention_sink import sink_grad
 
 from . import attention_gluon as AG
+from . import attention_gluon_bwd as AGB
 from . import attention_kernels as AK
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -313,8 +314,13 @@ class TritonAttention(Adapter):
 
     def identity(self, config: Hashable = None) -> str:
         suffix = "" if config is None else f"/{tuple(config)}"
-        # Both forward kernels' revisions: the timed forward is the Gluon one where it serves.
-        return f"triton-{self.version()}:{type(self).__name__}/{AK.KERNEL_REVISION}+{AG.KERNEL_REVISION}{suffix}"
+        # Both forward kernels' revisions (the timed forward is the Gluon one where it serves), and
+        # the opt-in variants while they are switched on, so that their timings never stand for
+        # the default kernels' in a tuning DB.
+        opt_in = ("+pipelined" if AG.pipeline_requested() else "") + (
+            f"+{AGB.KERNEL_REVISION}" if AGB.switch_refusal() is None else "")
+        return (f"triton-{self.version()}:{type(self).__name__}/{AK.KERNEL_REVISION}+{AG.KERNEL_REVISION}{opt_in}"
+                f"{suffix}")
 
     def supports(self, p) -> Optional[str]:
         if p.platform not in ("cuda", "rocm") and not (p.platform == "cpu" and AK.interpreting()):
@@ -394,7 +400,10 @@ class TritonAttention(Adapter):
         return (*attend(p, *operands, cu_q, cu_k, tile, sink, scales), (*operands, scales))
 
     def _grads(self, p, q, k, v, cu_q, cu_k, out, lse, sink, grad_out) -> tuple:
-        """(dq, dk, dv) and, for a call with a sink, dsink, from high-precision q, k, v."""
+        """(dq, dk, dv) and, for a call with a sink, dsink, from high-precision q, k, v; on the
+        Gluon backward (attention_gluon_bwd.py) where its gate allows (never with a sink)."""
+        if AGB.gluon_backward_refusal(p, q, k, v, out, grad_out) is None:
+            return AGB.attend_backward(p, q, k, v, out, lse, grad_out)
         dq, dk, dv, delta = attend_backward(p, q, k, v, cu_q, cu_k, out, lse, grad_out, self.backward_tiles(p))
         return (dq, dk, dv, sink_grad(sink, lse, delta)) if p.sink else (dq, dk, dv)
 

@@ -31,9 +31,22 @@ causal blocks with the most keys first):
 * epilogue: each math warpgroup normalises its rows, stages them in its own q buffer (no longer
   read) and stores them by TMA; the lse goes out through masked pointer stores.
 
+The pipelined variant (``PIPELINE``; ``PRIMUS_TURBO_ATTN_GLUON_PIPELINE=1``, off by default) also
+overlaps part of a warpgroup's own softmax with its own wgmmas, in the FlashAttention-3 order: per
+key block j it issues S_j = Q K_j^T, rescales O while S_j runs, issues O += P_{j-1} V_{j-1}, waits
+for S_j alone (one group left in flight), runs block j's softmax, then waits for the PV product
+and releases its slot. One S tile is live at a time, and P_{j-1} is a dependency of that last wait,
+so no register of an in-flight wgmma is written and ptxas keeps the wgmmas asynchronous. ptxas
+does schedule that wait right after the softmax's row maximum (P_j is written into P_{j-1}'s
+registers), so the exponentials run after the PV product. Block 0 runs before the loop, masked (a
+program whose rows attend no key runs it too, fully masked), and the last PV product after it. A
+slot is released one block later than in the default variant, so the ring has one slot more
+(``PIPELINED_TILES``).
+
 Needs triton with Gluon on a release in ``GLUON_TRITON_RELEASES`` and an sm_90 GPU.
 ``PRIMUS_TURBO_ATTN_GLUON=0`` switches the kernel off, as ``PRIMUS_TURBO_GLUON_KERNELS=0`` does
-every Gluon kernel (the adapter then runs the plain-Triton forward); both are read on every call.
+every Gluon kernel (the adapter then runs the plain-Triton forward); both are read on every call,
+as is ``PRIMUS_TURBO_ATTN_GLUON_PIPELINE``.
 """
 from __future__ import annotations
 
@@ -56,7 +69,9 @@ if gluon is not None:
 
 #: Set to 0/false to keep every attention call on the plain-Triton forward kernel.
 ATTN_GLUON_ENV = "PRIMUS_TURBO_ATTN_GLUON"
-#: Bumped whenever the kernel's code changes.
+#: Set to 1/true to run the pipelined variant (off by default: not yet verified on a GPU).
+ATTN_GLUON_PIPELINE_ENV = "PRIMUS_TURBO_ATTN_GLUON_PIPELINE"
+#: Bumped whenever the default variant's code changes.
 KERNEL_REVISION = "attn-gluon-r1"
 #: Query rows per program: two math warpgroups of 64 rows (one wgmma M each).
 BLOCK_M = 128
@@ -72,7 +87,8 @@ _LOG2E = 1.4426950408889634
 
 class GluonAttnConfig(NamedTuple):
     """One compiled variant: ``BLOCK_N`` keys per ring slot and ``STAGES`` slots for head dim
-    ``head_dim``. Fields 4 and 5 are where tools/compile_sm90.py reads stages and warps."""
+    ``head_dim``, pipelined or not. Fields 4 and 5 are where tools/compile_sm90.py reads stages and
+    warps."""
 
     block_m: int
     block_n: int
@@ -80,29 +96,35 @@ class GluonAttnConfig(NamedTuple):
     causal: bool
     stages: int
     warps: int = WARPS
+    pipeline: bool = False
 
 
 #: (BLOCK_N, STAGES) per head dim: the ring fills shared memory as far as it goes with 128-key
 #: slots (d128: q 32 KiB + 2 x 64 KiB; d64: q 16 KiB + 3 x 32 KiB).
 TILES = {64: (128, 3), 128: (128, 2)}
+#: The pipelined variant's: a warpgroup holds two slots at once (block j's k, block j-1's v), so
+#: one slot more keeps a full block of loading ahead (d128: q 32 KiB + 3 x 64 KiB = 224 KiB).
+PIPELINED_TILES = {64: (128, 4), 128: (128, 3)}
 
 
-def config_for(head_dim: int, causal: bool) -> GluonAttnConfig:
-    """The variant that serves head dim ``head_dim`` (64 or 128)."""
-    block_n, stages = TILES[head_dim]
-    return GluonAttnConfig(BLOCK_M, block_n, head_dim, bool(causal), stages)
+def config_for(head_dim: int, causal: bool, pipeline: bool = False) -> GluonAttnConfig:
+    """The variant that serves head dim ``head_dim`` (64 or 128), pipelined or the default."""
+    block_n, stages = (PIPELINED_TILES if pipeline else TILES)[head_dim]
+    return GluonAttnConfig(BLOCK_M, block_n, head_dim, bool(causal), stages, WARPS, bool(pipeline))
 
 
 if gluon is not None:
 
     @gluon.jit
-    def _key_span(m0, sq, sk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    def key_span(m0, sq, sk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  PIPELINE: gl.constexpr):
         """``(full_end, end)`` for the query rows ``m0 .. m0 + BLOCK_M - 1``: key blocks starting
         below ``full_end`` need no mask for any row, those in [full_end, end) need one, keys from
-        ``end`` on are attended by no row. Causal row ``i`` attends keys ``j <= i + sk - sq``."""
+        ``end`` on are attended by no row. Causal row ``i`` attends keys ``j <= i + sk - sq``.
+        ``PIPELINE``: ``end >= 1``, since the pipelined variant always runs block 0."""
         if CAUSAL:
             m_last = gl.minimum(m0 + BLOCK_M, sq) - 1
-            end = gl.maximum(gl.minimum(m_last + sk - sq + 1, sk), 0)
+            end = gl.maximum(gl.minimum(m_last + sk - sq + 1, sk), 1 if PIPELINE else 0)
             full = gl.maximum(gl.minimum(m0 + sk - sq + 1, sk), 0)
         else:
             end = sk
@@ -110,7 +132,7 @@ if gluon is not None:
         return (full // BLOCK_N) * BLOCK_N, end
 
     @gluon.jit
-    def _program(SEQ_Q, HEADS_Q, GROUP, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+    def query_program(SEQ_Q, HEADS_Q, GROUP, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
         """(batch, head, kv head, first query row) of this program; causal programs walk the
         query blocks last-first, so the blocks with the most keys start first."""
         pid_m = gl.program_id(0)
@@ -123,15 +145,42 @@ if gluon is not None:
     @gluon.jit
     def _attn_load(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready, v_ready,
                    kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, CAUSAL: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                   PIPELINE: gl.constexpr):
         """The loader: both warpgroups' q rows, then every key block of the span in ring order."""
-        b, h, hk, m0 = _program(SEQ_Q, HEADS_Q, GROUP, CAUSAL, BLOCK_M)
+        b, h, hk, m0 = query_program(SEQ_Q, HEADS_Q, GROUP, CAUSAL, BLOCK_M)
         ROWS: gl.constexpr = BLOCK_M // 2
         for wg in gl.static_range(2):
             bar = q_ready.index(wg)
             mbarrier.expect(bar, q_desc.block_type.nbytes)
             _tma_load(q_desc, [b, m0 + wg * ROWS, h * HEAD_DIM], bar, q_smem.index(wg))
-        _, end = _key_span(m0, SEQ_Q, SEQ_K, CAUSAL, BLOCK_M, BLOCK_N)
+        _, end = key_span(m0, SEQ_Q, SEQ_K, CAUSAL, BLOCK_M, BLOCK_N, PIPELINE)
+        load_kv_ring(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, b, hk * HEAD_DIM, end, BLOCK_N,
+                     STAGES)
+
+    @gluon.jit
+    def ring_barriers(STAGES: gl.constexpr):
+        """``(once, ready_a, ready_b, empty)``, initialised: one barrier per math warpgroup for its
+        rows loaded once, and per ring slot one barrier for each of the loader's two copies and an
+        ``empty`` barrier both math warpgroups arrive on (count 2)."""
+        once = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ready_a = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(once.index(i), count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready_a.index(s), count=1)
+            mbarrier.init(ready_b.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)
+        return once, ready_a, ready_b, empty
+
+    @gluon.jit
+    def load_kv_ring(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, b, col, end, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr):
+        """The loader's stream of key blocks ``[0, end)`` of batch ``b``, columns from ``col``: k and
+        v of each block into the next ring slot once the math warpgroups have emptied it, each with
+        its own ready barrier (so S = Q K^T can start before v lands)."""
         step = 0
         for n0 in range(0, end, BLOCK_N):
             slot = step % STAGES
@@ -140,11 +189,35 @@ if gluon is not None:
             mbarrier.wait(kv_empty.index(slot), ((step // STAGES) & 1) ^ 1)
             kbar = k_ready.index(slot)
             mbarrier.expect(kbar, k_desc.block_type.nbytes)
-            _tma_load(k_desc, [b, n0, hk * HEAD_DIM], kbar, k_ring.index(slot))
+            _tma_load(k_desc, [b, n0, col], kbar, k_ring.index(slot))
             vbar = v_ready.index(slot)
             mbarrier.expect(vbar, v_desc.block_type.nbytes)
-            _tma_load(v_desc, [b, n0, hk * HEAD_DIM], vbar, v_ring.index(slot))
+            _tma_load(v_desc, [b, n0, col], vbar, v_ring.index(slot))
             step += 1
+
+    @gluon.jit
+    def _softmax(s, n0, m_i, l_i, rows, sk, shift, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+                 BLOCK_N: gl.constexpr):
+        """The online softmax's step for the raw scores ``s`` of the key block at ``n0``:
+        ``(p, alpha, m_new, l_new)``, p in fp32 and the exp2 domain, ``alpha`` the factor that
+        moves what is summed so far from max ``m_i`` to ``m_new``. ``MASKED`` masks keys past
+        ``sk`` and, causal, past each row's diagonal."""
+        s_layout: gl.constexpr = s.type.layout
+        s = s * qk_scale
+        if MASKED:
+            cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            ok = cols[None, :] < sk
+            if CAUSAL:
+                ok = ok & (cols[None, :] <= rows[:, None] + shift)
+            s = gl.where(ok, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        if MASKED:  # a row with no key yet keeps m = -inf: subtract 0 instead (exp2(-inf) = 0)
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        p = gl.exp2(s - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
     def _attn_blocks(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i, zero_s, step, lo, hi, rows,
@@ -153,7 +226,6 @@ if gluon is not None:
         """The online softmax over the key blocks starting in [lo, hi), ring steps from ``step``;
         ``MASKED`` blocks mask keys past ``sk`` and, causal, past each row's diagonal.
         Returns ``(acc, m_i, l_i, step)``."""
-        s_layout: gl.constexpr = zero_s.type.layout
         o_layout: gl.constexpr = acc.type.layout
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         for n0 in range(lo, hi, BLOCK_N):
@@ -163,21 +235,7 @@ if gluon is not None:
             k_tile = k_ring.index(slot).reshape([BLOCK_N, HEAD_DIM])
             s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            s = s * qk_scale
-            if MASKED:
-                cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-                ok = cols[None, :] < sk
-                if CAUSAL:
-                    ok = ok & (cols[None, :] <= rows[:, None] + shift)
-                s = gl.where(ok, s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            if MASKED:  # a row with no key yet keeps m = -inf: subtract 0 instead (exp2(-inf) = 0)
-                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            else:
-                m_use = m_new
-            p = gl.exp2(s - m_use[:, None])
-            alpha = gl.exp2(m_i - m_use)
-            l_i = l_i * alpha + gl.sum(p, 1)
+            p, alpha, m_new, l_i = _softmax(s, n0, m_i, l_i, rows, sk, shift, qk_scale, MASKED, CAUSAL, BLOCK_N)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             p_op = gl.convert_layout(p.to(k_ring.dtype), p_layout)
             mbarrier.wait(v_ready.index(slot), phase)
@@ -190,10 +248,73 @@ if gluon is not None:
         return acc, m_i, l_i, step
 
     @gluon.jit
+    def _attn_blocks_pipelined(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, alpha, m_i, l_i, p_op, zero_s,
+                               step, lo, hi, rows, sk, shift, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+                               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        """The pipelined variant's key blocks starting in [lo, hi), ring steps from ``step`` >= 1:
+        block j's S and block j-1's PV product (``p_op``, rescale ``alpha`` pending) in flight
+        together, block j's softmax after S. Returns ``(acc, alpha, m_i, l_i, p_op, step)`` with
+        the last block's product (and its rescale) still to do."""
+        o_layout: gl.constexpr = acc.type.layout
+        p_layout: gl.constexpr = p_op.type.layout
+        for n0 in range(lo, hi, BLOCK_N):
+            slot = step % STAGES
+            prev = (step - 1) % STAGES
+            mbarrier.wait(k_ready.index(slot), (step // STAGES) & 1)
+            k_tile = k_ring.index(slot).reshape([BLOCK_N, HEAD_DIM])
+            s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            mbarrier.wait(v_ready.index(prev), ((step - 1) // STAGES) & 1)
+            acc = warpgroup_mma(p_op, v_ring.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+            # Groups complete in order: one left in flight means S is done and PV may run on.
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+            p, alpha, m_i, l_i = _softmax(s, n0, m_i, l_i, rows, sk, shift, qk_scale, MASKED, CAUSAL, BLOCK_N)
+            p_next = gl.convert_layout(p.to(k_ring.dtype), p_layout)
+            # p_op is a dependency: its registers stay untouched until the product has read them.
+            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+            mbarrier.arrive(kv_empty.index(prev), count=1)
+            p_op = p_next
+            step += 1
+        return acc, alpha, m_i, l_i, p_op, step
+
+    @gluon.jit
+    def _attn_pipelined(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i, zero_s, full_end, end,
+                        rows, sk, shift, qk_scale, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        """The pipelined variant over the key blocks starting below ``end`` (>= 1; unmasked below
+        ``full_end``): block 0's S and softmax, the pipelined blocks, the last PV product.
+        Returns ``(acc, m_i, l_i)``."""
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
+        o_layout: gl.constexpr = acc.type.layout
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(q_tile, k_ring.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
+                          use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        # Masked whatever its span: a no-op on a block every row attends whole, and what makes a
+        # program whose rows attend no key come out with l = 0 (out 0, lse -inf).
+        p, alpha, m_i, l_i = _softmax(s, 0, m_i, l_i, rows, sk, shift, qk_scale, True, CAUSAL, BLOCK_N)
+        p_op = gl.convert_layout(p.to(k_ring.dtype), p_layout)
+        # The ring step starts as a tensor (a literal would be a constexpr, not loop-carriable).
+        step = full_end * 0 + 1
+        acc, alpha, m_i, l_i, p_op, step = _attn_blocks_pipelined(
+            q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, alpha, m_i, l_i, p_op, zero_s, step, BLOCK_N,
+            full_end, rows, sk, shift, qk_scale, False, CAUSAL, BLOCK_N, HEAD_DIM, STAGES)
+        acc, alpha, m_i, l_i, p_op, step = _attn_blocks_pipelined(
+            q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, alpha, m_i, l_i, p_op, zero_s, step,
+            gl.maximum(full_end, BLOCK_N), end, rows, sk, shift, qk_scale, True, CAUSAL, BLOCK_N, HEAD_DIM, STAGES)
+        last = (step - 1) % STAGES
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        mbarrier.wait(v_ready.index(last), ((step - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_ring.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+        mbarrier.arrive(kv_empty.index(last), count=1)
+        return acc, m_i, l_i
+
+    @gluon.jit
     def _attn_math(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready, v_ready,
                    kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, CAUSAL: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                   WG: gl.constexpr):
+                   PIPELINE: gl.constexpr, WG: gl.constexpr):
         """Math warpgroup ``WG``: query rows ``m0 + WG * 64`` to ``m0 + WG * 64 + 63``."""
         ROWS: gl.constexpr = BLOCK_M // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -201,9 +322,9 @@ if gluon is not None:
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HEAD_DIM, 16])
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-        b, h, hk, m0 = _program(SEQ_Q, HEADS_Q, GROUP, CAUSAL, BLOCK_M)
+        b, h, hk, m0 = query_program(SEQ_Q, HEADS_Q, GROUP, CAUSAL, BLOCK_M)
         row0 = m0 + WG * ROWS
-        full_end, end = _key_span(m0, SEQ_Q, SEQ_K, CAUSAL, BLOCK_M, BLOCK_N)
+        full_end, end = key_span(m0, SEQ_Q, SEQ_K, CAUSAL, BLOCK_M, BLOCK_N, PIPELINE)
         shift = SEQ_K - SEQ_Q
         rows = row0 + gl.arange(0, ROWS, layout=row_layout)
 
@@ -214,13 +335,18 @@ if gluon is not None:
         q_buf = q_smem.index(WG)
         mbarrier.wait(q_ready.index(WG), 0)
         q_tile = q_buf.reshape([ROWS, HEAD_DIM])
-        # The ring step starts as a tensor (a literal 0 would be a constexpr, not loop-carriable).
-        acc, m_i, l_i, step = _attn_blocks(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i, zero_s,
-                                           full_end * 0, 0, full_end, rows, SEQ_K, shift, qk_scale, False, CAUSAL,
-                                           BLOCK_N, HEAD_DIM, STAGES)
-        acc, m_i, l_i, step = _attn_blocks(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i, zero_s,
-                                           step, full_end, end, rows, SEQ_K, shift, qk_scale, True, CAUSAL, BLOCK_N,
-                                           HEAD_DIM, STAGES)
+        if PIPELINE:
+            acc, m_i, l_i = _attn_pipelined(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i, zero_s,
+                                            full_end, end, rows, SEQ_K, shift, qk_scale, CAUSAL, BLOCK_N, HEAD_DIM,
+                                            STAGES)
+        else:
+            # The ring step starts as a tensor (a literal 0 would be a constexpr, not loop-carriable).
+            acc, m_i, l_i, step = _attn_blocks(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i,
+                                               zero_s, full_end * 0, 0, full_end, rows, SEQ_K, shift, qk_scale, False,
+                                               CAUSAL, BLOCK_N, HEAD_DIM, STAGES)
+            acc, m_i, l_i, step = _attn_blocks(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i,
+                                               zero_s, step, full_end, end, rows, SEQ_K, shift, qk_scale, True, CAUSAL,
+                                               BLOCK_N, HEAD_DIM, STAGES)
 
         attended = l_i > 0.0
         l_safe = gl.where(attended, l_i, 1.0)
@@ -241,37 +367,28 @@ if gluon is not None:
     def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb,
                               stride_lh, qk_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                              MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+                              MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, PIPELINE: gl.constexpr):
         """Grid ``(cdiv(Sq, BLOCK_M), B * Hq)``; launched with 4 warps (the default partition)
         and ``maxnreg``. ``qk_scale`` is the softmax scale times log2(e); the descriptors are
-        ``descriptor``'s, q and out with ``BLOCK_M / 2`` rows per block, k and v ``BLOCK_N``."""
+        ``descriptor``'s, q and out with ``BLOCK_M / 2`` rows per block, k and v ``BLOCK_N``;
+        ``PIPELINE`` selects the pipelined variant."""
         # Buffers of rank 3 like the descriptors' blocks ([1, rows, D]); the math reshapes them to 2-D.
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 1, BLOCK_M // 2, HEAD_DIM], q_desc.layout)
         k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(q_ready.index(i), count=1)
-        for s in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(s), count=1)
-            mbarrier.init(v_ready.index(s), count=1)
-            # One arrival per math warpgroup.
-            mbarrier.init(kv_empty.index(s), count=2)
+        q_ready, k_ready, v_ready, kv_empty = ring_barriers(STAGES)
         # The argument tuples are spelled out at each use: assigned to a variable, their constexpr
         # entries would become tensors (triton 3.6). The math partitions differ only in WG.
         gl.warp_specialize([
             (_attn_math, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready, v_ready,
                            kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, CAUSAL, BLOCK_M,
-                           BLOCK_N, HEAD_DIM, STAGES, 0)),
+                           BLOCK_N, HEAD_DIM, STAGES, PIPELINE, 0)),
             (_attn_math, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready, v_ready,
                            kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, CAUSAL, BLOCK_M,
-                           BLOCK_N, HEAD_DIM, STAGES, 1)),
+                           BLOCK_N, HEAD_DIM, STAGES, PIPELINE, 1)),
             (_attn_load, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready, v_ready,
                           kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, CAUSAL, BLOCK_M,
-                          BLOCK_N, HEAD_DIM, STAGES)),
+                          BLOCK_N, HEAD_DIM, STAGES, PIPELINE)),
         ], [4, 1], [MATH_REGS, LOAD_REGS])
 
 
@@ -284,6 +401,15 @@ def _switch_refusal() -> Optional[str]:
     if parse_bool(raw, ATTN_GLUON_ENV) is False:
         return f"the Gluon attention forward is switched off ({ATTN_GLUON_ENV}={raw})"
     return None
+
+
+_read_pipeline = env_text_reader(ATTN_GLUON_PIPELINE_ENV)
+
+
+def pipeline_requested() -> bool:
+    """Whether ``PRIMUS_TURBO_ATTN_GLUON_PIPELINE`` asks for the pipelined variant (read per call;
+    unset means the default variant; a malformed value is a ConfigError naming the variable)."""
+    return parse_bool(_read_pipeline(), ATTN_GLUON_PIPELINE_ENV) is True
 
 
 def machine_refusal() -> Optional[str]:
@@ -357,30 +483,31 @@ def descriptor(x: torch.Tensor, rows: int):
 
 
 def launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                softmax_scale: float, causal: bool) -> tuple[tuple, tuple, dict]:
-    """``(grid, args, kwargs)`` of one launch writing ``out`` and ``lse``; tools/compile_sm90.py
-    compiles with them."""
+                softmax_scale: float, causal: bool, pipeline: bool = False) -> tuple[tuple, tuple, dict]:
+    """``(grid, args, kwargs)`` of one launch writing ``out`` and ``lse``, of the pipelined
+    variant if ``pipeline``; tools/compile_sm90.py compiles with them."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    cfg = config_for(d, causal)
+    cfg = config_for(d, causal, pipeline)
     args = (descriptor(q, cfg.block_m // 2), descriptor(k, cfg.block_n), descriptor(v, cfg.block_n),
             descriptor(out, cfg.block_m // 2), lse, sq, sk, hq, hq // hk, lse.stride(0), lse.stride(1),
             softmax_scale * _LOG2E)
     kwargs = dict(CAUSAL=bool(causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.stages,
-                  MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)
+                  MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, PIPELINE=cfg.pipeline, num_warps=4, maxnreg=MAXNREG)
     return (-(-sq // cfg.block_m), b * hq), args, kwargs
 
 
 def attend(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(out ``[B, Sq, Hq, D]`` in the inputs' dtype, float32 natural-log lse ``[B, Hq, Sq]``) of
     a call ``gluon_forward_refusal(p, q, k, v)`` accepted; the same contract as
-    ``attention.attend``'s dense forward."""
+    ``attention.attend``'s dense forward. The pipelined variant runs when ``pipeline_requested()``."""
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse = torch.empty((p.batch, p.heads_q, p.seqlen_q), device=q.device, dtype=torch.float32)
-    grid, args, kwargs = launch_args(q, k, v, out, lse, p.softmax_scale, p.causal)
+    grid, args, kwargs = launch_args(q, k, v, out, lse, p.softmax_scale, p.causal, pipeline_requested())
     attn_fwd_gluon_kernel[grid](*args, **kwargs)
     return out, lse
 
 
-__all__ = ["ATTN_GLUON_ENV", "KERNEL_REVISION", "GluonAttnConfig", "attend", "config_for", "gluon_forward_refusal",
-           "launch_args", "machine_refusal", "problem_refusal", "tensor_refusal"]
+__all__ = ["ATTN_GLUON_ENV", "ATTN_GLUON_PIPELINE_ENV", "KERNEL_REVISION", "GluonAttnConfig", "attend", "config_for",
+           "gluon_forward_refusal", "launch_args", "machine_refusal", "pipeline_requested", "problem_refusal",
+           "tensor_refusal"]

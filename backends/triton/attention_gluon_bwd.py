@@ -1,0 +1,533 @@
+"""Flash attention backward for Hopper in Gluon: one TMA warp, two MMA warpgroups per kernel.
+
+Serves the backward of the calls the Gluon forward (attention_gluon.py) serves: dense bf16/fp16
+``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]`` with D = 64 or 128, MHA/GQA/MQA, no mask or the
+bottom-right causal mask, Sq != Sk, odd lengths, any softmax scale. It starts from the forward's
+out and float32 natural-log lse ``[B, Hq, Sq]`` (either forward kernel's: they mean the same) and
+returns dq, dk, dv in the inputs' dtype, the gradients ``attention_kernels``' backward computes.
+``gluon_backward_refusal`` names every call it leaves to those plain-Triton kernels.
+
+Three launches, deterministic (no atomics; a GQA group's dK/dV are summed inside one program):
+
+* ``attention_kernels.attn_bwd_preprocess_kernel``: ``delta = rowsum(dO * O)`` and the lse in the
+  exp2 domain (``lse2``, +inf on rows that attend nothing, so their probabilities are 0);
+* ``attn_bwd_dkdv_gluon_kernel``: one program per 128 keys of one kv head (``(key blocks,
+  B * Hkv)`` grid). The loader warp copies each math warpgroup's 64 rows of k and v once, then
+  walks the query heads of the group and, per head, the query blocks that attend the program's
+  keys, copying q and dO of ``BLOCK_M`` rows into a ring of ``STAGES`` slots by TMA and the
+  rows' lse2 and delta next to them by cp.async (separate q / dO ready barriers, an empty barrier
+  both warpgroups arrive on). Each math warpgroup owns 64 keys
+  and works transposed: S^T = K Q^T and dP^T = V dO^T (wgmma, operands in shared memory), P^T =
+  exp2(S^T * scale * log2(e) - lse2), dS^T = P^T (dP^T - delta), then dV += P^T dO and dK +=
+  dS^T Q with P^T and dS^T as register operands, so nothing goes back to shared memory. The
+  dV product runs while dS^T is formed. The epilogue stages dK (times the scale) and dV in the
+  warpgroup's own k and v buffers and stores them by TMA;
+* ``attn_bwd_dq_gluon_kernel``: one program per 128 query rows of one head (the forward's grid
+  and order). The loader copies each warpgroup's q and dO once, then k and v blocks through the
+  ring; per key block each 64-row warpgroup computes S = Q K^T and dP = dO V^T, P, dS and dQ +=
+  dS K (dS from registers), and stores dQ (times the scale) staged in its q buffer.
+
+Masks and tails: q, k, v, dO and the gradients go through rank-3 TMA descriptors over
+``[B, S, H * D]`` that clip at each sequence's end (zeros read, nothing written past it). Query
+rows past Sq contribute nothing: their q and dO rows read zeros (dK/dV kernel; their lse2 and
+delta are zero-filled, so P^T dO and dS^T are 0 there) or their lse2 is +inf (dQ kernel, P = 0).
+Keys past Sk are masked out of P in the dQ kernel and only ever meet their own (unstored) dK/dV
+rows in the other. Blocks wholly above the causal diagonal are never loaded; in the dQ kernel
+the blocks that straddle it are masked and those below it are not, in the dK/dV kernel every
+causal block is masked (one loop: two held more loop state than the registers allow).
+
+Opt-in: the kernels have not run on a GPU yet, so the adapter uses them only with
+``PRIMUS_TURBO_ATTN_GLUON_BWD=1`` (read on every call); unset, ``gluon_backward_refusal`` says
+so and the plain-Triton backward runs. ``PRIMUS_TURBO_GLUON_KERNELS=0`` switches them off like
+every Gluon kernel. Needs triton with Gluon on a release in ``GLUON_TRITON_RELEASES`` and an
+sm_90 GPU.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from turbo_dispatch.env import env_text_reader, parse_bool
+
+from . import attention_kernels as AK
+from .attention_gluon import descriptor, problem_refusal, tensor_refusal
+from .fp8_blockwise_gluon import available, gluon
+
+if gluon is not None:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+
+    from .attention_gluon import key_span, load_kv_ring, query_program, ring_barriers
+    from .fp8_blockwise_gluon import _cta_barrier, _tma_load
+    from .fp8_blockwise_gluon_ws import _cp_async, _tma_store
+
+#: Set to 1/true to run the TRITON adapter's dense backward on these kernels (off by default).
+ATTN_GLUON_BWD_ENV = "PRIMUS_TURBO_ATTN_GLUON_BWD"
+#: Bumped whenever a kernel's code changes.
+KERNEL_REVISION = "attn-gluon-bwd-r1"
+#: Rows one math warpgroup owns: keys in the dK/dV kernel, queries in the dQ kernel (one wgmma M).
+ROWS = 64
+#: Keys per dK/dV program and query rows per dQ program: two math warpgroups of ``ROWS``.
+BLOCK = 2 * ROWS
+#: Registers per thread for the math warpgroups and the loader, and the kernel-wide cap, split
+#: as in the forward (attention_gluon.py: 3 * 168 - 232 - 40 = 232 for the default partition).
+MATH_REGS, LOAD_REGS, MAXNREG = 232, 40, 168
+#: Warps a program runs: two math warpgroups and the loader.
+WARPS = 9
+#: Query rows per program of the preprocess kernel.
+PRE_BLOCK_M = 128
+_LOG2E = 1.4426950408889634
+
+
+class GluonAttnBwdConfig(NamedTuple):
+    """One compiled variant of ``kernel`` ("dkdv" or "dq"): ``block_m`` query rows and
+    ``block_n`` keys per step or program, ``stages`` ring slots. Fields 4 and 5 are where
+    tools/compile_sm90.py reads stages and warps."""
+
+    block_m: int
+    block_n: int
+    head_dim: int
+    causal: bool
+    stages: int
+    warps: int
+    kernel: str
+
+
+#: Per head dim: (query rows per dK/dV ring slot, its STAGES) and (keys per dQ ring slot, its
+#: STAGES). The dK/dV warpgroup holds dK and dV (2 x 64 x D fp32) next to S^T and dP^T (64 x
+#: BLOCK_M each), the dQ warpgroup dQ next to S and dP (64 x BLOCK_N each): the streamed block is
+#: as wide as the registers allow; the rings then fill shared memory (d128: k, v 64 KiB + 3 x 32
+#: KiB; q, dO 64 KiB + 3 x 32 KiB).
+BWD_TILES = {64: ((64, 4), (128, 3)), 128: ((64, 3), (64, 3))}
+
+
+def dkdv_config(head_dim: int, causal: bool) -> GluonAttnBwdConfig:
+    """The dK/dV kernel's variant for head dim ``head_dim`` (64 or 128)."""
+    block_m, stages = BWD_TILES[head_dim][0]
+    return GluonAttnBwdConfig(block_m, BLOCK, head_dim, bool(causal), stages, WARPS, "dkdv")
+
+
+def dq_config(head_dim: int, causal: bool) -> GluonAttnBwdConfig:
+    """The dQ kernel's variant for head dim ``head_dim`` (64 or 128)."""
+    block_n, stages = BWD_TILES[head_dim][1]
+    return GluonAttnBwdConfig(BLOCK, block_n, head_dim, bool(causal), stages, WARPS, "dq")
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _query_span(n0, sq, sk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+        """``(start, end)``: the query blocks starting in [start, end) attend some of the keys from
+        ``n0`` on. Causal row ``i`` attends keys ``j <= i + sk - sq``."""
+        if CAUSAL:
+            start = (gl.maximum(n0 - (sk - sq), 0) // BLOCK_M) * BLOCK_M
+        else:
+            start = n0 * 0
+        return start, sq
+
+    @gluon.jit
+    def _load_halves(a_desc, b_desc, a_smem, b_smem, bars, b, row0, col, ROWS: gl.constexpr):
+        """TMA copies of the rows each math warpgroup keeps for the whole program: warpgroup
+        ``wg``'s ``ROWS`` rows from ``row0 + wg * ROWS`` of ``a`` and ``b`` (column ``col``), both
+        completing on ``bars[wg]``."""
+        for wg in gl.static_range(2):
+            bar = bars.index(wg)
+            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            _tma_load(a_desc, [b, row0 + wg * ROWS, col], bar, a_smem.index(wg))
+            _tma_load(b_desc, [b, row0 + wg * ROWS, col], bar, b_smem.index(wg))
+
+    @gluon.jit
+    def _start_products(a_first, a_second, ring_first, ring_second, ready_first, ready_second, slot, phase, zero,
+                        ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+        """Waits for ring slot ``slot`` of each ring in turn and starts ``a_first @ first^T`` and
+        ``a_second @ second^T`` (wgmma on fresh accumulators shaped like ``zero``, not awaited), so
+        the first runs while the second's tile may still be landing. Returns ``(first product,
+        second product, first tile, second tile)``, the tiles as ``[ROWS, HEAD_DIM]``."""
+        mbarrier.wait(ready_first.index(slot), phase)
+        first = ring_first.index(slot).reshape([ROWS, HEAD_DIM])
+        x = warpgroup_mma(a_first, first.permute((1, 0)), zero, use_acc=False, is_async=True)
+        mbarrier.wait(ready_second.index(slot), phase)
+        second = ring_second.index(slot).reshape([ROWS, HEAD_DIM])
+        y = warpgroup_mma(a_second, second.permute((1, 0)), zero, use_acc=False, is_async=True)
+        return x, y, first, second
+
+    @gluon.jit
+    def _dkdv_load(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, k_smem, v_smem, q_ring,
+                   do_ring, lse_ring, delta_ring, kv_ready, q_ready, do_ready, slot_empty, SEQ_Q, SEQ_K, HEADS_KV,
+                   GROUP, stride_lb, stride_lh, qk_scale, sm_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        """The loader: both warpgroups' k and v rows, then q, dO, lse2 and delta of every query
+        block of every query head of the group, in ring order."""
+        n0 = gl.program_id(0) * BLOCK_N
+        bh = gl.program_id(1)
+        b = bh // HEADS_KV
+        hk = bh % HEADS_KV
+        _load_halves(k_desc, v_desc, k_smem, v_smem, kv_ready, b, n0, hk * HEAD_DIM, BLOCK_N // 2)
+        start, end = _query_span(n0, SEQ_Q, SEQ_K, CAUSAL, BLOCK_M)
+        offs = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
+        step = 0
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            l_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+            for m0 in range(start, end, BLOCK_M):
+                slot = step % STAGES
+                # A fresh mbarrier counts as having completed the phase before phase 0, so the
+                # first pass over the ring does not wait.
+                mbarrier.wait(slot_empty.index(slot), ((step // STAGES) & 1) ^ 1)
+                rows = m0 + offs
+                # lse2 and delta go with q and dO: each thread's copies hold the barrier's phase
+                # open until they land, so they are issued before the TMA bytes are expected.
+                # Rows past sq are zero-filled; their q and dO rows are zeros too, so P^T dO and
+                # dS^T vanish there.
+                qbar = q_ready.index(slot)
+                _cp_async(lse_ring.index(slot), lse2_ptr + l_off + rows, mask=rows < SEQ_Q)
+                async_copy.mbarrier_arrive(qbar, increment_count=True)
+                mbarrier.expect(qbar, q_desc.block_type.nbytes)
+                _tma_load(q_desc, [b, m0, h * HEAD_DIM], qbar, q_ring.index(slot))
+                dobar = do_ready.index(slot)
+                _cp_async(delta_ring.index(slot), delta_ptr + l_off + rows, mask=rows < SEQ_Q)
+                async_copy.mbarrier_arrive(dobar, increment_count=True)
+                mbarrier.expect(dobar, do_desc.block_type.nbytes)
+                _tma_load(do_desc, [b, m0, h * HEAD_DIM], dobar, do_ring.index(slot))
+                step += 1
+
+    @gluon.jit
+    def _dkdv_blocks(k_tile, v_tile, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, slot_empty, dk, dv,
+                     zero_s, step, lo, hi, diag0, qk_scale, MASKED: gl.constexpr, BLOCK_M: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        """dK/dV contributions of the query blocks starting in [lo, hi), ring steps from ``step``;
+        ``MASKED`` blocks zero P^T above the causal diagonal: query ``i`` attends the
+        warpgroup's key ``r`` iff ``i >= diag0 + r``. Returns ``(dk, dv, step)``."""
+        s_layout: gl.constexpr = zero_s.type.layout
+        acc_layout: gl.constexpr = dk.type.layout
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        KEYS: gl.constexpr = zero_s.shape[0]
+        for m0 in range(lo, hi, BLOCK_M):
+            slot = step % STAGES
+            phase = (step // STAGES) & 1
+            st, dpt, q_tile, do_tile = _start_products(k_tile, v_tile, q_ring, do_ring, q_ready, do_ready, slot, phase,
+                                                       zero_s, BLOCK_M, HEAD_DIM)
+            st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+            pt = gl.exp2(st * qk_scale - lse_ring.index(slot).load(col_layout)[None, :])
+            if MASKED:
+                cols = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
+                rows = diag0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+                pt = gl.where(cols[None, :] >= rows[:, None], pt, 0.0)
+            dv = warpgroup_mma(gl.convert_layout(pt.to(q_ring.dtype), op_layout), do_tile, dv, is_async=True)
+            # Groups retire in order: S^T is done, dP^T is the older of the two still in flight.
+            dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))
+            dst = pt * (dpt - delta_ring.index(slot).load(col_layout)[None, :])
+            dk = warpgroup_mma(gl.convert_layout(dst.to(q_ring.dtype), op_layout), q_tile, dk, is_async=True)
+            dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+            # This warpgroup's four products have read the slot: hand it back to the loader.
+            mbarrier.arrive(slot_empty.index(slot), count=1)
+            step += 1
+        return dk, dv, step
+
+    @gluon.jit
+    def _dkdv_math(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, k_smem, v_smem, q_ring,
+                   do_ring, lse_ring, delta_ring, kv_ready, q_ready, do_ready, slot_empty, SEQ_Q, SEQ_K, HEADS_KV,
+                   GROUP, stride_lb, stride_lh, qk_scale, sm_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
+        """Math warpgroup ``WG``: keys ``n0 + WG * 64`` to ``n0 + WG * 64 + 63``, dK and dV summed
+        over the query heads of the group."""
+        KEYS: gl.constexpr = BLOCK_N // 2
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
+        n0 = gl.program_id(0) * BLOCK_N
+        bh = gl.program_id(1)
+        b = bh // HEADS_KV
+        hk = bh % HEADS_KV
+        row0 = n0 + WG * KEYS
+        start, end = _query_span(n0, SEQ_Q, SEQ_K, CAUSAL, BLOCK_M)
+        # Query i attends key j iff i + sk - sq >= j.
+        diag0 = row0 - (SEQ_K - SEQ_Q)
+
+        zero_s = gl.zeros((KEYS, BLOCK_M), dtype=gl.float32, layout=s_layout)
+        dk = gl.zeros((KEYS, HEAD_DIM), dtype=gl.float32, layout=acc_layout)
+        dv = gl.zeros((KEYS, HEAD_DIM), dtype=gl.float32, layout=acc_layout)
+        k_buf = k_smem.index(WG)
+        v_buf = v_smem.index(WG)
+        mbarrier.wait(kv_ready.index(WG), 0)
+        k_tile = k_buf.reshape([KEYS, HEAD_DIM])
+        v_tile = v_buf.reshape([KEYS, HEAD_DIM])
+        # The ring step starts as a tensor (a literal 0 would be a constexpr, not loop-carriable).
+        step = n0 * 0
+        for g in range(GROUP):
+            # Causal: every block is masked. A masked diagonal loop next to an unmasked one held
+            # more loop state than the registers allow (spills in both loops, d128, sm_90); the
+            # mask of a block below the diagonal keeps every element, at a compare and a select.
+            dk, dv, step = _dkdv_blocks(k_tile, v_tile, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready,
+                                        slot_empty, dk, dv, zero_s, step, start, end, diag0, qk_scale, CAUSAL, BLOCK_M,
+                                        HEAD_DIM, STAGES)
+
+        # This warpgroup's k and v buffers are read by no pending wgmma now: they stage dK and dV.
+        # The TMA stores clip at the sequence's end (keys past Sk are never written).
+        k_tile.store((dk * sm_scale).to(dk_desc.dtype))
+        v_tile.store(dv.to(dv_desc.dtype))
+        # Every thread's generic-proxy writes must be visible to the async proxy before the copies.
+        fence_async_shared()
+        _cta_barrier()
+        _tma_store(dk_desc, [b, row0, hk * HEAD_DIM], k_buf)
+        _tma_store(dv_desc, [b, row0, hk * HEAD_DIM], v_buf)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, SEQ_Q,
+                                   SEQ_K, HEADS_KV, GROUP, stride_lb, stride_lh, qk_scale, sm_scale,
+                                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MATH_REGS: gl.constexpr,
+                                   LOAD_REGS: gl.constexpr):
+        """Grid ``(cdiv(Sk, BLOCK_N), B * Hkv)``; launched with 4 warps and ``maxnreg``.
+        ``qk_scale`` is the softmax scale times log2(e), ``sm_scale`` the softmax scale; ``lse2``
+        and ``delta`` are the preprocess kernel's ``[B, Hq, Sq]`` (strides ``stride_lb``,
+        ``stride_lh``, unit along Sq). k, v, dk, dv descriptors have ``BLOCK_N / 2`` rows per
+        block, q and dO ``BLOCK_M``."""
+        KEYS: gl.constexpr = BLOCK_N // 2
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, 1, KEYS, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, 1, KEYS, HEAD_DIM], v_desc.layout)
+        q_ring = gl.allocate_shared_memory(q_desc.dtype, [STAGES, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_ring = gl.allocate_shared_memory(do_desc.dtype, [STAGES, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
+        row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
+        delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
+        kv_ready, q_ready, do_ready, slot_empty = ring_barriers(STAGES)
+        # The argument tuples are spelled out at each use: assigned to a variable, their constexpr
+        # entries would become tensors (triton 3.6). The math partitions differ only in WG.
+        gl.warp_specialize([
+            (_dkdv_math, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, k_smem, v_smem,
+                          q_ring, do_ring, lse_ring, delta_ring, kv_ready, q_ready, do_ready, slot_empty, SEQ_Q,
+                          SEQ_K, HEADS_KV, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, CAUSAL, BLOCK_M, BLOCK_N,
+                          HEAD_DIM, STAGES, 0)),
+            (_dkdv_math, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, k_smem, v_smem,
+                          q_ring, do_ring, lse_ring, delta_ring, kv_ready, q_ready, do_ready, slot_empty, SEQ_Q,
+                          SEQ_K, HEADS_KV, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, CAUSAL, BLOCK_M, BLOCK_N,
+                          HEAD_DIM, STAGES, 1)),
+            (_dkdv_load, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, k_smem, v_smem,
+                          q_ring, do_ring, lse_ring, delta_ring, kv_ready, q_ready, do_ready, slot_empty, SEQ_Q,
+                          SEQ_K, HEADS_KV, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, CAUSAL, BLOCK_M, BLOCK_N,
+                          HEAD_DIM, STAGES)),
+        ], [4, 1], [MATH_REGS, LOAD_REGS])
+
+    @gluon.jit
+    def _dq_load(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, q_smem, do_smem, k_ring, v_ring,
+                 q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale,
+                 sm_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        """The loader: both warpgroups' q and dO rows, then every key block of the span in ring
+        order."""
+        b, h, hk, m0 = query_program(SEQ_Q, HEADS_Q, GROUP, CAUSAL, BLOCK_M)
+        _load_halves(q_desc, do_desc, q_smem, do_smem, q_ready, b, m0, h * HEAD_DIM, BLOCK_M // 2)
+        _, end = key_span(m0, SEQ_Q, SEQ_K, CAUSAL, BLOCK_M, BLOCK_N, False)
+        load_kv_ring(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, b, hk * HEAD_DIM, end, BLOCK_N,
+                     STAGES)
+
+    @gluon.jit
+    def _dq_blocks(q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, dq, zero_s, lse2, delta, rows, step,
+                   lo, hi, sk, shift, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        """dQ contributions of the key blocks starting in [lo, hi), ring steps from ``step``;
+        ``MASKED`` blocks zero P past ``sk`` and, causal, past each row's diagonal. Returns
+        ``(dq, step)``."""
+        s_layout: gl.constexpr = zero_s.type.layout
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq.type.layout, k_width=2)
+        for n0 in range(lo, hi, BLOCK_N):
+            slot = step % STAGES
+            phase = (step // STAGES) & 1
+            s, dp, k_tile, _ = _start_products(q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, slot, phase, zero_s,
+                                               BLOCK_N, HEAD_DIM)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+            p = gl.exp2(s * qk_scale - lse2[:, None])
+            if MASKED:
+                # Keys past sk read zeros, which would still give P = exp2(-lse2) there.
+                cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                ok = cols[None, :] < sk
+                if CAUSAL:
+                    ok = ok & (cols[None, :] <= rows[:, None] + shift)
+                p = gl.where(ok, p, 0.0)
+            dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+            ds = p * (dp - delta[:, None])
+            dq = warpgroup_mma(gl.convert_layout(ds.to(k_ring.dtype), op_layout), k_tile, dq, is_async=True)
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+            mbarrier.arrive(kv_empty.index(slot), count=1)
+            step += 1
+        return dq, step
+
+    @gluon.jit
+    def _dq_math(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, q_smem, do_smem, k_ring, v_ring,
+                 q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale,
+                 sm_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
+        """Math warpgroup ``WG``: query rows ``m0 + WG * 64`` to ``m0 + WG * 64 + 63``."""
+        Q_ROWS: gl.constexpr = BLOCK_M // 2
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
+        b, h, hk, m0 = query_program(SEQ_Q, HEADS_Q, GROUP, CAUSAL, BLOCK_M)
+        row0 = m0 + WG * Q_ROWS
+        full_end, end = key_span(m0, SEQ_Q, SEQ_K, CAUSAL, BLOCK_M, BLOCK_N, False)
+        shift = SEQ_K - SEQ_Q
+        rows = row0 + gl.arange(0, Q_ROWS, layout=gl.SliceLayout(1, s_layout))
+        l_base = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+        # Rows past sq: lse2 = +inf makes their probabilities 0.
+        lse2 = gl.load(lse2_ptr + l_base + rows, mask=rows < SEQ_Q, other=float("inf"))
+        delta = gl.load(delta_ptr + l_base + rows, mask=rows < SEQ_Q, other=0.0)
+
+        zero_s = gl.zeros((Q_ROWS, BLOCK_N), dtype=gl.float32, layout=s_layout)
+        dq = gl.zeros((Q_ROWS, HEAD_DIM), dtype=gl.float32, layout=acc_layout)
+        q_buf = q_smem.index(WG)
+        mbarrier.wait(q_ready.index(WG), 0)
+        q_tile = q_buf.reshape([Q_ROWS, HEAD_DIM])
+        do_tile = do_smem.index(WG).reshape([Q_ROWS, HEAD_DIM])
+        dq, step = _dq_blocks(q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, dq, zero_s, lse2, delta,
+                              rows, full_end * 0, 0, full_end, SEQ_K, shift, qk_scale, False, CAUSAL, BLOCK_N,
+                              HEAD_DIM, STAGES)
+        dq, step = _dq_blocks(q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, dq, zero_s, lse2, delta,
+                              rows, step, full_end, end, SEQ_K, shift, qk_scale, True, CAUSAL, BLOCK_N, HEAD_DIM,
+                              STAGES)
+
+        # This warpgroup's q buffer is read by no pending wgmma now: it stages dQ. The TMA store
+        # clips at the sequence's end.
+        q_tile.store((dq * sm_scale).to(dq_desc.dtype))
+        fence_async_shared()
+        _cta_barrier()
+        _tma_store(dq_desc, [b, row0, h * HEAD_DIM], q_buf)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def attn_bwd_dq_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, SEQ_Q, SEQ_K,
+                                 HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, CAUSAL: gl.constexpr,
+                                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                                 STAGES: gl.constexpr, MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+        """Grid ``(cdiv(Sq, BLOCK_M), B * Hq)`` (the forward's); launched with 4 warps and
+        ``maxnreg``. Scales and ``lse2``/``delta`` as ``attn_bwd_dkdv_gluon_kernel``'s; q, dO and
+        dq descriptors have ``BLOCK_M / 2`` rows per block, k and v ``BLOCK_N``."""
+        Q_ROWS: gl.constexpr = BLOCK_M // 2
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 1, Q_ROWS, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, 1, Q_ROWS, HEAD_DIM], do_desc.layout)
+        k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_ready, k_ready, v_ready, kv_empty = ring_barriers(STAGES)
+        gl.warp_specialize([
+            (_dq_math, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, q_smem, do_smem, k_ring,
+                        v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb,
+                        stride_lh, qk_scale, sm_scale, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, 0)),
+            (_dq_math, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, q_smem, do_smem, k_ring,
+                        v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb,
+                        stride_lh, qk_scale, sm_scale, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, 1)),
+            (_dq_load, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, q_smem, do_smem, k_ring,
+                        v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb,
+                        stride_lh, qk_scale, sm_scale, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+        ], [4, 1], [MATH_REGS, LOAD_REGS])
+
+
+# -- the gate ------------------------------------------------------------------------------------------
+_read_switch = env_text_reader(ATTN_GLUON_BWD_ENV)
+
+
+def switch_refusal() -> Optional[str]:
+    """None only while ``PRIMUS_TURBO_ATTN_GLUON_BWD`` is on: the kernels are opt-in until they
+    have run on a GPU. A malformed value raises ConfigError naming the variable."""
+    raw = _read_switch()
+    if parse_bool(raw, ATTN_GLUON_BWD_ENV) is not True:
+        return f"the Gluon attention backward is opt-in until verified on a GPU ({ATTN_GLUON_BWD_ENV}=1)"
+    return None
+
+
+def machine_refusal() -> Optional[str]:
+    """Why this process cannot run the kernels at all, or None: the opt-in switch, then the
+    machine gate every Gluon kernel of the package shares (``fp8_blockwise_gluon.available``)."""
+    return switch_refusal() or available()
+
+
+def gluon_backward_refusal(p, q: Optional[torch.Tensor] = None, k: Optional[torch.Tensor] = None,
+                           v: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                           dout: Optional[torch.Tensor] = None) -> Optional[str]:
+    """None when these kernels serve the backward of problem ``p`` (with these tensors where
+    given), else why not: the machine's reason, then the problem's (the Gluon forward's problem
+    rules: ``attention_gluon.problem_refusal``), then the tensors'. q, k and v are read by TMA
+    (``attention_gluon.tensor_refusal``); out is read through pointers and dout is copied to a
+    TMA-readable layout where it is not, so of those two only the device is asked."""
+    why = machine_refusal() or problem_refusal(p)
+    if why or q is None:
+        return why
+    why = tensor_refusal(q=q, k=k, v=v)
+    if why:
+        return why
+    for name, t in (("out", out), ("dout", dout)):
+        if t is not None and t.device.type != "cuda":
+            return f"{name} is on {t.device}"
+    return None
+
+
+# -- launch --------------------------------------------------------------------------------------------
+def dkdv_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dk: torch.Tensor,
+                     dv: torch.Tensor, lse2: torch.Tensor, delta: torch.Tensor, softmax_scale: float,
+                     causal: bool) -> tuple[tuple, tuple, dict]:
+    """``(grid, args, kwargs)`` of the dK/dV launch writing ``dk`` and ``dv``;
+    tools/compile_sm90.py compiles with them."""
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    cfg = dkdv_config(d, causal)
+    keys = cfg.block_n // 2
+    args = (descriptor(q, cfg.block_m), descriptor(k, keys), descriptor(v, keys), descriptor(dout, cfg.block_m),
+            descriptor(dk, keys), descriptor(dv, keys), lse2, delta, sq, sk, hk, hq // hk, lse2.stride(0),
+            lse2.stride(1), softmax_scale * _LOG2E, softmax_scale)
+    kwargs = dict(CAUSAL=bool(causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.stages,
+                  MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)
+    return (-(-sk // cfg.block_n), b * hk), args, kwargs
+
+
+def dq_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor,
+                   lse2: torch.Tensor, delta: torch.Tensor, softmax_scale: float,
+                   causal: bool) -> tuple[tuple, tuple, dict]:
+    """``(grid, args, kwargs)`` of the dQ launch writing ``dq``; tools/compile_sm90.py compiles
+    with them."""
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    cfg = dq_config(d, causal)
+    rows = cfg.block_m // 2
+    args = (descriptor(q, rows), descriptor(k, cfg.block_n), descriptor(v, cfg.block_n), descriptor(dout, rows),
+            descriptor(dq, rows), lse2, delta, sq, sk, hq, hq // hk, lse2.stride(0), lse2.stride(1),
+            softmax_scale * _LOG2E, softmax_scale)
+    kwargs = dict(CAUSAL=bool(causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.stages,
+                  MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)
+    return (-(-sq // cfg.block_m), b * hq), args, kwargs
+
+
+def _tma_readable(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a contiguous copy where its layout is not one the descriptors read."""
+    return x if tensor_refusal(x=x) is None else x.contiguous()
+
+
+def attend_backward(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                    dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) shaped like q, k, v in their dtype, from the forward's out and float32
+    natural-log lse ``[B, Hq, Sq]``, for a call ``gluon_backward_refusal`` accepted; the same
+    gradients as ``attention.attend_backward``'s dense path."""
+    dout = _tma_readable(dout.to(q.dtype))
+    lse = lse.contiguous()
+    lse2, delta = torch.empty_like(lse), torch.empty_like(lse)
+    d = p.head_dim_v
+    AK.attn_bwd_preprocess_kernel[(p.batch * p.heads_q, -(-p.seqlen_q // PRE_BLOCK_M))](
+        out, dout, lse, lse2, delta, lse, *out.stride(), *dout.stride(), lse.stride(0), lse.stride(1), p.seqlen_q,
+        p.heads_q, VARLEN=False, D_V=d, BLOCK_DV=d, BLOCK_M=PRE_BLOCK_M)
+    # Contiguous, whatever q, k, v's strides: the descriptors store packed heads.
+    dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
+    grid, args, kwargs = dkdv_launch_args(q, k, v, dout, dk, dv, lse2, delta, p.softmax_scale, p.causal)
+    attn_bwd_dkdv_gluon_kernel[grid](*args, **kwargs)
+    grid, args, kwargs = dq_launch_args(q, k, v, dout, dq, lse2, delta, p.softmax_scale, p.causal)
+    attn_bwd_dq_gluon_kernel[grid](*args, **kwargs)
+    return dq, dk, dv
+
+
+__all__ = ["ATTN_GLUON_BWD_ENV", "KERNEL_REVISION", "GluonAttnBwdConfig", "attend_backward", "dkdv_config",
+           "dkdv_launch_args", "dq_config", "dq_launch_args", "gluon_backward_refusal", "machine_refusal",
+           "switch_refusal"]
