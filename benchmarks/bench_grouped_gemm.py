@@ -25,6 +25,11 @@ Modes:
   (fwd + bwd); torch has no blockwise fp8 grouped GEMM, so the bf16 ``torch._grouped_mm`` step is
   the peer (the ratio is the speed-up over bf16 grouped).
 
+Every timed step also gets ``step_wall_ms``: 20 back-to-back steps (``--wall-iters``) synchronised only at
+the end, what a training loop sees where the host, not the GPU, bounds the step (fp8 rows add
+``vs_bf16_wall``). ``--shapes GxTxNxK,...`` runs shapes no preset has; ``--profile N`` writes cProfile and
+torch.profiler tables of N eager steps per turbo variant to ``<out>/profiles/``.
+
 Group offsets are computed once per case, outside the timed region, and given to both sides
 (turbo as ``group_offs``, torch as its int32 end offsets), as an MoE layer computes them once from
 its routing for all its GEMMs.
