@@ -274,3 +274,36 @@ def test_explain_and_handle(one_rank):
     _, _, _, counts, handle = moe_dispatch(x, idx, torch.rand(5, 1, dtype=torch.bfloat16), 2, num_worst_tokens=8)
     assert counts.tolist() == [2, 2] and "num_recv=on device, recv_rows=8" in repr(handle)
     _raises(ValueError, "must have 8 rows", turbo.ops.moe_combine, x, None, handle)
+
+
+@pytest.mark.parametrize("hidden, scale_dtype, scales", [(256, torch.float32, 2), (20, torch.float32, 1),
+                                                         (7, torch.bfloat16, 3), (7168, torch.float64, 56)])
+def test_fp8_rows_and_scales_travel_packed_in_one_row(hidden, scale_dtype, scales):
+    """``pack_rows`` puts each token's fp8 bytes and scale bytes in one row (scales 16-byte aligned,
+    rows padded to 16 bytes); ``unpack_rows`` gives both back bit for bit and contiguous, also for
+    padding rows of zeros (zero data, zero scales)."""
+    from turbo_dispatch.ops.moe_fp8 import pack_rows, packed_layout, unpack_rows
+
+    data = torch.randn(9, hidden).to(torch.float8_e4m3fn)
+    scale = torch.rand(9, scales, dtype=torch.float64).to(scale_dtype)
+    offset, nbytes, width = packed_layout(hidden, scale)
+    assert offset % 16 == 0 and width % 16 == 0 and offset >= hidden and width >= offset + nbytes
+    packed = pack_rows(data, scale)
+    assert packed.shape == (9, width) and packed.dtype == data.dtype
+    rows = torch.cat([packed, torch.zeros(2, width, dtype=torch.uint8).view(packed.dtype)])
+    got_data, got_scale = unpack_rows(rows, hidden, scale)
+    assert got_data.is_contiguous() and got_scale.is_contiguous()
+    assert torch.equal(got_data[:9].view(torch.uint8), data.view(torch.uint8)) and torch.equal(got_scale[:9], scale)
+    assert not got_data[9:].view(torch.uint8).any() and not got_scale[9:].any()
+
+
+def test_fp8_dispatch_key_is_the_packed_row(one_rank):
+    """explain shows the key moe_dispatch resolves for an fp8 payload: the packed row's width."""
+    import turbo_dispatch as turbo
+    from turbo_dispatch.low_precision import quantize
+    from turbo_dispatch.ops.moe_fp8 import packed_layout
+
+    q = quantize(torch.randn(5, 256), torch.float8_e4m3fn, "blockwise", block_size=128)
+    idx = torch.zeros(5, 1, dtype=torch.int64)
+    decision = turbo.explain("moe_dispatch_combine", q, idx, None, 2)
+    assert decision.problem.hidden == packed_layout(256, q.scale)[2] != 256

@@ -37,6 +37,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .ops.moe import (MoeHandle, _group_size, dispatch_layout, moe_combine, moe_dispatch, moe_dispatch_cached)
+from .ops.moe_fp8 import fp8_payload, pack_rows, unpack_rows
 
 log = logging.getLogger("turbo_dispatch.moe_buffer")
 
@@ -132,10 +133,12 @@ class Buffer:
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("Buffer.dispatch: with a handle (cached mode) topk_idx and topk_weights must be None")
-            recv = moe_dispatch_cached(data, self.group, handle)
-            if scales is not None:
-                recv = (recv, moe_dispatch_cached(scales, self.group, handle))
-            return recv, None, None, None, None, None
+            if scales is None:
+                return moe_dispatch_cached(data, self.group, handle), None, None, None, None, None
+            # one exchange: the fp8 rows and their scales side by side (as moe_dispatch sends them)
+            payload = fp8_payload("Buffer.dispatch", (data, scales))
+            rows = moe_dispatch_cached(pack_rows(payload.data, payload.scale), self.group, handle)
+            return unpack_rows(rows, data.shape[1], scales), None, None, None, None, None
         if topk_idx is None or num_tokens_per_expert is None:
             raise ValueError("Buffer.dispatch: without a handle, topk_idx and num_tokens_per_expert (from "
                              "get_dispatch_layout; its length is num_experts) are required")

@@ -41,8 +41,8 @@ errors that need no data (shapes, dtypes, ``num_experts`` not divisible by the g
 raise before any communication, on the ranks that made them.
 
 fp8 dispatch: ``x`` may be an fp8 activation with per-row or 1 x block scales (a QuantizedTensor or
-DeepEP's ``(x_fp8, scales)`` pair, see ``ops/moe_fp8.py``); the fp8 bytes and the scales travel
-(the scales along the data's handle) and arrive in the same form, ready for ``grouped_gemm_fp8``.
+DeepEP's ``(x_fp8, scales)`` pair, see ``ops/moe_fp8.py``); the fp8 bytes and the scales travel in one
+exchange, side by side in each row, and arrive in the same form, ready for ``grouped_gemm_fp8``.
 
 Problem key (``MoeDispatchProblem``): hidden, topk, num_experts, world size, dtype, whether
 probabilities travel, num_worst_tokens, platform. It holds only facts that are the same on every
@@ -76,7 +76,7 @@ from ..device_platform import platform_of
 from ..op_spec import OpSpec, precision_of_dtype, register_op
 from ..resolver import resolve
 from ._common import require_bool, require_dtype, require_tensor
-from .moe_fp8 import fp8_payload
+from .moe_fp8 import fp8_payload, pack_rows, packed_layout, unpack_rows
 
 log = logging.getLogger("turbo_dispatch.ops.moe")
 
@@ -304,9 +304,13 @@ def _not_tunable(*_args: Any) -> Any:
 def _explain_problem(x, token_indices, token_probs=None, num_experts=None, group=None, async_finish=False,
                      allocate_on_comm_stream=False, num_worst_tokens=0) -> MoeDispatchProblem:
     payload = fp8_payload("moe_dispatch", x)
-    data = x if payload is None else payload.data
-    return moe_dispatch_problem(data, token_indices, token_probs, num_experts, group, num_worst_tokens,
-                                ask_peers=False)
+    if payload is None:
+        return moe_dispatch_problem(x, token_indices, token_probs, num_experts, group, num_worst_tokens,
+                                    ask_peers=False)
+    # what travels: the packed rows (fp8 data and scales side by side)
+    problem = moe_dispatch_problem(payload.data, token_indices, token_probs, num_experts, group, num_worst_tokens,
+                                   ask_peers=False)
+    return problem._replace(hidden=packed_layout(payload.data.shape[1], payload.scale)[2])
 
 
 MOE_DISPATCH_COMBINE = register_op(OpSpec(
@@ -426,9 +430,9 @@ def moe_dispatch(x: Any, token_indices: torch.Tensor, token_probs: Optional[torc
     payload = fp8_payload("moe_dispatch", x)
     if payload is not None:
         recv, recv_idx, recv_probs, counts, handle = moe_dispatch(
-            payload.data, token_indices, token_probs, num_experts, group, async_finish, allocate_on_comm_stream,
-            num_worst_tokens)
-        recv = payload.wrap(recv, moe_dispatch_cached(payload.scale, group, handle))
+            pack_rows(payload.data, payload.scale), token_indices, token_probs, num_experts, group, async_finish,
+            allocate_on_comm_stream, num_worst_tokens)
+        recv = payload.wrap(*unpack_rows(recv, payload.data.shape[1], payload.scale))
         return recv, recv_idx, recv_probs, counts, handle
     problem = moe_dispatch_problem(x, token_indices, token_probs, num_experts, group, num_worst_tokens)
     require_bool("moe_dispatch", "async_finish", async_finish)

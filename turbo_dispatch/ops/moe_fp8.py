@@ -11,9 +11,11 @@ Two forms are accepted:
 * DeepEP's ``(x_fp8, scales)`` pair: ``x_fp8`` [T, H] float8, ``scales`` [T, S] float32 (or another
   float dtype); the received pair comes back as a tuple.
 
-Only the fp8 bytes and the scales move (the scales along the data's handle, no extra host sync);
-padding rows of a ``num_worst_tokens`` buffer arrive as zero data with zero scales, which dequantise
-to zeros.
+Only the fp8 bytes and the scales move, in one dispatch: ``pack_rows`` lays each token's fp8 data and
+its scales' bytes side by side in one row (the scales from the next 16-byte boundary, rows padded to
+16 bytes), so the exchange carries both and ``unpack_rows`` gives the received data and scales back as
+contiguous tensors. Padding rows of a ``num_worst_tokens`` buffer arrive as zero data with zero scales,
+which dequantise to zeros.
 """
 from __future__ import annotations
 
@@ -74,3 +76,44 @@ def fp8_payload(op: str, x: object) -> Optional[Fp8Payload]:
 def _check_scale(op: str, name: str, scale: torch.Tensor, rows: int) -> None:
     if scale.dim() != 2 or scale.shape[0] != rows:
         raise ValueError(f"{op}: {name} must be [num_tokens={rows}, scales per row]; got {tuple(scale.shape)}")
+
+
+def packed_layout(hidden: int, scale: torch.Tensor) -> tuple[int, int, int]:
+    """``(scale offset, scale bytes, row width)`` in bytes of a packed row of ``hidden`` fp8 values and
+    ``scale``'s row: the scales start at the first 16-byte boundary after the data (so they can be
+    viewed in their own dtype), and the row is padded to 16 bytes (aligned rows for the copies).
+
+    >>> packed_layout(7168, torch.ones(4, 56))
+    (7168, 224, 7392)
+    """
+    offset = -(-hidden // 16) * 16
+    nbytes = scale.shape[1] * scale.element_size()
+    return offset, nbytes, -(-(offset + nbytes) // 16) * 16
+
+
+def pack_rows(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``[T, width]`` rows in ``data``'s fp8 dtype holding each token's fp8 data and then its scales'
+    bytes (``packed_layout``); the padding bytes are left unset (never read back).
+
+    >>> d = torch.randn(3, 20).to(torch.float8_e4m3fn)
+    >>> s = torch.rand(3, 2)
+    >>> back = unpack_rows(pack_rows(d, s), 20, s)
+    >>> torch.equal(back[0].view(torch.uint8), d.view(torch.uint8)), torch.equal(back[1], s)
+    (True, True)
+    """
+    tokens, hidden = data.shape
+    offset, nbytes, width = packed_layout(hidden, scale)
+    packed = torch.empty((tokens, width), dtype=torch.uint8, device=data.device)
+    packed[:, :hidden].copy_(data.view(torch.uint8))
+    packed[:, offset:offset + nbytes].copy_(scale.contiguous().view(torch.uint8))
+    return packed.view(data.dtype)
+
+
+def unpack_rows(rows: torch.Tensor, hidden: int, scale_like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data [R, hidden], scale [R, S])``, contiguous, out of the packed ``rows`` ``[R, width]`` a
+    dispatch of ``pack_rows``'s output delivered; ``scale_like`` gives the scales' dtype and count."""
+    offset, nbytes, _ = packed_layout(hidden, scale_like)
+    raw = rows.view(torch.uint8)
+    data = raw[:, :hidden].contiguous().view(rows.dtype)
+    scale = raw[:, offset:offset + nbytes].contiguous().view(scale_like.dtype)
+    return data, scale
