@@ -57,7 +57,7 @@ def bind_cuda_context(t: torch.Tensor) -> None:
     Triton encodes a TMA descriptor argument before its launcher binds a context, so a launch
     that is a thread's first CUDA work fails there with "invalid device context": the autograd
     engine's backward thread when a TMA kernel opens its backward, or any fresh thread. Call it before launching with descriptors; it checks the driver once per thread."""
-    if not t.is_cuda or interpreting() or getattr(_BOUND, "done", False):
+    if getattr(_BOUND, "done", False) or not t.is_cuda or interpreting():  # the common case first
         return
     cuda = _libcuda()
     ctx = ctypes.c_void_p()

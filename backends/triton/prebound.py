@@ -30,10 +30,13 @@ plan of each kernel logs why at debug level. That happens under the interpreter
 """
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import threading
 from typing import Any, Callable, Hashable, Mapping, Sequence
+
+import torch
 
 log = logging.getLogger("turbo_dispatch.backends.triton.prebound")
 
@@ -193,17 +196,24 @@ def _direct_launcher(kernel: Any, compiled: Any, grid3: tuple) -> tuple[Callable
 
 
 def _launch_hooks() -> tuple[Any, Any]:
-    """Triton's launch enter and exit hooks (a profiler such as proton installs them)."""
+    """Triton's launch enter and exit hooks (a profiler such as proton installs them), looked up
+    on every launch: a hook may be installed at any time."""
+    runtime = _knobs().runtime
+    return runtime.launch_enter_hook, runtime.launch_exit_hook
+
+
+@functools.lru_cache(maxsize=None)
+def _knobs() -> Any:
+    # imported once: an import statement on every launch is host time
     from triton import knobs
 
-    return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return knobs
 
 
 def _current_stream() -> int:
-    """The current CUDA stream of the current device, as Triton's own launcher takes it."""
-    import torch
-
-    return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+    """The current CUDA stream of the current device, as Triton's own launcher takes it (the
+    device straight from torch's C API: CUDA is initialised once a kernel has been launched)."""
+    return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
 
 
 def _hooked(hook: Any) -> bool:
