@@ -251,6 +251,7 @@ def test_cast_constants_are_computed_once_per_dtype_and_scale_form(monkeypatch):
 
 def test_fp8_plan_key_follows_the_gluon_switch_where_gluon_can_serve(monkeypatch):
     from turbo_dispatch.backends.triton import gemm as TG
+    from turbo_dispatch.backends.triton.fp8_blockwise_gluon import GLUON_ENV
     from turbo_dispatch.low_precision import ScalingGranularity as G
     from turbo_dispatch.ops.gemm import gemm_fp8_problem
 
@@ -259,16 +260,12 @@ def test_fp8_plan_key_follows_the_gluon_switch_where_gluon_can_serve(monkeypatch
     blockwise = gemm_fp8_problem(a, b, False, True, torch.float32, e4, e4, G.BLOCKWISE, 128, False, True)
     rowwise = gemm_fp8_problem(a, b, False, True, torch.float32, e4, e4, G.ROWWISE, None, False, False)
     on_gpu = blockwise._replace(platform="cuda")
-    monkeypatch.delenv(TG._GLUON_ENV, raising=False)
+    monkeypatch.delenv(GLUON_ENV, raising=False)
     keys = {TG._fp8_plan_key(p, None) for p in (blockwise, rowwise, on_gpu)}
-    monkeypatch.setenv(TG._GLUON_ENV, "0")
+    monkeypatch.setenv(GLUON_ENV, "0")
     assert TG._fp8_plan_key(on_gpu, None) not in keys
     assert TG._fp8_plan_key(rowwise, None) in keys and TG._fp8_plan_key(blockwise, None) in keys
     assert TG._fp8_plan_key(rowwise, [64, 64, 128, 8, 3, 4]) == TG._fp8_plan_key(rowwise, (64, 64, 128, 8, 3, 4))
-    pytest.importorskip("triton")
-    from turbo_dispatch.backends.triton import fp8_blockwise_gluon
-
-    assert TG._GLUON_ENV == fp8_blockwise_gluon.GLUON_ENV
 
 
 # -- the interpreter: a planned call gives the first call's bits ---------------------------------------

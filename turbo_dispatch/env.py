@@ -129,9 +129,9 @@ def env_text_reader(name: str) -> Callable[[], "str | None"]:
     True
     """
     read = env_reader(name)
+    return lambda: env_text(read())
 
-    def text() -> "str | None":
-        raw = read()
-        return os.fsdecode(raw) if isinstance(raw, bytes) else raw
 
-    return text
+def env_text(raw: "str | bytes | None") -> "str | None":
+    """The text of an ``env_reader`` value (None stays None)."""
+    return os.fsdecode(raw) if isinstance(raw, bytes) else raw

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .backend_type import BackendChoice, BackendLike, BackendType, PrecisionType
-from .env import ALL_PRECISIONS, AUTO_TUNE_ENV, check_backend_name, env_reader, parse_backend_setting, parse_bool
+from .env import (ALL_PRECISIONS, AUTO_TUNE_ENV, check_backend_name, env_reader, env_text, parse_backend_setting,
+                  parse_bool)
 from .op_spec import FAMILY_ENV
 from .tuning import config as _db_config
 
@@ -37,8 +38,7 @@ class Settings:
     env_auto_tune: bool | None = None
     code_db: dict = field(default_factory=dict)  # tuning-DB settings set in code (tuning.config names)
     env_db: dict = field(default_factory=dict)  # tuning-DB settings read from the environment
-    env_text: dict = field(default_factory=dict)  # family -> the raw text of its *_BACKEND variable
-    env_raw: dict = field(default_factory=dict)  # family -> its env_reader's value when env_text was read
+    env_raw: dict = field(default_factory=dict)  # family -> its *_BACKEND variable's env_reader value when read
 
     @functools.cached_property
     def db(self) -> "_db_config.DbSettings":
@@ -78,22 +78,19 @@ def _plugin_names() -> set[str]:
     return get_registry().names()
 
 
-def _read_env() -> tuple[dict, dict, dict, bool | None, dict]:
-    """(each family's raw *_BACKEND text, its reader's value, the parsed settings, autotune,
-    tuning-DB settings)."""
+def _read_env() -> tuple[dict, dict, bool | None, dict]:
+    """(each family's *_BACKEND reader value, the parsed settings, autotune, tuning-DB settings)."""
     plugins = None
-    # The readers' values first: a change made while the text is read shows as a changed value
-    # on the next call, which reads the environment again.
     env_raw = {family: read() for family, read in _ENV_READERS.items()}
-    env_text = {family: os.environ.get(var) for family, var in FAMILY_ENV.items()}
     env = {}
-    for family, raw in env_text.items():
-        if raw is None or not raw.strip():
+    for family, raw in env_raw.items():
+        text = env_text(raw)
+        if text is None or not text.strip():
             continue
         if plugins is None:
             plugins = _plugin_names()
-        env[family] = parse_backend_setting(raw, FAMILY_ENV[family], plugins)
-    return env_text, env_raw, env, parse_bool(os.environ.get(AUTO_TUNE_ENV), AUTO_TUNE_ENV), _db_config.read_env()
+        env[family] = parse_backend_setting(text, FAMILY_ENV[family], plugins)
+    return env_raw, env, parse_bool(os.environ.get(AUTO_TUNE_ENV), AUTO_TUNE_ENV), _db_config.read_env()
 
 
 def current_settings() -> Settings:
@@ -110,9 +107,9 @@ def current_settings() -> Settings:
 def _publish(base: Settings, **changes) -> None:
     """Re-reads the environment, applies ``changes`` and installs the result as a new generation."""
     global _settings
-    env_text, env_raw, env, env_auto_tune, env_db = _read_env()
+    env_raw, env, env_auto_tune, env_db = _read_env()
     _settings = replace(base, generation=next(_generation), env=env, env_auto_tune=env_auto_tune, env_db=env_db,
-                        env_text=env_text, env_raw=env_raw, **changes)
+                        env_raw=env_raw, **changes)
     for listener in list(_listeners):
         listener()
 

@@ -227,7 +227,8 @@ if gluon is not None:
             mbarrier.invalidate(ready.index(s))
 
 
-_read_switch = env_text_reader(GLUON_ENV)
+#: The text of the Gluon switch (``GLUON_ENV``) as it is now, None when unset.
+read_switch = env_text_reader(GLUON_ENV)
 
 
 def available(device_index: int | None = None) -> str | None:
@@ -237,7 +238,7 @@ def available(device_index: int | None = None) -> str | None:
     Asked several times per blockwise step, so the machine's part of the answer (a CUDA build
     with a GPU, the device's compute capability: costly queries) is kept per device; the env
     switch, the Triton release and the interpreter flag are looked at on every call."""
-    switch = _read_switch()
+    switch = read_switch()
     if switch is not None and parse_bool(switch, GLUON_ENV) is False:
         return f"the Gluon kernels are switched off ({GLUON_ENV}={switch})"
     if gluon is None:
@@ -392,4 +393,4 @@ def make_descriptor(t: torch.Tensor, block: list[int]):
 
 
 __all__ = ["GLUON_ENV", "KERNEL_REVISION", "available", "checked_output", "config_error", "device_error",
-           "fp8_blockwise_gemm", "make_descriptor", "operands_error", "shared_layout"]
+           "fp8_blockwise_gemm", "make_descriptor", "operands_error", "read_switch", "shared_layout"]

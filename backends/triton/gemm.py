@@ -20,7 +20,6 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from turbo_dispatch.adapter import Adapter
-from turbo_dispatch.env import env_text_reader
 from turbo_dispatch.low_precision import QuantizedTensor, ScalingGranularity
 
 from . import configs as _cfg
@@ -91,22 +90,28 @@ class _Fp8Plan(NamedTuple):
 
 #: The ``_Fp8Plan`` of each (problem, config[, Gluon switch]) a TritonGemmFp8 call met.
 _FP8_PLANS = BoundedCache(MAX_PLANS)
-#: The environment switch of the Gluon blockwise kernels (fp8_blockwise_gluon.GLUON_ENV): read per
-#: call where it can change the plan, as the kernels' own ``available()`` reads it.
-_GLUON_ENV = "PRIMUS_TURBO_GLUON_KERNELS"
-
-
-_read_gluon_switch = env_text_reader(_GLUON_ENV)
 
 
 def _fp8_plan_key(p, config) -> tuple:
     """The ``_FP8_PLANS`` key of a call: the problem and config, and where a Gluon kernel could
-    serve the problem (BLOCKWISE on cuda), the Gluon switch's value."""
+    serve the problem (BLOCKWISE on cuda), the Gluon switch's value (read per call, as the
+    kernels' own ``available()`` reads it)."""
     if config is not None and not isinstance(config, tuple):
         config = tuple(config)  # a JSON list from a tuning DB
     if p.granularity is ScalingGranularity.BLOCKWISE and p.platform == "cuda":
-        return p, config, _read_gluon_switch()
+        return p, config, _gluon_switch()
     return p, config
+
+
+def _gluon_switch() -> "str | None":
+    """The Gluon kernels' switch as their ``available()`` reads it (``fp8_blockwise_gluon.read_switch``)."""
+    return _gluon_module().read_switch()
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_module():
+    """fp8_blockwise_gluon, imported on first use (importing this module must not need triton)."""
+    return gluon_kernel(_cfg.KERNEL_GLUON)
 
 
 @functools.lru_cache(maxsize=None)
