@@ -48,8 +48,9 @@ class SymmetricArena:
 
     ``phase`` is the device counter whose parity picks the half; ``local(dtype)`` views the whole
     arena in ``dtype``; ``peer_delta(dtype)`` is an int64 device tensor of each rank's arena start
-    minus this rank's, in ``dtype`` elements; ``half_bytes`` is the size of one half. Allocation and rendezvous are host-synchronous collectives, so they happen
-    only in ``grow`` (first use, or a larger need), never in a steady-state call or a captured graph.
+    minus this rank's, in ``dtype`` elements; ``half_bytes`` is the size of one half. Allocation
+    and rendezvous are host-synchronous collectives, so they happen only in ``grow`` (first use,
+    or a larger need), never in a steady-state call or a captured graph.
     """
 
     def __init__(self, group: Any, device: torch.device):

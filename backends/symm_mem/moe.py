@@ -314,13 +314,15 @@ def combine_phases(layout: SymmMemLayout, y: torch.Tensor) -> Generator[Any, Non
 
 # -- the adapter --------------------------------------------------------------------------------------------
 _ARENAS: dict = {}
+#: Each arena's replayed graphs, keyed by the arena object (not its id, which a later object may reuse).
 _GRAPHS: dict = {}
 
 
 def _graphs(arena) -> GraphedCalls:
-    if id(arena) not in _GRAPHS:
-        _GRAPHS[id(arena)] = GraphedCalls(arena)
-    return _GRAPHS[id(arena)]
+    graphs = _GRAPHS.get(arena)
+    if graphs is None:
+        graphs = _GRAPHS[arena] = GraphedCalls(arena)
+    return graphs
 
 
 _LAYOUT_TENSORS = ("dst_row", "back_rank", "back_dst", "slot", "n_valid")

@@ -46,8 +46,6 @@ except ImportError:  # pragma: no cover
 KERNEL_REVISION = "gemm-r1"
 
 
-
-
 _BOUND = threading.local()
 
 

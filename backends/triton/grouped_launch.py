@@ -19,8 +19,6 @@ Config = tuple
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-
-
 @functools.lru_cache(maxsize=None)
 def _triton_reason() -> str | None:
     try:
@@ -28,7 +26,6 @@ def _triton_reason() -> str | None:
     except ImportError as exc:  # pragma: no cover - depends on the environment
         return f"triton is not importable ({exc})"
     return None if hasattr(triton, "jit") else "triton is installed without triton.jit"
-
 
 
 @functools.lru_cache(maxsize=None)

@@ -67,8 +67,6 @@ _MODE_TILE2D = 2  # amax of the whole tile
 _MODE_LOADED = 3  # amax read from a buffer, one per row (stride 0: one for the tensor)
 
 
-
-
 @functools.lru_cache(maxsize=None)
 def available() -> str | None:
     """None when the Triton kernels can run here (a CUDA/ROCm GPU, or TRITON_INTERPRET=1 on the

@@ -304,12 +304,11 @@ def _not_tunable(*_args: Any) -> Any:
 def _explain_problem(x, token_indices, token_probs=None, num_experts=None, group=None, async_finish=False,
                      allocate_on_comm_stream=False, num_worst_tokens=0) -> MoeDispatchProblem:
     payload = fp8_payload("moe_dispatch", x)
+    problem = moe_dispatch_problem(x if payload is None else payload.data, token_indices, token_probs, num_experts,
+                                   group, num_worst_tokens, ask_peers=False)
     if payload is None:
-        return moe_dispatch_problem(x, token_indices, token_probs, num_experts, group, num_worst_tokens,
-                                    ask_peers=False)
+        return problem
     # what travels: the packed rows (fp8 data and scales side by side)
-    problem = moe_dispatch_problem(payload.data, token_indices, token_probs, num_experts, group, num_worst_tokens,
-                                   ask_peers=False)
     return problem._replace(hidden=packed_layout(payload.data.shape[1], payload.scale)[2])
 
 
