@@ -150,11 +150,13 @@ def test_problem_reasons(sm90):
         assert reason in (sm90.gluon_forward_refusal(p) or ""), (reason, sm90.gluon_forward_refusal(p))
 
 
-@pytest.mark.parametrize("value, pipelined", [(None, False), ("0", False), ("1", True), ("on", True)])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_pipeline_switch_selects_the_variant(sm90, monkeypatch, value, pipelined, head_dim):
+@pytest.mark.parametrize("value, head_dim, pipelined", [
+    (None, 64, False), (None, 128, True), ("0", 64, False), ("0", 128, False), ("off", 128, False),
+    ("1", 64, True), ("on", 128, True)])
+def test_pipeline_switch_selects_the_variant(sm90, monkeypatch, value, head_dim, pipelined):
     """PRIMUS_TURBO_ATTN_GLUON_PIPELINE, read per call, hands the launch the PIPELINE constexpr and
-    that variant's ring; unset (or off) the launch is the default variant's, tiles unchanged."""
+    that variant's ring: on or off for every head dim where set, unset the pipelined variant at
+    d128 only (PIPELINED_HEAD_DIMS); the unpipelined variant's tiles are unchanged."""
     AG = sm90
     launches = []
 
@@ -183,7 +185,7 @@ def test_pipeline_switch_selects_the_variant(sm90, monkeypatch, value, pipelined
 def test_pipeline_switch_bad_value_names_the_variable(sm90, monkeypatch):
     monkeypatch.setenv(sm90.ATTN_GLUON_PIPELINE_ENV, "maybe")
     with pytest.raises(ConfigError, match=sm90.ATTN_GLUON_PIPELINE_ENV):
-        sm90.pipeline_requested()
+        sm90.pipelined(128)
 
 
 def test_tensor_reasons(sm90):
@@ -348,7 +350,7 @@ def test_gpu_forward_matches_reference(case, pipeline, monkeypatch):
 
     AG = _gpu_gate()
     monkeypatch.setenv(AG.ATTN_GLUON_PIPELINE_ENV, "1" if pipeline else "0")
-    assert AG.pipeline_requested() is pipeline
+    assert AG.pipelined(case[5]) is pipeline
     b, sq, sk, hq, hk, d, dtype, causal = case
     q, k, v = _inputs(b, sq, sk, hq, hk, d, dtype)
     p = attention_problem(q, k, v, causal=causal, return_lse=True)

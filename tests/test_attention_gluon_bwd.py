@@ -1,14 +1,14 @@
 """The Gluon Hopper attention backward (backends/triton/attention_gluon_bwd.py) and its use by TRITON.
 
 CPU (no marker): the gate's reasons, each condition forced with monkeypatch on a machine made to
-look like an sm_90 host (test_attention_gluon's ``sm90`` fixture): the opt-in switch
-(``PRIMUS_TURBO_ATTN_GLUON_BWD``, off unless set to a true value), the package-wide Gluon
+look like an sm_90 host (test_attention_gluon's ``sm90`` fixture): the switch
+(``PRIMUS_TURBO_ATTN_GLUON_BWD``, on unless set to a false value), the package-wide Gluon
 switch and the machine, every problem and tensor the kernels leave to the plain-Triton backward;
 and the adapter's wiring: the eager and the compiled backward take the Gluon launcher exactly
 when the gate says None, else the plain-Triton kernels. The sm_90 compile (registers, spills,
 shared memory) is checked by tests/test_compile_sm90.py (family ``attention_gluon_bwd``).
 
-GPU (``@pytest.mark.gpu``, sm_90 only, with ``PRIMUS_TURBO_ATTN_GLUON_BWD=1``): dq, dk, dv of
+GPU (``@pytest.mark.gpu``, sm_90 only): dq, dk, dv of
 the kernels against a float32 reference on random non-zero inputs, SNR >= 40 dB, over head dims
 64/128, full and causal masks, MHA/GQA/MQA, Sq == Sk and Sq != Sk (rows that attend nothing
 get dq = 0), odd lengths, bf16 and fp16, bit-identical over two runs; strided q, k, v and dout;
@@ -27,7 +27,8 @@ from test_attention_gluon import (_case_id, _problem, count_calls, refused_probl
 from turbo_dispatch.errors import ConfigError
 
 BF16, FP16 = torch.bfloat16, torch.float16
-OPT_IN = "the Gluon attention backward is opt-in until verified on a GPU (PRIMUS_TURBO_ATTN_GLUON_BWD=1)"
+def _off(value: str) -> str:
+    return f"the Gluon attention backward is switched off (PRIMUS_TURBO_ATTN_GLUON_BWD={value})"
 
 
 def _agb():
@@ -37,7 +38,7 @@ def _agb():
 
 
 @pytest.fixture
-def opted_in(sm90, monkeypatch):  # noqa: F811
+def switched_on(sm90, monkeypatch):  # noqa: F811
     """The forced sm_90 machine with the backward switched on: the module."""
     AGB = _agb()
     monkeypatch.setenv(AGB.ATTN_GLUON_BWD_ENV, "1")
@@ -45,18 +46,18 @@ def opted_in(sm90, monkeypatch):  # noqa: F811
 
 
 # -- the gate ------------------------------------------------------------------------------------------
-def test_off_by_default(sm90, monkeypatch):  # noqa: F811
-    """Unset, the switch keeps every call on the plain-Triton backward, and says how to opt in."""
+def test_on_by_default(sm90, monkeypatch):  # noqa: F811
+    """Unset, the switch lets the kernels serve."""
     AGB = _agb()
     monkeypatch.delenv(AGB.ATTN_GLUON_BWD_ENV, raising=False)
-    assert AGB.gluon_backward_refusal(_problem()) == OPT_IN
-    assert AGB.machine_refusal() == OPT_IN
+    assert AGB.gluon_backward_refusal(_problem()) is None
+    assert AGB.machine_refusal() is None
 
 
 @pytest.mark.parametrize("value", ["0", "false", "off", "no"])
 def test_switch_off_values_refuse(sm90, monkeypatch, value):  # noqa: F811
     monkeypatch.setenv(_agb().ATTN_GLUON_BWD_ENV, value)
-    assert _agb().gluon_backward_refusal(_problem()) == OPT_IN
+    assert _agb().gluon_backward_refusal(_problem()) == _off(value)
 
 
 @pytest.mark.parametrize("value", ["1", "true", "on", "yes"])
@@ -72,25 +73,25 @@ def test_switch_bad_value_names_the_variable(sm90, monkeypatch):  # noqa: F811
         AGB.gluon_backward_refusal(_problem())
 
 
-def test_switch_is_read_per_call(opted_in, monkeypatch):
-    assert opted_in.gluon_backward_refusal(_problem()) is None
-    monkeypatch.delenv(opted_in.ATTN_GLUON_BWD_ENV)
-    assert opted_in.gluon_backward_refusal(_problem()) == OPT_IN
+def test_switch_is_read_per_call(switched_on, monkeypatch):
+    assert switched_on.gluon_backward_refusal(_problem()) is None
+    monkeypatch.setenv(switched_on.ATTN_GLUON_BWD_ENV, "0")
+    assert switched_on.gluon_backward_refusal(_problem()) == _off("0")
 
 
-def test_forward_switch_leaves_the_backward_alone(opted_in, monkeypatch):
+def test_forward_switch_leaves_the_backward_alone(switched_on, monkeypatch):
     """PRIMUS_TURBO_ATTN_GLUON is the forward's switch; the backward has its own."""
     monkeypatch.setenv("PRIMUS_TURBO_ATTN_GLUON", "0")
-    assert opted_in.gluon_backward_refusal(_problem()) is None
+    assert switched_on.gluon_backward_refusal(_problem()) is None
 
 
-def test_machine_reasons(opted_in, monkeypatch):
+def test_machine_reasons(switched_on, monkeypatch):
     """With the switch on, each machine condition that refuses names itself."""
     from test_attention_gluon import _clear_device_caches
 
     from turbo_dispatch.backends.triton import fp8_blockwise_gluon as GB
 
-    AGB = opted_in
+    AGB = switched_on
     assert AGB.machine_refusal() is None
     monkeypatch.setenv(GB.GLUON_ENV, "0")
     assert GB.GLUON_ENV in AGB.machine_refusal()
@@ -109,19 +110,19 @@ def test_machine_reasons(opted_in, monkeypatch):
     assert "gluon is missing" in AGB.machine_refusal()
 
 
-def test_problem_reasons(opted_in):
+def test_problem_reasons(switched_on):
     """The forward's problems are served; everything else is refused with its reason."""
     for p in served_problems():
-        assert opted_in.gluon_backward_refusal(p) is None, p
+        assert switched_on.gluon_backward_refusal(p) is None, p
     for reason, p in {**refused_problems(), "empty q": _problem(seqlen_q=0)}.items():
-        why = opted_in.gluon_backward_refusal(p)
+        why = switched_on.gluon_backward_refusal(p)
         assert why is not None and reason.removesuffix(" q") in why, (reason, why)
 
 
-def test_tensor_reasons(opted_in, monkeypatch):
+def test_tensor_reasons(switched_on, monkeypatch):
     """q, k, v must suit the TMA reads (the forward's rules); out and dout must be CUDA tensors,
     whatever their layout (dout is copied where the descriptors cannot read it)."""
-    AGB = opted_in
+    AGB = switched_on
     p = _problem()
     q = torch.randn(2, 33, 8, 64, dtype=BF16)
     kv = torch.randn(2, 33, 2, 64, dtype=BF16)
@@ -206,18 +207,18 @@ def test_adapter_takes_the_gluon_backward_when_the_gate_allows(backward_launcher
     grads = backward()
     assert calls == ["gluon"] and len(grads) == 3 and all((g == 2).all() for g in grads)
     assert all(a is b for a, b in zip(asked[-1], (q, k, v, out, grad)))
-    set_refusal(OPT_IN)
+    set_refusal(_off("0"))
     grads = backward()
     assert calls == ["gluon", "plain"] and len(grads) == 3 and all((g == 1).all() for g in grads)
 
 
-def test_adapter_default_is_the_plain_backward(sm90, monkeypatch):  # noqa: F811
-    """With the real gate on an sm_90 machine and the switch unset, the eager and the compiled
-    backward run the plain-Triton kernels."""
+def test_adapter_switched_off_runs_the_plain_backward(sm90, monkeypatch):  # noqa: F811
+    """With the real gate on an sm_90 machine and PRIMUS_TURBO_ATTN_GLUON_BWD=0, the eager and
+    the compiled backward run the plain-Triton kernels."""
     from turbo_dispatch.backends.triton import attention as TA
     from turbo_dispatch.ops.attention import attention_problem
 
-    monkeypatch.delenv(_agb().ATTN_GLUON_BWD_ENV, raising=False)
+    monkeypatch.setenv(_agb().ATTN_GLUON_BWD_ENV, "0")
     seen = []
     monkeypatch.setattr(TA, "attend_backward", lambda *a, **kw: seen.append(1) or (a[1], a[2], a[3], a[7]))
     monkeypatch.setattr(_agb(), "attend_backward", lambda *a, **kw: pytest.fail("the Gluon backward ran"))
@@ -331,7 +332,7 @@ def test_gpu_op_runs_its_backward_on_gluon(gpu, monkeypatch, fresh_dynamo):
         assert len(calls) == 1
         compiled = grads(torch.compile(call, fullgraph=True, backend="aot_eager"))
         assert len(calls) == 2 and all(torch.equal(a, b) for a, b in zip(eager, compiled))
-        monkeypatch.delenv(gpu.ATTN_GLUON_BWD_ENV)
+        monkeypatch.setenv(gpu.ATTN_GLUON_BWD_ENV, "0")
         plain = grads(call)
         assert len(calls) == 2
         assert all(_snr(a.float(), b.float()) > 40 for a, b in zip(eager, plain))
@@ -339,9 +340,9 @@ def test_gpu_op_runs_its_backward_on_gluon(gpu, monkeypatch, fresh_dynamo):
         turbo.GlobalBackendManager.set_attn_backend(None)
 
 
-def test_opt_in_variants_have_their_own_tuning_identity(monkeypatch):
-    """Timings taken with the pipelined forward or the Gluon backward switched on are stored under
-    another identity than the default kernels' (a tuning DB never mixes them)."""
+def test_switch_settings_have_their_own_tuning_identity(monkeypatch):
+    """Timings taken with the pipelined forward forced on or off, or the Gluon backward switched
+    off, are stored under another identity than the defaults' (a tuning DB never mixes them)."""
     from turbo_dispatch.backends.triton import attention_gluon as AG
     from turbo_dispatch.backends.triton import attention_gluon_bwd as AGB
     from turbo_dispatch.backends.triton.attention import TritonAttention
@@ -349,11 +350,14 @@ def test_opt_in_variants_have_their_own_tuning_identity(monkeypatch):
     for var in (AG.ATTN_GLUON_PIPELINE_ENV, AGB.ATTN_GLUON_BWD_ENV):
         monkeypatch.delenv(var, raising=False)
     default = TritonAttention().identity()
-    monkeypatch.setenv(AG.ATTN_GLUON_PIPELINE_ENV, "1")
-    pipelined = TritonAttention().identity()
-    monkeypatch.setenv(AGB.ATTN_GLUON_BWD_ENV, "1")
-    both = TritonAttention().identity()
-    assert len({default, pipelined, both}) == 3 and AGB.KERNEL_REVISION in both
+    assert AGB.KERNEL_REVISION in default and AG.KERNEL_REVISION in default
+    seen = {default}
+    for pipeline in ("1", "0"):
+        monkeypatch.setenv(AG.ATTN_GLUON_PIPELINE_ENV, pipeline)
+        seen.add(TritonAttention().identity())
+    monkeypatch.setenv(AGB.ATTN_GLUON_BWD_ENV, "0")
+    plain_backward = TritonAttention().identity()
+    assert len(seen | {plain_backward}) == 4 and AGB.KERNEL_REVISION not in plain_backward
     monkeypatch.delenv(AG.ATTN_GLUON_PIPELINE_ENV)
     monkeypatch.delenv(AGB.ATTN_GLUON_BWD_ENV)
     assert TritonAttention().identity() == default

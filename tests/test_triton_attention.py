@@ -535,10 +535,15 @@ GPU_GRID = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernels", ["default", "plain"])
 @pytest.mark.parametrize("case", GPU_GRID, ids=lambda c: "-".join(map(str, c[:7])) + f"-{c[7]}-{c[8]}".replace(" ", ""))
-def test_gpu_grid(case, pinned):
+def test_gpu_grid(case, kernels, pinned, monkeypatch):
+    """Each case as the adapter runs it (on Hopper the Gluon kernels take what they serve) and with
+    every Gluon kernel switched off, so the plain-Triton kernels are checked on every GPU."""
     from test_attention import assert_result, ref_grads, run_op
 
+    if kernels == "plain":
+        monkeypatch.setenv("PRIMUS_TURBO_GLUON_KERNELS", "0")
     b, sq, sk, hq, hk, d, dv, dtype, kw = case
     q, k, v, grad = _gpu_inputs([(b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, dv), (b, sq, hq, dv)], dtype)
     ref = ref_grads(q, k, v, grad, **_ref_kwargs(kw))

@@ -314,13 +314,13 @@ class TritonAttention(Adapter):
 
     def identity(self, config: Hashable = None) -> str:
         suffix = "" if config is None else f"/{tuple(config)}"
-        # Both forward kernels' revisions (the timed forward is the Gluon one where it serves), and
-        # the opt-in variants while they are switched on, so that their timings never stand for
-        # the default kernels' in a tuning DB.
-        opt_in = ("+pipelined" if AG.pipeline_requested() else "") + (
-            f"+{AGB.KERNEL_REVISION}" if AGB.switch_refusal() is None else "")
-        return (f"triton-{self.version()}:{type(self).__name__}/{AK.KERNEL_REVISION}+{AG.KERNEL_REVISION}{opt_in}"
-                f"{suffix}")
+        # Both forward kernels' revisions (the timed forward is the Gluon one where it serves) and
+        # the switches that change which Gluon kernels run, so that timings taken under one
+        # setting never stand for another's in a tuning DB.
+        pipeline = {None: "", True: "+pipelined", False: "+unpipelined"}[AG.pipeline_setting()]
+        backward = f"+{AGB.KERNEL_REVISION}" if AGB.switch_refusal() is None else "+plain-bwd"
+        return (f"triton-{self.version()}:{type(self).__name__}/{AK.KERNEL_REVISION}+{AG.KERNEL_REVISION}{pipeline}"
+                f"{backward}{suffix}")
 
     def supports(self, p) -> Optional[str]:
         if p.platform not in ("cuda", "rocm") and not (p.platform == "cpu" and AK.interpreting()):

@@ -31,7 +31,8 @@ causal blocks with the most keys first):
 * epilogue: each math warpgroup normalises its rows, stages them in its own q buffer (no longer
   read) and stores them by TMA; the lse goes out through masked pointer stores.
 
-The pipelined variant (``PIPELINE``; ``PRIMUS_TURBO_ATTN_GLUON_PIPELINE=1``, off by default) also
+The pipelined variant (``PIPELINE``; the default at head dim 128, where it measured faster, and
+forced on or off for every head dim by ``PRIMUS_TURBO_ATTN_GLUON_PIPELINE=1``/``0``) also
 overlaps part of a warpgroup's own softmax with its own wgmmas, in the FlashAttention-3 order: per
 key block j it issues S_j = Q K_j^T, rescales O while S_j runs, issues O += P_{j-1} V_{j-1}, waits
 for S_j alone (one group left in flight), runs block j's softmax, then waits for the PV product
@@ -69,10 +70,13 @@ if gluon is not None:
 
 #: Set to 0/false to keep every attention call on the plain-Triton forward kernel.
 ATTN_GLUON_ENV = "PRIMUS_TURBO_ATTN_GLUON"
-#: Set to 1/true to run the pipelined variant (off by default: not yet verified on a GPU).
+#: 1/true: the pipelined variant at every head dim; 0/false: at none; unset: ``PIPELINED_HEAD_DIMS``.
 ATTN_GLUON_PIPELINE_ENV = "PRIMUS_TURBO_ATTN_GLUON_PIPELINE"
-#: Bumped whenever the default variant's code changes.
-KERNEL_REVISION = "attn-gluon-r1"
+#: Bumped whenever a variant's code or the choice between them changes.
+KERNEL_REVISION = "attn-gluon-r2"
+#: Head dims that run the pipelined variant unless the switch says otherwise: at d128 it ran
+#: 1.05-1.08x the default variant's forward on an H200, at d64 0.95x (docs/performance.md).
+PIPELINED_HEAD_DIMS = frozenset({128})
 #: Query rows per program: two math warpgroups of 64 rows (one wgmma M each).
 BLOCK_M = 128
 #: Registers per thread requested for the math warpgroups and the loader, and the kernel-wide
@@ -406,10 +410,17 @@ def _switch_refusal() -> Optional[str]:
 _read_pipeline = env_text_reader(ATTN_GLUON_PIPELINE_ENV)
 
 
-def pipeline_requested() -> bool:
-    """Whether ``PRIMUS_TURBO_ATTN_GLUON_PIPELINE`` asks for the pipelined variant (read per call;
-    unset means the default variant; a malformed value is a ConfigError naming the variable)."""
-    return parse_bool(_read_pipeline(), ATTN_GLUON_PIPELINE_ENV) is True
+def pipeline_setting() -> Optional[bool]:
+    """``PRIMUS_TURBO_ATTN_GLUON_PIPELINE`` read now: True or False where set, None where unset
+    (each head dim's default, ``PIPELINED_HEAD_DIMS``). A malformed value is a ConfigError naming
+    the variable."""
+    return parse_bool(_read_pipeline(), ATTN_GLUON_PIPELINE_ENV)
+
+
+def pipelined(head_dim: int) -> bool:
+    """Whether a call of head dim ``head_dim`` runs the pipelined variant (switch read per call)."""
+    setting = pipeline_setting()
+    return head_dim in PIPELINED_HEAD_DIMS if setting is None else setting
 
 
 def machine_refusal() -> Optional[str]:
@@ -500,14 +511,14 @@ def launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
 def attend(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(out ``[B, Sq, Hq, D]`` in the inputs' dtype, float32 natural-log lse ``[B, Hq, Sq]``) of
     a call ``gluon_forward_refusal(p, q, k, v)`` accepted; the same contract as
-    ``attention.attend``'s dense forward. The pipelined variant runs when ``pipeline_requested()``."""
+    ``attention.attend``'s dense forward. The pipelined variant runs where ``pipelined(D)``."""
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse = torch.empty((p.batch, p.heads_q, p.seqlen_q), device=q.device, dtype=torch.float32)
-    grid, args, kwargs = launch_args(q, k, v, out, lse, p.softmax_scale, p.causal, pipeline_requested())
+    grid, args, kwargs = launch_args(q, k, v, out, lse, p.softmax_scale, p.causal, pipelined(p.head_dim_qk))
     attn_fwd_gluon_kernel[grid](*args, **kwargs)
     return out, lse
 
 
-__all__ = ["ATTN_GLUON_ENV", "ATTN_GLUON_PIPELINE_ENV", "KERNEL_REVISION", "GluonAttnConfig", "attend", "config_for",
-           "gluon_forward_refusal", "launch_args", "machine_refusal", "pipeline_requested", "problem_refusal",
-           "tensor_refusal"]
+__all__ = ["ATTN_GLUON_ENV", "ATTN_GLUON_PIPELINE_ENV", "KERNEL_REVISION", "PIPELINED_HEAD_DIMS", "GluonAttnConfig",
+           "attend", "config_for", "gluon_forward_refusal", "launch_args", "machine_refusal", "pipeline_setting",
+           "pipelined", "problem_refusal", "tensor_refusal"]

@@ -36,10 +36,8 @@ rows in the other. Blocks wholly above the causal diagonal are never loaded; in 
 the blocks that straddle it are masked and those below it are not, in the dK/dV kernel every
 causal block is masked (one loop: two held more loop state than the registers allow).
 
-Opt-in: the kernels have not run on a GPU yet, so the adapter uses them only with
-``PRIMUS_TURBO_ATTN_GLUON_BWD=1`` (read on every call); unset, ``gluon_backward_refusal`` says
-so and the plain-Triton backward runs. ``PRIMUS_TURBO_GLUON_KERNELS=0`` switches them off like
-every Gluon kernel. Needs triton with Gluon on a release in ``GLUON_TRITON_RELEASES`` and an
+``PRIMUS_TURBO_ATTN_GLUON_BWD=0`` (read on every call) keeps the backward on the plain-Triton
+kernels; ``PRIMUS_TURBO_GLUON_KERNELS=0`` switches them off like every Gluon kernel. Needs triton with Gluon on a release in ``GLUON_TRITON_RELEASES`` and an
 sm_90 GPU.
 """
 from __future__ import annotations
@@ -64,7 +62,7 @@ if gluon is not None:
     from .fp8_blockwise_gluon import _cta_barrier, _tma_load
     from .fp8_blockwise_gluon_ws import _cp_async, _tma_store
 
-#: Set to 1/true to run the TRITON adapter's dense backward on these kernels (off by default).
+#: Set to 0/false to keep the TRITON adapter's dense backward on the plain-Triton kernels.
 ATTN_GLUON_BWD_ENV = "PRIMUS_TURBO_ATTN_GLUON_BWD"
 #: Bumped whenever a kernel's code changes.
 KERNEL_REVISION = "attn-gluon-bwd-r1"
@@ -433,16 +431,16 @@ _read_switch = env_text_reader(ATTN_GLUON_BWD_ENV)
 
 
 def switch_refusal() -> Optional[str]:
-    """None only while ``PRIMUS_TURBO_ATTN_GLUON_BWD`` is on: the kernels are opt-in until they
-    have run on a GPU. A malformed value raises ConfigError naming the variable."""
+    """Why ``PRIMUS_TURBO_ATTN_GLUON_BWD`` keeps the kernels off, or None (unset or a true value:
+    on). A malformed value raises ConfigError naming the variable."""
     raw = _read_switch()
-    if parse_bool(raw, ATTN_GLUON_BWD_ENV) is not True:
-        return f"the Gluon attention backward is opt-in until verified on a GPU ({ATTN_GLUON_BWD_ENV}=1)"
+    if parse_bool(raw, ATTN_GLUON_BWD_ENV) is False:
+        return f"the Gluon attention backward is switched off ({ATTN_GLUON_BWD_ENV}={raw})"
     return None
 
 
 def machine_refusal() -> Optional[str]:
-    """Why this process cannot run the kernels at all, or None: the opt-in switch, then the
+    """Why this process cannot run the kernels at all, or None: this backward's switch, then the
     machine gate every Gluon kernel of the package shares (``fp8_blockwise_gluon.available``)."""
     return switch_refusal() or available()
 
