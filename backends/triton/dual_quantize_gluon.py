@@ -26,6 +26,7 @@ import torch
 from .dual_quantize import kernel_args
 from .fp8_blockwise_gluon import available as _gluon_available
 from .gemm_kernels import bind_cuda_context, num_programs, tma_ok
+from .prebound import CallKeyedKernel
 
 try:
     from triton.experimental import gluon
@@ -430,6 +431,14 @@ def _unswizzled_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
 
 
+@functools.lru_cache(maxsize=None)
+def _launchers() -> tuple[CallKeyedKernel, CallKeyedKernel]:
+    """The tiles and TMA runs kernels' pre-bound launchers (prebound.py): no per-call binding."""
+    pointers = ("q_ptr", "qt_ptr", "s_ptr", "st_ptr")
+    return (CallKeyedKernel(_dual_quantize_tiles_kernel, ("x_ptr", *pointers)),
+            CallKeyedKernel(_dual_quantize_runs_tma_kernel, ("x_desc", *pointers)))
+
+
 def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d: bool = False) -> None:
     """Fill ``data``, ``scale``, ``data_t``, ``scale_t`` (laid out by ``dual_quantize``) from ``x``:
     token runs (``tile_2d`` False) by the runs kernel, 2-D tiles by the tiles kernel."""
@@ -439,9 +448,8 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
     if tile_2d:
         rows, warps, maxnreg = TILES_LAUNCH
         lay, lay_t = _layouts(rows, warps)
-        _dual_quantize_tiles_kernel[(g * n_r, n_c)](
-            *args, B=BLOCK, L=lay, LT=lay_t, FP8_MAX=fp8_max, TINY=tiny, num_warps=warps,
-            **({"maxnreg": maxnreg} if maxnreg else {}))
+        _launchers()[0]((g * n_r, n_c), args, dict(B=BLOCK, L=lay, LT=lay_t, FP8_MAX=fp8_max, TINY=tiny,
+                                                   num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {})))
         return
     chunk, t_chunk, warps, maxnreg = LAUNCH
     if tma_ok(x):
@@ -453,10 +461,9 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
         programs = per_sm * num_programs(x.device.index)
         span = _span(scale, g * n_r, programs)
         grid = min(_units(g * n_r, n_c, span), programs)
-        _dual_quantize_runs_tma_kernel[(grid,)](
-            desc, *args[1:5], r, c, n_r, n_c, n_tiles, *args[11:], B=BLOCK, CH=chunk, TCH=t_chunk,
-            FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, STAGES=stages, SPAN=span, num_warps=warps,
-            **({"maxnreg": maxnreg} if maxnreg else {}))
+        _launchers()[1]((grid,), (desc, *args[1:5], r, c, n_r, n_c, n_tiles, *args[11:]), dict(
+            B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, STAGES=stages, SPAN=span,
+            num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {})))
         return
     _dual_quantize_runs_kernel[(g * n_r, n_c)](
         *args, B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, num_warps=warps,

@@ -36,11 +36,14 @@ Needs triton >= 3.6 with Gluon and an sm_90 GPU; ``fp8_blockwise_gluon.available
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .fp8_blockwise_gluon import (available, checked_output, device_error, gluon, make_descriptor, operands_error,
                                   shared_layout)
 from .gemm_kernels import num_programs
+from .prebound import CallKeyedKernel
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -531,7 +534,15 @@ def _launch(a, b_rows, c, offs, G: int, N: int, sa, sa_strides, sb, sb_strides, 
     progs = max(1, min(bound, num_programs(a.device.index)))
     args, kwargs = launch_args(a, b_rows, c, offs, G, N, sa, sa_strides, sb, sb_strides, cfg, a_group, b_group,
                                progs)
-    _fp8_blockwise_ws_kernel[(progs,)](*args, **kwargs)
+    _launcher()((progs,), args, kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _launcher() -> CallKeyedKernel:
+    """The kernel's pre-bound launcher: Triton's per-call argument binding is a large share of an
+    fp8 step's host time (prebound.py)."""
+    return CallKeyedKernel(_fp8_blockwise_ws_kernel, ("a_desc", "b_desc", "c", "c_desc", "sa_ptr", "sb_ptr",
+                                                      "offs_ptr"))
 
 
 def launch_args(a, b_rows, c, offs, G: int, N: int, sa, sa_strides, sb, sb_strides, cfg, a_group: int,

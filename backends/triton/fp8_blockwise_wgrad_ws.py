@@ -39,11 +39,14 @@ Needs triton >= 3.6 with Gluon and an sm_90 GPU; ``fp8_blockwise_gluon.available
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .fp8_blockwise_gluon import available, device_error, gluon, make_descriptor
 from .fp8_blockwise_gluon_ws import LOAD_REGS, MATH_REGS, MAXNREG, SMEM_PER_CTA, output_descriptor, tma_storable
 from .gemm_kernels import num_programs, tma_ok
+from .prebound import CallKeyedKernel
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -453,8 +456,15 @@ def launch_wgrad(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, offs: torc
     tiles = G * -(-M // bm) * -(-N // bn)
     progs = max(1, min(tiles, num_programs(x.device.index)))
     args, kwargs = launch_args(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock)
-    _fp8_blockwise_wgrad_kernel[(progs,)](*args, **kwargs)
+    _launcher()((progs,), args, kwargs)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _launcher() -> CallKeyedKernel:
+    """The kernel's pre-bound launcher (prebound.py): no per-call argument binding."""
+    return CallKeyedKernel(_fp8_blockwise_wgrad_kernel, ("x_desc", "y_desc", "c", "c_desc", "sx_ptr", "sy_ptr",
+                                                         "offs_ptr", "counter_ptr"))
 
 
 def operands_error(x: torch.Tensor, y: torch.Tensor) -> str | None:

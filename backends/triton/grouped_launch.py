@@ -12,6 +12,7 @@ import torch
 from turbo_dispatch.ops.grouped_gemm_compute_units import current_compute_unit_limit
 
 from .interpret import interpreting as _interpreting
+from .prebound import CallKeyedKernel
 
 #: A grouped config: (BM, BN, BK, GROUP_M, num_stages, num_warps, tma[, occupancy[, kernel]]).
 Config = tuple
@@ -140,14 +141,21 @@ def zero_padded_tail(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``out[offs[-1]:] = 0`` for an ``[M, N]`` output whose kernel wrote only its groups' rows,
     with the boundary read on the device (no host sync, capturable): the padded-tail contract of
     the fixed-K grouped GEMM for kernels that do not keep it themselves."""
-    from .grouped_kernels import zero_rows_past_kernel
-
     m, n = out.shape
     if m and n:
         bm, bn = 64, 128
-        zero_rows_past_kernel[(-(-m // bm),)](out, offs, offs.shape[0] - 1, m, n, out.stride(0), out.stride(1),
-                                              BM=bm, BN=bn)
+        _zero_rows_launcher()((-(-m // bm),), (out, offs, offs.shape[0] - 1, m, n, out.stride(0), out.stride(1)),
+                              dict(BM=bm, BN=bn))
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _zero_rows_launcher() -> CallKeyedKernel:
+    """``zero_rows_past_kernel``'s pre-bound launcher (it runs after every warp-specialised
+    grouped GEMM: per-call binding would be host time on every step)."""
+    from .grouped_kernels import zero_rows_past_kernel
+
+    return CallKeyedKernel(zero_rows_past_kernel, ("c_ptr", "offs_ptr"))
 
 
 def _vk_descriptor(t: torch.Tensor, bc: int, bk: int):

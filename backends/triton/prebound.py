@@ -181,6 +181,52 @@ class PreboundKernel:
             self._plans.clear()
 
 
+class CallKeyedKernel:
+    """A JIT kernel launched as ``kernel[grid](*args, **kwargs)`` would be, through a
+    ``PreboundKernel`` whose key is made from the call: for kernels whose callers build the whole
+    argument list anyway (TMA descriptors, many sizes and strides) and only need Triton's per-call
+    binding gone.
+
+    ``per_call`` names the parameters that change from call to call under one key; the caller
+    passes them positionally, and they must be tensors or Gluon TMA descriptors. The key is the
+    grid, every other positional argument by value, the keyword arguments (constexprs and launch
+    options, hashable), and per tensor its dtype, device and whether its data pointer is 16-byte
+    aligned, per descriptor its base's dtype, device, block shape, layout and padding: what Triton
+    specialises on.
+
+    >>> CallKeyedKernel.trait(torch.zeros(2))
+    (torch.float32, device(type='cpu'), True)
+    """
+
+    def __init__(self, kernel: Any, per_call: Sequence[str], max_plans: int = MAX_PLANS) -> None:
+        self.prebound = PreboundKernel(kernel, per_call, max_plans)
+        self._names = tuple(kernel.arg_names)
+        self._per_call_at = tuple(self._names.index(name) for name in per_call)
+        self._fixed_at = tuple(i for i in range(len(self._names)) if i not in self._per_call_at)
+
+    @staticmethod
+    def trait(value: Any) -> tuple:
+        if isinstance(value, torch.Tensor):
+            return value.dtype, value.device, value.data_ptr() % 16 == 0
+        base = value.base  # a Gluon TMA descriptor
+        return (base.dtype, base.device, tuple(value.block_shape), value.layout, getattr(value, "padding", None))
+
+    def __call__(self, grid: Sequence[int], args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        """Launches ``kernel[grid](*args, **kwargs)``; ``args`` are positional in signature order
+        (the keyword arguments may name the remaining parameters and launch options)."""
+        per_call = tuple(args[i] for i in self._per_call_at)
+        fixed_args = tuple(args[i] for i in self._fixed_at if i < len(args))
+        key = (tuple(grid), fixed_args, tuple(kwargs.items()), tuple(map(self.trait, per_call)))
+        self.prebound.launch_keyed(key, per_call, lambda: self._resolve(grid, args, kwargs))
+
+    def _resolve(self, grid: Sequence[int], args: Sequence[Any], kwargs: Mapping[str, Any]):
+        fixed = {self._names[i]: args[i] for i in self._fixed_at if i < len(args)}
+        options = {}
+        for name, value in kwargs.items():
+            (fixed if name in self._names else options)[name] = value
+        return tuple(grid), fixed, options
+
+
 def _direct_launcher(kernel: Any, compiled: Any, grid3: tuple) -> tuple[Callable[..., Any] | None, str]:
     """(the compiled kernel's launcher on ``grid3``, "") or (None, why the normal path must serve)."""
     if getattr(kernel, "pre_run_hooks", None):
