@@ -13,14 +13,15 @@ is read once and each gradient written once:
   its rows' share of ``dweight`` in float32 registers; the shares (one row per program) are
   summed by torch. Rows longer than ``MAX_ROW`` go to the float32 torch formula.
 
-Both return fresh contiguous tensors; zero-size inputs give zero-size gradients (and a zero
+Tensors the kernels cannot run on (CPU tensors without ``TRITON_INTERPRET=1``) take the float32
+torch formulas, with the same results up to float32 rounding. Both return fresh contiguous tensors; zero-size inputs give zero-size gradients (and a zero
 ``dweight``).
 """
 from __future__ import annotations
 
 import torch
 
-from .quantize import _next_pow2, available
+from .quantize import _interpreting, _next_pow2, available
 
 try:
     import triton
@@ -92,6 +93,10 @@ def _check_pair(name: str, **tensors: torch.Tensor) -> None:
         raise ValueError(f"{name}: {', '.join(tensors)} must be on one device; got {sorted(map(str, devices))}")
 
 
+def _kernels_run_on(t: torch.Tensor) -> bool:
+    return triton is not None and (t.is_cuda or _interpreting())
+
+
 def _program_count(device: torch.device, rows: int) -> int:
     if device.type != "cuda":  # the interpreter: few programs, each walking many rows
         return max(1, min(rows, 4))
@@ -103,6 +108,8 @@ def swiglu_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor) -> t
     """(dgate, dup) of ``h = silu(gate) * up`` for ``[M, F]`` tensors, in float32 math, each in
     its input's dtype."""
     _check_pair("swiglu_backward", gate=gate, up=up, dh=dh)
+    if not _kernels_run_on(gate):
+        return _swiglu_backward_torch(gate, up, dh)
     gate, up, dh = (_rows_contiguous(t) for t in (gate, up, dh))
     m, f = gate.shape
     dgate = torch.empty((m, f), dtype=gate.dtype, device=gate.device)
@@ -122,7 +129,7 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, eps: float, dy: tor
     m, n = x.shape
     if weight.shape != (n,):
         raise ValueError(f"rms_norm_backward: weight must have shape ({n},); got {tuple(weight.shape)}")
-    if n > MAX_ROW:
+    if n > MAX_ROW or not _kernels_run_on(x):
         return _rms_norm_backward_torch(x, weight, eps, dy)
     x, dy, weight = _rows_contiguous(x), _rows_contiguous(dy), weight.contiguous()
     dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -148,3 +155,12 @@ def _rms_norm_backward_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, 
     dx = rstd * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
     dw = (dyf * xhat).sum(0)
     return dx.to(x.dtype), dw.to(weight.dtype)
+
+
+def _swiglu_backward_torch(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    g, u, d = gate.float(), up.float(), dh.float()
+    sig = torch.sigmoid(g)
+    dgate = d * u * sig * (1.0 + g * (1.0 - sig))
+    dup = d * g * sig
+    return dgate.to(gate.dtype), dup.to(up.dtype)

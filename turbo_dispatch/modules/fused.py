@@ -9,8 +9,9 @@ read the same parameters, so the choice never changes a state_dict.
 Training through the fused path (``_ProducedLinear``): ``gemm_fp8`` has no backward for a
 pre-quantised operand, so the Function saves what ``gemm_fp8``'s own autograd saves (the
 producer's output quantised along M for the wgrad, the weight for the dgrad) and runs that
-Function's backward on it, then the producer's backward in plain torch (``rms_norm_backward``,
-``swiglu_backward`` of the kernel module): the GEMM gradients are those of the unfused step.
+Function's backward on it, then the producer's backward (``rms_norm_backward``,
+``swiglu_backward`` of the kernel module: Triton kernels reading each input once): the GEMM
+gradients are those of the unfused step.
 """
 from __future__ import annotations
 
@@ -77,12 +78,14 @@ class _ProducedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, kernels, op, a, b, eps, weight, cfg):
-        q, out = _produce(kernels, op, a, b, eps, cfg, return_out=True)
-        y = gemm_fp8(q, weight, trans_b=True, out_dtype=a.dtype, config=cfg)
+        # The producer's high-precision output is written only for the wgrad's operand: without
+        # it the kernels move fewer bytes (TENSORWISE recomputes the op rather than re-read it).
         need_w = ctx.needs_input_grad[5]
+        q, out = _produce(kernels, op, a, b, eps, cfg, return_out=need_w)
+        y = gemm_fp8(q, weight, trans_b=True, out_dtype=a.dtype, config=cfg)
         qa = wgrad_operand(out, False, cfg) if need_w else None
         ctx.save_for_backward(a, b, weight, None if qa is None else qa.data, None if qa is None else qa.scale)
-        ctx.gemm = forward_fp8_problem(out, weight, False, True, a.dtype, cfg)
+        ctx.gemm = forward_fp8_problem(a, weight, False, True, a.dtype, cfg)  # a has out's shape and dtype
         ctx.op, ctx.eps, ctx.cfg, ctx.kernels = op, eps, cfg, kernels
         return y
 
