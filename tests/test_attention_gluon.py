@@ -4,16 +4,20 @@ CPU (no marker): the gate's reasons, each condition forced with monkeypatch (no 
 env switch, Gluon missing, an unchecked Triton release, the interpreter, no GPU, not sm_90, every
 problem and tensor layout it leaves to the plain-Triton kernel; the pipelined variant's switch
 (``PRIMUS_TURBO_ATTN_GLUON_PIPELINE``: the launch's ``PIPELINE`` constexpr and ring, unset the
-default variant's); and the adapter's wiring: the eager and the compiled forward take the Gluon
+default variant's) and the off-by-default variant switches (``VARIANT_SWITCHES``: three math
+warpgroups, the folded scale, the emulated exponentials; each reaches the launch and the adapter's
+identity); and the adapter's wiring: the eager and the compiled forward take the Gluon
 launcher exactly when the gate says None, else the plain-Triton one. The kernel's sm_90 compile
 (registers, spills, shared memory) is checked by tests/test_compile_sm90.py through
-tools/compile_sm90.py (families ``attention_gluon_fwd`` and ``attention_gluon_fwd_pipelined``).
+tools/compile_sm90.py (families ``attention_gluon_fwd``, ``attention_gluon_fwd_pipelined`` and
+``attention_gluon_fwd_variants``).
 
-GPU (``@pytest.mark.gpu``, sm_90 only): out and lse of the kernel itself, default and pipelined
-variant, against a float32 reference (materialised softmax) on random non-zero inputs, SNR >= 40
-dB, over head dims 64/128, full and causal masks, MHA/GQA/MQA, Sq == Sk and Sq != Sk (rows that
-attend nothing included), odd lengths, bf16 and fp16; gradients through ``ops.flash_attn_func`` pinned to TRITON (the
-backward starts from this kernel's out and lse) against the float64 reference; and that the call
+GPU (``@pytest.mark.gpu``, sm_90 only): out and lse of the kernel itself, each variant (default,
+pipelined, three warpgroups, and the softmax options on each), against a float32 reference
+(materialised softmax) on random non-zero inputs, SNR >= 40 dB, over head dims 64/128, full and
+causal masks, MHA/GQA/MQA, Sq == Sk and Sq != Sk (rows that attend nothing included), odd lengths,
+bf16 and fp16; gradients through ``ops.flash_attn_func`` pinned to TRITON (the backward starts from
+this kernel's out and lse) against the float64 reference; and that the call
 went through the Gluon kernel, or not with ``PRIMUS_TURBO_ATTN_GLUON=0``.
 """
 from __future__ import annotations
@@ -49,7 +53,8 @@ def sm90(monkeypatch):
     AG = _ag()
     if AG.gluon is None:
         pytest.skip("triton.experimental.gluon is missing")
-    for var in (AG.ATTN_GLUON_ENV, GB.GLUON_ENV, "TRITON_INTERPRET"):
+    for var in (AG.ATTN_GLUON_ENV, GB.GLUON_ENV, "TRITON_INTERPRET", AG.ATTN_GLUON_PIPELINE_ENV,
+                *(env for env, _, _ in AG.VARIANT_SWITCHES.values())):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(GB, "_triton_release", lambda: GB.GLUON_TRITON_RELEASES[0])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -156,8 +161,10 @@ def test_problem_reasons(sm90):
 def test_pipeline_switch_selects_the_variant(sm90, monkeypatch, value, head_dim, pipelined):
     """PRIMUS_TURBO_ATTN_GLUON_PIPELINE, read per call, hands the launch the PIPELINE constexpr and
     that variant's ring: on or off for every head dim where set, unset the pipelined variant at
-    d128 only (PIPELINED_HEAD_DIMS); the unpipelined variant's tiles are unchanged."""
+    d128 only (PIPELINED_HEAD_DIMS); the unpipelined variant's tiles are unchanged. (Three
+    warpgroups, which never pipeline, are switched off here.)"""
     AG = sm90
+    monkeypatch.setenv(AG.ATTN_GLUON_WG3_ENV, "0")
     launches = []
 
     class Recorder:
@@ -186,6 +193,128 @@ def test_pipeline_switch_bad_value_names_the_variable(sm90, monkeypatch):
     monkeypatch.setenv(sm90.ATTN_GLUON_PIPELINE_ENV, "maybe")
     with pytest.raises(ConfigError, match=sm90.ATTN_GLUON_PIPELINE_ENV):
         sm90.pipelined(128)
+
+
+def _recorded_launch(AG, monkeypatch, head_dim: int, causal: bool = True, scale: float = 0.125,
+                     seqlen: int = 300) -> tuple:
+    """``(grid, kwargs, descriptor rows)`` of the one launch ``AG.attend`` makes for a call of head
+    dim ``head_dim`` (kernel and descriptors replaced by recorders, so it runs on the CPU)."""
+    launches, rows = [], []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, kwargs))
+
+    monkeypatch.setattr(AG, "attn_fwd_gluon_kernel", Recorder())
+    monkeypatch.setattr(AG, "descriptor", lambda x, r: rows.append(r) or r)
+    p = _problem(head_dim_qk=head_dim, head_dim_v=head_dim, seqlen_q=seqlen, seqlen_k=seqlen, batch=1,
+                 causal=causal, softmax_scale=scale)
+    q = torch.randn(1, seqlen, 8, head_dim, dtype=BF16)
+    kv = torch.randn(1, seqlen, 2, head_dim, dtype=BF16)
+    AG.attend(p, q, kv, kv)
+    (grid, kwargs), = launches
+    return grid, kwargs, rows
+
+
+def _set_switches(AG, monkeypatch, **on):
+    """Sets each named variant switch (``VARIANT_SWITCHES`` keys, plus ``pipeline``) to its value."""
+    envs = {key: env for key, (env, _, _) in AG.VARIANT_SWITCHES.items()} | {"pipeline": AG.ATTN_GLUON_PIPELINE_ENV}
+    for key, value in on.items():
+        monkeypatch.setenv(envs[key], value)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_variant_switches_off_give_the_two_warpgroup_launch(sm90, monkeypatch, head_dim):
+    """Set to 0 the variant switches give the plain two-warpgroup launch: no folded scale, no
+    emulated exponentials; unset, the defaults (VARIANT_SWITCHES): the folded scale everywhere and
+    three warpgroups at d64."""
+    AG = sm90
+    _set_switches(AG, monkeypatch, wg3="0", fold_scale="off", exp2_emu="false")
+    grid, kwargs, rows = _recorded_launch(AG, monkeypatch, head_dim)
+    assert (kwargs["MATH_WGS"], kwargs["FOLD"], kwargs["EMU"], kwargs["BLOCK_M"]) == (2, False, False, 128)
+    assert (kwargs["MATH_REGS"], kwargs["LOAD_REGS"], kwargs["maxnreg"]) == (AG.MATH_REGS, AG.LOAD_REGS, AG.MAXNREG)
+    assert grid == (3, 8) and rows == [64, 128, 128, 64]
+    assert AG.variant_tag() == "+no-wg3+no-fold"
+    for env, _, _ in AG.VARIANT_SWITCHES.values():
+        monkeypatch.delenv(env)
+    kwargs = _recorded_launch(AG, monkeypatch, head_dim)[1]
+    assert (kwargs["MATH_WGS"], kwargs["FOLD"], kwargs["EMU"]) == (3 if head_dim == 64 else 2, True, False)
+    assert AG.variant_tag() == ""
+
+
+def test_wg3_switch_runs_three_warpgroups_at_d64(sm90, monkeypatch):
+    """PRIMUS_TURBO_ATTN_GLUON_WG3=1: d64 calls launch 192-row programs of three unpipelined math
+    warpgroups (64-row q/out blocks, four ring slots, the four-warpgroup register split), whatever
+    the pipeline switch says; d128 calls keep their variant."""
+    AG = sm90
+    _set_switches(AG, monkeypatch, wg3="1", pipeline="1")
+    grid, kwargs, rows = _recorded_launch(AG, monkeypatch, 64)
+    assert grid == (2, 8) and rows == [64, 128, 128, 64]
+    assert (kwargs["MATH_WGS"], kwargs["BLOCK_M"], kwargs["PIPELINE"]) == (3, 192, False)
+    assert (kwargs["BLOCK_N"], kwargs["STAGES"]) == AG.WG3_TILES[64]
+    assert (kwargs["MATH_REGS"], kwargs["LOAD_REGS"], kwargs["maxnreg"]) == AG.WG3_REGS
+    assert not AG.pipelined(64) and AG.pipelined(128)
+    grid, kwargs, _ = _recorded_launch(AG, monkeypatch, 128)
+    assert (kwargs["MATH_WGS"], kwargs["BLOCK_M"], kwargs["PIPELINE"], grid) == (2, 128, True, (3, 8))
+
+
+def test_wg3_register_split_fills_four_warpgroups(sm90):
+    """Three math warpgroups and the loader's (a warpgroup of registers) share the 64K registers of
+    the cap: what the default partition is left equals the workers' share."""
+    AG = sm90
+    math, load, cap = AG.WG3_REGS
+    assert cap * 4 * 128 <= 65536 and 4 * cap - 2 * math - load == math and math % 8 == 0 and load >= 24
+    assert AG.config_for(64, True, wg3=True).warps == 13 and AG.config_for(128, True, wg3=True).math_wgs == 2
+
+
+@pytest.mark.parametrize("scale, folded", [(0.125, True), (1e-6, True), (-0.125, False), (0.0, False)])
+def test_fold_scale_switch_needs_a_positive_scale(sm90, monkeypatch, scale, folded):
+    """PRIMUS_TURBO_ATTN_GLUON_FOLD_SCALE=1 folds the scale only where it is positive (the row
+    maximum of the raw scores is the scaled one's only then); other scales run unfolded."""
+    AG = sm90
+    _set_switches(AG, monkeypatch, fold_scale="1", wg3="0")
+    for head_dim in (64, 128):
+        kwargs = _recorded_launch(AG, monkeypatch, head_dim, scale=scale)[1]
+        assert kwargs["FOLD"] is folded and kwargs["EMU"] is False and kwargs["MATH_WGS"] == 2
+
+
+def test_exp2_emu_switch_reaches_every_variant(sm90, monkeypatch):
+    """PRIMUS_TURBO_ATTN_GLUON_EXP2_EMU=1 sets EMU on the pipelined, unpipelined and
+    three-warpgroup launches alike."""
+    AG = sm90
+    _set_switches(AG, monkeypatch, exp2_emu="yes")
+    assert _recorded_launch(AG, monkeypatch, 128)[1]["EMU"] is True
+    assert _recorded_launch(AG, monkeypatch, 64)[1]["EMU"] is True
+    _set_switches(AG, monkeypatch, wg3="1")
+    kwargs = _recorded_launch(AG, monkeypatch, 64, causal=False)[1]
+    assert kwargs["EMU"] is True and kwargs["MATH_WGS"] == 3 and kwargs["CAUSAL"] is False
+
+
+@pytest.mark.parametrize("key", ["wg3", "fold_scale", "exp2_emu"])
+def test_variant_switch_bad_value_names_the_variable(sm90, monkeypatch, key):
+    env = sm90.VARIANT_SWITCHES[key][0]
+    monkeypatch.setenv(env, "maybe")
+    with pytest.raises(ConfigError, match=env):
+        sm90.call_config(64, True)
+
+
+def test_each_variant_setting_has_its_own_identity(sm90, monkeypatch):
+    """The adapter's identity names every variant switch set away from its default (timings under
+    one never stand for another's in a tuning DB); set to its default it is the unset identity,
+    since the kernel is the same."""
+    from turbo_dispatch.backends.triton.attention import TritonAttention
+
+    AG = sm90
+    seen = {TritonAttention().identity()}
+    for key, (env, tag, default) in AG.VARIANT_SWITCHES.items():
+        before = TritonAttention().identity()
+        monkeypatch.setenv(env, "1" if default else "0")
+        assert TritonAttention().identity() == before
+        monkeypatch.setenv(env, "0" if default else "1")
+        ident = TritonAttention().identity()
+        assert f"+{'' if not default else 'no-'}{tag}" in ident and ident not in seen
+        seen.add(ident)
+    assert AG.variant_tag() == "+no-wg3+no-fold+emu"
 
 
 def test_tensor_reasons(sm90):
@@ -323,7 +452,33 @@ GPU_CASES = [
     (1, 77, 1000, 4, 1, 64, BF16, True),
     (2, 128, 128, 4, 4, 64, FP16, True),
     (1, 129, 255, 8, 2, 128, FP16, False),
+    (1, 1000, 257, 8, 2, 64, FP16, True),  # rows 0..742 attend nothing; whole warpgroups skip every block
+    (1, 700, 700, 4, 1, 64, BF16, True),  # three-warpgroup programs whose warpgroups' spans differ
 ]
+
+#: Variant name -> the switches it sets (``PRIMUS_TURBO_ATTN_GLUON_PIPELINE`` and
+#: ``VARIANT_SWITCHES`` by key); the softmax options run together on each ring shape.
+VARIANTS = {
+    "default": dict(pipeline="0"),
+    "pipelined": dict(pipeline="1"),
+    "wg3": dict(wg3="1"),
+    "fold-emu": dict(pipeline="0", fold_scale="1", exp2_emu="1"),
+    "pipelined-fold-emu": dict(pipeline="1", fold_scale="1", exp2_emu="1"),
+    "wg3-fold-emu": dict(wg3="1", fold_scale="1", exp2_emu="1"),
+}
+
+
+def _variant_gate(monkeypatch, variant: str, head_dim: int):
+    """The GPU gate, with ``variant``'s switches set; skips a three-warpgroup variant at a head dim
+    it does not serve (the call would run another variant, tested under its own name)."""
+    AG = _gpu_gate()
+    if VARIANTS[variant].get("wg3") and head_dim not in AG.WG3_TILES:
+        pytest.skip(f"three math warpgroups serve head dims {sorted(AG.WG3_TILES)}")
+    _set_switches(AG, monkeypatch, **VARIANTS[variant])
+    cfg = AG.call_config(head_dim, True)
+    assert cfg.pipeline is (VARIANTS[variant].get("pipeline") == "1") and cfg.math_wgs == (
+        3 if VARIANTS[variant].get("wg3") else 2)
+    return AG
 
 
 def _case_id(c):
@@ -338,19 +493,16 @@ def _reference(q, k, v, causal, scale):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pipeline", [False, True], ids=["default", "pipelined"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
-def test_gpu_forward_matches_reference(case, pipeline, monkeypatch):
-    """out and lse of the kernel (the variant set through PRIMUS_TURBO_ATTN_GLUON_PIPELINE)
-    against a float32 materialised softmax: SNR >= 40 dB, and the rows that attend nothing
-    exactly 0 / -inf."""
+def test_gpu_forward_matches_reference(case, variant, monkeypatch):
+    """out and lse of the kernel (the variant set through its switches) against a float32
+    materialised softmax: SNR >= 40 dB, and the rows that attend nothing exactly 0 / -inf."""
     from test_triton_attention import _snr
 
     from turbo_dispatch.ops.attention import attention_problem
 
-    AG = _gpu_gate()
-    monkeypatch.setenv(AG.ATTN_GLUON_PIPELINE_ENV, "1" if pipeline else "0")
-    assert AG.pipelined(case[5]) is pipeline
+    AG = _variant_gate(monkeypatch, variant, case[5])
     b, sq, sk, hq, hk, d, dtype, causal = case
     q, k, v = _inputs(b, sq, sk, hq, hk, d, dtype)
     p = attention_problem(q, k, v, causal=causal, return_lse=True)
@@ -368,21 +520,26 @@ def test_gpu_forward_matches_reference(case, pipeline, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_forward_any_scale_and_strided_qkv():
-    """A softmax scale other than 1/sqrt(d), and q, k, v sliced from one packed qkv tensor (token
-    stride 3 * H * D): read in place through the descriptors."""
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("scale", [0.37, 4.0, -0.37])
+def test_gpu_forward_any_scale_and_strided_qkv(scale, head_dim, variant, monkeypatch):
+    """Softmax scales other than 1/sqrt(d) (a large one, whose exponents fall far below -125, where
+    the emulated exponential clamps; a negative one, which runs unfolded), and q, k, v sliced from
+    one packed qkv tensor (token stride 3 * H * D): read in place through the descriptors."""
     from test_triton_attention import _snr
 
     from turbo_dispatch.ops.attention import attention_problem
 
-    AG = _gpu_gate()
-    qkv = torch.randn(2, 333, 3, 8, 128, device="cuda").to(BF16)
+    AG = _variant_gate(monkeypatch, variant, head_dim)
+    qkv = torch.randn(2, 333, 3, 8, head_dim, device="cuda").to(BF16)
     q, k, v = qkv.unbind(2)
-    p = attention_problem(q, k, v, causal=True, softmax_scale=0.37, return_lse=True)
-    assert AG.gluon_forward_refusal(p, q, k, v) is None
-    out, lse = AG.attend(p, q, k, v)
-    ref_out, ref_lse = _reference(q, k, v, True, 0.37)
-    assert _snr(out.float(), ref_out) >= 40.0 and _snr(lse, ref_lse) >= 40.0
+    for causal in (False, True):
+        p = attention_problem(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
+        assert AG.gluon_forward_refusal(p, q, k, v) is None
+        out, lse = AG.attend(p, q, k, v)
+        ref_out, ref_lse = _reference(q, k, v, causal, scale)
+        assert _snr(out.float(), ref_out) >= 40.0 and _snr(lse, ref_lse) >= 40.0, (causal, _snr(out.float(), ref_out))
 
 
 def count_calls(monkeypatch, module, name: str) -> list:

@@ -4,15 +4,21 @@ CPU (no marker): the gate's reasons, each condition forced with monkeypatch on a
 look like an sm_90 host (test_attention_gluon's ``sm90`` fixture): the switch
 (``PRIMUS_TURBO_ATTN_GLUON_BWD``, on unless set to a false value), the package-wide Gluon
 switch and the machine, every problem and tensor the kernels leave to the plain-Triton backward;
-and the adapter's wiring: the eager and the compiled backward take the Gluon launcher exactly
-when the gate says None, else the plain-Triton kernels. The sm_90 compile (registers, spills,
+the variants' switches (``PRIMUS_TURBO_ATTN_GLUON_BWD_HEAVY_FIRST``, ``..._OVERLAP``: off unless
+set, read per call, each setting its own tuning identity), the heavy-first grids and the
+launcher's two paths (in turn, or side by side on two streams) with the kernels replaced by
+recorders; and the adapter's wiring: the eager and the compiled backward take the Gluon launcher
+exactly when the gate says None, else the plain-Triton kernels. The sm_90 compile (registers, spills,
 shared memory) is checked by tests/test_compile_sm90.py (family ``attention_gluon_bwd``).
 
 GPU (``@pytest.mark.gpu``, sm_90 only): dq, dk, dv of
 the kernels against a float32 reference on random non-zero inputs, SNR >= 40 dB, over head dims
 64/128, full and causal masks, MHA/GQA/MQA, Sq == Sk and Sq != Sk (rows that attend nothing
-get dq = 0), odd lengths, bf16 and fp16, bit-identical over two runs; strided q, k, v and dout;
-and the op pinned to TRITON running its backward on the Gluon kernels, eager and compiled.
+get dq = 0), odd lengths, bf16 and fp16, bit-identical over two runs; every variant over the
+same cases, bit-identical to the default (they reorder programs and streams, never a sum); the
+backward captured in a CUDA graph with and without the side stream; strided q, k, v and dout;
+and the op pinned to TRITON running its backward on the Gluon kernels, eager and compiled, in
+the default and in the variants.
 """
 from __future__ import annotations
 
@@ -156,6 +162,170 @@ def test_configs_cover_the_forwards_head_dims():
             assert dkdv.kernel == "dkdv" and dq.kernel == "dq" and dkdv.head_dim == dq.head_dim == d
             # Two math warpgroups of 64 rows: keys in the dK/dV kernel, queries in the dQ kernel.
             assert dkdv.block_n == dq.block_m == 128 and dkdv.causal is dq.causal is causal
+            # The heavy-first order is a causal variant: full-mask programs all weigh the same.
+            assert AGB.dkdv_config(d, causal, True).heavy_first is AGB.dq_config(d, causal, True).heavy_first is causal
+            assert not dkdv.heavy_first and not dq.heavy_first
+
+
+# -- the variants' switches -----------------------------------------------------------------------------
+def _variant_switches():
+    AGB = _agb()
+    return {AGB.ATTN_GLUON_BWD_HEAVY_FIRST_ENV: AGB.heavy_first_setting,
+            AGB.ATTN_GLUON_BWD_OVERLAP_ENV: AGB.overlap_setting}
+
+
+@pytest.mark.parametrize("var", ["PRIMUS_TURBO_ATTN_GLUON_BWD_HEAVY_FIRST", "PRIMUS_TURBO_ATTN_GLUON_BWD_OVERLAP"])
+def test_variant_switches_are_on_by_default_and_read_per_call(monkeypatch, var):
+    setting = _variant_switches()[var]
+    monkeypatch.delenv(var, raising=False)
+    assert setting() is True
+    for value in ("1", "true", "on", "yes"):
+        monkeypatch.setenv(var, value)
+        assert setting() is True
+    for value in ("0", "false", "off", "no"):
+        monkeypatch.setenv(var, value)
+        assert setting() is False
+    monkeypatch.setenv(var, "maybe")
+    with pytest.raises(ConfigError, match=var):
+        setting()
+
+
+def test_variant_switches_leave_the_gate_alone(switched_on, monkeypatch):
+    """The variants change how the kernels run, not whether they serve."""
+    for var in _variant_switches():
+        monkeypatch.setenv(var, "0")
+    assert switched_on.gluon_backward_refusal(_problem()) is None
+    assert switched_on.variant_tag() == "+no-heavy-first+no-overlap"
+
+
+def _launch_tensors(b=2, sq=300, sk=500, hq=8, hk=2, d=128, dtype=BF16):
+    q, dout, dq = (torch.zeros(b, sq, hq, d, dtype=dtype) for _ in range(3))
+    k, v, dk, dv = (torch.zeros(b, sk, hk, d, dtype=dtype) for _ in range(4))
+    lse2, delta = torch.zeros(b, hq, sq), torch.zeros(b, hq, sq)
+    return q, k, v, dout, dq, dk, dv, lse2, delta
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_heavy_first_grids(causal):
+    """Heavy-first launches put the heads on the grid's first dimension (so a block of every head
+    starts before the next block of any head), causal calls only; the default grid is the
+    forward's ``(blocks, B * H)``."""
+    AGB = _agb()
+    if AGB.gluon is None:
+        pytest.skip("triton.experimental.gluon is missing")
+    q, k, v, dout, dq, dk, dv, lse2, delta = _launch_tensors()
+    for heavy_first in (False, True):
+        grid, _, kwargs = AGB.dkdv_launch_args(q, k, v, dout, dk, dv, lse2, delta, 0.1, causal, heavy_first)
+        swapped = heavy_first and causal
+        assert grid == ((2 * 2, 4) if swapped else (4, 2 * 2)) and kwargs["HEAVY_FIRST"] is swapped
+        grid, _, kwargs = AGB.dq_launch_args(q, k, v, dout, dq, lse2, delta, 0.1, causal, heavy_first)
+        assert grid == ((2 * 8, 3) if swapped else (3, 2 * 8)) and kwargs["HEAVY_FIRST"] is swapped
+
+
+def test_heavy_first_keeps_the_default_grid_past_its_limit(monkeypatch):
+    """More blocks than the grid's second dimension holds: the default order."""
+    AGB = _agb()
+    if AGB.gluon is None:
+        pytest.skip("triton.experimental.gluon is missing")
+    monkeypatch.setattr(AGB, "_GRID_Y", 2)
+    q, k, v, dout, dq, dk, dv, lse2, delta = _launch_tensors()
+    grid, _, kwargs = AGB.dkdv_launch_args(q, k, v, dout, dk, dv, lse2, delta, 0.1, True, True)
+    assert grid == (4, 4) and kwargs["HEAVY_FIRST"] is False
+    grid, _, kwargs = AGB.dq_launch_args(q, k, v, dout, dq, lse2, delta, 0.1, True, True)
+    assert grid == (3, 16) and kwargs["HEAVY_FIRST"] is False
+
+
+class _Recorder:
+    """Stands in for a JIT kernel: ``kernel[grid](*args, **kwargs)`` appends ``(name, grid,
+    kwargs)`` to ``log``."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.log.append((self.name, grid, kwargs))
+
+
+@pytest.fixture
+def recorded_launches(switched_on, monkeypatch):
+    """``attend_backward`` with its three kernels and ``side_by_side`` replaced by recorders and
+    ``overlappable`` answering True (CPU tensors): ``(AGB, log)``."""
+    AGB = switched_on
+    if AGB.gluon is None:
+        pytest.skip("triton.experimental.gluon is missing")
+    log = []
+    monkeypatch.setattr(AGB.AK, "attn_bwd_preprocess_kernel", _Recorder("preprocess", log))
+    monkeypatch.setattr(AGB, "attn_bwd_dkdv_gluon_kernel", _Recorder("dkdv", log))
+    monkeypatch.setattr(AGB, "attn_bwd_dq_gluon_kernel", _Recorder("dq", log))
+    monkeypatch.setattr(AGB, "overlappable", lambda t: True)
+
+    def side_by_side(first, second, device):
+        # The real one runs ``second`` on the side stream first, then ``first`` on the current one.
+        log.append(("fork", device))
+        second_out = second()
+        first_out = first()
+        log.append(("join", device))
+        return first_out, second_out
+
+    monkeypatch.setattr(AGB, "side_by_side", side_by_side)
+    for var in _variant_switches():
+        monkeypatch.delenv(var, raising=False)
+    return AGB, log
+
+
+def _launch_backward(AGB, causal=True):
+    from turbo_dispatch.ops.attention import attention_problem
+
+    q, k, v, dout, *_ = _launch_tensors()
+    p = attention_problem(q, k, v, causal=causal, return_lse=True)
+    out, lse = torch.zeros_like(q), torch.zeros(2, 8, 300)
+    dq, dk, dv = AGB.attend_backward(p, q, k, v, out, lse, dout)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_backward_overlaps_heaviest_first_by_default(recorded_launches):
+    AGB, log = recorded_launches
+    _launch_backward(AGB)
+    assert [entry[0] for entry in log] == ["preprocess", "fork", "dkdv", "dq", "join"]
+    assert log[2][2]["HEAVY_FIRST"] and log[3][2]["HEAVY_FIRST"]
+
+
+def test_backward_switched_off_runs_its_kernels_in_turn(recorded_launches, monkeypatch):
+    AGB, log = recorded_launches
+    for var in _variant_switches():
+        monkeypatch.setenv(var, "0")
+    _launch_backward(AGB)
+    assert [entry[0] for entry in log] == ["preprocess", "dkdv", "dq"]
+    assert not log[1][2]["HEAVY_FIRST"] and not log[2][2]["HEAVY_FIRST"]
+
+
+def test_backward_overlap_forks_the_dkdv_kernel_first(recorded_launches, monkeypatch):
+    """With the overlap switch on: the dK/dV kernel on the side stream, launched first, then the
+    dQ kernel, between one fork and one join; off again, in turn (read per call)."""
+    AGB, log = recorded_launches
+    monkeypatch.setenv(AGB.ATTN_GLUON_BWD_OVERLAP_ENV, "1")
+    _launch_backward(AGB)
+    assert [entry[0] for entry in log] == ["preprocess", "fork", "dkdv", "dq", "join"]
+    monkeypatch.setattr(AGB, "overlappable", lambda t: False)  # traced or not a plain CUDA tensor
+    log.clear()
+    _launch_backward(AGB)
+    assert [entry[0] for entry in log] == ["preprocess", "dkdv", "dq"]
+    monkeypatch.setattr(AGB, "overlappable", lambda t: True)
+    monkeypatch.setenv(AGB.ATTN_GLUON_BWD_OVERLAP_ENV, "0")
+    log.clear()
+    _launch_backward(AGB)
+    assert [entry[0] for entry in log] == ["preprocess", "dkdv", "dq"]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_heavy_first_switch_reaches_both_kernels(recorded_launches, monkeypatch, causal):
+    AGB, log = recorded_launches
+    monkeypatch.setenv(AGB.ATTN_GLUON_BWD_HEAVY_FIRST_ENV, "1")
+    monkeypatch.setenv(AGB.ATTN_GLUON_BWD_OVERLAP_ENV, "0")
+    _launch_backward(AGB, causal)
+    (_, dkdv_grid, dkdv_kw), (_, dq_grid, dq_kw) = log[1:]
+    assert dkdv_kw["HEAVY_FIRST"] is dq_kw["HEAVY_FIRST"] is causal
+    assert (dkdv_grid, dq_grid) == (((4, 4), (16, 3)) if causal else ((4, 4), (3, 16)))
 
 
 # -- the adapter's wiring -----------------------------------------------------------------------------------
@@ -257,8 +427,11 @@ def _reference(q, k, v, dout, causal, scale):
     return out.detach(), lse.detach(), [x.grad for x in leaves]
 
 
-def _check_case(AGB, q, k, v, dout, causal, scale=None):
-    """Runs the Gluon backward twice from the reference's out and lse; checks SNR and determinism."""
+def _check_case(AGB, q, k, v, dout, causal, scale=None, variants=None, monkeypatch=None):
+    """Runs the Gluon backward twice from the reference's out and lse; checks SNR and determinism.
+    With ``variants`` (name -> switch settings, set through ``monkeypatch``), the same for each
+    setting, whose gradients must also equal the first setting's bit for bit. Returns ``(p,
+    the first setting's gradients)``."""
     from test_triton_attention import _snr
 
     from turbo_dispatch.ops.attention import attention_problem
@@ -267,16 +440,34 @@ def _check_case(AGB, q, k, v, dout, causal, scale=None):
     ref_out, ref_lse, ref = _reference(q, k, v, dout, causal, p.softmax_scale)
     out, lse = ref_out.to(q.dtype).cuda(), ref_lse.float().cuda()
     assert AGB.gluon_backward_refusal(p, q, k, v, out, dout) is None
-    first = AGB.attend_backward(p, q, k, v, out, lse, dout)
-    second = AGB.attend_backward(p, q, k, v, out, lse, dout)
-    torch.cuda.synchronize()
-    for name, got, again, want, like in zip(("dq", "dk", "dv"), first, second, ref, (q, k, v)):
-        assert got.shape == like.shape and got.dtype == like.dtype, name
-        assert torch.isfinite(got).all(), name
-        assert torch.equal(got, again), f"{name} differs between two runs"
-        snr = _snr(got.float(), want)
-        assert snr >= 40.0, (name, snr)
-    return p, first
+    baseline = None
+    for variant, settings in (variants or {"as set": {}}).items():
+        for var, value in settings.items():
+            monkeypatch.setenv(var, value)
+        first = AGB.attend_backward(p, q, k, v, out, lse, dout)
+        second = AGB.attend_backward(p, q, k, v, out, lse, dout)
+        torch.cuda.synchronize()
+        for name, got, again, want, like in zip(("dq", "dk", "dv"), first, second, ref, (q, k, v)):
+            assert got.shape == like.shape and got.dtype == like.dtype, (variant, name)
+            assert torch.isfinite(got).all(), (variant, name)
+            assert torch.equal(got, again), f"{variant}: {name} differs between two runs"
+            snr = _snr(got.float(), want)
+            assert snr >= 40.0, (variant, name, snr)
+            if baseline is not None:
+                assert torch.equal(got, baseline[name]), f"{variant}: {name} differs from the default's"
+        if baseline is None:
+            baseline = dict(zip(("dq", "dk", "dv"), first))
+    return p, tuple(baseline.values())
+
+
+#: Every setting of the backward variants' switches, the default first.
+VARIANTS = {
+    "default": {"PRIMUS_TURBO_ATTN_GLUON_BWD_HEAVY_FIRST": "0", "PRIMUS_TURBO_ATTN_GLUON_BWD_OVERLAP": "0"},
+    "heavy-first": {"PRIMUS_TURBO_ATTN_GLUON_BWD_HEAVY_FIRST": "1", "PRIMUS_TURBO_ATTN_GLUON_BWD_OVERLAP": "0"},
+    "overlap": {"PRIMUS_TURBO_ATTN_GLUON_BWD_HEAVY_FIRST": "0", "PRIMUS_TURBO_ATTN_GLUON_BWD_OVERLAP": "1"},
+    "heavy-first+overlap": {"PRIMUS_TURBO_ATTN_GLUON_BWD_HEAVY_FIRST": "1",
+                            "PRIMUS_TURBO_ATTN_GLUON_BWD_OVERLAP": "1"},
+}
 
 
 @pytest.mark.gpu
@@ -293,6 +484,57 @@ def test_gpu_backward_matches_reference(case, gpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
+def test_gpu_variants_match_reference_and_default(case, gpu, monkeypatch):
+    """Every variant (heavy-first order, side-stream overlap, both) against the float32
+    reference, deterministic, and bit-identical to the default: they change when and where
+    programs run, never what a program sums or in which order. The overlap settings go through
+    ``side_by_side`` (eager CUDA tensors)."""
+    from test_attention import randn
+
+    b, sq, sk, hq, hk, d, dtype, causal = case
+    q, k, v = (randn(s, dtype).cuda() for s in ((b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, d)))
+    dout = randn((b, sq, hq, d), dtype).cuda()
+    forks = count_calls(monkeypatch, gpu, "side_by_side")
+    _, (dq, _, _) = _check_case(gpu, q, k, v, dout, causal, variants=VARIANTS, monkeypatch=monkeypatch)
+    assert len(forks) == 2 * 2  # two settings with the overlap on, two runs each
+    if causal and sq > sk:
+        assert (dq[:, :sq - sk] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gpu_backward_captures_in_a_cuda_graph(gpu, monkeypatch, variant):
+    """The backward (with the overlap: its fork and join) captured in a CUDA graph and replayed
+    gives the eager gradients, bit for bit."""
+    from test_attention import randn
+
+    from turbo_dispatch.ops.attention import attention_problem
+
+    for var, value in VARIANTS[variant].items():
+        monkeypatch.setenv(var, value)
+    q, k, v = (randn(s, BF16).cuda() for s in ((2, 1000, 8, 128), (2, 1000, 2, 128), (2, 1000, 2, 128)))
+    dout = randn((2, 1000, 8, 128), BF16).cuda()
+    p = attention_problem(q, k, v, causal=True, return_lse=True)
+    ref_out, ref_lse, _ = _reference(q, k, v, dout, True, p.softmax_scale)
+    out, lse = ref_out.to(BF16).cuda(), ref_lse.float().cuda()
+    eager = gpu.attend_backward(p, q, k, v, out, lse, dout)
+    warm = torch.cuda.Stream()  # the capture's own warm-up, on a side stream as PyTorch advises
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        gpu.attend_backward(p, q, k, v, out, lse, dout)
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = gpu.attend_backward(p, q, k, v, out, lse, dout)
+    for g in captured:
+        g.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(eager, captured))
+
+
+@pytest.mark.gpu
 def test_gpu_backward_strided_inputs_and_scale(gpu):
     """q, k, v sliced from one packed qkv tensor (read in place), a heads-major dout (copied to
     a layout the descriptors read) and a scale other than 1/sqrt(d)."""
@@ -305,15 +547,18 @@ def test_gpu_backward_strided_inputs_and_scale(gpu):
 
 
 @pytest.mark.gpu
-def test_gpu_op_runs_its_backward_on_gluon(gpu, monkeypatch, fresh_dynamo):
+@pytest.mark.parametrize("variant", ["default", "heavy-first+overlap"])
+def test_gpu_op_runs_its_backward_on_gluon(gpu, monkeypatch, fresh_dynamo, variant):
     """ops.flash_attn_func pinned to TRITON runs its backward on the Gluon kernels, eager and under
-    torch.compile; without the switch the same call runs the plain-Triton backward, with the same
-    gradients to within rounding."""
+    torch.compile, in the default and in the variants; without the switch the same call runs the
+    plain-Triton backward, with the same gradients to within rounding."""
     from test_attention import randn
     from test_triton_attention import _snr
 
     import turbo_dispatch as turbo
 
+    for var, value in VARIANTS[variant].items():
+        monkeypatch.setenv(var, value)
     calls = count_calls(monkeypatch, gpu, "attend_backward")
     turbo.GlobalBackendManager.set_attn_backend("TRITON")
     try:
@@ -341,13 +586,15 @@ def test_gpu_op_runs_its_backward_on_gluon(gpu, monkeypatch, fresh_dynamo):
 
 
 def test_switch_settings_have_their_own_tuning_identity(monkeypatch):
-    """Timings taken with the pipelined forward forced on or off, or the Gluon backward switched
-    off, are stored under another identity than the defaults' (a tuning DB never mixes them)."""
+    """Timings taken with the pipelined forward forced on or off, the Gluon backward switched
+    off, or a backward variant switched off, are stored under another identity than the defaults'
+    (a tuning DB never mixes them); a variant switched on explicitly is the default."""
     from turbo_dispatch.backends.triton import attention_gluon as AG
     from turbo_dispatch.backends.triton import attention_gluon_bwd as AGB
     from turbo_dispatch.backends.triton.attention import TritonAttention
 
-    for var in (AG.ATTN_GLUON_PIPELINE_ENV, AGB.ATTN_GLUON_BWD_ENV):
+    variants = (AGB.ATTN_GLUON_BWD_HEAVY_FIRST_ENV, AGB.ATTN_GLUON_BWD_OVERLAP_ENV)
+    for var in (AG.ATTN_GLUON_PIPELINE_ENV, AGB.ATTN_GLUON_BWD_ENV, *variants):
         monkeypatch.delenv(var, raising=False)
     default = TritonAttention().identity()
     assert AGB.KERNEL_REVISION in default and AG.KERNEL_REVISION in default
@@ -355,9 +602,18 @@ def test_switch_settings_have_their_own_tuning_identity(monkeypatch):
     for pipeline in ("1", "0"):
         monkeypatch.setenv(AG.ATTN_GLUON_PIPELINE_ENV, pipeline)
         seen.add(TritonAttention().identity())
+    monkeypatch.delenv(AG.ATTN_GLUON_PIPELINE_ENV)
+    for heavy_first, overlap in ((1, 0), (0, 1), (0, 0)):
+        monkeypatch.setenv(variants[0], str(heavy_first))
+        monkeypatch.setenv(variants[1], str(overlap))
+        seen.add(TritonAttention().identity())
     monkeypatch.setenv(AGB.ATTN_GLUON_BWD_ENV, "0")
     plain_backward = TritonAttention().identity()
-    assert len(seen | {plain_backward}) == 4 and AGB.KERNEL_REVISION not in plain_backward
-    monkeypatch.delenv(AG.ATTN_GLUON_PIPELINE_ENV)
+    assert len(seen | {plain_backward}) == 7 and AGB.KERNEL_REVISION not in plain_backward
     monkeypatch.delenv(AGB.ATTN_GLUON_BWD_ENV)
+    for var in variants:
+        monkeypatch.setenv(var, "1")
+    assert TritonAttention().identity() == default
+    for var in variants:
+        monkeypatch.delenv(var)
     assert TritonAttention().identity() == default

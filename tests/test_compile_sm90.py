@@ -1,6 +1,6 @@
 """The Triton GEMM kernels compile for Hopper (sm_90) on a CPU-only machine, and every config that
 asks for more than one persistent program per SM gets that many in the compiled kernel; the Gluon
-attention forward and backward compile there without spills.
+attention forward (its switchable variants too) and backward compile there without spills.
 
 Runs ``tools/compile_sm90.py --occupancy-only`` in a subprocess (the tool unsets TRITON_INTERPRET,
 which this test session sets, before importing triton). The fit is read from the cubin that
@@ -56,7 +56,7 @@ def test_occupancy_configs_fit_on_sm90(tmp_path):
         # its K loop), and the attention backward's d128 dK/dV kernel on triton 3.6 (one value,
         # once per program); every other kernel fits its registers outright.
         assert r["stack"] == 0 or (r["family"].endswith("gluon_ws") and r["config"][1] == 256) or (
-            r["family"] == "attention_gluon_bwd" and r["stack"] <= 16), r
+            r["family"].startswith("attention_gluon_bwd") and r["stack"] <= 16), r
     # The reason occupancy exists: the Triton blockwise K loop waits for all of its MMAs every step.
     assert all(r["wgmma_waits"] == [0] for r in rows if "blockwise" in r["family"] and "gluon" not in r["family"])
     # The reason the Gluon kernel exists: it waits for all but the newest wgmma, and ptxas keeps
@@ -95,14 +95,33 @@ def test_gluon_attention_forward_fits_on_sm90(tmp_path):
 
 
 @pytest.mark.skipif(_nvidia_toolchain() is not None, reason=str(_nvidia_toolchain()))
+def test_gluon_attention_forward_variants_fit_on_sm90(tmp_path):
+    """The switchable variants of the Gluon attention forward (three math warpgroups at d64, the
+    folded scale, the emulated exponentials; attention_gluon.VARIANT_SWITCHES) compile for sm_90
+    as the default ones do: no spill, one program per SM, wgmmas asynchronous; the three-warpgroup
+    kernel runs 13 warps under the 128-register cap that four warpgroups share."""
+    rows = _gluon_family_rows(tmp_path, "attention_gluon_fwd_variants")
+    math_wgs = {r["config"][7] for r in rows}
+    assert math_wgs == {2, 3} and any(r["config"][8] for r in rows) and any(r["config"][9] for r in rows)
+    for r in rows:
+        assert r["status"] == "PASS" and r["stack"] == 0 and r["loop_spills"] == 0 and not r["serialised"], r
+        assert r["shared"] <= 227 * 1024 and r["fit"] == 1, r
+        if r["config"][7] == 3:
+            assert r["config"][5] == 13 and r["regs"] <= 128 and not r["config"][6], r
+
+
+@pytest.mark.skipif(_nvidia_toolchain() is not None, reason=str(_nvidia_toolchain()))
 def test_gluon_attention_backward_fits_on_sm90(tmp_path):
-    """Both Gluon attention backward kernels (dK/dV and dQ; head dims 64 and 128, full and causal)
-    compile for sm_90 with no spill inside a wgmma loop, within one SM's shared memory, their
-    wgmmas asynchronous."""
+    """Both Gluon attention backward kernels (dK/dV and dQ; head dims 64 and 128, full and causal,
+    and the causal heavy-first variants) compile for sm_90 with no spill inside a wgmma loop,
+    within one SM's shared memory, their wgmmas asynchronous."""
     rows = _gluon_family_rows(tmp_path, "attention_gluon_bwd")
     assert sorted((r["config"][6], r["config"][2], r["config"][3]) for r in rows) == [
         (kernel, d, causal) for kernel in ("dkdv", "dq") for d in (64, 128) for causal in (False, True)]
-    for r in rows:
+    heavy_first = _gluon_family_rows(tmp_path, "attention_gluon_bwd_heavy_first")
+    assert sorted((r["config"][6], r["config"][2], r["config"][3], r["config"][7]) for r in heavy_first) == [
+        (kernel, d, True, True) for kernel in ("dkdv", "dq") for d in (64, 128)]
+    for r in rows + heavy_first:
         # A few bytes of stack outside the loops are allowed (triton 3.6 keeps one value there in
         # the d128 dK/dV kernel, reloaded once per program).
         assert r["status"] == "PASS" and r["loop_spills"] == 0 and r["stack"] <= 16 and not r["serialised"], r

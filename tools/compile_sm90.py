@@ -1,4 +1,4 @@
-"""Compile the GEMM kernels and the Gluon attention forward for Hopper on a machine without one; check their fit.
+"""Compile the GEMM kernels, Gluon attention and fused fp8 producers for Hopper without one; check their fit.
 
 Triton compiles to PTX and a cubin with its bundled ptxas; only loading needs a driver. A stand-in
 driver that names the target (sm_90 by default) lets ``JITFunction.warmup`` specialise and compile
@@ -18,7 +18,9 @@ before any timing:
 Every config of the candidate tables is compiled at a representative large problem; a config
 that asks for more programs per SM than fit, spills inside its wgmma loop (beyond
 ``LOOP_SPILL_ALLOWANCE``), has serialised wgmmas, or fails to compile
-is a FAIL (exit 1).
+is a FAIL (exit 1). The fused fp8 producers (family ``fused_producers``: every launch the
+benchmark's cases make, with and without the high-precision output) are memory-bound: one of
+theirs FAILs if it spills at all or fewer than ``FUSED_MIN_FIT`` programs fit on an SM.
 
 Usage: ``python tools/compile_sm90.py [--only dense_fp8_blockwise,...] [--json FILE] [--cc 90]``.
 ``--occupancy-only`` compiles just the configs with occupancy > 1 plus each family's default (the
@@ -56,6 +58,7 @@ from turbo_dispatch.backends.triton import fp8_blockwise_gluon as GL  # noqa: E4
 from turbo_dispatch.backends.triton import fp8_blockwise_gluon_ws as GWS  # noqa: E402
 from turbo_dispatch.backends.triton import fp8_blockwise_wgrad_ws as GWW  # noqa: E402
 from turbo_dispatch.backends.triton import fp8_gemm_kernels as FK  # noqa: E402
+from turbo_dispatch.backends.triton import fused_producers as FP  # noqa: E402
 from turbo_dispatch.backends.triton import gemm_kernels as GK  # noqa: E402
 from turbo_dispatch.backends.triton import grouped_gemm as GG  # noqa: E402
 from turbo_dispatch.backends.triton import grouped_kernels as GKK  # noqa: E402
@@ -238,27 +241,28 @@ B_ATTN, S_ATTN, HQ_ATTN, HKV_ATTN = 2, 4096, 32, 8  # GQA 32/8 at 4096 tokens
 
 
 def _attention_gluon_fwd(cfg: AG.GluonAttnConfig):
-    """The Gluon attention forward (the pipelined variant if ``cfg.pipeline``) at B 2, S 4096, GQA
-    32/8, bf16, the launcher's own arguments (``attention_gluon.launch_args``)."""
+    """The Gluon attention forward's variant ``cfg`` at B 2, S 4096, GQA 32/8, bf16, the
+    launcher's own arguments (``attention_gluon.launch_args``)."""
     d = cfg.head_dim
     q, out = (torch.empty((B_ATTN, S_ATTN, HQ_ATTN, d), dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.empty((B_ATTN, S_ATTN, HKV_ATTN, d), dtype=torch.bfloat16) for _ in range(2))
-    _, args, kwargs = AG.launch_args(q, k, v, out, torch.empty((B_ATTN, HQ_ATTN, S_ATTN)), d ** -0.5, cfg.causal,
-                                     cfg.pipeline)
+    _, args, kwargs = AG.launch_args(q, k, v, out, torch.empty((B_ATTN, HQ_ATTN, S_ATTN)), d ** -0.5, cfg)
     return AG.attn_fwd_gluon_kernel.warmup(*args, **kwargs, grid=(1,))
 
 
 def _attention_gluon_bwd(cfg: AGB.GluonAttnBwdConfig):
-    """One Gluon attention backward kernel (``cfg.kernel``: dK/dV or dQ) at the forward's problem,
-    the launcher's own arguments (``attention_gluon_bwd.dkdv_launch_args`` / ``dq_launch_args``)."""
+    """One Gluon attention backward kernel (``cfg.kernel``: dK/dV or dQ; in the heavy-first order if
+    ``cfg.heavy_first``) at the forward's problem, the launcher's own arguments
+    (``attention_gluon_bwd.dkdv_launch_args`` / ``dq_launch_args``)."""
     d = cfg.head_dim
     q, dout, dq = (torch.empty((B_ATTN, S_ATTN, HQ_ATTN, d), dtype=torch.bfloat16) for _ in range(3))
     k, v, dk, dv = (torch.empty((B_ATTN, S_ATTN, HKV_ATTN, d), dtype=torch.bfloat16) for _ in range(4))
     lse2, delta = (torch.empty((B_ATTN, HQ_ATTN, S_ATTN)) for _ in range(2))
     if cfg.kernel == "dkdv":
-        _, args, kwargs = AGB.dkdv_launch_args(q, k, v, dout, dk, dv, lse2, delta, d ** -0.5, cfg.causal)
+        _, args, kwargs = AGB.dkdv_launch_args(q, k, v, dout, dk, dv, lse2, delta, d ** -0.5, cfg.causal,
+                                               cfg.heavy_first)
         return AGB.attn_bwd_dkdv_gluon_kernel.warmup(*args, **kwargs, grid=(1,))
-    _, args, kwargs = AGB.dq_launch_args(q, k, v, dout, dq, lse2, delta, d ** -0.5, cfg.causal)
+    _, args, kwargs = AGB.dq_launch_args(q, k, v, dout, dq, lse2, delta, d ** -0.5, cfg.causal, cfg.heavy_first)
     return AGB.attn_bwd_dq_gluon_kernel.warmup(*args, **kwargs, grid=(1,))
 
 
@@ -322,11 +326,75 @@ def _grouped_problem(gran, variable_k: bool, m: int, n: int):
                                  bf16, bf16, e4, e4, gran, 128, True, "cuda")
 
 
+#: The fused producers' cases (benchmarks/bench_fused_producers.py): (op, row length) of
+#: Llama-3.1-8B, Llama-3.1-70B at TP8 and Qwen2.5-7B.
+FUSED_CASES = (("rms_norm", 4096), ("rms_norm", 8192), ("rms_norm", 3584), ("swiglu", 14336), ("swiglu", 3584),
+               ("swiglu", 18944))
+FUSED_RECIPES = ("rowwise", "blockwise", "tensorwise")
+#: Programs of a fused producer launch that must fit on one SM: one program's loads then overlap
+#: another's arithmetic (each program alternates between the two).
+FUSED_MIN_FIT = 2
+_FUSED_M = 64  # rows of the stand-in tensors: M is a runtime argument, 64 specialises as 8192 does
+
+
+def _fused_launches(op: str, n: int, recipe: str, with_out: bool) -> list:
+    """The producer's launches (``fused_producers.launches``) for one case, on CPU tensors laid out
+    as the benchmark lays them (SwiGLU's gate and up: halves of one [M, 2n] projection)."""
+    bf16, m = torch.bfloat16, _FUSED_M
+    gran = ScalingGranularity(recipe)
+    bs = 128 if recipe == "blockwise" else None
+    if op == "rms_norm":
+        a, b, sb, code = torch.empty((m, n), dtype=bf16), torch.empty(n, dtype=bf16), 0, FP._OP_RMS_NORM
+    else:
+        gate_up = torch.empty((m, 2 * n), dtype=bf16)
+        a, b, sb, code = gate_up[:, :n], gate_up[:, n:], 2 * n, FP._OP_SWIGLU
+    out = torch.empty((m, n) if with_out else (1,), dtype=bf16)
+    data = torch.empty((m, n), dtype=E4)
+    scale = torch.empty(()) if bs is None and recipe == "tensorwise" else torch.empty((m, -(-n // bs) if bs else 1))
+    return FP.launches(code, a, b, sb, 1e-5, out, data, scale, torch.empty(1), gran, bs, with_out)
+
+
+def _fused_configs() -> list:
+    """(op, n, recipe, with_out, launch index, warps, 1, mode, plan) per launch: occupancy 1, as the
+    kernels do not ask for co-resident programs (``FUSED_MIN_FIT`` is checked on its own), so
+    ``--occupancy-only`` compiles just the first."""
+    rows = []
+    for op, n in FUSED_CASES:
+        for recipe in FUSED_RECIPES:
+            for with_out in (False, True):
+                for i, launch in enumerate(_fused_launches(op, n, recipe, with_out)):
+                    f = launch.fixed
+                    plan = "single" if f["SINGLE"] else "walk"
+                    rows.append((op, n, recipe, with_out, i, launch.options["num_warps"], 1, f["MODE"],
+                                 f"{plan}:{f['ROWS']}x{f['CHUNK']}+{f['TAIL1']}+{f['TAIL2']}"))
+    return rows
+
+
+def _fused_producer(cfg: tuple):
+    launch = _fused_launches(*cfg[:4])[cfg[4]]
+    tensors = dict(zip(FP._LAUNCHER.per_call, launch.tensors))
+    return FP._producer_kernel.warmup(**tensors, **launch.fixed, **launch.options, grid=(1,))
+
+
 def triton_only(configs: list) -> list:
     """The grouped configs that run the Triton kernel. On an sm_90 host the adapter offers the
     warp-specialised Gluon configs first; they have families of their own and compiled through the
     Triton kernel would be judged on a kernel they never run (a spurious spill FAIL)."""
     return [c for c in configs if not GG._is_ws(c)]
+
+
+def attention_fwd_variants() -> list:
+    """The Gluon attention forward's switchable variants (attention_gluon.VARIANT_SWITCHES), full
+    and causal: each option alone on the variant its head dim runs by default, and all of them
+    together on each ring shape (three warpgroups at d64, pipelined at both head dims)."""
+    make = AG.config_for
+    alone = [make(64, c, wg3=True) for c in (False, True)]
+    alone += [make(d, c, d in AG.PIPELINED_HEAD_DIMS, **{opt: True}) for opt in ("fold_scale", "exp2_emu")
+              for d in (128, 64) for c in (False, True)]
+    every = dict(fold_scale=True, exp2_emu=True)
+    together = [make(64, c, wg3=True, **every) for c in (False, True)]
+    together += [make(d, c, True, **every) for d in (128, 64) for c in (False, True)]
+    return alone + together
 
 
 def families() -> dict:
@@ -371,9 +439,15 @@ def families() -> dict:
         ("attention_gluon_bwd", [make(d, causal) for make in (AGB.dkdv_config, AGB.dq_config) for d in (128, 64)
                                  for causal in (False, True)], _attention_gluon_bwd,
          len(AGB.GluonAttnBwdConfig._fields)),
+        ("attention_gluon_bwd_heavy_first", [make(d, True, heavy_first=True) for make in
+                                             (AGB.dkdv_config, AGB.dq_config) for d in (128, 64)],
+         _attention_gluon_bwd, len(AGB.GluonAttnBwdConfig._fields)),
         ("attention_gluon_fwd_pipelined", [AG.config_for(d, causal, pipeline=True) for d in (128, 64)
                                            for causal in (False, True)], _attention_gluon_fwd,
          len(AG.GluonAttnConfig._fields)),
+        ("attention_gluon_fwd_variants", attention_fwd_variants(), _attention_gluon_fwd,
+         len(AG.GluonAttnConfig._fields)),
+        ("fused_producers", _fused_configs(), _fused_producer, 6),
     ]
     return {name: (cfgs, build, occ_at) for name, cfgs, build, occ_at in table}
 
@@ -406,6 +480,10 @@ def run(table: dict, only: list[str] | None, occupancy_only: bool, cc: int) -> l
                 if row["loop_spills"] > LOOP_SPILL_ALLOWANCE:
                     problems.append(f"spills inside its wgmma loop ({row['loop_spills']} LDL/STL, "
                                     f"{row['stack']} bytes of stack)")
+                if name == "fused_producers" and row["stack"]:
+                    problems.append(f"spills ({row['stack']} bytes of stack)")
+                if name == "fused_producers" and row["fit"] < FUSED_MIN_FIT:
+                    problems.append(f"{row['fit']} programs fit per SM, fewer than {FUSED_MIN_FIT}")
                 if row["serialised"]:
                     problems.append("ptxas serialised its wgmmas: " + " | ".join(row["serialised"]))
                 row.update(status="FAIL" if problems else "PASS", reason="; ".join(problems))

@@ -318,9 +318,9 @@ class TritonAttention(Adapter):
         # the switches that change which Gluon kernels run, so that timings taken under one
         # setting never stand for another's in a tuning DB.
         pipeline = {None: "", True: "+pipelined", False: "+unpipelined"}[AG.pipeline_setting()]
-        backward = f"+{AGB.KERNEL_REVISION}" if AGB.switch_refusal() is None else "+plain-bwd"
+        backward = "+plain-bwd" if AGB.switch_refusal() else f"+{AGB.KERNEL_REVISION}{AGB.variant_tag()}"
         return (f"triton-{self.version()}:{type(self).__name__}/{AK.KERNEL_REVISION}+{AG.KERNEL_REVISION}{pipeline}"
-                f"{backward}{suffix}")
+                f"{AG.variant_tag()}{backward}{suffix}")
 
     def supports(self, p) -> Optional[str]:
         if p.platform not in ("cuda", "rocm") and not (p.platform == "cpu" and AK.interpreting()):

@@ -38,16 +38,30 @@ key block j it issues S_j = Q K_j^T, rescales O while S_j runs, issues O += P_{j
 for S_j alone (one group left in flight), runs block j's softmax, then waits for the PV product
 and releases its slot. One S tile is live at a time, and P_{j-1} is a dependency of that last wait,
 so no register of an in-flight wgmma is written and ptxas keeps the wgmmas asynchronous. ptxas
-does schedule that wait right after the softmax's row maximum (P_j is written into P_{j-1}'s
-registers), so the exponentials run after the PV product. Block 0 runs before the loop, masked (a
+does schedule that wait right after the softmax's row maximum (its own choice: rounding P after the
+wait in the source compiles to the same SASS), so the exponentials run after the PV product. Block 0 runs before the loop, masked (a
 program whose rows attend no key runs it too, fully masked), and the last PV product after it. A
 slot is released one block later than in the default variant, so the ring has one slot more
 (``PIPELINED_TILES``).
 
+Variants, each on its own switch (``VARIANT_SWITCHES``: three warpgroups and the folded scale on
+by default, the emulated exponentials off, as measured), for the head dims where the softmax, not
+the tensor cores, sets the pace (d64: a 128-key block costs each
+math warp about as many issue slots and MUFU cycles as its two wgmmas take on the tensor cores):
+
+* ``PRIMUS_TURBO_ATTN_GLUON_WG3``: three math warpgroups (192 query rows per program; d64 only,
+  unpipelined), so that three warps per SM sub-partition hide one another's softmax latency and
+  each loaded key block serves 192 rows. Causal warpgroups walk only their own rows' key span and
+  hand the slots of the program's later blocks back unread;
+* ``PRIMUS_TURBO_ATTN_GLUON_FOLD_SCALE``: the row maximum of the raw scores, the scale folded into
+  the exponent's FFMA (one multiply per score less; positive scales only);
+* ``PRIMUS_TURBO_ATTN_GLUON_EXP2_EMU``: one exponential in eight of the unmasked blocks by a cubic
+  on the FMA pipe (``_exp2_mixed``), the rest on MUFU.
+
 Needs triton with Gluon on a release in ``GLUON_TRITON_RELEASES`` and an sm_90 GPU.
 ``PRIMUS_TURBO_ATTN_GLUON=0`` switches the kernel off, as ``PRIMUS_TURBO_GLUON_KERNELS=0`` does
 every Gluon kernel (the adapter then runs the plain-Triton forward); both are read on every call,
-as is ``PRIMUS_TURBO_ATTN_GLUON_PIPELINE``.
+as are ``PRIMUS_TURBO_ATTN_GLUON_PIPELINE`` and the variant switches.
 """
 from __future__ import annotations
 
@@ -72,27 +86,47 @@ if gluon is not None:
 ATTN_GLUON_ENV = "PRIMUS_TURBO_ATTN_GLUON"
 #: 1/true: the pipelined variant at every head dim; 0/false: at none; unset: ``PIPELINED_HEAD_DIMS``.
 ATTN_GLUON_PIPELINE_ENV = "PRIMUS_TURBO_ATTN_GLUON_PIPELINE"
+#: Three math warpgroups (192 query rows per program) at the head dims of ``WG3_TILES``, unpipelined
+#: whatever ``PRIMUS_TURBO_ATTN_GLUON_PIPELINE`` says; on unless set to 0/false.
+ATTN_GLUON_WG3_ENV = "PRIMUS_TURBO_ATTN_GLUON_WG3"
+#: The row maximum of the raw scores, the scale folded into the exponent's FFMA (calls with a
+#: positive softmax scale); on unless set to 0/false.
+ATTN_GLUON_FOLD_SCALE_ENV = "PRIMUS_TURBO_ATTN_GLUON_FOLD_SCALE"
+#: 1/true: one exponential in ``EXP2_EMU_PACK`` of the unmasked key blocks by a polynomial on the
+#: FMA units instead of MUFU; off by default (it measured slower).
+ATTN_GLUON_EXP2_EMU_ENV = "PRIMUS_TURBO_ATTN_GLUON_EXP2_EMU"
 #: Bumped whenever a variant's code or the choice between them changes.
-KERNEL_REVISION = "attn-gluon-r2"
+KERNEL_REVISION = "attn-gluon-r3"
 #: Head dims that run the pipelined variant unless the switch says otherwise: at d128 it ran
 #: 1.05-1.08x the default variant's forward on an H200, at d64 0.95x (docs/performance.md).
 PIPELINED_HEAD_DIMS = frozenset({128})
-#: Query rows per program: two math warpgroups of 64 rows (one wgmma M each).
-BLOCK_M = 128
+#: Query rows per math warpgroup (one wgmma M).
+ROWS = 64
+#: Query rows per program: two math warpgroups of 64 rows.
+BLOCK_M = 2 * ROWS
 #: Registers per thread requested for the math warpgroups and the loader, and the kernel-wide
 #: cap: three warpgroups (default math, worker math, loader padded to a warpgroup) share 64K
 #: registers, and the default partition gets what the cap leaves (3 * 168 - 232 - 40 = 232).
 MATH_REGS, LOAD_REGS, MAXNREG = 232, 40, 168
-#: Warps a program runs: the default math warpgroup, the worker math warpgroup and the loader.
+#: The same with three math warpgroups: four warpgroups share 64K registers (cap 128), and
+#: 4 * 128 - 2 * 160 - 32 leaves the default partition 160 as well.
+WG3_REGS = (160, 32, 128)
+#: Warps a program runs: the default math warpgroup, the worker math warpgroup(s) and the loader.
 WARPS = 9
+#: Exponentials per inline-asm group of the ``EXP2_EMU`` variant, one of them by polynomial: at
+#: d64 a key block costs each math warp ~440 issue slots besides the exponentials (scale folded)
+#: and 64 MUFU.EX2 of 8 cycles each, so moving one in eight (+8 issue slots each) to the FMA pipe
+#: roughly balances the two.
+EXP2_EMU_PACK = 8
 _HALF = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _LOG2E = 1.4426950408889634
 
 
 class GluonAttnConfig(NamedTuple):
     """One compiled variant: ``BLOCK_N`` keys per ring slot and ``STAGES`` slots for head dim
-    ``head_dim``, pipelined or not. Fields 4 and 5 are where tools/compile_sm90.py reads stages and
-    warps."""
+    ``head_dim``, pipelined or not, ``math_wgs`` math warpgroups of ``ROWS`` query rows, and the
+    softmax's options (``fold_scale``, ``exp2_emu``: see their switches). Fields 4 and 5 are where
+    tools/compile_sm90.py reads stages and warps."""
 
     block_m: int
     block_n: int
@@ -101,6 +135,13 @@ class GluonAttnConfig(NamedTuple):
     stages: int
     warps: int = WARPS
     pipeline: bool = False
+    math_wgs: int = 2
+    fold_scale: bool = False
+    exp2_emu: bool = False
+
+    def regs(self) -> tuple[int, int, int]:
+        """(math partitions', loader's, kernel-wide cap) registers per thread."""
+        return WG3_REGS if self.math_wgs == 3 else (MATH_REGS, LOAD_REGS, MAXNREG)
 
 
 #: (BLOCK_N, STAGES) per head dim: the ring fills shared memory as far as it goes with 128-key
@@ -109,12 +150,23 @@ TILES = {64: (128, 3), 128: (128, 2)}
 #: The pipelined variant's: a warpgroup holds two slots at once (block j's k, block j-1's v), so
 #: one slot more keeps a full block of loading ahead (d128: q 32 KiB + 3 x 64 KiB = 224 KiB).
 PIPELINED_TILES = {64: (128, 4), 128: (128, 3)}
+#: The three-warpgroup variant's, at the head dims it serves: its math warpgroups hold
+#: 64 x 128 scores, P and a 64 x D accumulator in 160 registers, which d64 fits (d128 does not);
+#: three consumers drift apart further, so one slot more than the default (q 24 KiB + 4 x 32 KiB).
+WG3_TILES = {64: (128, 4)}
 
 
-def config_for(head_dim: int, causal: bool, pipeline: bool = False) -> GluonAttnConfig:
-    """The variant that serves head dim ``head_dim`` (64 or 128), pipelined or the default."""
-    block_n, stages = (PIPELINED_TILES if pipeline else TILES)[head_dim]
-    return GluonAttnConfig(BLOCK_M, block_n, head_dim, bool(causal), stages, WARPS, bool(pipeline))
+def config_for(head_dim: int, causal: bool, pipeline: bool = False, wg3: bool = False, fold_scale: bool = False,
+               exp2_emu: bool = False) -> GluonAttnConfig:
+    """The variant that serves head dim ``head_dim`` (64 or 128): pipelined or the default, with
+    three math warpgroups where ``wg3`` and ``WG3_TILES`` serves the head dim (then unpipelined),
+    and the softmax options as asked."""
+    wg3 = bool(wg3) and head_dim in WG3_TILES
+    pipeline = bool(pipeline) and not wg3
+    block_n, stages = (WG3_TILES if wg3 else PIPELINED_TILES if pipeline else TILES)[head_dim]
+    wgs = 3 if wg3 else 2
+    return GluonAttnConfig(ROWS * wgs, block_n, head_dim, bool(causal), stages, 4 * wgs + 1, pipeline, wgs,
+                           bool(fold_scale), bool(exp2_emu))
 
 
 if gluon is not None:
@@ -150,11 +202,11 @@ if gluon is not None:
     def _attn_load(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready, v_ready,
                    kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, CAUSAL: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                   PIPELINE: gl.constexpr):
-        """The loader: both warpgroups' q rows, then every key block of the span in ring order."""
+                   PIPELINE: gl.constexpr, MATH_WGS: gl.constexpr, FOLD: gl.constexpr, EMU: gl.constexpr):
+        """The loader: every math warpgroup's q rows, then every key block of the span in ring order."""
         b, h, hk, m0 = query_program(SEQ_Q, HEADS_Q, GROUP, CAUSAL, BLOCK_M)
-        ROWS: gl.constexpr = BLOCK_M // 2
-        for wg in gl.static_range(2):
+        ROWS: gl.constexpr = BLOCK_M // MATH_WGS
+        for wg in gl.static_range(MATH_WGS):
             bar = q_ready.index(wg)
             mbarrier.expect(bar, q_desc.block_type.nbytes)
             _tma_load(q_desc, [b, m0 + wg * ROWS, h * HEAD_DIM], bar, q_smem.index(wg))
@@ -167,16 +219,22 @@ if gluon is not None:
         """``(once, ready_a, ready_b, empty)``, initialised: one barrier per math warpgroup for its
         rows loaded once, and per ring slot one barrier for each of the loader's two copies and an
         ``empty`` barrier both math warpgroups arrive on (count 2)."""
-        once = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        return consumer_ring_barriers(STAGES, 2)
+
+    @gluon.jit
+    def consumer_ring_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+        """``ring_barriers`` for ``CONSUMERS`` math warpgroups: ``once`` has one barrier per
+        warpgroup, ``empty`` counts ``CONSUMERS`` arrivals."""
+        once = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         ready_a = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ready_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
+        for i in gl.static_range(CONSUMERS):
             mbarrier.init(once.index(i), count=1)
         for s in gl.static_range(STAGES):
             mbarrier.init(ready_a.index(s), count=1)
             mbarrier.init(ready_b.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)
+            mbarrier.init(empty.index(s), count=CONSUMERS)
         return once, ready_a, ready_b, empty
 
     @gluon.jit
@@ -200,33 +258,86 @@ if gluon is not None:
             step += 1
 
     @gluon.jit
+    def _exp2_mixed(x):
+        """``exp2(x)`` for finite ``x <= 0`` (what the online softmax of an unmasked key block
+        feeds it), one element in ``EXP2_EMU_PACK`` (8) by polynomial on the FMA and integer units
+        instead of MUFU, to unload the MUFU pipe at small head dims: 2^x = 2^j * q(f) with
+        j = rint(x) (the 1.5 * 2^23 rounding trick), f = x - j in [-1/2, 1/2], q a cubic within
+        7.5e-5 relative of 2^f (well inside bf16/fp16's rounding of P), 2^j added to the exponent
+        bits. x is clamped at -125 first, so 2^j * q(f) stays a normal float; what it gives there
+        (2^-125, not 0) is negligible next to the row maximum's 1."""
+        return gl.inline_asm_elementwise(
+            """
+            {
+            .reg .f32 f, j;
+            .reg .b32 t, q;
+            ex2.approx.ftz.f32 $0, $8;
+            ex2.approx.ftz.f32 $1, $9;
+            ex2.approx.ftz.f32 $2, $10;
+            ex2.approx.ftz.f32 $3, $11;
+            ex2.approx.ftz.f32 $4, $12;
+            ex2.approx.ftz.f32 $5, $13;
+            ex2.approx.ftz.f32 $6, $14;
+            max.ftz.f32 f, $15, 0fC2FA0000;
+            add.rn.f32 t, f, 0f4B400000;
+            sub.rn.f32 j, t, 0f4B400000;
+            sub.rn.f32 f, f, j;
+            fma.rn.f32 q, f, 0f3D61FB53, 0f3E786EE6;
+            fma.rn.f32 q, q, f, 0f3F31798D;
+            fma.rn.f32 q, q, f, 0f3F7FFB4A;
+            shl.b32 t, t, 23;
+            add.s32 $7, q, t;
+            }
+            """,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r",
+            [x],
+            dtype=gl.float32,
+            is_pure=True,
+            pack=8,
+        )
+
+    @gluon.jit
     def _softmax(s, n0, m_i, l_i, rows, sk, shift, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                 BLOCK_N: gl.constexpr):
+                 BLOCK_N: gl.constexpr, FOLD: gl.constexpr, EMU: gl.constexpr):
         """The online softmax's step for the raw scores ``s`` of the key block at ``n0``:
         ``(p, alpha, m_new, l_new)``, p in fp32 and the exp2 domain, ``alpha`` the factor that
         moves what is summed so far from max ``m_i`` to ``m_new``. ``MASKED`` masks keys past
-        ``sk`` and, causal, past each row's diagonal."""
+        ``sk`` and, causal, past each row's diagonal. ``FOLD`` (a positive ``qk_scale`` only):
+        the row maximum of the raw scores, scaled once per row, so that the scale costs no
+        multiply per score but rides in the exponent's FFMA. ``EMU``: unmasked blocks take
+        ``_exp2_mixed``."""
         s_layout: gl.constexpr = s.type.layout
-        s = s * qk_scale
+        if not FOLD:
+            s = s * qk_scale
         if MASKED:
             cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             ok = cols[None, :] < sk
             if CAUSAL:
                 ok = ok & (cols[None, :] <= rows[:, None] + shift)
             s = gl.where(ok, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
+        if FOLD:
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, 1))
         if MASKED:  # a row with no key yet keeps m = -inf: subtract 0 instead (exp2(-inf) = 0)
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_use = m_new
-        p = gl.exp2(s - m_use[:, None])
+        if FOLD:
+            x = s * qk_scale - m_use[:, None]
+        else:
+            x = s - m_use[:, None]
+        if EMU and not MASKED:
+            p = _exp2_mixed(x)
+        else:
+            p = gl.exp2(x)
         alpha = gl.exp2(m_i - m_use)
         return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
     def _attn_blocks(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i, zero_s, step, lo, hi, rows,
                      sk, shift, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr, EMU: gl.constexpr):
         """The online softmax over the key blocks starting in [lo, hi), ring steps from ``step``;
         ``MASKED`` blocks mask keys past ``sk`` and, causal, past each row's diagonal.
         Returns ``(acc, m_i, l_i, step)``."""
@@ -239,7 +350,8 @@ if gluon is not None:
             k_tile = k_ring.index(slot).reshape([BLOCK_N, HEAD_DIM])
             s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            p, alpha, m_new, l_i = _softmax(s, n0, m_i, l_i, rows, sk, shift, qk_scale, MASKED, CAUSAL, BLOCK_N)
+            p, alpha, m_new, l_i = _softmax(s, n0, m_i, l_i, rows, sk, shift, qk_scale, MASKED, CAUSAL, BLOCK_N,
+                                            FOLD, EMU)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             p_op = gl.convert_layout(p.to(k_ring.dtype), p_layout)
             mbarrier.wait(v_ready.index(slot), phase)
@@ -252,9 +364,22 @@ if gluon is not None:
         return acc, m_i, l_i, step
 
     @gluon.jit
+    def _release_rest(k_ready, kv_empty, step, lo, hi, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """Hands back, unread, the ring slots of the key blocks starting in [lo, hi) (ring steps
+        from ``step``) that the program loads for its other warpgroups' rows. Each waits for its
+        block to land first: only then has the slot's previous block been released by every
+        warpgroup, so this arrival counts towards the right phase."""
+        for n0 in range(lo, hi, BLOCK_N):
+            slot = step % STAGES
+            mbarrier.wait(k_ready.index(slot), (step // STAGES) & 1)
+            mbarrier.arrive(kv_empty.index(slot), count=1)
+            step += 1
+
+    @gluon.jit
     def _attn_blocks_pipelined(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, alpha, m_i, l_i, p_op, zero_s,
                                step, lo, hi, rows, sk, shift, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                               FOLD: gl.constexpr, EMU: gl.constexpr):
         """The pipelined variant's key blocks starting in [lo, hi), ring steps from ``step`` >= 1:
         block j's S and block j-1's PV product (``p_op``, rescale ``alpha`` pending) in flight
         together, block j's softmax after S. Returns ``(acc, alpha, m_i, l_i, p_op, step)`` with
@@ -272,7 +397,8 @@ if gluon is not None:
             acc = warpgroup_mma(p_op, v_ring.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
             # Groups complete in order: one left in flight means S is done and PV may run on.
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-            p, alpha, m_i, l_i = _softmax(s, n0, m_i, l_i, rows, sk, shift, qk_scale, MASKED, CAUSAL, BLOCK_N)
+            p, alpha, m_i, l_i = _softmax(s, n0, m_i, l_i, rows, sk, shift, qk_scale, MASKED, CAUSAL, BLOCK_N,
+                                          FOLD, EMU)
             p_next = gl.convert_layout(p.to(k_ring.dtype), p_layout)
             # p_op is a dependency: its registers stay untouched until the product has read them.
             acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
@@ -284,7 +410,7 @@ if gluon is not None:
     @gluon.jit
     def _attn_pipelined(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i, zero_s, full_end, end,
                         rows, sk, shift, qk_scale, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr, EMU: gl.constexpr):
         """The pipelined variant over the key blocks starting below ``end`` (>= 1; unmasked below
         ``full_end``): block 0's S and softmax, the pipelined blocks, the last PV product.
         Returns ``(acc, m_i, l_i)``."""
@@ -296,16 +422,17 @@ if gluon is not None:
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         # Masked whatever its span: a no-op on a block every row attends whole, and what makes a
         # program whose rows attend no key come out with l = 0 (out 0, lse -inf).
-        p, alpha, m_i, l_i = _softmax(s, 0, m_i, l_i, rows, sk, shift, qk_scale, True, CAUSAL, BLOCK_N)
+        p, alpha, m_i, l_i = _softmax(s, 0, m_i, l_i, rows, sk, shift, qk_scale, True, CAUSAL, BLOCK_N, FOLD, EMU)
         p_op = gl.convert_layout(p.to(k_ring.dtype), p_layout)
         # The ring step starts as a tensor (a literal would be a constexpr, not loop-carriable).
         step = full_end * 0 + 1
         acc, alpha, m_i, l_i, p_op, step = _attn_blocks_pipelined(
             q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, alpha, m_i, l_i, p_op, zero_s, step, BLOCK_N,
-            full_end, rows, sk, shift, qk_scale, False, CAUSAL, BLOCK_N, HEAD_DIM, STAGES)
+            full_end, rows, sk, shift, qk_scale, False, CAUSAL, BLOCK_N, HEAD_DIM, STAGES, FOLD, EMU)
         acc, alpha, m_i, l_i, p_op, step = _attn_blocks_pipelined(
             q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, alpha, m_i, l_i, p_op, zero_s, step,
-            gl.maximum(full_end, BLOCK_N), end, rows, sk, shift, qk_scale, True, CAUSAL, BLOCK_N, HEAD_DIM, STAGES)
+            gl.maximum(full_end, BLOCK_N), end, rows, sk, shift, qk_scale, True, CAUSAL, BLOCK_N, HEAD_DIM, STAGES,
+            FOLD, EMU)
         last = (step - 1) % STAGES
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         mbarrier.wait(v_ready.index(last), ((step - 1) // STAGES) & 1)
@@ -318,9 +445,14 @@ if gluon is not None:
     def _attn_math(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready, v_ready,
                    kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, CAUSAL: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                   PIPELINE: gl.constexpr, WG: gl.constexpr):
-        """Math warpgroup ``WG``: query rows ``m0 + WG * 64`` to ``m0 + WG * 64 + 63``."""
-        ROWS: gl.constexpr = BLOCK_M // 2
+                   PIPELINE: gl.constexpr, MATH_WGS: gl.constexpr, FOLD: gl.constexpr, EMU: gl.constexpr,
+                   WG: gl.constexpr):
+        """Math warpgroup ``WG``: query rows ``m0 + WG * 64`` to ``m0 + WG * 64 + 63``. With two
+        warpgroups both walk the program's key span; with three (unpipelined) each walks its own
+        rows' span and hands back the slots of the program's blocks past it unread, so causal
+        warpgroups above the diagonal skip the blocks only their neighbours' rows attend."""
+        gl.static_assert(MATH_WGS == 2 or not PIPELINE, "three math warpgroups run unpipelined")
+        ROWS: gl.constexpr = BLOCK_M // MATH_WGS
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -329,6 +461,13 @@ if gluon is not None:
         b, h, hk, m0 = query_program(SEQ_Q, HEADS_Q, GROUP, CAUSAL, BLOCK_M)
         row0 = m0 + WG * ROWS
         full_end, end = key_span(m0, SEQ_Q, SEQ_K, CAUSAL, BLOCK_M, BLOCK_N, PIPELINE)
+        prog_end = end
+        if MATH_WGS == 3:
+            full_end, end = key_span(row0, SEQ_Q, SEQ_K, CAUSAL, ROWS, BLOCK_N, PIPELINE)
+            # Rows wholly past the sequence's end (the last program's) attend nothing.
+            live = (row0 < SEQ_Q).to(gl.int32)
+            full_end = full_end * live
+            end = end * live
         shift = SEQ_K - SEQ_Q
         rows = row0 + gl.arange(0, ROWS, layout=row_layout)
 
@@ -342,15 +481,15 @@ if gluon is not None:
         if PIPELINE:
             acc, m_i, l_i = _attn_pipelined(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i, zero_s,
                                             full_end, end, rows, SEQ_K, shift, qk_scale, CAUSAL, BLOCK_N, HEAD_DIM,
-                                            STAGES)
+                                            STAGES, FOLD, EMU)
         else:
             # The ring step starts as a tensor (a literal 0 would be a constexpr, not loop-carriable).
             acc, m_i, l_i, step = _attn_blocks(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i,
                                                zero_s, full_end * 0, 0, full_end, rows, SEQ_K, shift, qk_scale, False,
-                                               CAUSAL, BLOCK_N, HEAD_DIM, STAGES)
+                                               CAUSAL, BLOCK_N, HEAD_DIM, STAGES, FOLD, EMU)
             acc, m_i, l_i, step = _attn_blocks(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i,
                                                zero_s, step, full_end, end, rows, SEQ_K, shift, qk_scale, True, CAUSAL,
-                                               BLOCK_N, HEAD_DIM, STAGES)
+                                               BLOCK_N, HEAD_DIM, STAGES, FOLD, EMU)
 
         attended = l_i > 0.0
         l_safe = gl.where(attended, l_i, 1.0)
@@ -365,35 +504,45 @@ if gluon is not None:
         fence_async_shared()
         _cta_barrier()
         _tma_store(o_desc, [b, row0, h * HEAD_DIM], q_buf)
+        if MATH_WGS == 3:
+            _release_rest(k_ready, kv_empty, step, step * BLOCK_N, prog_end, BLOCK_N, STAGES)
         tma.store_wait(0)
 
     @gluon.jit
     def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb,
                               stride_lh, qk_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                              MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, PIPELINE: gl.constexpr):
+                              MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, PIPELINE: gl.constexpr,
+                              MATH_WGS: gl.constexpr, FOLD: gl.constexpr, EMU: gl.constexpr):
         """Grid ``(cdiv(Sq, BLOCK_M), B * Hq)``; launched with 4 warps (the default partition)
         and ``maxnreg``. ``qk_scale`` is the softmax scale times log2(e); the descriptors are
-        ``descriptor``'s, q and out with ``BLOCK_M / 2`` rows per block, k and v ``BLOCK_N``;
-        ``PIPELINE`` selects the pipelined variant."""
+        ``descriptor``'s, q and out with ``BLOCK_M / MATH_WGS`` rows per block, k and v
+        ``BLOCK_N``; ``PIPELINE`` selects the pipelined variant, ``MATH_WGS`` (2 or 3, then
+        unpipelined) the math warpgroups, ``FOLD`` (a positive ``qk_scale`` only) and ``EMU`` the
+        softmax options of ``GluonAttnConfig``."""
         # Buffers of rank 3 like the descriptors' blocks ([1, rows, D]); the math reshapes them to 2-D.
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 1, BLOCK_M // 2, HEAD_DIM], q_desc.layout)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [MATH_WGS, 1, BLOCK_M // MATH_WGS, HEAD_DIM],
+                                           q_desc.layout)
         k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
-        q_ready, k_ready, v_ready, kv_empty = ring_barriers(STAGES)
+        q_ready, k_ready, v_ready, kv_empty = consumer_ring_barriers(STAGES, MATH_WGS)
         # The argument tuples are spelled out at each use: assigned to a variable, their constexpr
-        # entries would become tensors (triton 3.6). The math partitions differ only in WG.
+        # entries would become tensors (triton 3.6). The math partitions differ only in WG; the
+        # third one, listed last, runs only with three math warpgroups.
         gl.warp_specialize([
-            (_attn_math, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready, v_ready,
-                           kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, CAUSAL, BLOCK_M,
-                           BLOCK_N, HEAD_DIM, STAGES, PIPELINE, 0)),
-            (_attn_math, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready, v_ready,
-                           kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, CAUSAL, BLOCK_M,
-                           BLOCK_N, HEAD_DIM, STAGES, PIPELINE, 1)),
-            (_attn_load, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready, v_ready,
-                          kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, CAUSAL, BLOCK_M,
-                          BLOCK_N, HEAD_DIM, STAGES, PIPELINE)),
-        ], [4, 1], [MATH_REGS, LOAD_REGS])
+            (_attn_math, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready,
+                          v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, CAUSAL,
+                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PIPELINE, MATH_WGS, FOLD, EMU, 0)),
+            (_attn_math, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready,
+                          v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, CAUSAL,
+                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PIPELINE, MATH_WGS, FOLD, EMU, 1)),
+            (_attn_load, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready,
+                          v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, CAUSAL,
+                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PIPELINE, MATH_WGS, FOLD, EMU)),
+            (_attn_math, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready,
+                          v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, CAUSAL,
+                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PIPELINE, MATH_WGS, FOLD, EMU, 2)),
+        ][:MATH_WGS + 1], [4, 1, 4][:MATH_WGS], [MATH_REGS, LOAD_REGS, MATH_REGS][:MATH_WGS])
 
 
 # -- the gate ------------------------------------------------------------------------------------------
@@ -417,10 +566,47 @@ def pipeline_setting() -> Optional[bool]:
     return parse_bool(_read_pipeline(), ATTN_GLUON_PIPELINE_ENV)
 
 
+#: Each variant switch by ``config_for``'s keyword: its variable, its tag in identities and its
+#: setting when unset. Three warpgroups (d64) and the folded scale are on by default: on an H200
+#: they ran the d64 causal forward 1.13x and the d128 forwards 1.02-1.06x faster; the emulated
+#: exponentials ran slower and stay off (docs/performance.md).
+VARIANT_SWITCHES = {"wg3": (ATTN_GLUON_WG3_ENV, "wg3", True), "fold_scale": (ATTN_GLUON_FOLD_SCALE_ENV, "fold", True),
+                    "exp2_emu": (ATTN_GLUON_EXP2_EMU_ENV, "emu", False)}
+_variant_readers = {key: env_text_reader(env) for key, (env, _, _) in VARIANT_SWITCHES.items()}
+
+
+def variant_settings() -> dict[str, bool]:
+    """The variant switches (``VARIANT_SWITCHES``) read now, by ``config_for``'s keyword: the value
+    set, else the switch's default. A malformed value is a ConfigError naming the variable."""
+    settings = {}
+    for key, read in _variant_readers.items():
+        env, _, default = VARIANT_SWITCHES[key]
+        value = parse_bool(read(), env)
+        settings[key] = default if value is None else value
+    return settings
+
+
+def variant_tag() -> str:
+    """``+tag`` for each variant switch set away from its default (``"+emu"``, ``"+no-fold"``;
+    ``""`` with the defaults): the settings that change the compiled kernel, for the adapter's
+    identity."""
+    settings = variant_settings()
+    return "".join(("+" if settings[key] else "+no-") + tag
+                   for key, (_, tag, default) in VARIANT_SWITCHES.items() if settings[key] != default)
+
+
 def pipelined(head_dim: int) -> bool:
-    """Whether a call of head dim ``head_dim`` runs the pipelined variant (switch read per call)."""
+    """Whether a call of head dim ``head_dim`` runs the pipelined variant (switches read per
+    call): never where the three-warpgroup variant serves it."""
+    if variant_settings()["wg3"] and head_dim in WG3_TILES:
+        return False
     setting = pipeline_setting()
     return head_dim in PIPELINED_HEAD_DIMS if setting is None else setting
+
+
+def call_config(head_dim: int, causal: bool) -> GluonAttnConfig:
+    """The variant a call of head dim ``head_dim`` runs, every switch read now."""
+    return config_for(head_dim, causal, pipelined(head_dim), **variant_settings())
 
 
 def machine_refusal() -> Optional[str]:
@@ -494,31 +680,36 @@ def descriptor(x: torch.Tensor, rows: int):
 
 
 def launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                softmax_scale: float, causal: bool, pipeline: bool = False) -> tuple[tuple, tuple, dict]:
-    """``(grid, args, kwargs)`` of one launch writing ``out`` and ``lse``, of the pipelined
-    variant if ``pipeline``; tools/compile_sm90.py compiles with them."""
+                softmax_scale: float, cfg: GluonAttnConfig) -> tuple[tuple, tuple, dict]:
+    """``(grid, args, kwargs)`` of one launch of variant ``cfg`` (``config_for``; its head dim and
+    mask those of the call) writing ``out`` and ``lse``; tools/compile_sm90.py compiles with them.
+    ``fold_scale`` applies to a positive ``softmax_scale`` only (the row maximum of the raw scores
+    is the scaled one's only then)."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    cfg = config_for(d, causal, pipeline)
-    args = (descriptor(q, cfg.block_m // 2), descriptor(k, cfg.block_n), descriptor(v, cfg.block_n),
-            descriptor(out, cfg.block_m // 2), lse, sq, sk, hq, hq // hk, lse.stride(0), lse.stride(1),
-            softmax_scale * _LOG2E)
-    kwargs = dict(CAUSAL=bool(causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.stages,
-                  MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, PIPELINE=cfg.pipeline, num_warps=4, maxnreg=MAXNREG)
+    rows = cfg.block_m // cfg.math_wgs
+    math_regs, load_regs, maxnreg = cfg.regs()
+    args = (descriptor(q, rows), descriptor(k, cfg.block_n), descriptor(v, cfg.block_n), descriptor(out, rows), lse,
+            sq, sk, hq, hq // hk, lse.stride(0), lse.stride(1), softmax_scale * _LOG2E)
+    kwargs = dict(CAUSAL=cfg.causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.stages,
+                  MATH_REGS=math_regs, LOAD_REGS=load_regs, PIPELINE=cfg.pipeline, MATH_WGS=cfg.math_wgs,
+                  FOLD=cfg.fold_scale and softmax_scale > 0, EMU=cfg.exp2_emu, num_warps=4, maxnreg=maxnreg)
     return (-(-sq // cfg.block_m), b * hq), args, kwargs
 
 
 def attend(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(out ``[B, Sq, Hq, D]`` in the inputs' dtype, float32 natural-log lse ``[B, Hq, Sq]``) of
     a call ``gluon_forward_refusal(p, q, k, v)`` accepted; the same contract as
-    ``attention.attend``'s dense forward. The pipelined variant runs where ``pipelined(D)``."""
+    ``attention.attend``'s dense forward. The variant is ``call_config``'s."""
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse = torch.empty((p.batch, p.heads_q, p.seqlen_q), device=q.device, dtype=torch.float32)
-    grid, args, kwargs = launch_args(q, k, v, out, lse, p.softmax_scale, p.causal, pipelined(p.head_dim_qk))
+    grid, args, kwargs = launch_args(q, k, v, out, lse, p.softmax_scale, call_config(p.head_dim_qk, p.causal))
     attn_fwd_gluon_kernel[grid](*args, **kwargs)
     return out, lse
 
 
-__all__ = ["ATTN_GLUON_ENV", "ATTN_GLUON_PIPELINE_ENV", "KERNEL_REVISION", "PIPELINED_HEAD_DIMS", "GluonAttnConfig",
-           "attend", "config_for", "gluon_forward_refusal", "launch_args", "machine_refusal", "pipeline_setting",
-           "pipelined", "problem_refusal", "tensor_refusal"]
+__all__ = ["ATTN_GLUON_ENV", "ATTN_GLUON_EXP2_EMU_ENV", "ATTN_GLUON_FOLD_SCALE_ENV", "ATTN_GLUON_PIPELINE_ENV",
+           "ATTN_GLUON_WG3_ENV", "KERNEL_REVISION", "PIPELINED_HEAD_DIMS", "VARIANT_SWITCHES",
+           "GluonAttnConfig", "attend", "call_config", "config_for", "gluon_forward_refusal", "launch_args",
+           "machine_refusal", "pipeline_setting", "pipelined", "problem_refusal", "tensor_refusal", "variant_settings",
+           "variant_tag"]

@@ -36,9 +36,24 @@ rows in the other. Blocks wholly above the causal diagonal are never loaded; in 
 the blocks that straddle it are masked and those below it are not, in the dK/dV kernel every
 causal block is masked (one loop: two held more loop state than the registers allow).
 
+Two variants, each off unless its switch is set to a true value (read on every call), change
+when and where programs run, never what one computes or in which order it sums, so their
+gradients equal the default's bit for bit:
+
+* heavy-first (``PRIMUS_TURBO_ATTN_GLUON_BWD_HEAVY_FIRST``, causal calls): both kernels take the
+  grid ``(B * H, blocks)`` instead of ``(blocks, B * H)``. The hardware starts programs in launch
+  order, first dimension fastest, so the heaviest block (the first key block, the last query
+  block) of every head starts before the next block of any head; in the default order the last
+  heads' heaviest programs start last and run alone at the end (the longest tail when a GQA
+  group's query heads make each dK/dV program long);
+* overlap (``PRIMUS_TURBO_ATTN_GLUON_BWD_OVERLAP``, eager CUDA tensors): the dK/dV kernel runs on
+  a side stream, launched first, and the dQ kernel on the current stream
+  (``side_streams.side_by_side``: event waits, capturable in a CUDA graph), so each kernel's
+  last wave shares the GPU with the other's programs.
+
 ``PRIMUS_TURBO_ATTN_GLUON_BWD=0`` (read on every call) keeps the backward on the plain-Triton
-kernels; ``PRIMUS_TURBO_GLUON_KERNELS=0`` switches them off like every Gluon kernel. Needs triton with Gluon on a release in ``GLUON_TRITON_RELEASES`` and an
-sm_90 GPU.
+kernels; ``PRIMUS_TURBO_GLUON_KERNELS=0`` switches them off like every Gluon kernel. Needs triton
+with Gluon on a release in ``GLUON_TRITON_RELEASES`` and an sm_90 GPU.
 """
 from __future__ import annotations
 
@@ -47,6 +62,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from turbo_dispatch.env import env_text_reader, parse_bool
+from turbo_dispatch.low_precision.side_streams import overlappable, side_by_side
 
 from . import attention_kernels as AK
 from .attention_gluon import descriptor, problem_refusal, tensor_refusal
@@ -58,14 +74,18 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
 
-    from .attention_gluon import key_span, load_kv_ring, query_program, ring_barriers
+    from .attention_gluon import key_span, load_kv_ring, ring_barriers
     from .fp8_blockwise_gluon import _cta_barrier, _tma_load
     from .fp8_blockwise_gluon_ws import _cp_async, _tma_store
 
 #: Set to 0/false to keep the TRITON adapter's dense backward on the plain-Triton kernels.
 ATTN_GLUON_BWD_ENV = "PRIMUS_TURBO_ATTN_GLUON_BWD"
+#: Causal programs launch heaviest block first across all heads (``HEAVY_FIRST``) unless set to 0/false.
+ATTN_GLUON_BWD_HEAVY_FIRST_ENV = "PRIMUS_TURBO_ATTN_GLUON_BWD_HEAVY_FIRST"
+#: The dK/dV and dQ kernels run side by side on two streams unless set to 0/false.
+ATTN_GLUON_BWD_OVERLAP_ENV = "PRIMUS_TURBO_ATTN_GLUON_BWD_OVERLAP"
 #: Bumped whenever a kernel's code changes.
-KERNEL_REVISION = "attn-gluon-bwd-r1"
+KERNEL_REVISION = "attn-gluon-bwd-r3"
 #: Rows one math warpgroup owns: keys in the dK/dV kernel, queries in the dQ kernel (one wgmma M).
 ROWS = 64
 #: Keys per dK/dV program and query rows per dQ program: two math warpgroups of ``ROWS``.
@@ -82,8 +102,9 @@ _LOG2E = 1.4426950408889634
 
 class GluonAttnBwdConfig(NamedTuple):
     """One compiled variant of ``kernel`` ("dkdv" or "dq"): ``block_m`` query rows and
-    ``block_n`` keys per step or program, ``stages`` ring slots. Fields 4 and 5 are where
-    tools/compile_sm90.py reads stages and warps."""
+    ``block_n`` keys per step or program, ``stages`` ring slots, programs in the heavy-first order
+    if ``heavy_first`` (causal only). Fields 4 and 5 are where tools/compile_sm90.py reads stages
+    and warps."""
 
     block_m: int
     block_n: int
@@ -92,6 +113,7 @@ class GluonAttnBwdConfig(NamedTuple):
     stages: int
     warps: int
     kernel: str
+    heavy_first: bool = False
 
 
 #: Per head dim: (query rows per dK/dV ring slot, its STAGES) and (keys per dQ ring slot, its
@@ -102,16 +124,20 @@ class GluonAttnBwdConfig(NamedTuple):
 BWD_TILES = {64: ((64, 4), (128, 3)), 128: ((64, 3), (64, 3))}
 
 
-def dkdv_config(head_dim: int, causal: bool) -> GluonAttnBwdConfig:
-    """The dK/dV kernel's variant for head dim ``head_dim`` (64 or 128)."""
+def dkdv_config(head_dim: int, causal: bool, heavy_first: bool = False) -> GluonAttnBwdConfig:
+    """The dK/dV kernel's variant for head dim ``head_dim`` (64 or 128); ``heavy_first`` counts
+    only for causal calls (a full mask's programs all weigh the same)."""
     block_m, stages = BWD_TILES[head_dim][0]
-    return GluonAttnBwdConfig(block_m, BLOCK, head_dim, bool(causal), stages, WARPS, "dkdv")
+    return GluonAttnBwdConfig(block_m, BLOCK, head_dim, bool(causal), stages, WARPS, "dkdv",
+                              bool(causal and heavy_first))
 
 
-def dq_config(head_dim: int, causal: bool) -> GluonAttnBwdConfig:
-    """The dQ kernel's variant for head dim ``head_dim`` (64 or 128)."""
+def dq_config(head_dim: int, causal: bool, heavy_first: bool = False) -> GluonAttnBwdConfig:
+    """The dQ kernel's variant for head dim ``head_dim`` (64 or 128); ``heavy_first`` as in
+    ``dkdv_config``."""
     block_n, stages = BWD_TILES[head_dim][1]
-    return GluonAttnBwdConfig(BLOCK, block_n, head_dim, bool(causal), stages, WARPS, "dq")
+    return GluonAttnBwdConfig(BLOCK, block_n, head_dim, bool(causal), stages, WARPS, "dq",
+                              bool(causal and heavy_first))
 
 
 if gluon is not None:
@@ -125,6 +151,41 @@ if gluon is not None:
         else:
             start = n0 * 0
         return start, sq
+
+    @gluon.jit
+    def _grid_position(HEAVY_FIRST: gl.constexpr):
+        """``(block, head program, blocks)``: this program's block along the sequence, its
+        ``batch * heads + head`` and the number of blocks. The grid is ``(blocks, B * H)``, or
+        ``(B * H, blocks)`` with ``HEAVY_FIRST``: the hardware starts programs in launch order,
+        first grid dimension fastest, so there a block of every head starts before the next
+        block of any head, and the heaviest blocks of the last heads do not start last."""
+        if HEAVY_FIRST:
+            block = gl.program_id(1)
+            bh = gl.program_id(0)
+            blocks = gl.num_programs(1)
+        else:
+            block = gl.program_id(0)
+            bh = gl.program_id(1)
+            blocks = gl.num_programs(0)
+        return block, bh, blocks
+
+    @gluon.jit
+    def _key_program(HEADS_KV, BLOCK_N: gl.constexpr, HEAVY_FIRST: gl.constexpr):
+        """(batch, kv head, first key) of this dK/dV program. Block 0 is the heaviest: causal key
+        blocks are attended by fewer query blocks the later they start."""
+        block, bh, _ = _grid_position(HEAVY_FIRST)
+        return bh // HEADS_KV, bh % HEADS_KV, block * BLOCK_N
+
+    @gluon.jit
+    def _query_program(HEADS_Q, GROUP, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAVY_FIRST: gl.constexpr):
+        """(batch, head, kv head, first query row) of this dQ program; causal programs walk the
+        query blocks last-first, so the blocks with the most keys start first (the forward's
+        order where not ``HEAVY_FIRST``)."""
+        block, bh, blocks = _grid_position(HEAVY_FIRST)
+        if CAUSAL:
+            block = blocks - 1 - block
+        h = bh % HEADS_Q
+        return bh // HEADS_Q, h, h // GROUP, block * BLOCK_M
 
     @gluon.jit
     def _load_halves(a_desc, b_desc, a_smem, b_smem, bars, b, row0, col, ROWS: gl.constexpr):
@@ -156,13 +217,10 @@ if gluon is not None:
     def _dkdv_load(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, k_smem, v_smem, q_ring,
                    do_ring, lse_ring, delta_ring, kv_ready, q_ready, do_ready, slot_empty, SEQ_Q, SEQ_K, HEADS_KV,
                    GROUP, stride_lb, stride_lh, qk_scale, sm_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HEAVY_FIRST: gl.constexpr):
         """The loader: both warpgroups' k and v rows, then q, dO, lse2 and delta of every query
         block of every query head of the group, in ring order."""
-        n0 = gl.program_id(0) * BLOCK_N
-        bh = gl.program_id(1)
-        b = bh // HEADS_KV
-        hk = bh % HEADS_KV
+        b, hk, n0 = _key_program(HEADS_KV, BLOCK_N, HEAVY_FIRST)
         _load_halves(k_desc, v_desc, k_smem, v_smem, kv_ready, b, n0, hk * HEAD_DIM, BLOCK_N // 2)
         start, end = _query_span(n0, SEQ_Q, SEQ_K, CAUSAL, BLOCK_M)
         offs = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
@@ -230,7 +288,8 @@ if gluon is not None:
     def _dkdv_math(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, k_smem, v_smem, q_ring,
                    do_ring, lse_ring, delta_ring, kv_ready, q_ready, do_ready, slot_empty, SEQ_Q, SEQ_K, HEADS_KV,
                    GROUP, stride_lb, stride_lh, qk_scale, sm_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
+                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+                   WG: gl.constexpr):
         """Math warpgroup ``WG``: keys ``n0 + WG * 64`` to ``n0 + WG * 64 + 63``, dK and dV summed
         over the query heads of the group."""
         KEYS: gl.constexpr = BLOCK_N // 2
@@ -238,10 +297,7 @@ if gluon is not None:
                                                            instr_shape=[16, BLOCK_M, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEAD_DIM, 16])
-        n0 = gl.program_id(0) * BLOCK_N
-        bh = gl.program_id(1)
-        b = bh // HEADS_KV
-        hk = bh % HEADS_KV
+        b, hk, n0 = _key_program(HEADS_KV, BLOCK_N, HEAVY_FIRST)
         row0 = n0 + WG * KEYS
         start, end = _query_span(n0, SEQ_Q, SEQ_K, CAUSAL, BLOCK_M)
         # Query i attends key j iff i + sk - sq >= j.
@@ -281,8 +337,9 @@ if gluon is not None:
                                    SEQ_K, HEADS_KV, GROUP, stride_lb, stride_lh, qk_scale, sm_scale,
                                    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MATH_REGS: gl.constexpr,
-                                   LOAD_REGS: gl.constexpr):
-        """Grid ``(cdiv(Sk, BLOCK_N), B * Hkv)``; launched with 4 warps and ``maxnreg``.
+                                   LOAD_REGS: gl.constexpr, HEAVY_FIRST: gl.constexpr):
+        """Grid ``(cdiv(Sk, BLOCK_N), B * Hkv)``, swapped with ``HEAVY_FIRST`` (``_grid_position``);
+        launched with 4 warps and ``maxnreg``.
         ``qk_scale`` is the softmax scale times log2(e), ``sm_scale`` the softmax scale; ``lse2``
         and ``delta`` are the preprocess kernel's ``[B, Hq, Sq]`` (strides ``stride_lb``,
         ``stride_lh``, unit along Sq). k, v, dk, dv descriptors have ``BLOCK_N / 2`` rows per
@@ -302,25 +359,25 @@ if gluon is not None:
             (_dkdv_math, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, k_smem, v_smem,
                           q_ring, do_ring, lse_ring, delta_ring, kv_ready, q_ready, do_ready, slot_empty, SEQ_Q,
                           SEQ_K, HEADS_KV, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, CAUSAL, BLOCK_M, BLOCK_N,
-                          HEAD_DIM, STAGES, 0)),
+                          HEAD_DIM, STAGES, HEAVY_FIRST, 0)),
             (_dkdv_math, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, k_smem, v_smem,
                           q_ring, do_ring, lse_ring, delta_ring, kv_ready, q_ready, do_ready, slot_empty, SEQ_Q,
                           SEQ_K, HEADS_KV, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, CAUSAL, BLOCK_M, BLOCK_N,
-                          HEAD_DIM, STAGES, 1)),
+                          HEAD_DIM, STAGES, HEAVY_FIRST, 1)),
             (_dkdv_load, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, k_smem, v_smem,
                           q_ring, do_ring, lse_ring, delta_ring, kv_ready, q_ready, do_ready, slot_empty, SEQ_Q,
                           SEQ_K, HEADS_KV, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, CAUSAL, BLOCK_M, BLOCK_N,
-                          HEAD_DIM, STAGES)),
+                          HEAD_DIM, STAGES, HEAVY_FIRST)),
         ], [4, 1], [MATH_REGS, LOAD_REGS])
 
     @gluon.jit
     def _dq_load(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, q_smem, do_smem, k_ring, v_ring,
                  q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale,
                  sm_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HEAVY_FIRST: gl.constexpr):
         """The loader: both warpgroups' q and dO rows, then every key block of the span in ring
         order."""
-        b, h, hk, m0 = query_program(SEQ_Q, HEADS_Q, GROUP, CAUSAL, BLOCK_M)
+        b, h, hk, m0 = _query_program(HEADS_Q, GROUP, CAUSAL, BLOCK_M, HEAVY_FIRST)
         _load_halves(q_desc, do_desc, q_smem, do_smem, q_ready, b, m0, h * HEAD_DIM, BLOCK_M // 2)
         _, end = key_span(m0, SEQ_Q, SEQ_K, CAUSAL, BLOCK_M, BLOCK_N, False)
         load_kv_ring(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, b, hk * HEAD_DIM, end, BLOCK_N,
@@ -361,14 +418,14 @@ if gluon is not None:
     def _dq_math(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, q_smem, do_smem, k_ring, v_ring,
                  q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale,
                  sm_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr):
+                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HEAVY_FIRST: gl.constexpr, WG: gl.constexpr):
         """Math warpgroup ``WG``: query rows ``m0 + WG * 64`` to ``m0 + WG * 64 + 63``."""
         Q_ROWS: gl.constexpr = BLOCK_M // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEAD_DIM, 16])
-        b, h, hk, m0 = query_program(SEQ_Q, HEADS_Q, GROUP, CAUSAL, BLOCK_M)
+        b, h, hk, m0 = _query_program(HEADS_Q, GROUP, CAUSAL, BLOCK_M, HEAVY_FIRST)
         row0 = m0 + WG * Q_ROWS
         full_end, end = key_span(m0, SEQ_Q, SEQ_K, CAUSAL, BLOCK_M, BLOCK_N, False)
         shift = SEQ_K - SEQ_Q
@@ -403,9 +460,10 @@ if gluon is not None:
     def attn_bwd_dq_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, SEQ_Q, SEQ_K,
                                  HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, CAUSAL: gl.constexpr,
                                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                                 STAGES: gl.constexpr, MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
-        """Grid ``(cdiv(Sq, BLOCK_M), B * Hq)`` (the forward's); launched with 4 warps and
-        ``maxnreg``. Scales and ``lse2``/``delta`` as ``attn_bwd_dkdv_gluon_kernel``'s; q, dO and
+                                 STAGES: gl.constexpr, MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
+                                 HEAVY_FIRST: gl.constexpr):
+        """Grid ``(cdiv(Sq, BLOCK_M), B * Hq)`` (the forward's), swapped with ``HEAVY_FIRST``
+        (``_grid_position``); launched with 4 warps and ``maxnreg``. Scales and ``lse2``/``delta`` as ``attn_bwd_dkdv_gluon_kernel``'s; q, dO and
         dq descriptors have ``BLOCK_M / 2`` rows per block, k and v ``BLOCK_N``."""
         Q_ROWS: gl.constexpr = BLOCK_M // 2
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 1, Q_ROWS, HEAD_DIM], q_desc.layout)
@@ -416,13 +474,13 @@ if gluon is not None:
         gl.warp_specialize([
             (_dq_math, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, q_smem, do_smem, k_ring,
                         v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb,
-                        stride_lh, qk_scale, sm_scale, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, 0)),
+                        stride_lh, qk_scale, sm_scale, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HEAVY_FIRST, 0)),
             (_dq_math, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, q_smem, do_smem, k_ring,
                         v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb,
-                        stride_lh, qk_scale, sm_scale, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, 1)),
+                        stride_lh, qk_scale, sm_scale, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HEAVY_FIRST, 1)),
             (_dq_load, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, q_smem, do_smem, k_ring,
                         v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb,
-                        stride_lh, qk_scale, sm_scale, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+                        stride_lh, qk_scale, sm_scale, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HEAVY_FIRST)),
         ], [4, 1], [MATH_REGS, LOAD_REGS])
 
 
@@ -437,6 +495,30 @@ def switch_refusal() -> Optional[str]:
     if parse_bool(raw, ATTN_GLUON_BWD_ENV) is False:
         return f"the Gluon attention backward is switched off ({ATTN_GLUON_BWD_ENV}={raw})"
     return None
+
+
+_read_heavy_first = env_text_reader(ATTN_GLUON_BWD_HEAVY_FIRST_ENV)
+_read_overlap = env_text_reader(ATTN_GLUON_BWD_OVERLAP_ENV)
+
+
+def heavy_first_setting() -> bool:
+    """``PRIMUS_TURBO_ATTN_GLUON_BWD_HEAVY_FIRST`` read now: True unless set to a false value (the
+    causal programs start heaviest block first across all heads). A malformed value raises
+    ConfigError naming the variable."""
+    return parse_bool(_read_heavy_first(), ATTN_GLUON_BWD_HEAVY_FIRST_ENV) is not False
+
+
+def overlap_setting() -> bool:
+    """``PRIMUS_TURBO_ATTN_GLUON_BWD_OVERLAP`` read now: True unless set to a false value (the dQ
+    kernel runs on a side stream next to the dK/dV kernel, in eager execution). A malformed value
+    raises ConfigError naming the variable."""
+    return parse_bool(_read_overlap(), ATTN_GLUON_BWD_OVERLAP_ENV) is not False
+
+
+def variant_tag() -> str:
+    """The variants switched off as an identity suffix ("" by default, else "+no-heavy-first"
+    and/or "+no-overlap"), so that timings of one setting never stand for another's."""
+    return ("" if heavy_first_setting() else "+no-heavy-first") + ("" if overlap_setting() else "+no-overlap")
 
 
 def machine_refusal() -> Optional[str]:
@@ -466,38 +548,58 @@ def gluon_backward_refusal(p, q: Optional[torch.Tensor] = None, k: Optional[torc
 
 
 # -- launch --------------------------------------------------------------------------------------------
+#: The most blocks the second grid dimension holds (the heavy-first order puts blocks there).
+_GRID_Y = 65535
+
+
+def _grid(blocks: int, heads: int, heavy_first: bool) -> tuple[int, int]:
+    """The launch grid of ``blocks`` blocks of ``heads`` (batch x heads) programs: ``(heads,
+    blocks)`` in the heavy-first order (``_grid_position``), else ``(blocks, heads)``."""
+    return (heads, blocks) if heavy_first else (blocks, heads)
+
+
+def _heavy_first(causal: bool, heavy_first: bool, seqlen: int) -> bool:
+    """Whether a launch over ``seqlen`` rows runs the heavy-first order: asked for, causal, and
+    its blocks fit the grid's second dimension."""
+    return bool(causal and heavy_first and -(-seqlen // BLOCK) <= _GRID_Y)
+
+
 def dkdv_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dk: torch.Tensor,
                      dv: torch.Tensor, lse2: torch.Tensor, delta: torch.Tensor, softmax_scale: float,
-                     causal: bool) -> tuple[tuple, tuple, dict]:
-    """``(grid, args, kwargs)`` of the dK/dV launch writing ``dk`` and ``dv``;
-    tools/compile_sm90.py compiles with them."""
+                     causal: bool, heavy_first: bool = False) -> tuple[tuple, tuple, dict]:
+    """``(grid, args, kwargs)`` of the dK/dV launch writing ``dk`` and ``dv``, its causal programs
+    in the heavy-first order if ``heavy_first`` (and the grid holds it); tools/compile_sm90.py
+    compiles with them."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    cfg = dkdv_config(d, causal)
+    cfg = dkdv_config(d, causal, _heavy_first(causal, heavy_first, sk))
     keys = cfg.block_n // 2
     args = (descriptor(q, cfg.block_m), descriptor(k, keys), descriptor(v, keys), descriptor(dout, cfg.block_m),
             descriptor(dk, keys), descriptor(dv, keys), lse2, delta, sq, sk, hk, hq // hk, lse2.stride(0),
             lse2.stride(1), softmax_scale * _LOG2E, softmax_scale)
     kwargs = dict(CAUSAL=bool(causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.stages,
-                  MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)
-    return (-(-sk // cfg.block_n), b * hk), args, kwargs
+                  MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, HEAVY_FIRST=cfg.heavy_first, num_warps=4,
+                  maxnreg=MAXNREG)
+    return _grid(-(-sk // cfg.block_n), b * hk, cfg.heavy_first), args, kwargs
 
 
 def dq_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor,
-                   lse2: torch.Tensor, delta: torch.Tensor, softmax_scale: float,
-                   causal: bool) -> tuple[tuple, tuple, dict]:
-    """``(grid, args, kwargs)`` of the dQ launch writing ``dq``; tools/compile_sm90.py compiles
+                   lse2: torch.Tensor, delta: torch.Tensor, softmax_scale: float, causal: bool,
+                   heavy_first: bool = False) -> tuple[tuple, tuple, dict]:
+    """``(grid, args, kwargs)`` of the dQ launch writing ``dq``, its causal programs in the
+    heavy-first order if ``heavy_first`` (and the grid holds it); tools/compile_sm90.py compiles
     with them."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    cfg = dq_config(d, causal)
+    cfg = dq_config(d, causal, _heavy_first(causal, heavy_first, sq))
     rows = cfg.block_m // 2
     args = (descriptor(q, rows), descriptor(k, cfg.block_n), descriptor(v, cfg.block_n), descriptor(dout, rows),
             descriptor(dq, rows), lse2, delta, sq, sk, hq, hq // hk, lse2.stride(0), lse2.stride(1),
             softmax_scale * _LOG2E, softmax_scale)
     kwargs = dict(CAUSAL=bool(causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.stages,
-                  MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)
-    return (-(-sq // cfg.block_m), b * hq), args, kwargs
+                  MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, HEAVY_FIRST=cfg.heavy_first, num_warps=4,
+                  maxnreg=MAXNREG)
+    return _grid(-(-sq // cfg.block_m), b * hq, cfg.heavy_first), args, kwargs
 
 
 def _tma_readable(x: torch.Tensor) -> torch.Tensor:
@@ -509,7 +611,14 @@ def attend_backward(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
                     dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) shaped like q, k, v in their dtype, from the forward's out and float32
     natural-log lse ``[B, Hq, Sq]``, for a call ``gluon_backward_refusal`` accepted; the same
-    gradients as ``attention.attend_backward``'s dense path."""
+    gradients as ``attention.attend_backward``'s dense path, bit for bit whatever the switches
+    (they change when and where programs run, not what one computes).
+
+    With ``PRIMUS_TURBO_ATTN_GLUON_BWD_OVERLAP`` on, in eager execution on CUDA tensors
+    (``side_streams.overlappable``), the dK/dV kernel goes on a side stream and is launched first,
+    the dQ kernel on the current stream (``side_streams.side_by_side``): both read only what the
+    preprocess wrote before the fork, write disjoint outputs allocated before it, and the current
+    stream waits for both before returning."""
     dout = _tma_readable(dout.to(q.dtype))
     lse = lse.contiguous()
     lse2, delta = torch.empty_like(lse), torch.empty_like(lse)
@@ -519,13 +628,27 @@ def attend_backward(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
         p.heads_q, VARLEN=False, D_V=d, BLOCK_DV=d, BLOCK_M=PRE_BLOCK_M)
     # Contiguous, whatever q, k, v's strides: the descriptors store packed heads.
     dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
-    grid, args, kwargs = dkdv_launch_args(q, k, v, dout, dk, dv, lse2, delta, p.softmax_scale, p.causal)
-    attn_bwd_dkdv_gluon_kernel[grid](*args, **kwargs)
-    grid, args, kwargs = dq_launch_args(q, k, v, dout, dq, lse2, delta, p.softmax_scale, p.causal)
-    attn_bwd_dq_gluon_kernel[grid](*args, **kwargs)
+    heavy_first = heavy_first_setting()
+    dkdv_launch = dkdv_launch_args(q, k, v, dout, dk, dv, lse2, delta, p.softmax_scale, p.causal, heavy_first)
+    dq_launch = dq_launch_args(q, k, v, dout, dq, lse2, delta, p.softmax_scale, p.causal, heavy_first)
+
+    def run_dkdv() -> None:
+        grid, args, kwargs = dkdv_launch
+        attn_bwd_dkdv_gluon_kernel[grid](*args, **kwargs)
+
+    def run_dq() -> None:
+        grid, args, kwargs = dq_launch
+        attn_bwd_dq_gluon_kernel[grid](*args, **kwargs)
+
+    if overlap_setting() and overlappable(q):
+        side_by_side(run_dq, run_dkdv, q.device)
+    else:
+        run_dkdv()
+        run_dq()
     return dq, dk, dv
 
 
-__all__ = ["ATTN_GLUON_BWD_ENV", "KERNEL_REVISION", "GluonAttnBwdConfig", "attend_backward", "dkdv_config",
-           "dkdv_launch_args", "dq_config", "dq_launch_args", "gluon_backward_refusal", "machine_refusal",
-           "switch_refusal"]
+__all__ = ["ATTN_GLUON_BWD_ENV", "ATTN_GLUON_BWD_HEAVY_FIRST_ENV", "ATTN_GLUON_BWD_OVERLAP_ENV", "KERNEL_REVISION",
+           "GluonAttnBwdConfig", "attend_backward", "dkdv_config", "dkdv_launch_args", "dq_config", "dq_launch_args",
+           "gluon_backward_refusal", "heavy_first_setting", "machine_refusal", "overlap_setting", "switch_refusal",
+           "variant_tag"]
