@@ -68,12 +68,14 @@ Usage:
     python benchmarks/bench_model.py --config llama3.1-8b --layers 8
     python benchmarks/bench_model.py --config llama3.1-8b --variants torch,bf16,fp8-rowwise:tune
     python benchmarks/bench_model.py --quick --device cpu             # smoke run (tiny configs)
+    python benchmarks/bench_model.py --config llama3.1-8b --layers 2 --variants torch,fp8-rowwise --profile 3
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -602,6 +604,25 @@ def time_variants(measured: list[Measured], batch, timer: H.Timer) -> dict[int, 
     return {i: (f, s, h) for (i, _), f, s, h in zip(live, fwd, step, host)}
 
 
+def profile_variants(c: ModelConfig, measured: list[Measured], batch, iters: int, device: torch.device,
+                     dtype: torch.dtype, folder: Path) -> None:
+    """``--profile N``: N forward+backward steps of every timed variant under cProfile and
+    torch.profiler (the kernel table shows where the step's GPU time goes), one text file each in
+    ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for m in measured:
+        if m.model is None or m.check is None or not m.check.ok:
+            continue
+        m.enter()
+        label = m.variant.label(dtype)
+        text = H.profile_calls(lambda model=m.model: forward_backward(model, *batch), iters, device,
+                               f"{c.name} {c.shape}: {label}, forward + backward")
+        m.model.zero_grad(set_to_none=True)
+        path = folder / (re.sub(r"[^A-Za-z0-9]+", "_", f"{c.name}_{label}").strip("_") + ".txt")
+        path.write_text(text)
+        print(f"  profile: {path}", flush=True)
+
+
 def replay_or_note(c: ModelConfig, state: dict, batches: list, peer_losses: list[float], args, device: torch.device,
                    dtype: torch.dtype, notes: list[str]) -> list[float]:
     """The peer's loss curve once more, from ``REPLAY_KIT``'s build (``SplitKLinear``: the same
@@ -672,6 +693,8 @@ def run_config(c: ModelConfig, variants: list[Variant], args, device: torch.devi
             times = time_variants(measured, batches[0], timer)
         except Exception as exc:  # e.g. out of memory with every variant's model held: keep the checks and curves
             config_notes.append(f"{c.name}: timing raised {H.error_note(exc)}")
+        if args.profile > 0:
+            profile_variants(c, measured, batches[0], args.profile, device, dtype, args.profile_dir)
     finally:
         step_flops = model_flops(c)[1]
         rows += [make_row(c, m, times.get(i, (None, None, None)), measured, replay, dtype, peak)
@@ -765,6 +788,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="dense bf16 peak of this GPU for MFU (default: from the device name)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after the timing, profile N forward+backward steps of every variant (cProfile and "
+                             "torch.profiler kernel tables, <out>/profiles/<config>_<variant>.txt)")
     H.add_common_args(parser)
     args = parser.parse_args(argv)
     device = H.pick_device(args.device)
@@ -788,6 +814,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = Path(args.out_dir) if args.out_dir else H.resolve_out_dir() / "model"
     out.mkdir(parents=True, exist_ok=True)
     name = args.name or "model" + ("_quick" if args.quick else "")
+    args.profile_dir = out / "profiles"
     db = out / f"{name}_tuning.jsonl"
     db.unlink(missing_ok=True)  # a fresh DB: the autotuned variants tune every key in this run
     if args.quick:

@@ -149,10 +149,13 @@ def test_bench_model_cpu_smoke(tmp_path):
     """Every config (dense, TP widths, MoE) builds the same model from torch and from the library
     with one state_dict: every row passes its check against the float64 reference, fp32 turbo
     rows give the torch peer's losses, the fp8 ones stay within the loss target; the per-config
-    table leads the markdown and the autotuned rows filled a fresh DB. The suite's ``model``
-    family runs one config per run."""
-    rows = _run("bench_model.py", ["--variants", "torch,bf16,bf16:tune,fp8-rowwise:tune,fp8-blockwise:unfused"],
-                tmp_path)
+    table leads the markdown and the autotuned rows filled a fresh DB; ``--profile`` wrote one
+    profile per config and variant. The suite's ``model`` family runs one config per run."""
+    rows = _run("bench_model.py", ["--variants", "torch,bf16,bf16:tune,fp8-rowwise:tune,fp8-blockwise:unfused",
+                                   "--profile", "1"], tmp_path)
+    profiles = sorted(p.name for p in (tmp_path / "profiles").glob("*.txt"))
+    assert len(profiles) == 15 and "llama3_1_8b_turbo_fp8_rowwise_autotune.txt" in profiles, profiles
+    assert "forward + backward" in (tmp_path / "profiles" / "llama3_1_8b_torch_float32.txt").read_text()
     assert {r["op"] for r in rows} == {"llama3.1-8b", "llama3.1-70b-tp8", "deepseek-v3-ep8"}
     assert all(r["check"] == "PASS" and r["step_ms"] and r["train_step_ms"] for r in rows), rows
     for op in {r["op"] for r in rows}:
