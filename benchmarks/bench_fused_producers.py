@@ -147,11 +147,13 @@ def run(args, device, timer, rows: list[H.Row]) -> bool:
         times = timer.time_interleaved([call for _, call in made]) if made else []
         for (row, _), ms in zip(made, times):
             row.fwd_ms = ms
-            row.extra["gb_s"] = round(row.extra["bytes_mb"] / ms, 1)  # MB / ms = GB/s
+            # four significant digits, not a fixed decimal: a CPU smoke run's rates are far below 0.1 GB/s
+            row.extra["gb_s"] = float(f"{row.extra['bytes_mb'] / ms:.4g}")  # MB / ms = GB/s
         copy_row = next((r for r, _ in made if r.backend == "torch copy"), None)
         for row, _ in made:
             if copy_row is not None and row is not copy_row:
-                row.extra["of_copy"] = round(row.extra["gb_s"] / copy_row.extra["gb_s"], 3)
+                rate = row.extra["bytes_mb"] / row.fwd_ms / (copy_row.extra["bytes_mb"] / copy_row.fwd_ms)
+                row.extra["of_copy"] = float(f"{rate:.3g}")
         print(f"[{i + 1}/{len(cases)}] {shape} T={t} N={n}: " + ", ".join(
             f"{r.backend}={r.check.status if r.check else 'SKIP'}"
             + (f" {r.extra['gb_s']} GB/s" if "gb_s" in r.extra else "") for r in rows[-len(runs):])

@@ -540,19 +540,25 @@ def configs(args) -> list[Config]:
     return out
 
 
-def run_rank(args, rank: int, world: int, local_rank: int, local_world: int) -> int:
-    """One rank's whole run: join the group, measure every configuration, rank 0 writes the reports.
-    Returns the number of FAIL rows (the same on every rank: each check is agreed over the ranks)."""
-    if args.device == "cuda":
+def join_group(device_type: str, timeout_s: float, rank: int, world: int, local_rank: int, local_world: int) -> Group:
+    """Initialises the process group (NCCL on ``cuda``, gloo on ``cpu``, where the ranks share the
+    cores) and returns this rank's ``Group``; the caller destroys the process group."""
+    if device_type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))  # the ranks share the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=timeout_s))
+    return Group(rank, world, device, local_rank, local_world)
+
+
+def run_rank(args, rank: int, world: int, local_rank: int, local_world: int) -> int:
+    """One rank's whole run: join the group, measure every configuration, rank 0 writes the reports.
+    Returns the number of FAIL rows (the same on every rank: each check is agreed over the ranks)."""
+    g = join_group(args.device, args.timeout, rank, world, local_rank, local_world)
     try:
-        g = Group(rank, world, device, local_rank, local_world)
         started = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
         bad = [n for n in args.models if MODELS[n].experts % world]
         if bad:

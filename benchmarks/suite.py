@@ -3,7 +3,7 @@ collects their reports in one output folder.
 
 A family is a list of runs of the scripts in this folder (bench_gemm.py, bench_grouped_gemm.py,
 bench_dispatch_overhead.py, bench_blaslt_switch.py, bench_wrappers.py, bench_fused_producers.py,
-bench_attention.py, probes/probe_attention.py, bench_model.py),
+bench_attention.py, probes/probe_attention.py, bench_model.py, bench_moe_layer.py),
 each with the arguments that produce the figures in docs/performance.md. Every run is a
 subprocess: its stdout and stderr go to ``<out>/<run>.log``, the harness benches write their
 CSV/markdown/PNG reports into ``<out>`` too, and one JSON line per run (status, seconds, command)
@@ -109,6 +109,8 @@ FAMILIES: dict[str, tuple[Run, ...]] = {
     # one run per config, so that each writes its report even when a later one runs out of time
     "model": tuple(Run(f"model_{config}", "bench_model.py", ("--config", config), full=TUNE_BUDGET)
                    for config in ("llama3.1-8b", "llama3.1-70b-tp8", "deepseek-v3-ep8")),
+    # the script spawns one process per rank itself (gloo on a CPU); too few GPUs give a SKIP row
+    "moe_layer": tuple(Run(f"moe_layer_ep{ep}", "bench_moe_layer.py", full=("--nproc", str(ep))) for ep in (2, 4)),
 }
 
 

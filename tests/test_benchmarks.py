@@ -261,6 +261,27 @@ def test_bench_moe_under_torchrun(tmp_path):
         ("p2p copy to next rank", "SKIP")]
 
 
+def test_bench_moe_layer_cpu_smoke(tmp_path):
+    """The suite's quick moe_layer run: 2 spawned gloo processes, a tiny layer. The plain-torch EP
+    layer and train_moe's MoE (float32, fp8 rowwise, fp8 blockwise) on one set of weights each pass
+    the check against the float64 plain-torch layer on its routing and are timed; the per-config
+    table leads the markdown, and the issue's target is reported as not measured by a CPU run."""
+    rows = _run("bench_moe_layer.py", [], tmp_path)
+    assert [(r["backend"], r["check"]) for r in rows] == [
+        ("torch float32", "PASS"), ("turbo float32", "PASS"), ("turbo fp8 rowwise", "PASS"),
+        ("turbo fp8 blockwise", "PASS")]
+    assert {(r["shape"], r["world"], r["experts_per_rank"]) for r in rows} == {("EP2 T16 H64 E8 k2 F32", "2", "4")}
+    for r in rows:
+        assert float(r["step_ms"]) > 0 and float(r["fwd_ms"]) > 0 and int(r["tokens_per_s"]) > 0, r
+    mine = {r["backend"]: r for r in rows}
+    assert mine["torch float32"]["peer"] == "yes" and float(mine["torch float32"]["ratio_vs_best_peer"]) == 1.0
+    assert float(mine["turbo float32"]["rel_err"]) < 1e-5
+    assert float(mine["turbo fp8 blockwise"]["snr_db"]) >= 15 and float(mine["turbo fp8 rowwise"]["snr_db"]) >= 15
+    text = next(tmp_path.glob("cpu_*_moe_layer_quick.md")).read_text()
+    assert text.index("### EP2 T16 H64 E8 k2 F32") < text.index("## Score") and "2 ranks over gloo" in text
+    assert "4096 tokens per rank, deepseek-v3 widths: not measured by this run" in text
+
+
 def test_summary_by_a_column_scores_each_value_apart():
     H = _harness()
     rows = []
