@@ -6,7 +6,11 @@ problem and tensor layout it leaves to the plain-Triton kernel; the pipelined va
 (``PRIMUS_TURBO_ATTN_GLUON_PIPELINE``: the launch's ``PIPELINE`` constexpr and ring, unset the
 default variant's) and the off-by-default variant switches (``VARIANT_SWITCHES``: three math
 warpgroups, the folded scale, the emulated exponentials; each reaches the launch and the adapter's
-identity); and the adapter's wiring: the eager and the compiled forward take the Gluon
+identity); the sliding-window switch (``PRIMUS_TURBO_ATTN_GLUON_WINDOW``: off by default, windowed
+calls refused naming it, served when on, ``+window`` in the identity, the ``WINDOW`` launch on two
+math warpgroups) and the window's block arithmetic (the kernels' span helpers, whose host mirrors
+are held equal to them expression for expression, against a brute-force mask on random cases);
+and the adapter's wiring: the eager and the compiled forward take the Gluon
 launcher exactly when the gate says None, else the plain-Triton one. The kernel's sm_90 compile
 (registers, spills, shared memory) is checked by tests/test_compile_sm90.py through
 tools/compile_sm90.py (families ``attention_gluon_fwd``, ``attention_gluon_fwd_pipelined`` and
@@ -18,7 +22,10 @@ pipelined, three warpgroups, and the softmax options on each), against a float32
 causal masks, MHA/GQA/MQA, Sq == Sk and Sq != Sk (rows that attend nothing included), odd lengths,
 bf16 and fp16; gradients through ``ops.flash_attn_func`` pinned to TRITON (the backward starts from
 this kernel's out and lse) against the float64 reference; and that the call
-went through the Gluon kernel, or not with ``PRIMUS_TURBO_ATTN_GLUON=0``.
+went through the Gluon kernel, or not with ``PRIMUS_TURBO_ATTN_GLUON=0``; sliding windows (left
+only, right only, both, with causal, Sq != Sk, odd lengths, windows narrower than a block and
+wider than the sequence, rows that attend nothing) on every variant a windowed call can run, and
+their gradients through the op.
 """
 from __future__ import annotations
 
@@ -54,7 +61,7 @@ def sm90(monkeypatch):
     if AG.gluon is None:
         pytest.skip("triton.experimental.gluon is missing")
     for var in (AG.ATTN_GLUON_ENV, GB.GLUON_ENV, "TRITON_INTERPRET", AG.ATTN_GLUON_PIPELINE_ENV,
-                *(env for env, _, _ in AG.VARIANT_SWITCHES.values())):
+                AG.ATTN_GLUON_WINDOW_ENV, *(env for env, _, _ in AG.VARIANT_SWITCHES.values())):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(GB, "_triton_release", lambda: GB.GLUON_TRITON_RELEASES[0])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -614,3 +621,308 @@ def test_gpu_gluon_path_taken_and_switch(counted, monkeypatch, fresh_dynamo):
     plain_out, plain_lse = call(q, k, v)
     assert len(calls) == 2
     assert snr_db(out.float().cpu(), plain_out.float().cpu()) > 40 and snr_db(lse.cpu(), plain_lse.cpu()) > 60
+
+
+# -- sliding windows --------------------------------------------------------------------------------------
+def windowed_problems() -> list:
+    """Problems with a sliding window (normalised as ``attention_problem`` leaves them)."""
+    return [_problem(window_left=128), _problem(causal=False, window_right=16),
+            _problem(causal=False, window_left=64, window_right=64), _problem(causal=False, window_left=0),
+            _problem(seqlen_q=77, seqlen_k=1000, window_left=5), _problem(head_dim_qk=64, head_dim_v=64,
+                                                                          window_left=1024)]
+
+
+def test_window_switch_gates_windowed_problems(sm90, monkeypatch):
+    """Windowed calls are refused with the switch's name while PRIMUS_TURBO_ATTN_GLUON_WINDOW is
+    unset or false and served when true, read per call; full and causal calls are served either
+    way, and the other refusals stand."""
+    AG = sm90
+    for value in (None, "0", "off"):
+        if value is not None:
+            monkeypatch.setenv(AG.ATTN_GLUON_WINDOW_ENV, value)
+        for p in windowed_problems():
+            assert AG.ATTN_GLUON_WINDOW_ENV in (AG.gluon_forward_refusal(p) or ""), (value, p)
+        assert all(AG.gluon_forward_refusal(p) is None for p in served_problems())
+    monkeypatch.setenv(AG.ATTN_GLUON_WINDOW_ENV, "1")
+    for p in windowed_problems() + served_problems():
+        assert AG.gluon_forward_refusal(p) is None, p
+    for reason, p in refused_problems().items():
+        if not reason.startswith("window"):
+            assert reason in (AG.gluon_forward_refusal(p) or ""), reason
+    monkeypatch.setenv(AG.ATTN_GLUON_WINDOW_ENV, "maybe")
+    with pytest.raises(ConfigError, match=AG.ATTN_GLUON_WINDOW_ENV):
+        AG.gluon_forward_refusal(windowed_problems()[0])
+
+
+def test_window_switch_enters_the_identity(sm90, monkeypatch):
+    from turbo_dispatch.backends.triton.attention import TritonAttention
+
+    AG = sm90
+    off = TritonAttention().identity()
+    assert "+window" not in off and AG.window_tag() == ""
+    monkeypatch.setenv(AG.ATTN_GLUON_WINDOW_ENV, "1")
+    on = TritonAttention().identity()
+    assert on != off and on.replace("+window", "") == off
+
+
+def _window_launch(AG, monkeypatch, p) -> tuple:
+    """``(grid, args, kwargs)`` of the one launch ``AG.attend`` makes for problem ``p`` (kernel and
+    descriptors replaced by recorders)."""
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, args, kwargs))
+
+    monkeypatch.setattr(AG, "attn_fwd_gluon_kernel", Recorder())
+    monkeypatch.setattr(AG, "descriptor", lambda x, rows: rows)
+    q = torch.randn(p.batch, p.seqlen_q, p.heads_q, p.head_dim_qk, dtype=BF16)
+    kv = torch.randn(p.batch, p.seqlen_k, p.heads_kv, p.head_dim_qk, dtype=BF16)
+    AG.attend(p, q, kv, kv)
+    launch, = launches
+    return launch
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("pipeline", [None, "0", "1"])
+def test_window_launch_runs_two_warpgroups_with_the_bounds(sm90, monkeypatch, head_dim, pipeline):
+    """A windowed call launches the WINDOW kernel on two math warpgroups (three warpgroups, on by
+    default at d64, do not take windows), pipelined as the pipeline switch or PIPELINED_HEAD_DIMS
+    says, the folded scale as set, and the window's bounds as LEFT/RIGHT (-1 unbounded); a full or
+    causal call with the switch on launches what it launched before."""
+    AG = sm90
+    monkeypatch.setenv(AG.ATTN_GLUON_WINDOW_ENV, "1")
+    if pipeline is not None:
+        monkeypatch.setenv(AG.ATTN_GLUON_PIPELINE_ENV, pipeline)
+    want_pipe = head_dim in AG.PIPELINED_HEAD_DIMS if pipeline is None else pipeline == "1"
+    for left, right, causal in ((100, 0, True), (-1, 16, False), (0, 300, False)):
+        p = _problem(batch=1, seqlen_q=300, seqlen_k=500, head_dim_qk=head_dim, head_dim_v=head_dim, causal=causal,
+                     window_left=left, window_right=right)
+        grid, args, kwargs = _window_launch(AG, monkeypatch, p)
+        assert kwargs["WINDOW"] is True and kwargs["MATH_WGS"] == 2 and kwargs["BLOCK_M"] == 128
+        assert kwargs["PIPELINE"] is want_pipe and kwargs["CAUSAL"] is causal and kwargs["FOLD"] is True
+        assert (kwargs["BLOCK_N"], kwargs["STAGES"]) == (AG.PIPELINED_TILES if want_pipe else AG.TILES)[head_dim]
+        assert args[-2:] == (AG.UNBOUNDED if left < 0 else left, AG.UNBOUNDED if right < 0 else right)
+        assert grid == (3, 8)
+    _, args, kwargs = _window_launch(AG, monkeypatch, _problem(batch=1, seqlen_q=300, seqlen_k=300,
+                                                                head_dim_qk=head_dim, head_dim_v=head_dim))
+    assert kwargs["WINDOW"] is False and kwargs["MATH_WGS"] == (3 if head_dim == 64 and pipeline is None else
+                                                                kwargs["MATH_WGS"])
+    assert AG.config_for(64, True, wg3=True, window=True).math_wgs == 2
+
+
+def test_window_bounds_map_unbounded_sides():
+    AG = _ag()
+    assert AG.window_bounds(-1, -1) == (AG.UNBOUNDED, AG.UNBOUNDED)
+    assert AG.window_bounds(0, -1) == (0, AG.UNBOUNDED) and AG.window_bounds(7, 0) == (7, 0)
+    assert AG.UNBOUNDED + (1 << 29) < 2 ** 31  # row + shift (below 2^29 in size) +- UNBOUNDED fits int32
+
+
+def _body(fn, renames=()) -> list:
+    """The statements of ``fn`` (a plain function or a jit function's ``.fn``) after its
+    docstring, unparsed, with ``gl.maximum``/``gl.minimum`` read as ``max``/``min`` and each
+    ``(old, new)`` of ``renames`` applied."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    body = tree.body[0].body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    text = [ast.unparse(stmt).replace("gl.maximum(", "max(").replace("gl.minimum(", "min(") for stmt in body]
+    for old, new in renames:
+        text = [t.replace(old, new) for t in text]
+    return text
+
+
+def test_span_host_mirrors_match_the_kernels_helpers():
+    """The host mirrors the brute-force tests check are the kernels' span helpers, expression for
+    expression."""
+    AG = _ag()
+    if AG.gluon is None:
+        pytest.skip("triton.experimental.gluon is missing")
+    from turbo_dispatch.backends.triton import attention_gluon_bwd as AGB
+
+    assert _body(AG.block_span.fn) == _body(AG.block_span_host)
+    assert _body(AG.window_key_span.fn) == _body(AG.window_key_span_host, [("block_span_host(", "block_span(")])
+    assert _body(AGB._window_query_span.fn) == _body(AGB.window_query_span_host,
+                                                      [("block_span_host(", "block_span(")])
+
+
+def _allowed(sq: int, sk: int, left: int, right: int) -> torch.Tensor:
+    """``[sq, sk]``: may query ``i`` attend key ``j`` (the op's bottom-right window, -1 unbounded)."""
+    i = torch.arange(sq)[:, None] + (sk - sq)
+    j = torch.arange(sk)[None, :]
+    ok = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        ok &= j >= i - left
+    if right >= 0:
+        ok &= j <= i + right
+    return ok
+
+
+def _walk(start, full_start, full_end, end, block: int, pipeline: bool) -> list:
+    """``(block start, masked)`` in the order the forward / dQ kernels visit them under ``WINDOW``:
+    the pipelined variant runs the first block masked, then its three loops from the second."""
+    if pipeline:
+        second = start + block
+        runs = [(second, full_start, True), (max(full_start, second), full_end, False),
+                (max(full_end, second), end, True)]
+        return [(start, True)] + [(n, m) for lo, hi, m in runs for n in range(lo, hi, block)]
+    runs = [(start, full_start, True), (full_start, full_end, False), (full_end, end, True)]
+    return [(n, m) for lo, hi, m in runs for n in range(lo, hi, block)]
+
+
+def _random_windows(seed: int, count: int):
+    """``(sq, sk, left, right)``: odd and even lengths, Sq above and below Sk, windows of 0, narrower
+    than a block, wider than the sequence, one side or both, causal (right 0)."""
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(count):
+        sq, sk = rng.choice([1, 2, 63, 64, 65, 127, 128, 129, 200, 257, 300, 511]), rng.randint(1, 520)
+        side = lambda: rng.choice([-1, 0, 1, 3, 17, 64, 100, 127, 128, 129, 300, 1000])  # noqa: E731
+        left, right = side(), side()
+        if left < 0 and right < 0:
+            right = 0
+        yield sq, sk, left, right
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_window_key_span_is_exact(seed):
+    """For each query program: the key blocks the forward (and the dQ kernel) visit are exactly
+    those holding a key some row of the program may attend (none loaded that no row needs), each
+    once, in order; every unmasked one is attended whole by every real row; the pipelined variant
+    visits one fully masked block where no row attends anything."""
+    AG = _ag()
+    for sq, sk, left, right in _random_windows(seed, 120):
+        allowed = _allowed(sq, sk, left, right)
+        L, R = AG.window_bounds(left, right)
+        for block_m, block_n in ((128, 128), (128, 64), (64, 128)):
+            for m0 in range(0, sq, block_m):
+                rows = allowed[m0:m0 + block_m]
+                needed = [n for n in range(0, sk, block_n) if rows[:, n:n + block_n].any()]
+                for pipeline in (False, True):
+                    span = AG.window_key_span_host(m0, sq, sk, L, R, block_m, block_n, pipeline)
+                    visits = _walk(*span, block_n, pipeline)
+                    starts = [n for n, _ in visits]
+                    case = (sq, sk, left, right, block_m, block_n, m0, pipeline, span)
+                    if pipeline and not needed:
+                        assert len(starts) == 1 and 0 <= starts[0] < sk, case
+                    else:
+                        assert starts == needed, case
+                    for n, masked in visits:
+                        if not masked:
+                            assert n + block_n <= sk and rows[:, n:n + block_n].all(), case
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_window_query_span_is_exact(seed):
+    """For each dK/dV program: the query blocks it walks are exactly those holding a row that may
+    attend one of its keys (an empty span where none does)."""
+    AG = _ag()
+    from turbo_dispatch.backends.triton import attention_gluon_bwd as AGB
+
+    for sq, sk, left, right in _random_windows(100 + seed, 120):
+        allowed = _allowed(sq, sk, left, right)
+        L, R = AG.window_bounds(left, right)
+        for block_m, block_n in ((64, 128), (128, 128)):
+            for n0 in range(0, sk, block_n):
+                cols = allowed[:, n0:n0 + block_n]
+                needed = [m for m in range(0, sq, block_m) if cols[m:m + block_m].any()]
+                start, end = AGB.window_query_span_host(n0, sq, sk, L, R, block_m, block_n)
+                assert list(range(start, end, block_m)) == needed, (sq, sk, left, right, block_m, n0, start, end)
+
+
+def test_window_rows_that_attend_nothing_need_the_right_bound():
+    """Only a right bound leaves rows with no key (i + Sk - Sq + right < 0); a left window alone
+    never does, so such rows only arise where the causal kernels already met them."""
+    for sq, sk, left, right in _random_windows(7, 300):
+        empty = ~_allowed(sq, sk, left, right).any(1)
+        if right < 0:
+            assert not empty.any()
+        else:
+            assert empty.sum().item() == max(0, min(sq, sq - sk - right))
+
+
+# -- sliding windows on the GPU ---------------------------------------------------------------------------
+#: (B, Sq, Sk, Hq, Hkv, D, dtype, (window_left, window_right), causal)
+WINDOW_CASES = [
+    (1, 1000, 1000, 8, 2, 128, BF16, (256, -1), True),  # left window with causal
+    (1, 1000, 1000, 8, 8, 128, FP16, (100, -1), False),  # left only
+    (1, 1000, 1000, 8, 2, 128, BF16, (-1, 200), False),  # right only
+    (2, 777, 777, 8, 2, 128, BF16, (130, 70), False),  # both, odd length
+    (1, 257, 1000, 8, 2, 128, FP16, (300, -1), True),  # Sq < Sk
+    (1, 1000, 257, 8, 2, 128, BF16, (64, -1), True),  # Sq > Sk: rows 0..742 attend nothing
+    (1, 1000, 257, 4, 1, 128, BF16, (40, 30), False),  # rows 0..712 attend nothing
+    (1, 513, 513, 8, 2, 128, BF16, (5, 3), False),  # narrower than a block
+    (1, 300, 300, 8, 2, 128, BF16, (0, 0), False),  # the diagonal alone
+    (1, 700, 300, 8, 2, 128, BF16, (5000, -1), True),  # wider than the sequence (normalised away)
+    (1, 1000, 1000, 8, 2, 64, BF16, (256, -1), True),
+    (2, 777, 500, 8, 8, 64, FP16, (130, 70), False),
+    (1, 1000, 257, 8, 2, 64, BF16, (33, 2), False),
+    (1, 129, 1000, 4, 1, 64, BF16, (7, -1), True),
+]
+
+#: The variants a windowed call can run (two math warpgroups), by the switches they set.
+WINDOW_VARIANTS = {
+    "default": dict(pipeline="0"),
+    "pipelined": dict(pipeline="1"),
+    "fold-emu": dict(pipeline="0", fold_scale="1", exp2_emu="1"),
+    "pipelined-fold-emu": dict(pipeline="1", fold_scale="1", exp2_emu="1"),
+    "no-fold": dict(fold_scale="0"),
+}
+
+
+def _window_id(c):
+    b, sq, sk, hq, hk, d, dtype, (left, right), causal = c
+    return f"b{b}-{sq}x{sk}-h{hq}/{hk}-d{d}-{str(dtype)[6:]}-w{left},{right}{'-causal' if causal else ''}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(WINDOW_VARIANTS))
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=_window_id)
+def test_gpu_window_forward_matches_reference(case, variant, monkeypatch):
+    """out and lse of the WINDOW kernel against the float32 windowed reference: SNR >= 40 dB, rows
+    that attend nothing exactly 0 / -inf."""
+    from test_attention import ref_attention
+    from test_triton_attention import _snr
+
+    from turbo_dispatch.ops.attention import attention_problem
+
+    AG = _gpu_gate()
+    monkeypatch.setenv(AG.ATTN_GLUON_WINDOW_ENV, "1")
+    _set_switches(AG, monkeypatch, **WINDOW_VARIANTS[variant])
+    b, sq, sk, hq, hk, d, dtype, window, causal = case
+    q, k, v = _inputs(b, sq, sk, hq, hk, d, dtype)
+    p = attention_problem(q, k, v, causal=causal, window_size=window, return_lse=True)
+    assert AG.gluon_forward_refusal(p, q, k, v) is None
+    out, lse = AG.attend(p, q, k, v)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = ref_attention(q.cpu().float(), k.cpu().float(), v.cpu().float(), scale=p.softmax_scale,
+                                     causal=causal, window=window)
+    assert torch.isfinite(out).all()
+    assert _snr(out.float(), ref_out) >= 40.0, _snr(out.float(), ref_out)
+    assert _snr(lse, ref_lse) >= 40.0, _snr(lse, ref_lse)
+    empty = ~_allowed(sq, sk, p.window_left, p.window_right).any(1)
+    assert (out[:, empty.cuda()] == 0).all() and torch.isneginf(lse[:, :, empty.cuda()]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", WINDOW_CASES[::2], ids=_window_id)
+def test_gpu_window_gradients_through_the_op(case, counted, monkeypatch):
+    """ops.flash_attn_func pinned to TRITON with the window switch on runs a windowed call's
+    forward on the Gluon kernel (and its backward on the Gluon backward): out, lse, dq, dk, dv
+    against the float64 reference."""
+    from test_attention import assert_result, ref_grads, run_op
+
+    turbo, calls = counted
+    monkeypatch.setenv(_ag().ATTN_GLUON_WINDOW_ENV, "1")
+    b, sq, sk, hq, hk, d, dtype, window, causal = case
+    q, k, v = _inputs(b, sq, sk, hq, hk, d, dtype)
+    grad = torch.randn(b, sq, hq, d, device="cuda").to(dtype)
+    ref = ref_grads(q, k, v, grad, causal=causal, window=window)
+    got = run_op(turbo.ops.flash_attn_func, q, k, v, grad, causal=causal, window_size=window, return_lse=True)
+    assert calls, "the forward did not run on the Gluon kernel"
+    assert_result(got, ref, dtype, True)

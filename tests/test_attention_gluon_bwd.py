@@ -9,7 +9,9 @@ set, read per call, each setting its own tuning identity), the heavy-first grids
 launcher's two paths (in turn, or side by side on two streams) with the kernels replaced by
 recorders; and the adapter's wiring: the eager and the compiled backward take the Gluon launcher
 exactly when the gate says None, else the plain-Triton kernels. The sm_90 compile (registers, spills,
-shared memory) is checked by tests/test_compile_sm90.py (family ``attention_gluon_bwd``).
+shared memory) is checked by tests/test_compile_sm90.py (families ``attention_gluon_bwd`` and
+``attention_gluon_bwd_window``). Sliding windows: served only with the forward's window switch
+(``PRIMUS_TURBO_ATTN_GLUON_WINDOW``), both kernels launched with ``WINDOW`` and the bounds.
 
 GPU (``@pytest.mark.gpu``, sm_90 only): dq, dk, dv of
 the kernels against a float32 reference on random non-zero inputs, SNR >= 40 dB, over head dims
@@ -18,7 +20,8 @@ get dq = 0), odd lengths, bf16 and fp16, bit-identical over two runs; every vari
 same cases, bit-identical to the default (they reorder programs and streams, never a sum); the
 backward captured in a CUDA graph with and without the side stream; strided q, k, v and dout;
 and the op pinned to TRITON running its backward on the Gluon kernels, eager and compiled, in
-the default and in the variants.
+the default and in the variants; sliding windows (the forward's window cases) against the
+windowed reference, deterministic, in every variant.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import pytest
 import torch
 
 from test_attention_gluon import GPU_CASES as FORWARD_CASES
+from test_attention_gluon import WINDOW_CASES, _window_id, windowed_problems
 from test_attention_gluon import (_case_id, _problem, count_calls, refused_problems,  # noqa: F401  (sm90: a fixture)
                                   served_problems, sm90)
 from turbo_dispatch.errors import ConfigError
@@ -417,17 +421,17 @@ def gpu(monkeypatch):
 GPU_CASES = FORWARD_CASES + [(1, 1000, 1000, 8, 1, 128, FP16, True), (1, 1000, 77, 4, 1, 64, BF16, True)]
 
 
-def _reference(q, k, v, dout, causal, scale):
+def _reference(q, k, v, dout, causal, scale, window=(-1, -1)):
     """float32 (out, lse, [dq, dk, dv]) on the CPU."""
     from test_attention import ref_attention
 
     leaves = [x.detach().cpu().float().requires_grad_() for x in (q, k, v)]
-    out, lse = ref_attention(*leaves, scale=scale, causal=causal)
+    out, lse = ref_attention(*leaves, scale=scale, causal=causal, window=window)
     out.backward(dout.detach().cpu().float())
     return out.detach(), lse.detach(), [x.grad for x in leaves]
 
 
-def _check_case(AGB, q, k, v, dout, causal, scale=None, variants=None, monkeypatch=None):
+def _check_case(AGB, q, k, v, dout, causal, scale=None, variants=None, monkeypatch=None, window=(-1, -1)):
     """Runs the Gluon backward twice from the reference's out and lse; checks SNR and determinism.
     With ``variants`` (name -> switch settings, set through ``monkeypatch``), the same for each
     setting, whose gradients must also equal the first setting's bit for bit. Returns ``(p,
@@ -436,8 +440,8 @@ def _check_case(AGB, q, k, v, dout, causal, scale=None, variants=None, monkeypat
 
     from turbo_dispatch.ops.attention import attention_problem
 
-    p = attention_problem(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
-    ref_out, ref_lse, ref = _reference(q, k, v, dout, causal, p.softmax_scale)
+    p = attention_problem(q, k, v, causal=causal, softmax_scale=scale, window_size=window, return_lse=True)
+    ref_out, ref_lse, ref = _reference(q, k, v, dout, causal, p.softmax_scale, window)
     out, lse = ref_out.to(q.dtype).cuda(), ref_lse.float().cuda()
     assert AGB.gluon_backward_refusal(p, q, k, v, out, dout) is None
     baseline = None
@@ -617,3 +621,75 @@ def test_switch_settings_have_their_own_tuning_identity(monkeypatch):
     for var in variants:
         monkeypatch.delenv(var)
     assert TritonAttention().identity() == default
+
+
+# -- sliding windows --------------------------------------------------------------------------------------
+def test_window_switch_gates_the_backward(switched_on, monkeypatch):
+    """Windowed calls follow the forward's window switch: refused naming it while off, served
+    when on."""
+    from turbo_dispatch.backends.triton.attention_gluon import ATTN_GLUON_WINDOW_ENV as env
+
+    AGB = switched_on
+    for p in windowed_problems():
+        assert env in (AGB.gluon_backward_refusal(p) or ""), p
+    monkeypatch.setenv(env, "1")
+    for p in windowed_problems() + served_problems():
+        assert AGB.gluon_backward_refusal(p) is None, p
+
+
+@pytest.mark.parametrize("causal, window", [(True, (100, 0)), (False, (-1, 16)), (False, (33, 7))])
+def test_window_reaches_both_kernels(recorded_launches, monkeypatch, causal, window):
+    """A windowed call launches both kernels with WINDOW and its bounds (-1 as UNBOUNDED); the
+    heavy-first order still follows ``causal``."""
+    from turbo_dispatch.ops.attention import attention_problem
+
+    AGB, log = recorded_launches
+    monkeypatch.setenv("PRIMUS_TURBO_ATTN_GLUON_WINDOW", "1")
+    q, k, v, dout, *_ = _launch_tensors()
+    p = attention_problem(q, k, v, causal=causal, window_size=window, return_lse=True)
+    AGB.attend_backward(p, q, k, v, torch.zeros_like(q), torch.zeros(2, 8, 300), dout)
+    launches = [entry for entry in log if entry[0] in ("dkdv", "dq")]
+    assert len(launches) == 2 and all(kw["WINDOW"] is True and kw["HEAVY_FIRST"] is causal for *_, kw in launches)
+    monkeypatch.setattr(AGB, "descriptor", lambda x, rows: rows)
+    lse2 = delta = torch.zeros(2, 8, 300)
+    bounds = AGB.window_bounds(p.window_left, p.window_right)
+    _, args, kwargs = AGB.dkdv_launch_args(q, k, v, dout, k, v, lse2, delta, 0.1, causal, True, window)
+    assert args[-2:] == bounds and kwargs["WINDOW"] is True
+    _, args, kwargs = AGB.dq_launch_args(q, k, v, dout, q, lse2, delta, 0.1, causal, True, window)
+    assert args[-2:] == bounds and kwargs["WINDOW"] is True
+    log.clear()
+    _launch_backward(AGB, causal)
+    assert all(entry[2]["WINDOW"] is False for entry in log if entry[0] in ("dkdv", "dq"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=_window_id)
+def test_gpu_window_backward_matches_reference(case, gpu, monkeypatch):
+    """dq, dk, dv of the WINDOW kernels from the reference's out and lse, against the float32
+    windowed reference, deterministic, in every variant (bit-identical to the default)."""
+    from test_attention import randn
+
+    monkeypatch.setenv("PRIMUS_TURBO_ATTN_GLUON_WINDOW", "1")
+    b, sq, sk, hq, hk, d, dtype, window, causal = case
+    q, k, v = (randn(s, dtype).cuda() for s in ((b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, d)))
+    dout = randn((b, sq, hq, d), dtype).cuda()
+    _check_case(gpu, q, k, v, dout, causal, variants=VARIANTS, monkeypatch=monkeypatch, window=window)
+
+
+def test_window_mask_of_the_dkdv_kernel_is_one_unsigned_compare():
+    """The dK/dV kernel masks a window with ``uint32(i - (r - right)) <= uint32(left) +
+    uint32(right)`` (r: the key's diagonal row): the same as ``r - right <= i <= r + left`` for
+    every bound ``window_bounds`` gives, unbounded sides included."""
+    import numpy as np
+
+    from turbo_dispatch.backends.triton.attention_gluon import window_bounds
+
+    rng = np.random.default_rng(0)
+    i = rng.integers(0, 1 << 20, 4000).astype(np.int32)
+    r = (i.astype(np.int64) + rng.integers(-3000, 3000, 4000)).astype(np.int32)
+    for left, right in ((-1, -1), (-1, 0), (0, -1), (0, 0), (5, 7), (2000, -1), (-1, 2000), (1 << 20, 3)):
+        lo, hi = window_bounds(left, right)
+        want = (i.astype(np.int64) >= r.astype(np.int64) - hi) & (i.astype(np.int64) <= r.astype(np.int64) + lo)
+        off = (i - (r - np.int32(hi))).view(np.uint32)
+        width = np.uint32(lo) + np.uint32(hi)
+        assert np.array_equal(off <= width, want), (left, right)

@@ -1,6 +1,7 @@
 """The Triton GEMM kernels compile for Hopper (sm_90) on a CPU-only machine, and every config that
 asks for more than one persistent program per SM gets that many in the compiled kernel; the Gluon
-attention forward (its switchable variants too) and backward compile there without spills.
+attention forward (its switchable variants too) and backward, and their sliding-window kernels,
+compile there without spills.
 
 Runs ``tools/compile_sm90.py --occupancy-only`` in a subprocess (the tool unsets TRITON_INTERPRET,
 which this test session sets, before importing triton). The fit is read from the cubin that
@@ -126,6 +127,27 @@ def test_gluon_attention_backward_fits_on_sm90(tmp_path):
         # the d128 dK/dV kernel, reloaded once per program).
         assert r["status"] == "PASS" and r["loop_spills"] == 0 and r["stack"] <= 16 and not r["serialised"], r
         assert r["shared"] <= 227 * 1024 and r["fit"] == 1 and 1 in r["wgmma_waits"], r
+
+
+@pytest.mark.skipif(_nvidia_toolchain() is not None, reason=str(_nvidia_toolchain()))
+def test_gluon_attention_window_kernels_fit_on_sm90(tmp_path):
+    """The sliding-window (``WINDOW``) kernels compile as the default ones do: the forward on two
+    math warpgroups, pipelined and not, full and causal, with the softmax options, without a spill;
+    both backward kernels with no spill inside a wgmma loop and no more stack than the default
+    ones; every wgmma asynchronous, one program per SM."""
+    fwd = _gluon_family_rows(tmp_path, "attention_gluon_fwd_window")
+    assert {(r["config"][2], r["config"][3], r["config"][6]) for r in fwd} == {
+        (d, causal, pipe) for d in (64, 128) for causal in (False, True) for pipe in (False, True)}
+    for r in fwd:
+        assert r["config"][7] == 2 and r["config"][10], r
+        assert r["status"] == "PASS" and r["stack"] == 0 and r["loop_spills"] == 0 and not r["serialised"], r
+        assert r["shared"] <= 227 * 1024 and r["fit"] == 1, r
+    bwd = _gluon_family_rows(tmp_path, "attention_gluon_bwd_window")
+    assert sorted((r["config"][6], r["config"][2], r["config"][3]) for r in bwd) == [
+        (kernel, d, causal) for kernel in ("dkdv", "dq") for d in (64, 128) for causal in (False, True)]
+    for r in bwd:
+        assert r["config"][8] and r["status"] == "PASS" and r["loop_spills"] == 0 and not r["serialised"], r
+        assert r["stack"] <= 8 and r["shared"] <= 227 * 1024 and r["fit"] == 1 and 1 in r["wgmma_waits"], r
 
 
 @pytest.mark.skipif(_nvidia_toolchain() is not None, reason=str(_nvidia_toolchain()))

@@ -238,31 +238,38 @@ def _grouped_wgrad_gluon_ws(cfg: tuple):
 
 
 B_ATTN, S_ATTN, HQ_ATTN, HKV_ATTN = 2, 4096, 32, 8  # GQA 32/8 at 4096 tokens
+#: The window the ``WINDOW`` kernels compile with: a 1024-key left window, causal or 256 keys ahead.
+WINDOW_ATTN = {True: (1024, 0), False: (1024, 256)}
 
 
 def _attention_gluon_fwd(cfg: AG.GluonAttnConfig):
     """The Gluon attention forward's variant ``cfg`` at B 2, S 4096, GQA 32/8, bf16, the
-    launcher's own arguments (``attention_gluon.launch_args``)."""
+    launcher's own arguments (``attention_gluon.launch_args``; a window config with
+    ``WINDOW_ATTN``)."""
     d = cfg.head_dim
     q, out = (torch.empty((B_ATTN, S_ATTN, HQ_ATTN, d), dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.empty((B_ATTN, S_ATTN, HKV_ATTN, d), dtype=torch.bfloat16) for _ in range(2))
-    _, args, kwargs = AG.launch_args(q, k, v, out, torch.empty((B_ATTN, HQ_ATTN, S_ATTN)), d ** -0.5, cfg)
+    window = WINDOW_ATTN[cfg.causal] if cfg.window else (-1, -1)
+    _, args, kwargs = AG.launch_args(q, k, v, out, torch.empty((B_ATTN, HQ_ATTN, S_ATTN)), d ** -0.5, cfg, window)
     return AG.attn_fwd_gluon_kernel.warmup(*args, **kwargs, grid=(1,))
 
 
 def _attention_gluon_bwd(cfg: AGB.GluonAttnBwdConfig):
     """One Gluon attention backward kernel (``cfg.kernel``: dK/dV or dQ; in the heavy-first order if
     ``cfg.heavy_first``) at the forward's problem, the launcher's own arguments
-    (``attention_gluon_bwd.dkdv_launch_args`` / ``dq_launch_args``)."""
+    (``attention_gluon_bwd.dkdv_launch_args`` / ``dq_launch_args``; a window config with
+    ``WINDOW_ATTN``)."""
     d = cfg.head_dim
     q, dout, dq = (torch.empty((B_ATTN, S_ATTN, HQ_ATTN, d), dtype=torch.bfloat16) for _ in range(3))
     k, v, dk, dv = (torch.empty((B_ATTN, S_ATTN, HKV_ATTN, d), dtype=torch.bfloat16) for _ in range(4))
     lse2, delta = (torch.empty((B_ATTN, HQ_ATTN, S_ATTN)) for _ in range(2))
+    window = WINDOW_ATTN[cfg.causal] if cfg.window else None
     if cfg.kernel == "dkdv":
         _, args, kwargs = AGB.dkdv_launch_args(q, k, v, dout, dk, dv, lse2, delta, d ** -0.5, cfg.causal,
-                                               cfg.heavy_first)
+                                               cfg.heavy_first, window)
         return AGB.attn_bwd_dkdv_gluon_kernel.warmup(*args, **kwargs, grid=(1,))
-    _, args, kwargs = AGB.dq_launch_args(q, k, v, dout, dq, lse2, delta, d ** -0.5, cfg.causal, cfg.heavy_first)
+    _, args, kwargs = AGB.dq_launch_args(q, k, v, dout, dq, lse2, delta, d ** -0.5, cfg.causal, cfg.heavy_first,
+                                         window)
     return AGB.attn_bwd_dq_gluon_kernel.warmup(*args, **kwargs, grid=(1,))
 
 
@@ -397,6 +404,21 @@ def attention_fwd_variants() -> list:
     return alone + together
 
 
+def attention_window_fwd_configs() -> list:
+    """The Gluon attention forward's ``WINDOW`` kernels, full and causal: first as a windowed call
+    runs them with every switch at its default (``call_config``), then with the pipelined choice
+    flipped, the folded scale off, and the emulated exponentials on."""
+    make = AG.config_for
+    defaults = {key: default for key, (_, _, default) in AG.VARIANT_SWITCHES.items()}
+    first = [make(d, c, d in AG.PIPELINED_HEAD_DIMS, window=True, **defaults) for d in (128, 64)
+             for c in (False, True)]
+    flipped = [make(d, c, d not in AG.PIPELINED_HEAD_DIMS, window=True, **defaults) for d in (128, 64)
+               for c in (False, True)]
+    options = [make(d, True, d in AG.PIPELINED_HEAD_DIMS, window=True, **dict(defaults, **change))
+               for change in ({"fold_scale": False}, {"exp2_emu": True}) for d in (128, 64)]
+    return first + flipped + options
+
+
 def families() -> dict:
     """family -> (configs in the order the adapters offer them (first = default), compile(cfg),
     index of the occupancy field). Warps are field 5 of dense and grouped configs alike."""
@@ -447,6 +469,12 @@ def families() -> dict:
          len(AG.GluonAttnConfig._fields)),
         ("attention_gluon_fwd_variants", attention_fwd_variants(), _attention_gluon_fwd,
          len(AG.GluonAttnConfig._fields)),
+        ("attention_gluon_fwd_window", attention_window_fwd_configs(), _attention_gluon_fwd,
+         len(AG.GluonAttnConfig._fields)),
+        ("attention_gluon_bwd_window", [make(d, causal, heavy_first=causal, window=True)
+                                        for make in (AGB.dkdv_config, AGB.dq_config) for d in (128, 64)
+                                        for causal in (False, True)], _attention_gluon_bwd,
+         len(AGB.GluonAttnBwdConfig._fields)),
         ("fused_producers", _fused_configs(), _fused_producer, 6),
     ]
     return {name: (cfgs, build, occ_at) for name, cfgs, build, occ_at in table}

@@ -320,7 +320,7 @@ class TritonAttention(Adapter):
         pipeline = {None: "", True: "+pipelined", False: "+unpipelined"}[AG.pipeline_setting()]
         backward = "+plain-bwd" if AGB.switch_refusal() else f"+{AGB.KERNEL_REVISION}{AGB.variant_tag()}"
         return (f"triton-{self.version()}:{type(self).__name__}/{AK.KERNEL_REVISION}+{AG.KERNEL_REVISION}{pipeline}"
-                f"{AG.variant_tag()}{backward}{suffix}")
+                f"{AG.variant_tag()}{AG.window_tag()}{backward}{suffix}")
 
     def supports(self, p) -> Optional[str]:
         if p.platform not in ("cuda", "rocm") and not (p.platform == "cpu" and AK.interpreting()):

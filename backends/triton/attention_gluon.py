@@ -3,10 +3,12 @@
 Serves a subset of the TRITON attention adapter's calls (``gluon_forward_refusal`` names every
 case it leaves to the plain-Triton kernel of attention_kernels.py): dense bf16/fp16 batches
 ``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]`` with D = 64 or 128 for q, k and v, MHA/GQA/MQA,
-no mask or the bottom-right causal mask, Sq != Sk, any softmax scale. Its results mean what
+no mask, the bottom-right causal mask or (behind ``PRIMUS_TURBO_ATTN_GLUON_WINDOW``) a sliding
+window, Sq != Sk, any softmax scale. Its results mean what
 ``attention_kernels.attn_fwd_kernel``'s mean, so the backward kernels start from them unchanged:
 out ``[B, Sq, Hq, D]`` in the inputs' dtype, and the float32 natural-log lse of the scaled scores
-``[B, Hq, Sq]``; a row that may attend no key (causal with Sq > Sk) gets out = 0 and lse = -inf.
+``[B, Hq, Sq]``; a row that may attend no key (causal with Sq > Sk; a right window bound with
+Sq > Sk + right, the only way a window empties a row) gets out = 0 and lse = -inf.
 
 Structure (one program per 128 query rows of one head, ``(query blocks, B * Hq)`` grid, the
 causal blocks with the most keys first):
@@ -24,6 +26,12 @@ causal blocks with the most keys first):
 * causal: key blocks past the last row's diagonal are never loaded; the blocks that every row of
   the program may attend whole run without a mask, the rest (the diagonal and the sequence end)
   with one;
+* sliding windows (``WINDOW``, two math warpgroups only): row ``i`` attends key ``j`` iff
+  ``i + Sk - Sq - LEFT <= j <= i + Sk - Sq + RIGHT`` (``window_bounds``: an unbounded side is
+  ``UNBOUNDED``). ``block_span`` gives each program its key blocks: the loader starts at the first
+  block some row attends, not at 0, and stops after the last; the blocks every row attends whole
+  run unmasked, those at both edges masked. ``block_span_host`` and ``window_key_span_host`` are
+  their host mirrors, which the CPU tests hold to the kernels' text and to a brute-force mask;
 * tails: q, k, v and out are read and written through rank-3 TMA descriptors over
   ``[B, S, H * D]``, which clip at each sequence's end (zeros read, nothing written past it), so
   odd lengths need no padding and no other batch's tokens are read; keys past Sk are masked out
@@ -39,8 +47,9 @@ for S_j alone (one group left in flight), runs block j's softmax, then waits for
 and releases its slot. One S tile is live at a time, and P_{j-1} is a dependency of that last wait,
 so no register of an in-flight wgmma is written and ptxas keeps the wgmmas asynchronous. ptxas
 does schedule that wait right after the softmax's row maximum (its own choice: rounding P after the
-wait in the source compiles to the same SASS), so the exponentials run after the PV product. Block 0 runs before the loop, masked (a
-program whose rows attend no key runs it too, fully masked), and the last PV product after it. A
+wait in the source compiles to the same SASS), so the exponentials run after the PV product. The
+first block of the span (block 0, but for a window) runs before the loop, masked (a program whose
+rows attend no key runs it too, fully masked), and the last PV product after it. A
 slot is released one block later than in the default variant, so the ring has one slot more
 (``PIPELINED_TILES``).
 
@@ -61,7 +70,9 @@ math warp about as many issue slots and MUFU cycles as its two wgmmas take on th
 Needs triton with Gluon on a release in ``GLUON_TRITON_RELEASES`` and an sm_90 GPU.
 ``PRIMUS_TURBO_ATTN_GLUON=0`` switches the kernel off, as ``PRIMUS_TURBO_GLUON_KERNELS=0`` does
 every Gluon kernel (the adapter then runs the plain-Triton forward); both are read on every call,
-as are ``PRIMUS_TURBO_ATTN_GLUON_PIPELINE`` and the variant switches.
+as are ``PRIMUS_TURBO_ATTN_GLUON_PIPELINE``, the variant switches and
+``PRIMUS_TURBO_ATTN_GLUON_WINDOW`` (off by default: windowed calls run the plain-Triton kernels,
+forward and backward, unless it is set to a true value).
 """
 from __future__ import annotations
 
@@ -95,6 +106,9 @@ ATTN_GLUON_FOLD_SCALE_ENV = "PRIMUS_TURBO_ATTN_GLUON_FOLD_SCALE"
 #: 1/true: one exponential in ``EXP2_EMU_PACK`` of the unmasked key blocks by a polynomial on the
 #: FMA units instead of MUFU; off by default (it measured slower).
 ATTN_GLUON_EXP2_EMU_ENV = "PRIMUS_TURBO_ATTN_GLUON_EXP2_EMU"
+#: 1/true: calls with a sliding window (``window_left >= 0`` or ``window_right > 0``) run the
+#: ``WINDOW`` kernels, forward and backward; off by default (the plain-Triton kernels serve them).
+ATTN_GLUON_WINDOW_ENV = "PRIMUS_TURBO_ATTN_GLUON_WINDOW"
 #: Bumped whenever a variant's code or the choice between them changes.
 KERNEL_REVISION = "attn-gluon-r3"
 #: Head dims that run the pipelined variant unless the switch says otherwise: at d128 it ran
@@ -124,9 +138,10 @@ _LOG2E = 1.4426950408889634
 
 class GluonAttnConfig(NamedTuple):
     """One compiled variant: ``BLOCK_N`` keys per ring slot and ``STAGES`` slots for head dim
-    ``head_dim``, pipelined or not, ``math_wgs`` math warpgroups of ``ROWS`` query rows, and the
-    softmax's options (``fold_scale``, ``exp2_emu``: see their switches). Fields 4 and 5 are where
-    tools/compile_sm90.py reads stages and warps."""
+    ``head_dim``, pipelined or not, ``math_wgs`` math warpgroups of ``ROWS`` query rows, the
+    softmax's options (``fold_scale``, ``exp2_emu``: see their switches), and ``window``: the
+    sliding-window mask (``WINDOW``). Fields 4 and 5 are where tools/compile_sm90.py reads stages
+    and warps."""
 
     block_m: int
     block_n: int
@@ -138,6 +153,7 @@ class GluonAttnConfig(NamedTuple):
     math_wgs: int = 2
     fold_scale: bool = False
     exp2_emu: bool = False
+    window: bool = False
 
     def regs(self) -> tuple[int, int, int]:
         """(math partitions', loader's, kernel-wide cap) registers per thread."""
@@ -157,16 +173,55 @@ WG3_TILES = {64: (128, 4)}
 
 
 def config_for(head_dim: int, causal: bool, pipeline: bool = False, wg3: bool = False, fold_scale: bool = False,
-               exp2_emu: bool = False) -> GluonAttnConfig:
+               exp2_emu: bool = False, window: bool = False) -> GluonAttnConfig:
     """The variant that serves head dim ``head_dim`` (64 or 128): pipelined or the default, with
     three math warpgroups where ``wg3`` and ``WG3_TILES`` serves the head dim (then unpipelined),
-    and the softmax options as asked."""
-    wg3 = bool(wg3) and head_dim in WG3_TILES
+    and the softmax options as asked. ``window``: the sliding-window kernel, always on two math
+    warpgroups (three would each walk a span of their own inside the program's, at both edges)."""
+    wg3 = bool(wg3) and head_dim in WG3_TILES and not window
     pipeline = bool(pipeline) and not wg3
     block_n, stages = (WG3_TILES if wg3 else PIPELINED_TILES if pipeline else TILES)[head_dim]
     wgs = 3 if wg3 else 2
     return GluonAttnConfig(ROWS * wgs, block_n, head_dim, bool(causal), stages, 4 * wgs + 1, pipeline, wgs,
-                           bool(fold_scale), bool(exp2_emu))
+                           bool(fold_scale), bool(exp2_emu), bool(window))
+
+
+#: The bound a window side that is unbounded (-1) is launched with: no query row is that far
+#: from any key, and row + shift +- this stays inside int32 for sequences below 2^29.
+UNBOUNDED = 1 << 30
+
+
+def window_bounds(window_left: int, window_right: int) -> tuple[int, int]:
+    """``(LEFT, RIGHT)`` the ``WINDOW`` kernels take for the op's ``window_size``: each side as is,
+    ``UNBOUNDED`` where it is -1. Row ``i`` attends key ``j`` iff
+    ``i + shift - LEFT <= j <= i + shift + RIGHT`` (``shift = Sk - Sq``)."""
+    return (UNBOUNDED if window_left < 0 else int(window_left), UNBOUNDED if window_right < 0 else int(window_right))
+
+
+def block_span_host(a0: int, a_last: int, len_b: int, shift: int, lo_w: int, hi_w: int, BLOCK: int):
+    """``block_span`` on the host, expression for expression (the tests hold the two texts equal
+    and check this one against the brute-force mask); ``//`` only ever meets non-negative
+    operands, where Python's floor and the kernels' truncation agree."""
+    lo = max(a0 + shift - lo_w, 0)
+    full_lo = max(a_last + shift - lo_w, 0)
+    hi = min(a_last + shift + hi_w + 1, len_b)
+    full_hi = min(a0 + shift + hi_w + 1, len_b)
+    start = (lo // BLOCK) * BLOCK
+    end = max(hi, start)
+    end_blocks = start + ((end - start + BLOCK - 1) // BLOCK) * BLOCK
+    full_start = min(start + ((full_lo - start + BLOCK - 1) // BLOCK) * BLOCK, end_blocks)
+    full_end = full_start + (max(full_hi - full_start, 0) // BLOCK) * BLOCK
+    return start, full_start, full_end, end
+
+
+def window_key_span_host(m0: int, sq: int, sk: int, left: int, right: int, BLOCK_M: int, BLOCK_N: int,
+                         PIPELINE: bool):
+    """``window_key_span`` on the host, expression for expression (see ``block_span_host``)."""
+    m_last = min(m0 + BLOCK_M, sq) - 1
+    start, full_start, full_end, end = block_span_host(m0, m_last, sk, sk - sq, left, right, BLOCK_N)
+    if PIPELINE:
+        end = max(end, start + 1)
+    return start, full_start, full_end, end
 
 
 if gluon is not None:
@@ -188,6 +243,54 @@ if gluon is not None:
         return (full // BLOCK_N) * BLOCK_N, end
 
     @gluon.jit
+    def block_span(a0, a_last, len_b, shift, lo_w, hi_w, BLOCK: gl.constexpr):
+        """The blocks of ``BLOCK`` along axis B that rows ``a0 .. a_last`` of axis A meet, when row
+        ``a`` meets ``b`` iff ``a + shift - lo_w <= b <= a + shift + hi_w`` and ``0 <= b < len_b``
+        (``a0 + shift - lo_w < len_b``: each row's range starts inside axis B).
+        ``(start, full_start, full_end, end)``: the blocks starting in [start, end) are exactly
+        those holding a met ``b`` (the rows' ranges tile one interval); those in
+        [full_start, full_end) lie inside every row's range and below ``len_b`` (no mask), those
+        in [start, full_start) and [full_end, end) need the mask. An empty span has
+        ``end == start``. ``block_span_host`` is its host mirror."""
+        lo = gl.maximum(a0 + shift - lo_w, 0)
+        full_lo = gl.maximum(a_last + shift - lo_w, 0)
+        hi = gl.minimum(a_last + shift + hi_w + 1, len_b)
+        full_hi = gl.minimum(a0 + shift + hi_w + 1, len_b)
+        start = (lo // BLOCK) * BLOCK
+        end = gl.maximum(hi, start)
+        end_blocks = start + ((end - start + BLOCK - 1) // BLOCK) * BLOCK
+        full_start = gl.minimum(start + ((full_lo - start + BLOCK - 1) // BLOCK) * BLOCK, end_blocks)
+        full_end = full_start + (gl.maximum(full_hi - full_start, 0) // BLOCK) * BLOCK
+        return start, full_start, full_end, end
+
+    @gluon.jit
+    def window_key_span(m0, sq, sk, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        PIPELINE: gl.constexpr):
+        """``block_span`` of the key blocks for the query rows ``m0 .. m0 + BLOCK_M - 1`` (those
+        below ``sq``) under the window ``(left, right)`` (``window_bounds``'s). ``PIPELINE``:
+        ``end > start``, since the pipelined variant always runs its first block (fully masked
+        for rows that attend no key). ``window_key_span_host`` is its host mirror."""
+        m_last = gl.minimum(m0 + BLOCK_M, sq) - 1
+        start, full_start, full_end, end = block_span(m0, m_last, sk, sk - sq, left, right, BLOCK_N)
+        if PIPELINE:
+            end = gl.maximum(end, start + 1)
+        return start, full_start, full_end, end
+
+    @gluon.jit
+    def program_key_span(m0, sq, sk, left, right, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, PIPELINE: gl.constexpr, WINDOW: gl.constexpr):
+        """``(start, full_start, full_end, end)`` of the key blocks the query rows from ``m0``
+        walk: ``window_key_span``'s under ``WINDOW``; else ``key_span``'s, whose blocks start at 0
+        and need no mask below ``full_end``."""
+        if WINDOW:
+            start, full_start, full_end, end = window_key_span(m0, sq, sk, left, right, BLOCK_M, BLOCK_N, PIPELINE)
+        else:
+            start = 0
+            full_start = 0
+            full_end, end = key_span(m0, sq, sk, CAUSAL, BLOCK_M, BLOCK_N, PIPELINE)
+        return start, full_start, full_end, end
+
+    @gluon.jit
     def query_program(SEQ_Q, HEADS_Q, GROUP, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
         """(batch, head, kv head, first query row) of this program; causal programs walk the
         query blocks last-first, so the blocks with the most keys start first."""
@@ -200,9 +303,10 @@ if gluon is not None:
 
     @gluon.jit
     def _attn_load(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready, v_ready,
-                   kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, CAUSAL: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                   PIPELINE: gl.constexpr, MATH_WGS: gl.constexpr, FOLD: gl.constexpr, EMU: gl.constexpr):
+                   kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, LEFT, RIGHT,
+                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   STAGES: gl.constexpr, PIPELINE: gl.constexpr, MATH_WGS: gl.constexpr, FOLD: gl.constexpr,
+                   EMU: gl.constexpr, WINDOW: gl.constexpr):
         """The loader: every math warpgroup's q rows, then every key block of the span in ring order."""
         b, h, hk, m0 = query_program(SEQ_Q, HEADS_Q, GROUP, CAUSAL, BLOCK_M)
         ROWS: gl.constexpr = BLOCK_M // MATH_WGS
@@ -210,9 +314,8 @@ if gluon is not None:
             bar = q_ready.index(wg)
             mbarrier.expect(bar, q_desc.block_type.nbytes)
             _tma_load(q_desc, [b, m0 + wg * ROWS, h * HEAD_DIM], bar, q_smem.index(wg))
-        _, end = key_span(m0, SEQ_Q, SEQ_K, CAUSAL, BLOCK_M, BLOCK_N, PIPELINE)
-        load_kv_ring(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, b, hk * HEAD_DIM, end, BLOCK_N,
-                     STAGES)
+        load_key_span(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, b, hk * HEAD_DIM, m0, SEQ_Q, SEQ_K,
+                      LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N, STAGES, PIPELINE, WINDOW)
 
     @gluon.jit
     def ring_barriers(STAGES: gl.constexpr):
@@ -238,13 +341,14 @@ if gluon is not None:
         return once, ready_a, ready_b, empty
 
     @gluon.jit
-    def load_kv_ring(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, b, col, end, BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr):
-        """The loader's stream of key blocks ``[0, end)`` of batch ``b``, columns from ``col``: k and
-        v of each block into the next ring slot once the math warpgroups have emptied it, each with
-        its own ready barrier (so S = Q K^T can start before v lands)."""
+    def load_kv_ring(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, b, col, start, end,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """The loader's stream of the key blocks starting in ``[start, end)`` of batch ``b``, columns
+        from ``col``: k and v of each block into the next ring slot (the first into slot 0) once the
+        math warpgroups have emptied it, each with its own ready barrier (so S = Q K^T can start
+        before v lands)."""
         step = 0
-        for n0 in range(0, end, BLOCK_N):
+        for n0 in range(start, end, BLOCK_N):
             slot = step % STAGES
             # A fresh mbarrier counts as having completed the phase before phase 0, so the first
             # pass over the ring does not wait.
@@ -256,6 +360,15 @@ if gluon is not None:
             mbarrier.expect(vbar, v_desc.block_type.nbytes)
             _tma_load(v_desc, [b, n0, col], vbar, v_ring.index(slot))
             step += 1
+
+    @gluon.jit
+    def load_key_span(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, b, col, m0, sq, sk, left, right,
+                      CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                      PIPELINE: gl.constexpr, WINDOW: gl.constexpr):
+        """``load_kv_ring`` over the key blocks the query rows from ``m0`` attend
+        (``program_key_span``)."""
+        start, _, _, end = program_key_span(m0, sq, sk, left, right, CAUSAL, BLOCK_M, BLOCK_N, PIPELINE, WINDOW)
+        load_kv_ring(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, b, col, start, end, BLOCK_N, STAGES)
 
     @gluon.jit
     def _exp2_mixed(x):
@@ -297,12 +410,13 @@ if gluon is not None:
         )
 
     @gluon.jit
-    def _softmax(s, n0, m_i, l_i, rows, sk, shift, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                 BLOCK_N: gl.constexpr, FOLD: gl.constexpr, EMU: gl.constexpr):
+    def _softmax(s, n0, m_i, l_i, rows, sk, shift, qk_scale, left, right, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+                 BLOCK_N: gl.constexpr, FOLD: gl.constexpr, EMU: gl.constexpr, WINDOW: gl.constexpr):
         """The online softmax's step for the raw scores ``s`` of the key block at ``n0``:
         ``(p, alpha, m_new, l_new)``, p in fp32 and the exp2 domain, ``alpha`` the factor that
         moves what is summed so far from max ``m_i`` to ``m_new``. ``MASKED`` masks keys past
-        ``sk`` and, causal, past each row's diagonal. ``FOLD`` (a positive ``qk_scale`` only):
+        ``sk`` and, causal, past each row's diagonal; ``WINDOW``, outside each row's window
+        ``[row + shift - left, row + shift + right]`` instead. ``FOLD`` (a positive ``qk_scale`` only):
         the row maximum of the raw scores, scaled once per row, so that the scale costs no
         multiply per score but rides in the exponent's FFMA. ``EMU``: unmasked blocks take
         ``_exp2_mixed``."""
@@ -312,7 +426,10 @@ if gluon is not None:
         if MASKED:
             cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             ok = cols[None, :] < sk
-            if CAUSAL:
+            if WINDOW:
+                diag = rows[:, None] + shift
+                ok = ok & (cols[None, :] <= diag + right) & (cols[None, :] >= diag - left)
+            elif CAUSAL:
                 ok = ok & (cols[None, :] <= rows[:, None] + shift)
             s = gl.where(ok, s, float("-inf"))
         if FOLD:
@@ -336,10 +453,11 @@ if gluon is not None:
 
     @gluon.jit
     def _attn_blocks(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i, zero_s, step, lo, hi, rows,
-                     sk, shift, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr, EMU: gl.constexpr):
+                     sk, shift, qk_scale, left, right, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+                     BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
+                     EMU: gl.constexpr, WINDOW: gl.constexpr):
         """The online softmax over the key blocks starting in [lo, hi), ring steps from ``step``;
-        ``MASKED`` blocks mask keys past ``sk`` and, causal, past each row's diagonal.
+        ``MASKED`` blocks mask as ``_softmax`` does.
         Returns ``(acc, m_i, l_i, step)``."""
         o_layout: gl.constexpr = acc.type.layout
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -350,8 +468,8 @@ if gluon is not None:
             k_tile = k_ring.index(slot).reshape([BLOCK_N, HEAD_DIM])
             s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            p, alpha, m_new, l_i = _softmax(s, n0, m_i, l_i, rows, sk, shift, qk_scale, MASKED, CAUSAL, BLOCK_N,
-                                            FOLD, EMU)
+            p, alpha, m_new, l_i = _softmax(s, n0, m_i, l_i, rows, sk, shift, qk_scale, left, right, MASKED, CAUSAL,
+                                            BLOCK_N, FOLD, EMU, WINDOW)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             p_op = gl.convert_layout(p.to(k_ring.dtype), p_layout)
             mbarrier.wait(v_ready.index(slot), phase)
@@ -377,9 +495,9 @@ if gluon is not None:
 
     @gluon.jit
     def _attn_blocks_pipelined(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, alpha, m_i, l_i, p_op, zero_s,
-                               step, lo, hi, rows, sk, shift, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                               FOLD: gl.constexpr, EMU: gl.constexpr):
+                               step, lo, hi, rows, sk, shift, qk_scale, left, right, MASKED: gl.constexpr,
+                               CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                               STAGES: gl.constexpr, FOLD: gl.constexpr, EMU: gl.constexpr, WINDOW: gl.constexpr):
         """The pipelined variant's key blocks starting in [lo, hi), ring steps from ``step`` >= 1:
         block j's S and block j-1's PV product (``p_op``, rescale ``alpha`` pending) in flight
         together, block j's softmax after S. Returns ``(acc, alpha, m_i, l_i, p_op, step)`` with
@@ -397,8 +515,8 @@ if gluon is not None:
             acc = warpgroup_mma(p_op, v_ring.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
             # Groups complete in order: one left in flight means S is done and PV may run on.
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-            p, alpha, m_i, l_i = _softmax(s, n0, m_i, l_i, rows, sk, shift, qk_scale, MASKED, CAUSAL, BLOCK_N,
-                                          FOLD, EMU)
+            p, alpha, m_i, l_i = _softmax(s, n0, m_i, l_i, rows, sk, shift, qk_scale, left, right, MASKED, CAUSAL,
+                                          BLOCK_N, FOLD, EMU, WINDOW)
             p_next = gl.convert_layout(p.to(k_ring.dtype), p_layout)
             # p_op is a dependency: its registers stay untouched until the product has read them.
             acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
@@ -408,12 +526,14 @@ if gluon is not None:
         return acc, alpha, m_i, l_i, p_op, step
 
     @gluon.jit
-    def _attn_pipelined(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i, zero_s, full_end, end,
-                        rows, sk, shift, qk_scale, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr, EMU: gl.constexpr):
-        """The pipelined variant over the key blocks starting below ``end`` (>= 1; unmasked below
-        ``full_end``): block 0's S and softmax, the pipelined blocks, the last PV product.
-        Returns ``(acc, m_i, l_i)``."""
+    def _attn_pipelined(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i, zero_s, start, full_start,
+                        full_end, end, rows, sk, shift, qk_scale, left, right, CAUSAL: gl.constexpr,
+                        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
+                        EMU: gl.constexpr, WINDOW: gl.constexpr):
+        """The pipelined variant over the key blocks starting in [start, end) (``end > start``;
+        unmasked in [full_start, full_end), which without ``WINDOW`` starts at ``start`` = 0): the
+        first block's S and softmax, the pipelined blocks, the last PV product. Returns
+        ``(acc, m_i, l_i)``."""
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
         o_layout: gl.constexpr = acc.type.layout
         mbarrier.wait(k_ready.index(0), 0)
@@ -422,17 +542,30 @@ if gluon is not None:
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         # Masked whatever its span: a no-op on a block every row attends whole, and what makes a
         # program whose rows attend no key come out with l = 0 (out 0, lse -inf).
-        p, alpha, m_i, l_i = _softmax(s, 0, m_i, l_i, rows, sk, shift, qk_scale, True, CAUSAL, BLOCK_N, FOLD, EMU)
+        p, alpha, m_i, l_i = _softmax(s, start, m_i, l_i, rows, sk, shift, qk_scale, left, right, True, CAUSAL,
+                                      BLOCK_N, FOLD, EMU, WINDOW)
         p_op = gl.convert_layout(p.to(k_ring.dtype), p_layout)
         # The ring step starts as a tensor (a literal would be a constexpr, not loop-carriable).
         step = full_end * 0 + 1
-        acc, alpha, m_i, l_i, p_op, step = _attn_blocks_pipelined(
-            q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, alpha, m_i, l_i, p_op, zero_s, step, BLOCK_N,
-            full_end, rows, sk, shift, qk_scale, False, CAUSAL, BLOCK_N, HEAD_DIM, STAGES, FOLD, EMU)
+        second = start + BLOCK_N
+        if WINDOW:
+            acc, alpha, m_i, l_i, p_op, step = _attn_blocks_pipelined(
+                q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, alpha, m_i, l_i, p_op, zero_s, step, second,
+                full_start, rows, sk, shift, qk_scale, left, right, True, CAUSAL, BLOCK_N, HEAD_DIM, STAGES, FOLD,
+                EMU, WINDOW)
+            acc, alpha, m_i, l_i, p_op, step = _attn_blocks_pipelined(
+                q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, alpha, m_i, l_i, p_op, zero_s, step,
+                gl.maximum(full_start, second), full_end, rows, sk, shift, qk_scale, left, right, False, CAUSAL,
+                BLOCK_N, HEAD_DIM, STAGES, FOLD, EMU, WINDOW)
+        else:
+            acc, alpha, m_i, l_i, p_op, step = _attn_blocks_pipelined(
+                q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, alpha, m_i, l_i, p_op, zero_s, step, second,
+                full_end, rows, sk, shift, qk_scale, left, right, False, CAUSAL, BLOCK_N, HEAD_DIM, STAGES, FOLD, EMU,
+                WINDOW)
         acc, alpha, m_i, l_i, p_op, step = _attn_blocks_pipelined(
             q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, alpha, m_i, l_i, p_op, zero_s, step,
-            gl.maximum(full_end, BLOCK_N), end, rows, sk, shift, qk_scale, True, CAUSAL, BLOCK_N, HEAD_DIM, STAGES,
-            FOLD, EMU)
+            gl.maximum(full_end, second), end, rows, sk, shift, qk_scale, left, right, True, CAUSAL, BLOCK_N,
+            HEAD_DIM, STAGES, FOLD, EMU, WINDOW)
         last = (step - 1) % STAGES
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         mbarrier.wait(v_ready.index(last), ((step - 1) // STAGES) & 1)
@@ -443,15 +576,17 @@ if gluon is not None:
 
     @gluon.jit
     def _attn_math(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready, v_ready,
-                   kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, CAUSAL: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                   PIPELINE: gl.constexpr, MATH_WGS: gl.constexpr, FOLD: gl.constexpr, EMU: gl.constexpr,
-                   WG: gl.constexpr):
+                   kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, LEFT, RIGHT,
+                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   STAGES: gl.constexpr, PIPELINE: gl.constexpr, MATH_WGS: gl.constexpr, FOLD: gl.constexpr,
+                   EMU: gl.constexpr, WINDOW: gl.constexpr, WG: gl.constexpr):
         """Math warpgroup ``WG``: query rows ``m0 + WG * 64`` to ``m0 + WG * 64 + 63``. With two
         warpgroups both walk the program's key span; with three (unpipelined) each walks its own
         rows' span and hands back the slots of the program's blocks past it unread, so causal
-        warpgroups above the diagonal skip the blocks only their neighbours' rows attend."""
+        warpgroups above the diagonal skip the blocks only their neighbours' rows attend. ``WINDOW``
+        (two warpgroups): masked blocks at both edges of the program's span, unmasked between."""
         gl.static_assert(MATH_WGS == 2 or not PIPELINE, "three math warpgroups run unpipelined")
+        gl.static_assert(MATH_WGS == 2 or not WINDOW, "windows run on two math warpgroups")
         ROWS: gl.constexpr = BLOCK_M // MATH_WGS
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -460,7 +595,8 @@ if gluon is not None:
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         b, h, hk, m0 = query_program(SEQ_Q, HEADS_Q, GROUP, CAUSAL, BLOCK_M)
         row0 = m0 + WG * ROWS
-        full_end, end = key_span(m0, SEQ_Q, SEQ_K, CAUSAL, BLOCK_M, BLOCK_N, PIPELINE)
+        start, full_start, full_end, end = program_key_span(m0, SEQ_Q, SEQ_K, LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N,
+                                                            PIPELINE, WINDOW)
         prog_end = end
         if MATH_WGS == 3:
             full_end, end = key_span(row0, SEQ_Q, SEQ_K, CAUSAL, ROWS, BLOCK_N, PIPELINE)
@@ -480,16 +616,21 @@ if gluon is not None:
         q_tile = q_buf.reshape([ROWS, HEAD_DIM])
         if PIPELINE:
             acc, m_i, l_i = _attn_pipelined(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i, zero_s,
-                                            full_end, end, rows, SEQ_K, shift, qk_scale, CAUSAL, BLOCK_N, HEAD_DIM,
-                                            STAGES, FOLD, EMU)
+                                            start, full_start, full_end, end, rows, SEQ_K, shift, qk_scale, LEFT,
+                                            RIGHT, CAUSAL, BLOCK_N, HEAD_DIM, STAGES, FOLD, EMU, WINDOW)
         else:
             # The ring step starts as a tensor (a literal 0 would be a constexpr, not loop-carriable).
+            step = full_end * 0
+            if WINDOW:
+                acc, m_i, l_i, step = _attn_blocks(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i,
+                                                   zero_s, step, start, full_start, rows, SEQ_K, shift, qk_scale, LEFT,
+                                                   RIGHT, True, CAUSAL, BLOCK_N, HEAD_DIM, STAGES, FOLD, EMU, WINDOW)
             acc, m_i, l_i, step = _attn_blocks(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i,
-                                               zero_s, full_end * 0, 0, full_end, rows, SEQ_K, shift, qk_scale, False,
-                                               CAUSAL, BLOCK_N, HEAD_DIM, STAGES, FOLD, EMU)
+                                               zero_s, step, full_start, full_end, rows, SEQ_K, shift, qk_scale, LEFT,
+                                               RIGHT, False, CAUSAL, BLOCK_N, HEAD_DIM, STAGES, FOLD, EMU, WINDOW)
             acc, m_i, l_i, step = _attn_blocks(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i,
-                                               zero_s, step, full_end, end, rows, SEQ_K, shift, qk_scale, True, CAUSAL,
-                                               BLOCK_N, HEAD_DIM, STAGES, FOLD, EMU)
+                                               zero_s, step, full_end, end, rows, SEQ_K, shift, qk_scale, LEFT, RIGHT,
+                                               True, CAUSAL, BLOCK_N, HEAD_DIM, STAGES, FOLD, EMU, WINDOW)
 
         attended = l_i > 0.0
         l_safe = gl.where(attended, l_i, 1.0)
@@ -510,16 +651,20 @@ if gluon is not None:
 
     @gluon.jit
     def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb,
-                              stride_lh, qk_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                              stride_lh, qk_scale, LEFT, RIGHT, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                               MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, PIPELINE: gl.constexpr,
-                              MATH_WGS: gl.constexpr, FOLD: gl.constexpr, EMU: gl.constexpr):
+                              MATH_WGS: gl.constexpr, FOLD: gl.constexpr, EMU: gl.constexpr,
+                              WINDOW: gl.constexpr):
         """Grid ``(cdiv(Sq, BLOCK_M), B * Hq)``; launched with 4 warps (the default partition)
         and ``maxnreg``. ``qk_scale`` is the softmax scale times log2(e); the descriptors are
         ``descriptor``'s, q and out with ``BLOCK_M / MATH_WGS`` rows per block, k and v
         ``BLOCK_N``; ``PIPELINE`` selects the pipelined variant, ``MATH_WGS`` (2 or 3, then
         unpipelined) the math warpgroups, ``FOLD`` (a positive ``qk_scale`` only) and ``EMU`` the
-        softmax options of ``GluonAttnConfig``."""
+        softmax options of ``GluonAttnConfig``. ``WINDOW`` (two math warpgroups): row ``i`` attends
+        key ``j`` iff ``i + Sk - Sq - LEFT <= j <= i + Sk - Sq + RIGHT`` (``window_bounds``), and
+        only the key blocks some row of the program attends are loaded; without it ``LEFT`` and
+        ``RIGHT`` are not read and ``CAUSAL`` sets the mask."""
         # Buffers of rank 3 like the descriptors' blocks ([1, rows, D]); the math reshapes them to 2-D.
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [MATH_WGS, 1, BLOCK_M // MATH_WGS, HEAD_DIM],
                                            q_desc.layout)
@@ -531,17 +676,17 @@ if gluon is not None:
         # third one, listed last, runs only with three math warpgroups.
         gl.warp_specialize([
             (_attn_math, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready,
-                          v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, CAUSAL,
-                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PIPELINE, MATH_WGS, FOLD, EMU, 0)),
+                          v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, LEFT,
+                          RIGHT, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PIPELINE, MATH_WGS, FOLD, EMU, WINDOW, 0)),
             (_attn_math, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready,
-                          v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, CAUSAL,
-                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PIPELINE, MATH_WGS, FOLD, EMU, 1)),
+                          v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, LEFT,
+                          RIGHT, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PIPELINE, MATH_WGS, FOLD, EMU, WINDOW, 1)),
             (_attn_load, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready,
-                          v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, CAUSAL,
-                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PIPELINE, MATH_WGS, FOLD, EMU)),
+                          v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, LEFT,
+                          RIGHT, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PIPELINE, MATH_WGS, FOLD, EMU, WINDOW)),
             (_attn_math, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready,
-                          v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, CAUSAL,
-                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PIPELINE, MATH_WGS, FOLD, EMU, 2)),
+                          v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, LEFT,
+                          RIGHT, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PIPELINE, MATH_WGS, FOLD, EMU, WINDOW, 2)),
         ][:MATH_WGS + 1], [4, 1, 4][:MATH_WGS], [MATH_REGS, LOAD_REGS, MATH_REGS][:MATH_WGS])
 
 
@@ -604,9 +749,38 @@ def pipelined(head_dim: int) -> bool:
     return head_dim in PIPELINED_HEAD_DIMS if setting is None else setting
 
 
-def call_config(head_dim: int, causal: bool) -> GluonAttnConfig:
-    """The variant a call of head dim ``head_dim`` runs, every switch read now."""
-    return config_for(head_dim, causal, pipelined(head_dim), **variant_settings())
+def call_config(head_dim: int, causal: bool, window: bool = False) -> GluonAttnConfig:
+    """The variant a call of head dim ``head_dim`` runs, every switch read now; ``window``: the
+    call has a sliding window (``has_window``), which runs on two math warpgroups, pipelined as
+    ``PRIMUS_TURBO_ATTN_GLUON_PIPELINE`` or ``PIPELINED_HEAD_DIMS`` says."""
+    settings = variant_settings()
+    if window:
+        setting = pipeline_setting()
+        pipeline = head_dim in PIPELINED_HEAD_DIMS if setting is None else setting
+        return config_for(head_dim, causal, pipeline, window=True, **settings)
+    return config_for(head_dim, causal, pipelined(head_dim), **settings)
+
+
+_read_window = env_text_reader(ATTN_GLUON_WINDOW_ENV)
+
+
+def window_setting() -> bool:
+    """``PRIMUS_TURBO_ATTN_GLUON_WINDOW`` read now: True where set to a true value (windowed calls
+    run the Gluon kernels), False where unset or false. A malformed value is a ConfigError naming
+    the variable."""
+    return parse_bool(_read_window(), ATTN_GLUON_WINDOW_ENV) is True
+
+
+def window_tag() -> str:
+    """``"+window"`` while ``PRIMUS_TURBO_ATTN_GLUON_WINDOW`` is on, else ``""``: the adapter's
+    identity, so that timings of windowed calls on one kernel never stand for the other's."""
+    return "+window" if window_setting() else ""
+
+
+def has_window(p) -> bool:
+    """Whether problem ``p`` needs the ``WINDOW`` kernels: a left window, or a right one other than
+    the causal diagonal (``AttentionProblem``'s window is normalised)."""
+    return p.window_left >= 0 or p.window_right > 0
 
 
 def machine_refusal() -> Optional[str]:
@@ -627,8 +801,9 @@ def problem_refusal(p) -> Optional[str]:
         return "calls with attention sinks run on the plain-Triton forward"
     if p.dropout_p > 0:
         return "dropout is not implemented"
-    if p.window_left >= 0 or p.window_right > 0:
-        return f"window ({p.window_left}, {p.window_right}): only full and causal masks"
+    if has_window(p) and not window_setting():
+        return (f"window ({p.window_left}, {p.window_right}): the Gluon kernels serve windows only with "
+                f"{ATTN_GLUON_WINDOW_ENV}=1")
     if p.dtype not in _HALF:
         return f"dtype {p.dtype}: bf16/fp16 only"
     if p.head_dim_qk != p.head_dim_v or p.head_dim_qk not in TILES:
@@ -680,36 +855,44 @@ def descriptor(x: torch.Tensor, rows: int):
 
 
 def launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                softmax_scale: float, cfg: GluonAttnConfig) -> tuple[tuple, tuple, dict]:
+                softmax_scale: float, cfg: GluonAttnConfig, window: tuple[int, int] = (-1, -1)
+                ) -> tuple[tuple, tuple, dict]:
     """``(grid, args, kwargs)`` of one launch of variant ``cfg`` (``config_for``; its head dim and
     mask those of the call) writing ``out`` and ``lse``; tools/compile_sm90.py compiles with them.
     ``fold_scale`` applies to a positive ``softmax_scale`` only (the row maximum of the raw scores
-    is the scaled one's only then)."""
+    is the scaled one's only then). ``window``: the call's ``(window_left, window_right)``, read
+    where ``cfg.window`` (a causal call's right side is 0)."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     rows = cfg.block_m // cfg.math_wgs
     math_regs, load_regs, maxnreg = cfg.regs()
     args = (descriptor(q, rows), descriptor(k, cfg.block_n), descriptor(v, cfg.block_n), descriptor(out, rows), lse,
-            sq, sk, hq, hq // hk, lse.stride(0), lse.stride(1), softmax_scale * _LOG2E)
+            sq, sk, hq, hq // hk, lse.stride(0), lse.stride(1), softmax_scale * _LOG2E, *window_bounds(*window))
     kwargs = dict(CAUSAL=cfg.causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.stages,
                   MATH_REGS=math_regs, LOAD_REGS=load_regs, PIPELINE=cfg.pipeline, MATH_WGS=cfg.math_wgs,
-                  FOLD=cfg.fold_scale and softmax_scale > 0, EMU=cfg.exp2_emu, num_warps=4, maxnreg=maxnreg)
+                  FOLD=cfg.fold_scale and softmax_scale > 0, EMU=cfg.exp2_emu, WINDOW=cfg.window, num_warps=4,
+                  maxnreg=maxnreg)
     return (-(-sq // cfg.block_m), b * hq), args, kwargs
 
 
 def attend(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(out ``[B, Sq, Hq, D]`` in the inputs' dtype, float32 natural-log lse ``[B, Hq, Sq]``) of
     a call ``gluon_forward_refusal(p, q, k, v)`` accepted; the same contract as
-    ``attention.attend``'s dense forward. The variant is ``call_config``'s."""
+    ``attention.attend``'s dense forward. The variant is ``call_config``'s (the ``WINDOW`` kernel
+    for a call with a sliding window)."""
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse = torch.empty((p.batch, p.heads_q, p.seqlen_q), device=q.device, dtype=torch.float32)
-    grid, args, kwargs = launch_args(q, k, v, out, lse, p.softmax_scale, call_config(p.head_dim_qk, p.causal))
+    window = has_window(p)
+    grid, args, kwargs = launch_args(q, k, v, out, lse, p.softmax_scale,
+                                     call_config(p.head_dim_qk, p.causal, window),
+                                     (p.window_left, p.window_right))
     attn_fwd_gluon_kernel[grid](*args, **kwargs)
     return out, lse
 
 
 __all__ = ["ATTN_GLUON_ENV", "ATTN_GLUON_EXP2_EMU_ENV", "ATTN_GLUON_FOLD_SCALE_ENV", "ATTN_GLUON_PIPELINE_ENV",
-           "ATTN_GLUON_WG3_ENV", "KERNEL_REVISION", "PIPELINED_HEAD_DIMS", "VARIANT_SWITCHES",
-           "GluonAttnConfig", "attend", "call_config", "config_for", "gluon_forward_refusal", "launch_args",
-           "machine_refusal", "pipeline_setting", "pipelined", "problem_refusal", "tensor_refusal", "variant_settings",
-           "variant_tag"]
+           "ATTN_GLUON_WG3_ENV", "ATTN_GLUON_WINDOW_ENV", "KERNEL_REVISION", "PIPELINED_HEAD_DIMS", "UNBOUNDED",
+           "VARIANT_SWITCHES", "GluonAttnConfig", "attend", "block_span_host", "call_config", "config_for",
+           "gluon_forward_refusal", "has_window", "launch_args", "machine_refusal", "pipeline_setting", "pipelined",
+           "problem_refusal", "tensor_refusal", "variant_settings", "variant_tag", "window_bounds",
+           "window_key_span_host", "window_setting", "window_tag"]

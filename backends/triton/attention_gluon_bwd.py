@@ -1,8 +1,9 @@
 """Flash attention backward for Hopper in Gluon: one TMA warp, two MMA warpgroups per kernel.
 
 Serves the backward of the calls the Gluon forward (attention_gluon.py) serves: dense bf16/fp16
-``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]`` with D = 64 or 128, MHA/GQA/MQA, no mask or the
-bottom-right causal mask, Sq != Sk, odd lengths, any softmax scale. It starts from the forward's
+``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]`` with D = 64 or 128, MHA/GQA/MQA, no mask, the
+bottom-right causal mask or a sliding window (``WINDOW``, behind the forward's
+``PRIMUS_TURBO_ATTN_GLUON_WINDOW``), Sq != Sk, odd lengths, any softmax scale. It starts from the forward's
 out and float32 natural-log lse ``[B, Hq, Sq]`` (either forward kernel's: they mean the same) and
 returns dq, dk, dv in the inputs' dtype, the gradients ``attention_kernels``' backward computes.
 ``gluon_backward_refusal`` names every call it leaves to those plain-Triton kernels.
@@ -34,7 +35,10 @@ delta are zero-filled, so P^T dO and dS^T are 0 there) or their lse2 is +inf (dQ
 Keys past Sk are masked out of P in the dQ kernel and only ever meet their own (unstored) dK/dV
 rows in the other. Blocks wholly above the causal diagonal are never loaded; in the dQ kernel
 the blocks that straddle it are masked and those below it are not, in the dK/dV kernel every
-causal block is masked (one loop: two held more loop state than the registers allow).
+causal block is masked (one loop: two held more loop state than the registers allow). Windows:
+the dK/dV kernel walks only the query blocks whose rows attend one of its keys
+(``_window_query_span``), every one masked as the causal ones are; the dQ kernel only the key
+blocks of its rows' windows (the forward's ``window_key_span``), masked at both edges.
 
 Two variants, each off unless its switch is set to a true value (read on every call), change
 when and where programs run, never what one computes or in which order it sums, so their
@@ -65,7 +69,7 @@ from turbo_dispatch.env import env_text_reader, parse_bool
 from turbo_dispatch.low_precision.side_streams import overlappable, side_by_side
 
 from . import attention_kernels as AK
-from .attention_gluon import descriptor, problem_refusal, tensor_refusal
+from .attention_gluon import block_span_host, descriptor, has_window, problem_refusal, tensor_refusal, window_bounds
 from .fp8_blockwise_gluon import available, gluon
 
 if gluon is not None:
@@ -74,7 +78,7 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
 
-    from .attention_gluon import key_span, load_kv_ring, ring_barriers
+    from .attention_gluon import block_span, load_key_span, program_key_span, ring_barriers
     from .fp8_blockwise_gluon import _cta_barrier, _tma_load
     from .fp8_blockwise_gluon_ws import _cp_async, _tma_store
 
@@ -103,8 +107,8 @@ _LOG2E = 1.4426950408889634
 class GluonAttnBwdConfig(NamedTuple):
     """One compiled variant of ``kernel`` ("dkdv" or "dq"): ``block_m`` query rows and
     ``block_n`` keys per step or program, ``stages`` ring slots, programs in the heavy-first order
-    if ``heavy_first`` (causal only). Fields 4 and 5 are where tools/compile_sm90.py reads stages
-    and warps."""
+    if ``heavy_first`` (causal only), the sliding-window mask where ``window`` (``WINDOW``). Fields 4
+    and 5 are where tools/compile_sm90.py reads stages and warps."""
 
     block_m: int
     block_n: int
@@ -114,6 +118,7 @@ class GluonAttnBwdConfig(NamedTuple):
     warps: int
     kernel: str
     heavy_first: bool = False
+    window: bool = False
 
 
 #: Per head dim: (query rows per dK/dV ring slot, its STAGES) and (keys per dQ ring slot, its
@@ -124,20 +129,30 @@ class GluonAttnBwdConfig(NamedTuple):
 BWD_TILES = {64: ((64, 4), (128, 3)), 128: ((64, 3), (64, 3))}
 
 
-def dkdv_config(head_dim: int, causal: bool, heavy_first: bool = False) -> GluonAttnBwdConfig:
+def dkdv_config(head_dim: int, causal: bool, heavy_first: bool = False, window: bool = False) -> GluonAttnBwdConfig:
     """The dK/dV kernel's variant for head dim ``head_dim`` (64 or 128); ``heavy_first`` counts
-    only for causal calls (a full mask's programs all weigh the same)."""
+    only for causal calls (a full mask's programs all weigh the same); ``window``: the
+    sliding-window kernel (the same tiles)."""
     block_m, stages = BWD_TILES[head_dim][0]
     return GluonAttnBwdConfig(block_m, BLOCK, head_dim, bool(causal), stages, WARPS, "dkdv",
-                              bool(causal and heavy_first))
+                              bool(causal and heavy_first), bool(window))
 
 
-def dq_config(head_dim: int, causal: bool, heavy_first: bool = False) -> GluonAttnBwdConfig:
-    """The dQ kernel's variant for head dim ``head_dim`` (64 or 128); ``heavy_first`` as in
-    ``dkdv_config``."""
+def dq_config(head_dim: int, causal: bool, heavy_first: bool = False, window: bool = False) -> GluonAttnBwdConfig:
+    """The dQ kernel's variant for head dim ``head_dim`` (64 or 128); ``heavy_first`` and
+    ``window`` as in ``dkdv_config``."""
     block_n, stages = BWD_TILES[head_dim][1]
     return GluonAttnBwdConfig(BLOCK, block_n, head_dim, bool(causal), stages, WARPS, "dq",
-                              bool(causal and heavy_first))
+                              bool(causal and heavy_first), bool(window))
+
+
+
+def window_query_span_host(n0: int, sq: int, sk: int, left: int, right: int, BLOCK_M: int, BLOCK_N: int):
+    """``_window_query_span`` on the host, expression for expression (the tests hold the two texts
+    equal and check this one against the brute-force mask)."""
+    n_last = min(n0 + BLOCK_N, sk) - 1
+    start, _, _, end = block_span_host(n0, n_last, sq, sq - sk, right, left, BLOCK_M)
+    return start, end
 
 
 if gluon is not None:
@@ -151,6 +166,17 @@ if gluon is not None:
         else:
             start = n0 * 0
         return start, sq
+
+    @gluon.jit
+    def _window_query_span(n0, sq, sk, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """``(start, end)``: the query blocks starting in [start, end) hold every query row that
+        attends one of the keys ``n0 .. n0 + BLOCK_N - 1`` (those below ``sk``) under the window
+        ``(left, right)`` (``attention_gluon.window_bounds``'s), and no block without one: query
+        ``i`` attends key ``j`` iff ``j + sq - sk - right <= i <= j + sq - sk + left``.
+        ``start == end`` when no row attends them. ``window_query_span_host`` mirrors it."""
+        n_last = gl.minimum(n0 + BLOCK_N, sk) - 1
+        start, _, _, end = block_span(n0, n_last, sq, sq - sk, right, left, BLOCK_M)
+        return start, end
 
     @gluon.jit
     def _grid_position(HEAVY_FIRST: gl.constexpr):
@@ -216,13 +242,17 @@ if gluon is not None:
     @gluon.jit
     def _dkdv_load(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, k_smem, v_smem, q_ring,
                    do_ring, lse_ring, delta_ring, kv_ready, q_ready, do_ready, slot_empty, SEQ_Q, SEQ_K, HEADS_KV,
-                   GROUP, stride_lb, stride_lh, qk_scale, sm_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HEAVY_FIRST: gl.constexpr):
+                   GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                   HEAVY_FIRST: gl.constexpr, WINDOW: gl.constexpr):
         """The loader: both warpgroups' k and v rows, then q, dO, lse2 and delta of every query
         block of every query head of the group, in ring order."""
         b, hk, n0 = _key_program(HEADS_KV, BLOCK_N, HEAVY_FIRST)
         _load_halves(k_desc, v_desc, k_smem, v_smem, kv_ready, b, n0, hk * HEAD_DIM, BLOCK_N // 2)
-        start, end = _query_span(n0, SEQ_Q, SEQ_K, CAUSAL, BLOCK_M)
+        if WINDOW:
+            start, end = _window_query_span(n0, SEQ_Q, SEQ_K, LEFT, RIGHT, BLOCK_M, BLOCK_N)
+        else:
+            start, end = _query_span(n0, SEQ_Q, SEQ_K, CAUSAL, BLOCK_M)
         offs = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
         step = 0
         for g in range(GROUP):
@@ -252,11 +282,12 @@ if gluon is not None:
 
     @gluon.jit
     def _dkdv_blocks(k_tile, v_tile, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, slot_empty, dk, dv,
-                     zero_s, step, lo, hi, diag0, qk_scale, MASKED: gl.constexpr, BLOCK_M: gl.constexpr,
-                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                     zero_s, step, lo, hi, diag0, qk_scale, left, right, MASKED: gl.constexpr, BLOCK_M: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WINDOW: gl.constexpr):
         """dK/dV contributions of the query blocks starting in [lo, hi), ring steps from ``step``;
         ``MASKED`` blocks zero P^T above the causal diagonal: query ``i`` attends the
-        warpgroup's key ``r`` iff ``i >= diag0 + r``. Returns ``(dk, dv, step)``."""
+        warpgroup's key ``r`` iff ``i >= diag0 + r``; ``WINDOW``, iff
+        ``diag0 + r - right <= i <= diag0 + r + left``. Returns ``(dk, dv, step)``."""
         s_layout: gl.constexpr = zero_s.type.layout
         acc_layout: gl.constexpr = dk.type.layout
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -272,7 +303,16 @@ if gluon is not None:
             if MASKED:
                 cols = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
                 rows = diag0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
-                pt = gl.where(cols[None, :] >= rows[:, None], pt, 0.0)
+                if WINDOW:
+                    # One unsigned compare per element (two held one more live tile than the
+                    # registers allow, d128): i - (r - right) in [0, left + right]. The difference
+                    # stays inside int32 (|i|, |r| < 2^29, bounds <= 2^30), a negative one wraps
+                    # above any width, and the width (up to 2^31) is summed unsigned.
+                    off = (cols[None, :] - (rows[:, None] - right)).to(gl.uint32, bitcast=True)
+                    width = left.to(gl.uint32, bitcast=True) + right.to(gl.uint32, bitcast=True)
+                    pt = gl.where(off <= width, pt, 0.0)
+                else:
+                    pt = gl.where(cols[None, :] >= rows[:, None], pt, 0.0)
             dv = warpgroup_mma(gl.convert_layout(pt.to(q_ring.dtype), op_layout), do_tile, dv, is_async=True)
             # Groups retire in order: S^T is done, dP^T is the older of the two still in flight.
             dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))
@@ -287,11 +327,12 @@ if gluon is not None:
     @gluon.jit
     def _dkdv_math(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, k_smem, v_smem, q_ring,
                    do_ring, lse_ring, delta_ring, kv_ready, q_ready, do_ready, slot_empty, SEQ_Q, SEQ_K, HEADS_KV,
-                   GROUP, stride_lb, stride_lh, qk_scale, sm_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-                   WG: gl.constexpr):
+                   GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                   HEAVY_FIRST: gl.constexpr, WINDOW: gl.constexpr, WG: gl.constexpr):
         """Math warpgroup ``WG``: keys ``n0 + WG * 64`` to ``n0 + WG * 64 + 63``, dK and dV summed
-        over the query heads of the group."""
+        over the query heads of the group. ``WINDOW``: the query blocks of the program's window
+        span, every one masked (as the causal ones, for the registers' sake)."""
         KEYS: gl.constexpr = BLOCK_N // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
@@ -299,8 +340,11 @@ if gluon is not None:
                                                              instr_shape=[16, HEAD_DIM, 16])
         b, hk, n0 = _key_program(HEADS_KV, BLOCK_N, HEAVY_FIRST)
         row0 = n0 + WG * KEYS
-        start, end = _query_span(n0, SEQ_Q, SEQ_K, CAUSAL, BLOCK_M)
-        # Query i attends key j iff i + sk - sq >= j.
+        if WINDOW:
+            start, end = _window_query_span(n0, SEQ_Q, SEQ_K, LEFT, RIGHT, BLOCK_M, BLOCK_N)
+        else:
+            start, end = _query_span(n0, SEQ_Q, SEQ_K, CAUSAL, BLOCK_M)
+        # Query i attends key j iff i + sk - sq >= j (causal; the window's bounds hang off this).
         diag0 = row0 - (SEQ_K - SEQ_Q)
 
         zero_s = gl.zeros((KEYS, BLOCK_M), dtype=gl.float32, layout=s_layout)
@@ -318,8 +362,8 @@ if gluon is not None:
             # more loop state than the registers allow (spills in both loops, d128, sm_90); the
             # mask of a block below the diagonal keeps every element, at a compare and a select.
             dk, dv, step = _dkdv_blocks(k_tile, v_tile, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready,
-                                        slot_empty, dk, dv, zero_s, step, start, end, diag0, qk_scale, CAUSAL, BLOCK_M,
-                                        HEAD_DIM, STAGES)
+                                        slot_empty, dk, dv, zero_s, step, start, end, diag0, qk_scale, LEFT, RIGHT,
+                                        CAUSAL or WINDOW, BLOCK_M, HEAD_DIM, STAGES, WINDOW)
 
         # This warpgroup's k and v buffers are read by no pending wgmma now: they stage dK and dV.
         # The TMA stores clip at the sequence's end (keys past Sk are never written).
@@ -334,16 +378,18 @@ if gluon is not None:
 
     @gluon.jit
     def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, SEQ_Q,
-                                   SEQ_K, HEADS_KV, GROUP, stride_lb, stride_lh, qk_scale, sm_scale,
+                                   SEQ_K, HEADS_KV, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT,
                                    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MATH_REGS: gl.constexpr,
-                                   LOAD_REGS: gl.constexpr, HEAVY_FIRST: gl.constexpr):
+                                   LOAD_REGS: gl.constexpr, HEAVY_FIRST: gl.constexpr, WINDOW: gl.constexpr):
         """Grid ``(cdiv(Sk, BLOCK_N), B * Hkv)``, swapped with ``HEAVY_FIRST`` (``_grid_position``);
         launched with 4 warps and ``maxnreg``.
         ``qk_scale`` is the softmax scale times log2(e), ``sm_scale`` the softmax scale; ``lse2``
         and ``delta`` are the preprocess kernel's ``[B, Hq, Sq]`` (strides ``stride_lb``,
         ``stride_lh``, unit along Sq). k, v, dk, dv descriptors have ``BLOCK_N / 2`` rows per
-        block, q and dO ``BLOCK_M``."""
+        block, q and dO ``BLOCK_M``. ``WINDOW``: query ``i`` attends key ``j`` iff
+        ``i + Sk - Sq - LEFT <= j <= i + Sk - Sq + RIGHT`` (``attention_gluon.window_bounds``);
+        without it ``LEFT`` and ``RIGHT`` are not read and ``CAUSAL`` sets the mask."""
         KEYS: gl.constexpr = BLOCK_N // 2
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, 1, KEYS, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, 1, KEYS, HEAD_DIM], v_desc.layout)
@@ -358,37 +404,37 @@ if gluon is not None:
         gl.warp_specialize([
             (_dkdv_math, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, k_smem, v_smem,
                           q_ring, do_ring, lse_ring, delta_ring, kv_ready, q_ready, do_ready, slot_empty, SEQ_Q,
-                          SEQ_K, HEADS_KV, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, CAUSAL, BLOCK_M, BLOCK_N,
-                          HEAD_DIM, STAGES, HEAVY_FIRST, 0)),
+                          SEQ_K, HEADS_KV, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL,
+                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HEAVY_FIRST, WINDOW, 0)),
             (_dkdv_math, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, k_smem, v_smem,
                           q_ring, do_ring, lse_ring, delta_ring, kv_ready, q_ready, do_ready, slot_empty, SEQ_Q,
-                          SEQ_K, HEADS_KV, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, CAUSAL, BLOCK_M, BLOCK_N,
-                          HEAD_DIM, STAGES, HEAVY_FIRST, 1)),
+                          SEQ_K, HEADS_KV, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL,
+                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HEAVY_FIRST, WINDOW, 1)),
             (_dkdv_load, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, k_smem, v_smem,
                           q_ring, do_ring, lse_ring, delta_ring, kv_ready, q_ready, do_ready, slot_empty, SEQ_Q,
-                          SEQ_K, HEADS_KV, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, CAUSAL, BLOCK_M, BLOCK_N,
-                          HEAD_DIM, STAGES, HEAVY_FIRST)),
+                          SEQ_K, HEADS_KV, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL,
+                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HEAVY_FIRST, WINDOW)),
         ], [4, 1], [MATH_REGS, LOAD_REGS])
 
     @gluon.jit
     def _dq_load(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, q_smem, do_smem, k_ring, v_ring,
                  q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale,
-                 sm_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HEAVY_FIRST: gl.constexpr):
+                 sm_scale, LEFT, RIGHT, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HEAVY_FIRST: gl.constexpr, WINDOW: gl.constexpr):
         """The loader: both warpgroups' q and dO rows, then every key block of the span in ring
         order."""
         b, h, hk, m0 = _query_program(HEADS_Q, GROUP, CAUSAL, BLOCK_M, HEAVY_FIRST)
         _load_halves(q_desc, do_desc, q_smem, do_smem, q_ready, b, m0, h * HEAD_DIM, BLOCK_M // 2)
-        _, end = key_span(m0, SEQ_Q, SEQ_K, CAUSAL, BLOCK_M, BLOCK_N, False)
-        load_kv_ring(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, b, hk * HEAD_DIM, end, BLOCK_N,
-                     STAGES)
+        load_key_span(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, b, hk * HEAD_DIM, m0, SEQ_Q, SEQ_K,
+                      LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N, STAGES, False, WINDOW)
 
     @gluon.jit
     def _dq_blocks(q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, dq, zero_s, lse2, delta, rows, step,
-                   lo, hi, sk, shift, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                   lo, hi, sk, shift, qk_scale, left, right, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WINDOW: gl.constexpr):
         """dQ contributions of the key blocks starting in [lo, hi), ring steps from ``step``;
-        ``MASKED`` blocks zero P past ``sk`` and, causal, past each row's diagonal. Returns
+        ``MASKED`` blocks zero P past ``sk`` and, causal, past each row's diagonal (``WINDOW``:
+        outside each row's window ``[row + shift - left, row + shift + right]``). Returns
         ``(dq, step)``."""
         s_layout: gl.constexpr = zero_s.type.layout
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq.type.layout, k_width=2)
@@ -403,7 +449,10 @@ if gluon is not None:
                 # Keys past sk read zeros, which would still give P = exp2(-lse2) there.
                 cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
                 ok = cols[None, :] < sk
-                if CAUSAL:
+                if WINDOW:
+                    diag = rows[:, None] + shift
+                    ok = ok & (cols[None, :] <= diag + right) & (cols[None, :] >= diag - left)
+                elif CAUSAL:
                     ok = ok & (cols[None, :] <= rows[:, None] + shift)
                 p = gl.where(ok, p, 0.0)
             dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
@@ -417,9 +466,11 @@ if gluon is not None:
     @gluon.jit
     def _dq_math(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, q_smem, do_smem, k_ring, v_ring,
                  q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale,
-                 sm_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HEAVY_FIRST: gl.constexpr, WG: gl.constexpr):
-        """Math warpgroup ``WG``: query rows ``m0 + WG * 64`` to ``m0 + WG * 64 + 63``."""
+                 sm_scale, LEFT, RIGHT, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HEAVY_FIRST: gl.constexpr, WINDOW: gl.constexpr,
+                 WG: gl.constexpr):
+        """Math warpgroup ``WG``: query rows ``m0 + WG * 64`` to ``m0 + WG * 64 + 63``. ``WINDOW``:
+        masked key blocks at both edges of the program's window span, unmasked between."""
         Q_ROWS: gl.constexpr = BLOCK_M // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -427,7 +478,8 @@ if gluon is not None:
                                                              instr_shape=[16, HEAD_DIM, 16])
         b, h, hk, m0 = _query_program(HEADS_Q, GROUP, CAUSAL, BLOCK_M, HEAVY_FIRST)
         row0 = m0 + WG * Q_ROWS
-        full_end, end = key_span(m0, SEQ_Q, SEQ_K, CAUSAL, BLOCK_M, BLOCK_N, False)
+        start, full_start, full_end, end = program_key_span(m0, SEQ_Q, SEQ_K, LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N,
+                                                            False, WINDOW)
         shift = SEQ_K - SEQ_Q
         rows = row0 + gl.arange(0, Q_ROWS, layout=gl.SliceLayout(1, s_layout))
         l_base = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
@@ -441,12 +493,18 @@ if gluon is not None:
         mbarrier.wait(q_ready.index(WG), 0)
         q_tile = q_buf.reshape([Q_ROWS, HEAD_DIM])
         do_tile = do_smem.index(WG).reshape([Q_ROWS, HEAD_DIM])
+        # The ring step starts as a tensor (a literal 0 would be a constexpr, not loop-carriable).
+        step = full_end * 0
+        if WINDOW:
+            dq, step = _dq_blocks(q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, dq, zero_s, lse2,
+                                  delta, rows, step, start, full_start, SEQ_K, shift, qk_scale, LEFT, RIGHT, True,
+                                  CAUSAL, BLOCK_N, HEAD_DIM, STAGES, WINDOW)
         dq, step = _dq_blocks(q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, dq, zero_s, lse2, delta,
-                              rows, full_end * 0, 0, full_end, SEQ_K, shift, qk_scale, False, CAUSAL, BLOCK_N,
-                              HEAD_DIM, STAGES)
+                              rows, step, full_start, full_end, SEQ_K, shift, qk_scale, LEFT, RIGHT, False, CAUSAL,
+                              BLOCK_N, HEAD_DIM, STAGES, WINDOW)
         dq, step = _dq_blocks(q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, dq, zero_s, lse2, delta,
-                              rows, step, full_end, end, SEQ_K, shift, qk_scale, True, CAUSAL, BLOCK_N, HEAD_DIM,
-                              STAGES)
+                              rows, step, full_end, end, SEQ_K, shift, qk_scale, LEFT, RIGHT, True, CAUSAL, BLOCK_N,
+                              HEAD_DIM, STAGES, WINDOW)
 
         # This warpgroup's q buffer is read by no pending wgmma now: it stages dQ. The TMA store
         # clips at the sequence's end.
@@ -458,13 +516,14 @@ if gluon is not None:
 
     @gluon.jit
     def attn_bwd_dq_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, SEQ_Q, SEQ_K,
-                                 HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, CAUSAL: gl.constexpr,
-                                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                                 STAGES: gl.constexpr, MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
-                                 HEAVY_FIRST: gl.constexpr):
+                                 HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT,
+                                 CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MATH_REGS: gl.constexpr,
+                                 LOAD_REGS: gl.constexpr, HEAVY_FIRST: gl.constexpr, WINDOW: gl.constexpr):
         """Grid ``(cdiv(Sq, BLOCK_M), B * Hq)`` (the forward's), swapped with ``HEAVY_FIRST``
-        (``_grid_position``); launched with 4 warps and ``maxnreg``. Scales and ``lse2``/``delta`` as ``attn_bwd_dkdv_gluon_kernel``'s; q, dO and
-        dq descriptors have ``BLOCK_M / 2`` rows per block, k and v ``BLOCK_N``."""
+        (``_grid_position``); launched with 4 warps and ``maxnreg``. Scales, ``lse2``/``delta``,
+        ``LEFT``/``RIGHT`` and ``WINDOW`` as ``attn_bwd_dkdv_gluon_kernel``'s; q, dO and dq
+        descriptors have ``BLOCK_M / 2`` rows per block, k and v ``BLOCK_N``."""
         Q_ROWS: gl.constexpr = BLOCK_M // 2
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 1, Q_ROWS, HEAD_DIM], q_desc.layout)
         do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, 1, Q_ROWS, HEAD_DIM], do_desc.layout)
@@ -474,13 +533,16 @@ if gluon is not None:
         gl.warp_specialize([
             (_dq_math, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, q_smem, do_smem, k_ring,
                         v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb,
-                        stride_lh, qk_scale, sm_scale, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HEAVY_FIRST, 0)),
+                        stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                        HEAVY_FIRST, WINDOW, 0)),
             (_dq_math, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, q_smem, do_smem, k_ring,
                         v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb,
-                        stride_lh, qk_scale, sm_scale, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HEAVY_FIRST, 1)),
+                        stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                        HEAVY_FIRST, WINDOW, 1)),
             (_dq_load, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, q_smem, do_smem, k_ring,
                         v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb,
-                        stride_lh, qk_scale, sm_scale, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HEAVY_FIRST)),
+                        stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                        HEAVY_FIRST, WINDOW)),
         ], [4, 1], [MATH_REGS, LOAD_REGS])
 
 
@@ -566,39 +628,41 @@ def _heavy_first(causal: bool, heavy_first: bool, seqlen: int) -> bool:
 
 def dkdv_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dk: torch.Tensor,
                      dv: torch.Tensor, lse2: torch.Tensor, delta: torch.Tensor, softmax_scale: float,
-                     causal: bool, heavy_first: bool = False) -> tuple[tuple, tuple, dict]:
+                     causal: bool, heavy_first: bool = False, window: Optional[tuple[int, int]] = None
+                     ) -> tuple[tuple, tuple, dict]:
     """``(grid, args, kwargs)`` of the dK/dV launch writing ``dk`` and ``dv``, its causal programs
-    in the heavy-first order if ``heavy_first`` (and the grid holds it); tools/compile_sm90.py
-    compiles with them."""
+    in the heavy-first order if ``heavy_first`` (and the grid holds it), the ``WINDOW`` kernel for
+    ``window`` = ``(window_left, window_right)`` where given; tools/compile_sm90.py compiles with
+    them."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    cfg = dkdv_config(d, causal, _heavy_first(causal, heavy_first, sk))
+    cfg = dkdv_config(d, causal, _heavy_first(causal, heavy_first, sk), window is not None)
     keys = cfg.block_n // 2
     args = (descriptor(q, cfg.block_m), descriptor(k, keys), descriptor(v, keys), descriptor(dout, cfg.block_m),
             descriptor(dk, keys), descriptor(dv, keys), lse2, delta, sq, sk, hk, hq // hk, lse2.stride(0),
-            lse2.stride(1), softmax_scale * _LOG2E, softmax_scale)
+            lse2.stride(1), softmax_scale * _LOG2E, softmax_scale, *window_bounds(*(window or (-1, -1))))
     kwargs = dict(CAUSAL=bool(causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.stages,
-                  MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, HEAVY_FIRST=cfg.heavy_first, num_warps=4,
-                  maxnreg=MAXNREG)
+                  MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, HEAVY_FIRST=cfg.heavy_first, WINDOW=cfg.window,
+                  num_warps=4, maxnreg=MAXNREG)
     return _grid(-(-sk // cfg.block_n), b * hk, cfg.heavy_first), args, kwargs
 
 
 def dq_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor,
                    lse2: torch.Tensor, delta: torch.Tensor, softmax_scale: float, causal: bool,
-                   heavy_first: bool = False) -> tuple[tuple, tuple, dict]:
+                   heavy_first: bool = False, window: Optional[tuple[int, int]] = None) -> tuple[tuple, tuple, dict]:
     """``(grid, args, kwargs)`` of the dQ launch writing ``dq``, its causal programs in the
-    heavy-first order if ``heavy_first`` (and the grid holds it); tools/compile_sm90.py compiles
-    with them."""
+    heavy-first order if ``heavy_first`` (and the grid holds it), ``window`` as in
+    ``dkdv_launch_args``; tools/compile_sm90.py compiles with them."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    cfg = dq_config(d, causal, _heavy_first(causal, heavy_first, sq))
+    cfg = dq_config(d, causal, _heavy_first(causal, heavy_first, sq), window is not None)
     rows = cfg.block_m // 2
     args = (descriptor(q, rows), descriptor(k, cfg.block_n), descriptor(v, cfg.block_n), descriptor(dout, rows),
             descriptor(dq, rows), lse2, delta, sq, sk, hq, hq // hk, lse2.stride(0), lse2.stride(1),
-            softmax_scale * _LOG2E, softmax_scale)
+            softmax_scale * _LOG2E, softmax_scale, *window_bounds(*(window or (-1, -1))))
     kwargs = dict(CAUSAL=bool(causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.stages,
-                  MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, HEAVY_FIRST=cfg.heavy_first, num_warps=4,
-                  maxnreg=MAXNREG)
+                  MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, HEAVY_FIRST=cfg.heavy_first, WINDOW=cfg.window,
+                  num_warps=4, maxnreg=MAXNREG)
     return _grid(-(-sq // cfg.block_m), b * hq, cfg.heavy_first), args, kwargs
 
 
@@ -629,8 +693,10 @@ def attend_backward(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     # Contiguous, whatever q, k, v's strides: the descriptors store packed heads.
     dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
     heavy_first = heavy_first_setting()
-    dkdv_launch = dkdv_launch_args(q, k, v, dout, dk, dv, lse2, delta, p.softmax_scale, p.causal, heavy_first)
-    dq_launch = dq_launch_args(q, k, v, dout, dq, lse2, delta, p.softmax_scale, p.causal, heavy_first)
+    window = (p.window_left, p.window_right) if has_window(p) else None
+    dkdv_launch = dkdv_launch_args(q, k, v, dout, dk, dv, lse2, delta, p.softmax_scale, p.causal, heavy_first,
+                                   window)
+    dq_launch = dq_launch_args(q, k, v, dout, dq, lse2, delta, p.softmax_scale, p.causal, heavy_first, window)
 
     def run_dkdv() -> None:
         grid, args, kwargs = dkdv_launch
@@ -651,4 +717,4 @@ def attend_backward(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
 __all__ = ["ATTN_GLUON_BWD_ENV", "ATTN_GLUON_BWD_HEAVY_FIRST_ENV", "ATTN_GLUON_BWD_OVERLAP_ENV", "KERNEL_REVISION",
            "GluonAttnBwdConfig", "attend_backward", "dkdv_config", "dkdv_launch_args", "dq_config", "dq_launch_args",
            "gluon_backward_refusal", "heavy_first_setting", "machine_refusal", "overlap_setting", "switch_refusal",
-           "variant_tag"]
+           "variant_tag", "window_query_span_host"]
