@@ -410,6 +410,22 @@ if gluon is not None:
         )
 
     @gluon.jit
+    def key_mask(n0, rows, sk, shift, left, right, layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                 CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+        """Which keys ``n0 .. n0 + BLOCK_N - 1`` each query row of ``rows`` (in ``layout``'s row
+        slice) attends: keys before ``sk`` and, with ``WINDOW``, inside ``[row + shift - left, row +
+        shift + right]``, else causal, not past ``row + shift``. Broadcasts against a
+        [rows, BLOCK_N] tile in ``layout``; the forward's softmax and the dQ kernel share it."""
+        cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        ok = cols[None, :] < sk
+        if WINDOW:
+            diag = rows[:, None] + shift
+            ok = ok & (cols[None, :] <= diag + right) & (cols[None, :] >= diag - left)
+        elif CAUSAL:
+            ok = ok & (cols[None, :] <= rows[:, None] + shift)
+        return ok
+
+    @gluon.jit
     def _softmax(s, n0, m_i, l_i, rows, sk, shift, qk_scale, left, right, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
                  BLOCK_N: gl.constexpr, FOLD: gl.constexpr, EMU: gl.constexpr, WINDOW: gl.constexpr):
         """The online softmax's step for the raw scores ``s`` of the key block at ``n0``:
@@ -424,13 +440,7 @@ if gluon is not None:
         if not FOLD:
             s = s * qk_scale
         if MASKED:
-            cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            ok = cols[None, :] < sk
-            if WINDOW:
-                diag = rows[:, None] + shift
-                ok = ok & (cols[None, :] <= diag + right) & (cols[None, :] >= diag - left)
-            elif CAUSAL:
-                ok = ok & (cols[None, :] <= rows[:, None] + shift)
+            ok = key_mask(n0, rows, sk, shift, left, right, s_layout, BLOCK_N, CAUSAL, WINDOW)
             s = gl.where(ok, s, float("-inf"))
         if FOLD:
             m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)

@@ -78,7 +78,7 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
 
-    from .attention_gluon import block_span, load_key_span, program_key_span, ring_barriers
+    from .attention_gluon import block_span, key_mask, load_key_span, program_key_span, ring_barriers
     from .fp8_blockwise_gluon import _cta_barrier, _tma_load
     from .fp8_blockwise_gluon_ws import _cp_async, _tma_store
 
@@ -447,13 +447,7 @@ if gluon is not None:
             p = gl.exp2(s * qk_scale - lse2[:, None])
             if MASKED:
                 # Keys past sk read zeros, which would still give P = exp2(-lse2) there.
-                cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-                ok = cols[None, :] < sk
-                if WINDOW:
-                    diag = rows[:, None] + shift
-                    ok = ok & (cols[None, :] <= diag + right) & (cols[None, :] >= diag - left)
-                elif CAUSAL:
-                    ok = ok & (cols[None, :] <= rows[:, None] + shift)
+                ok = key_mask(n0, rows, sk, shift, left, right, s_layout, BLOCK_N, CAUSAL, WINDOW)
                 p = gl.where(ok, p, 0.0)
             dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
             ds = p * (dp - delta[:, None])
