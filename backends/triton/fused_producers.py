@@ -44,8 +44,8 @@ from turbo_dispatch.low_precision import FP8_MAX, QuantizedTensor, ScalingGranul
 from turbo_dispatch.low_precision.config import _coerce_enum
 
 from .prebound import PreboundKernel
-from .fused_producers_bwd import rms_norm_backward, swiglu_backward
-from .quantize import _cast_constants, _interpreting, _next_pow2, available
+from .fused_producers_bwd import rms_norm_backward, serves, swiglu_backward
+from .quantize import _cast_constants, _next_pow2, available
 
 try:
     import triton
@@ -308,12 +308,6 @@ if triton is not None:
 
 _LAUNCHER = (PreboundKernel(_producer_kernel, per_call=("a_ptr", "b_ptr", "out_ptr", "data_ptr", "scale_ptr",
                                                          "amax_ptr")) if triton is not None else None)
-
-
-def serves(x: torch.Tensor) -> bool:
-    """Whether the kernels can run on ``x``'s device here (a GPU tensor, or any under the
-    interpreter); ``available()`` must also be None."""
-    return x.is_cuda or _interpreting()
 
 
 class Plan(NamedTuple):

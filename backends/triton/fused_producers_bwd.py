@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
     tl = None
 
-__all__ = ["MAX_ROW", "available", "rms_norm_backward", "swiglu_backward"]
+__all__ = ["MAX_ROW", "available", "rms_norm_backward", "serves", "swiglu_backward"]
 
 #: The longest RMSNorm row one program holds in registers (16 warps: 32 float32 values per
 #: thread per row tensor).
@@ -93,8 +93,14 @@ def _check_pair(name: str, **tensors: torch.Tensor) -> None:
         raise ValueError(f"{name}: {', '.join(tensors)} must be on one device; got {sorted(map(str, devices))}")
 
 
+def serves(x: torch.Tensor) -> bool:
+    """Whether the producers' kernels (fused_producers.py and these) can run on ``x``'s device
+    here (a GPU tensor, or any under the interpreter); ``available()`` must also be None."""
+    return x.is_cuda or _interpreting()
+
+
 def _kernels_run_on(t: torch.Tensor) -> bool:
-    return triton is not None and (t.is_cuda or _interpreting())
+    return triton is not None and serves(t)
 
 
 def _program_count(device: torch.device, rows: int) -> int:
