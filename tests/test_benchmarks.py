@@ -44,7 +44,8 @@ def _run(script: str, args: list[str], out_dir: Path, how: str = "--out") -> lis
         env["TURBO_BENCH_OUT"] = str(out_dir)
     else:
         cmd += [how, str(out_dir)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    # Generous: a loaded 2-core machine runs the model bench's smoke (every config and variant) slowly.
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=360)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     csvs = list(out_dir.glob("cpu_*.csv"))
     mds = list(out_dir.glob("cpu_*.md"))
