@@ -394,7 +394,7 @@ class TritonAttention(Adapter):
         tile = self._tile(p, config)
         if not p.fp8:
             if AG.gluon_forward_refusal(p, q, k, v) is None:
-                return (*AG.attend(p, q, k, v), (q, k, v, None))
+                return (*AG.attend(p, q, k, v, cu_q, cu_k), (q, k, v, None))
             return (*attend(p, q, k, v, cu_q, cu_k, tile, sink), (q, k, v, None))
         operands, scales = quantize_operands(p, q, k, v)
         return (*attend(p, *operands, cu_q, cu_k, tile, sink, scales), (*operands, scales))
