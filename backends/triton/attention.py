@@ -403,7 +403,7 @@ class TritonAttention(Adapter):
         """(dq, dk, dv) and, for a call with a sink, dsink, from high-precision q, k, v; on the
         Gluon backward (attention_gluon_bwd.py) where its gate allows (never with a sink)."""
         if AGB.gluon_backward_refusal(p, q, k, v, out, grad_out) is None:
-            return AGB.attend_backward(p, q, k, v, out, lse, grad_out)
+            return AGB.attend_backward(p, q, k, v, out, lse, grad_out, cu_q, cu_k)
         dq, dk, dv, delta = attend_backward(p, q, k, v, cu_q, cu_k, out, lse, grad_out, self.backward_tiles(p))
         return (dq, dk, dv, sink_grad(sink, lse, delta)) if p.sink else (dq, dk, dv)
 
