@@ -8,7 +8,10 @@ window, Sq != Sk, any softmax scale. Its results mean what
 ``attention_kernels.attn_fwd_kernel``'s mean, so the backward kernels start from them unchanged:
 out ``[B, Sq, Hq, D]`` in the inputs' dtype, and the float32 natural-log lse of the scaled scores
 ``[B, Hq, Sq]``; a row that may attend no key (causal with Sq > Sk; a right window bound with
-Sq > Sk + right, the only way a window empties a row) gets out = 0 and lse = -inf.
+Sq > Sk + right, the only way a window empties a row) gets out = 0 and lse = -inf. Varlen calls
+(``VARLEN``) take packed ``q [Tq, Hq, D]``, ``k``/``v [Tk, Hkv, D]`` with int32 ``cu_seqlens``
+read on the device only, and give out ``[Tq, Hq, D]`` and the lse ``[Hq, Tq]``, the masks per
+sequence; rows of a sequence without keys and tokens past the last sequence get out 0, lse -inf.
 
 Structure (one program per 128 query rows of one head, ``(query blocks, B * Hq)`` grid, the
 causal blocks with the most keys first):
@@ -37,7 +40,14 @@ causal blocks with the most keys first):
   odd lengths need no padding and no other batch's tokens are read; keys past Sk are masked out
   of the scores;
 * epilogue: each math warpgroup normalises its rows, stages them in its own q buffer (no longer
-  read) and stores them by TMA; the lse goes out through masked pointer stores.
+  read) and stores them by TMA; the lse goes out through masked pointer stores;
+* varlen (``VARLEN``): the descriptors read the packed tensors as one batch ``[1, T, H * D]``
+  (``as_batch``) and each program reads its sequence's first token and length from cu_seqlens
+  (``program_rows``; a block past its sequence's end does nothing, causal blocks run each
+  sequence's last block first). TMA clips only at ``T``, so the last key block of a sequence reads
+  the next one's keys (masked out of the scores like the dense tail: k/v tokens that belong to no
+  sequence must be finite, since P = 0 multiplies them), and an output tile that runs past its
+  sequence's end is written by masked pointer stores instead of TMA (``store_rows``).
 
 The pipelined variant (``PIPELINE``; the default at head dim 128, where it measured faster, and
 forced on or off for every head dim by ``PRIMUS_TURBO_ATTN_GLUON_PIPELINE=1``/``0``) also
@@ -111,7 +121,7 @@ ATTN_GLUON_EXP2_EMU_ENV = "PRIMUS_TURBO_ATTN_GLUON_EXP2_EMU"
 #: ``WINDOW`` kernels, forward and backward; off by default (the plain-Triton kernels serve them).
 ATTN_GLUON_WINDOW_ENV = "PRIMUS_TURBO_ATTN_GLUON_WINDOW"
 #: Bumped whenever a variant's code or the choice between them changes.
-KERNEL_REVISION = "attn-gluon-r3"
+KERNEL_REVISION = "attn-gluon-r4"
 #: Head dims that run the pipelined variant unless the switch says otherwise: at d128 it ran
 #: 1.05-1.08x the default variant's forward on an H200, at d64 0.95x (docs/performance.md).
 PIPELINED_HEAD_DIMS = frozenset({128})

@@ -6,7 +6,12 @@ bottom-right causal mask or a sliding window (``WINDOW``, behind the forward's
 ``PRIMUS_TURBO_ATTN_GLUON_WINDOW``), Sq != Sk, odd lengths, any softmax scale. It starts from the forward's
 out and float32 natural-log lse ``[B, Hq, Sq]`` (either forward kernel's: they mean the same) and
 returns dq, dk, dv in the inputs' dtype, the gradients ``attention_kernels``' backward computes.
-``gluon_backward_refusal`` names every call it leaves to those plain-Triton kernels.
+``gluon_backward_refusal`` names every call it leaves to those plain-Triton kernels. Varlen
+calls (``VARLEN``: packed tensors, cu_seqlens read on the device, the lse ``[Hq, Tq]``) run the
+same kernels per sequence, as the forward does (attention_gluon.py: one-batch descriptors, blocks
+past a sequence's end idle, tiles running past it stored by masked pointer stores); in the dK/dV
+kernel the query rows past a sequence's end (the next sequence's, read by TMA) get lse2 = +inf,
+so they contribute nothing. Tokens past the last sequence get zero gradients.
 
 Three launches, deterministic (no atomics; a GQA group's dK/dV are summed inside one program):
 
@@ -90,7 +95,7 @@ ATTN_GLUON_BWD_HEAVY_FIRST_ENV = "PRIMUS_TURBO_ATTN_GLUON_BWD_HEAVY_FIRST"
 #: The dK/dV and dQ kernels run side by side on two streams unless set to 0/false.
 ATTN_GLUON_BWD_OVERLAP_ENV = "PRIMUS_TURBO_ATTN_GLUON_BWD_OVERLAP"
 #: Bumped whenever a kernel's code changes.
-KERNEL_REVISION = "attn-gluon-bwd-r3"
+KERNEL_REVISION = "attn-gluon-bwd-r4"
 #: Rows one math warpgroup owns: keys in the dK/dV kernel, queries in the dQ kernel (one wgmma M).
 ROWS = 64
 #: Keys per dK/dV program and query rows per dQ program: two math warpgroups of ``ROWS``.
