@@ -6,8 +6,8 @@ problem and tensor layout it leaves to the plain-Triton kernel; the pipelined va
 (``PRIMUS_TURBO_ATTN_GLUON_PIPELINE``: the launch's ``PIPELINE`` constexpr and ring, unset the
 default variant's) and the off-by-default variant switches (``VARIANT_SWITCHES``: three math
 warpgroups, the folded scale, the emulated exponentials; each reaches the launch and the adapter's
-identity); the sliding-window switch (``PRIMUS_TURBO_ATTN_GLUON_WINDOW``: off by default, windowed
-calls refused naming it, served when on, ``+window`` in the identity, the ``WINDOW`` launch on two
+identity); the sliding-window switch (``PRIMUS_TURBO_ATTN_GLUON_WINDOW``: on by default, windowed
+calls refused naming it when off, ``-window`` in the identity then, the ``WINDOW`` launch on two
 math warpgroups) and the window's block arithmetic (the kernels' span helpers, whose host mirrors
 are held equal to them expression for expression, against a brute-force mask on random cases);
 and the adapter's wiring: the eager and the compiled forward take the Gluon
@@ -152,8 +152,6 @@ def refused_problems() -> dict:
         "fp8": _problem(fp8=True, fp8_block=128),
         "sinks": _problem(sink=True),
         "dropout": _problem(dropout_p=0.1),
-        "window (128, 0)": _problem(window_left=128),
-        "window (-1, 16)": _problem(causal=False, window_right=16),
         "bf16/fp16": _problem(dtype=torch.float32),
         "q/k 96": _problem(head_dim_qk=96, head_dim_v=96),
         "q/k 192, v 128": _problem(head_dim_qk=192, head_dim_v=128),
@@ -479,11 +477,11 @@ GPU_CASES = [
 #: Variant name -> the switches it sets (``PRIMUS_TURBO_ATTN_GLUON_PIPELINE`` and
 #: ``VARIANT_SWITCHES`` by key); the softmax options run together on each ring shape.
 VARIANTS = {
-    "default": dict(pipeline="0"),
-    "pipelined": dict(pipeline="1"),
+    "default": dict(pipeline="0", wg3="0"),
+    "pipelined": dict(pipeline="1", wg3="0"),
     "wg3": dict(wg3="1"),
-    "fold-emu": dict(pipeline="0", fold_scale="1", exp2_emu="1"),
-    "pipelined-fold-emu": dict(pipeline="1", fold_scale="1", exp2_emu="1"),
+    "fold-emu": dict(pipeline="0", wg3="0", fold_scale="1", exp2_emu="1"),
+    "pipelined-fold-emu": dict(pipeline="1", wg3="0", fold_scale="1", exp2_emu="1"),
     "wg3-fold-emu": dict(wg3="1", fold_scale="1", exp2_emu="1"),
 }
 
@@ -646,22 +644,23 @@ def windowed_problems() -> list:
 
 
 def test_window_switch_gates_windowed_problems(sm90, monkeypatch):
-    """Windowed calls are refused with the switch's name while PRIMUS_TURBO_ATTN_GLUON_WINDOW is
-    unset or false and served when true, read per call; full and causal calls are served either
+    """Windowed calls are served while PRIMUS_TURBO_ATTN_GLUON_WINDOW is unset or true and refused
+    with the switch's name when false, read per call; full and causal calls are served either
     way, and the other refusals stand."""
     AG = sm90
-    for value in (None, "0", "off"):
+    for value in (None, "1", "on"):
         if value is not None:
             monkeypatch.setenv(AG.ATTN_GLUON_WINDOW_ENV, value)
+        for p in windowed_problems() + served_problems():
+            assert AG.gluon_forward_refusal(p) is None, (value, p)
+        for reason, p in refused_problems().items():
+            if not reason.startswith("window"):
+                assert reason in (AG.gluon_forward_refusal(p) or ""), reason
+    for value in ("0", "off"):
+        monkeypatch.setenv(AG.ATTN_GLUON_WINDOW_ENV, value)
         for p in windowed_problems():
             assert AG.ATTN_GLUON_WINDOW_ENV in (AG.gluon_forward_refusal(p) or ""), (value, p)
         assert all(AG.gluon_forward_refusal(p) is None for p in served_problems())
-    monkeypatch.setenv(AG.ATTN_GLUON_WINDOW_ENV, "1")
-    for p in windowed_problems() + served_problems():
-        assert AG.gluon_forward_refusal(p) is None, p
-    for reason, p in refused_problems().items():
-        if not reason.startswith("window"):
-            assert reason in (AG.gluon_forward_refusal(p) or ""), reason
     monkeypatch.setenv(AG.ATTN_GLUON_WINDOW_ENV, "maybe")
     with pytest.raises(ConfigError, match=AG.ATTN_GLUON_WINDOW_ENV):
         AG.gluon_forward_refusal(windowed_problems()[0])
@@ -671,11 +670,11 @@ def test_window_switch_enters_the_identity(sm90, monkeypatch):
     from turbo_dispatch.backends.triton.attention import TritonAttention
 
     AG = sm90
-    off = TritonAttention().identity()
-    assert "+window" not in off and AG.window_tag() == ""
-    monkeypatch.setenv(AG.ATTN_GLUON_WINDOW_ENV, "1")
     on = TritonAttention().identity()
-    assert on != off and on.replace("+window", "") == off
+    assert "-window" not in on and AG.window_tag() == ""
+    monkeypatch.setenv(AG.ATTN_GLUON_WINDOW_ENV, "0")
+    off = TritonAttention().identity()
+    assert on != off and off.replace("-window", "") == on
 
 
 def _window_launch(AG, monkeypatch, p) -> tuple:
@@ -1178,7 +1177,7 @@ VARLEN_WINDOW_CASES = [
 @pytest.mark.parametrize("pipeline", ["0", "1"])
 @pytest.mark.parametrize("case", VARLEN_WINDOW_CASES, ids=str)
 def test_gpu_varlen_window_forward_matches_reference(case, pipeline, monkeypatch):
-    """Sliding windows on packed sequences (behind ``PRIMUS_TURBO_ATTN_GLUON_WINDOW``)."""
+    """Sliding windows on packed sequences (served unless ``PRIMUS_TURBO_ATTN_GLUON_WINDOW=0``)."""
     AG = _gpu_gate()
     monkeypatch.setenv(AG.ATTN_GLUON_WINDOW_ENV, "1")
     monkeypatch.setenv(AG.ATTN_GLUON_PIPELINE_ENV, pipeline)

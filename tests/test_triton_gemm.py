@@ -814,3 +814,44 @@ def test_bind_cuda_context_binds_once_and_never_after_a_driver_error(monkeypatch
     assert results["unbound"] == (["cuCtxGetCurrent", "cuDeviceGet", "cuDevicePrimaryCtxRetain",
                                    "cuCtxSetCurrent"], [])
     assert results["bound"] == (["cuCtxGetCurrent"], [])
+
+
+def test_tma_pays_only_beyond_a_few_tile_steps():
+    """The TMA path's per-call descriptor cost is taken only where the problem has more than
+    POINTER_MAX_TILE_STEPS tile steps; at the limit and below, the pointer loads serve."""
+    from turbo_dispatch.backends.triton import gemm_kernels as GK
+
+    limit = GK.POINTER_MAX_TILE_STEPS
+    assert not GK.tma_pays(16, 16, 16, 128, 128, 64)
+    assert not GK.tma_pays(128, 128, 64 * limit, 128, 128, 64)  # exactly the limit
+    assert GK.tma_pays(128, 128, 64 * limit + 1, 128, 128, 64)
+    assert GK.tma_pays(129, 128, 64 * limit, 128, 128, 64)
+    assert GK.tma_pays(4096, 4096, 4096, 128, 256, 64)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_descriptor_layout_builds_what_tensor_descriptor_builds(transposed):
+    """A DescriptorLayout checked once gives, for any later base, the descriptor TensorDescriptor
+    itself would build from the same layout (every field equal), and keeps no base alive."""
+    import gc
+    import weakref
+
+    from turbo_dispatch.backends.triton import gemm_kernels as GK
+
+    if GK.TensorDescriptor is None:
+        pytest.skip("this triton has no host-side TensorDescriptor")
+    first = torch.randn(96, 64, dtype=torch.bfloat16)
+    first = first.t() if transposed else first
+    stored = first.t() if transposed else first
+    block = [32, 64]
+    layout = GK.DescriptorLayout(stored, stored.shape, stored.stride(), block)
+    ref_first = weakref.ref(first)
+    del first, stored
+    gc.collect()
+    assert ref_first() is None, "the layout kept its first base alive"
+    later = torch.randn(96, 64, dtype=torch.bfloat16)
+    later = later.t().t() if not transposed else later
+    got = layout.of(later)
+    want = GK.TensorDescriptor(later, list(later.shape), list(later.stride()), block)
+    assert type(got) is type(want) and got.base is later
+    assert {k: v for k, v in vars(got).items() if k != "base"} == {k: v for k, v in vars(want).items() if k != "base"}

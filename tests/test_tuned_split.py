@@ -54,16 +54,36 @@ def test_cost_is_the_larger_time_per_call_and_both_medians_are_kept():
 
 
 def test_the_cuda_timing_loop_keeps_device_and_host_time_apart(monkeypatch):
-    """``_measure`` on CUDA with the device stubbed: every covered call reports (GPU ms, host ms)."""
+    """``_measure`` on CUDA with the device stubbed: every covered call reports (GPU ms, host ms);
+    a host-bound call's host time comes from the loop of calls, a device-bound one's from the
+    covered calls (no loop is run)."""
     pairs = iter([(0.004, 0.070)] * 100)
+    loops = []
+
+    def loop(fn, device, calls):
+        loops.append(calls)
+        return 0.050
+
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(host_cover, "untimed_host_ms", lambda fn, device: 0.07)
     monkeypatch.setattr(host_cover, "covered_call", lambda fn, device, host_ms: next(pairs))
+    monkeypatch.setattr(host_cover, "loop_host_ms", loop)
     timed = autotune._measure(lambda inputs: None, [()], torch.device("cuda", 0), deadline=0.0)
-    assert timed == CallTime(0.070, 0.004, 0.070)
+    assert timed == CallTime(0.050, 0.004, 0.050) and loops == [autotune._MIN_REPEATS]
     parts: list = []
-    assert autotune._time_ms(lambda inputs: None, [()], torch.device("cuda", 0), 0.0, parts) == 0.070
-    assert parts == [CallTime(0.070, 0.004, 0.070)]
+    assert autotune._time_ms(lambda inputs: None, [()], torch.device("cuda", 0), 0.0, parts) == 0.050
+    assert parts == [CallTime(0.050, 0.004, 0.050)]
+    loops.clear()
+    pairs = iter([(2.0, 0.070)] * 100)
+    assert autotune._measure(lambda inputs: None, [()], torch.device("cuda", 0), 0.0) == CallTime(2.0, 2.0, 0.070)
+    assert loops == []
+
+
+def test_loop_host_ms_calls_in_order_and_refuses_no_calls():
+    seen = []
+    assert host_cover.loop_host_ms(seen.append, torch.device("cpu"), 3) >= 0.0 and seen == [0, 1, 2]
+    with pytest.raises(ValueError, match="calls"):
+        host_cover.loop_host_ms(seen.append, torch.device("cpu"), 0)
 
 
 # -- recorded by the tuner, stored, shown -----------------------------------------------------------

@@ -86,6 +86,30 @@ def untimed_host_ms(fn: Callable[[], Any], device: torch.device) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def loop_host_ms(fn: Callable[[int], Any], device: torch.device, calls: int) -> float:
+    """Host time (ms) per call of ``calls`` back-to-back calls ``fn(0) .. fn(calls - 1)``, started
+    on an idle GPU and with no synchronisation between them: the issue rate a caller's loop sees.
+
+    A single call timed on its own after a synchronisation pays for a cold start (caches, the
+    driver's launch path) that a loop amortises; where the host bounds the loop, that difference
+    can reorder launch paths of equal GPU cost.
+
+    >>> loop_host_ms(lambda i: None, torch.device("cpu"), 4) >= 0.0
+    True
+    """
+    if calls < 1:
+        raise ValueError(f"loop_host_ms: calls must be >= 1, got {calls}")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for i in range(calls):
+        fn(i)
+    per_call = (time.perf_counter() - t0) * 1e3 / calls
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return per_call
+
+
 def covered_call(fn: Callable[[], Any], device: torch.device, host_ms: float) -> tuple[float, float]:
     """(GPU ms, host issue ms) of one CUDA call of ``fn`` between two events, after the spin that
     covers a typical host time of ``host_ms``."""

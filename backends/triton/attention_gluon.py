@@ -81,8 +81,8 @@ Needs triton with Gluon on a release in ``GLUON_TRITON_RELEASES`` and an sm_90 G
 ``PRIMUS_TURBO_ATTN_GLUON=0`` switches the kernel off, as ``PRIMUS_TURBO_GLUON_KERNELS=0`` does
 every Gluon kernel (the adapter then runs the plain-Triton forward); both are read on every call,
 as are ``PRIMUS_TURBO_ATTN_GLUON_PIPELINE``, the variant switches and
-``PRIMUS_TURBO_ATTN_GLUON_WINDOW`` (off by default: windowed calls run the plain-Triton kernels,
-forward and backward, unless it is set to a true value).
+``PRIMUS_TURBO_ATTN_GLUON_WINDOW`` (on by default; set to a false value, windowed calls run the
+plain-Triton kernels, forward and backward).
 """
 from __future__ import annotations
 
@@ -880,16 +880,17 @@ _read_window = env_text_reader(ATTN_GLUON_WINDOW_ENV)
 
 
 def window_setting() -> bool:
-    """``PRIMUS_TURBO_ATTN_GLUON_WINDOW`` read now: True where set to a true value (windowed calls
-    run the Gluon kernels), False where unset or false. A malformed value is a ConfigError naming
-    the variable."""
-    return parse_bool(_read_window(), ATTN_GLUON_WINDOW_ENV) is True
+    """``PRIMUS_TURBO_ATTN_GLUON_WINDOW`` read now: True where unset or true (windowed calls run
+    the Gluon kernels), False where set to a false value. A malformed value is a ConfigError
+    naming the variable."""
+    return parse_bool(_read_window(), ATTN_GLUON_WINDOW_ENV) is not False
 
 
 def window_tag() -> str:
-    """``"+window"`` while ``PRIMUS_TURBO_ATTN_GLUON_WINDOW`` is on, else ``""``: the adapter's
-    identity, so that timings of windowed calls on one kernel never stand for the other's."""
-    return "+window" if window_setting() else ""
+    """``"-window"`` while ``PRIMUS_TURBO_ATTN_GLUON_WINDOW`` switches the Gluon windows off, else
+    ``""``: the adapter's identity, so that timings of windowed calls on one kernel never stand
+    for the other's."""
+    return "" if window_setting() else "-window"
 
 
 def has_window(p) -> bool:
@@ -915,8 +916,8 @@ def problem_refusal(p) -> Optional[str]:
     if p.dropout_p > 0:
         return "dropout is not implemented"
     if has_window(p) and not window_setting():
-        return (f"window ({p.window_left}, {p.window_right}): the Gluon kernels serve windows only with "
-                f"{ATTN_GLUON_WINDOW_ENV}=1")
+        return (f"window ({p.window_left}, {p.window_right}): {ATTN_GLUON_WINDOW_ENV} switches the Gluon "
+                "windowed kernels off")
     if p.dtype not in _HALF:
         return f"dtype {p.dtype}: bf16/fp16 only"
     if p.head_dim_qk != p.head_dim_v or p.head_dim_qk not in TILES:

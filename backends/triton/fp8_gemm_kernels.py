@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from .gemm_kernels import (TensorDescriptor, bind_cuda_context, interpreting, num_programs, tile_coords, tma_ok,
-                           tma_supported)
+from .gemm_kernels import (DescriptorLayout, bind_cuda_context, interpreting, num_programs, tile_coords, tma_ok,
+                           tma_pays, tma_supported)
 from .prebound import PreboundKernel
 
 try:
@@ -124,7 +124,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
         plan(a, b, c, sa, sb)
     else:
         bind_cuda_context(a)
-        plan(TensorDescriptor(a, *layouts[0]), TensorDescriptor(b, *layouts[1]), c, sa, sb)
+        plan(layouts[0].of(a), layouts[1].of(b), c, sa, sb)
     return c
 
 
@@ -153,13 +153,13 @@ def _fp8_gemm_first(key: tuple, a: torch.Tensor, b: torch.Tensor, sa: torch.Tens
     occupancy = cfg[6] if len(cfg) > 6 else 1
     can_tma = tma_supported(dev) and tma_ok(a) and tma_ok(b)
     if use_tma is None:
-        use_tma = can_tma
+        use_tma = can_tma and tma_pays(M, N, K, bm, bn, bk)
     elif use_tma and not can_tma:
         raise ValueError("fp8_gemm: TMA requested but the operands or device do not allow it")
     if use_tma:
         bind_cuda_context(a)
-        layouts = (([M, K], list(a.stride()), [bm, bk]), ([N, K], list(b.stride()), [bn, bk]))
-        a_arg, b_arg = TensorDescriptor(a, *layouts[0]), TensorDescriptor(b, *layouts[1])
+        layouts = (DescriptorLayout(a, [M, K], a.stride(), [bm, bk]), DescriptorLayout(b, [N, K], b.stride(), [bn, bk]))
+        a_arg, b_arg = layouts[0].of(a), layouts[1].of(b)
     else:
         layouts, a_arg, b_arg = None, a, b
     if scale_mode == SCALE_BLOCK:

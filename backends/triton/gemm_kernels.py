@@ -48,6 +48,50 @@ KERNEL_REVISION = "gemm-r1"
 
 _BOUND = threading.local()
 
+#: Problems of at most this many tile steps (output tiles x K steps of the config) take the pointer
+#: loads even where TMA is allowed: a TMA launch builds and encodes two descriptors on the host every
+#: call, which a GEMM of a few tiles never wins back on the GPU (a tiny GEMM is host-bound).
+POINTER_MAX_TILE_STEPS = 16
+
+
+def tma_pays(m: int, n: int, k: int, bm: int, bn: int, bk: int) -> bool:
+    """Whether an ``[m, n, k]`` problem on ``(bm, bn, bk)`` tiles is large enough for the TMA path:
+    more than ``POINTER_MAX_TILE_STEPS`` tile steps.
+
+    >>> tma_pays(16, 16, 16, 128, 128, 64), tma_pays(4096, 4096, 4096, 128, 128, 64)
+    (False, True)
+    """
+    steps = -(-m // bm) * -(-n // bn) * -(-k // bk)
+    return steps > POINTER_MAX_TILE_STEPS
+
+
+class DescriptorLayout:
+    """A TMA descriptor's layout (shape, strides, block) checked once, then applied to each call's
+    base tensor without Triton's per-construction checks.
+
+    Under one launch key the shape, strides, dtype and 16-byte alignment of the base are fixed, so
+    the checks ``TensorDescriptor`` runs on construction (ranks, alignment, block shape) give the
+    same answer every call; ``of(base)`` builds the descriptor with them skipped. Nothing keeps a
+    reference to a base tensor between calls.
+    """
+
+    __slots__ = ("fields", "args")
+
+    def __init__(self, base: torch.Tensor, shape, strides, block_shape) -> None:
+        self.args = (list(shape), list(strides), list(block_shape))
+        checked = TensorDescriptor(base, *self.args)
+        # A TensorDescriptor without an instance dict (none so far) is built the checked way.
+        fields = getattr(checked, "__dict__", None)
+        self.fields = None if fields is None else {name: v for name, v in fields.items() if name != "base"}
+
+    def of(self, base: torch.Tensor):
+        if self.fields is None:
+            return TensorDescriptor(base, *self.args)
+        desc = object.__new__(TensorDescriptor)
+        desc.__dict__.update(self.fields)
+        desc.base = base
+        return desc
+
 
 def bind_cuda_context(t: torch.Tensor) -> None:
     """Make the primary CUDA context of ``t``'s device current on this thread if none is.
@@ -172,8 +216,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool, out_dty
          cfg, use_tma: bool | None = None) -> torch.Tensor:
     """``op(a) @ op(b)`` with tile config ``cfg`` (a configs.TileConfig).
 
-    ``use_tma=None`` picks TMA when the device and both operands allow it; False forces the
-    pointer kernel (True raises if TMA is impossible, for tests that must cover that path).
+    ``use_tma=None`` picks TMA when the device and both operands allow it and the problem is larger
+    than a few tiles (``tma_pays``); False forces the pointer kernel (True raises if TMA is
+    impossible, for tests that must cover that path).
     The launch is resolved once per problem key (``launch_key``) and pre-bound (prebound.py): a
     later call with the same key only allocates the output, builds the descriptors and launches.
     """
@@ -189,7 +234,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool, out_dty
         bind_cuda_context(a)
         # The stored operand of a transposed view starts at the same address as the view: the
         # descriptor takes its shape and strides from the plan, its base from the call.
-        plan(TensorDescriptor(a, *layouts[0]), TensorDescriptor(b, *layouts[1]), c)
+        plan(layouts[0].of(a), layouts[1].of(b), c)
     return c
 
 
@@ -223,14 +268,14 @@ def _gemm_first(key: tuple, a: torch.Tensor, b: torch.Tensor, trans_a: bool, tra
     b_st, b_nk = (B.t(), True) if B.stride(0) == 1 else (B, False)
     can_tma = tma_supported(dev) and tma_ok(a_st) and tma_ok(b_st)
     if use_tma is None:
-        use_tma = can_tma
+        use_tma = can_tma and tma_pays(M, N, K, bm, bn, bk)
     elif use_tma and not can_tma:
         raise ValueError("gemm: TMA requested but the operands or device do not allow it")
     if use_tma:
         bind_cuda_context(a_st)
-        layouts = ((list(a_st.shape), list(a_st.stride()), [bk, bm] if a_km else [bm, bk]),
-                   (list(b_st.shape), list(b_st.stride()), [bn, bk] if b_nk else [bk, bn]))
-        a_arg, b_arg = TensorDescriptor(a, *layouts[0]), TensorDescriptor(b, *layouts[1])
+        layouts = (DescriptorLayout(a_st, a_st.shape, a_st.stride(), [bk, bm] if a_km else [bm, bk]),
+                   DescriptorLayout(b_st, b_st.shape, b_st.stride(), [bn, bk] if b_nk else [bk, bn]))
+        a_arg, b_arg = layouts[0].of(a), layouts[1].of(b)
     else:
         layouts, a_arg, b_arg = None, a, b
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)

@@ -33,10 +33,14 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def snr_db(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """10 log10(signal / noise) in dB: inf for an exact match, -inf for any error on an all-zero
+    reference (where a ratio says nothing; callers that expect zeros check them absolutely)."""
     ref64 = ref.double()
     noise = float((out.double() - ref64).pow(2).sum())
     signal = float(ref64.pow(2).sum())
-    return math.inf if noise == 0 else 10 * math.log10(signal / noise)
+    if noise == 0:
+        return math.inf
+    return -math.inf if signal == 0 else 10 * math.log10(signal / noise)
 
 
 #: Relative-error gates per output dtype (bf16's 8-bit mantissa dominates its error).
