@@ -132,13 +132,23 @@ def served_problems() -> list:
     return [_problem(), _problem(causal=False, window_right=-1), _problem(head_dim_qk=64, head_dim_v=64),
             _problem(dtype=FP16), _problem(seqlen_q=77, seqlen_k=1000), _problem(seqlen_q=1000, seqlen_k=257),
             _problem(heads_kv=1), _problem(heads_kv=8), _problem(softmax_scale=0.05), _problem(deterministic=True),
-            _problem(return_lse=False), _problem(batch=1, seqlen_q=1, seqlen_k=1)]
+            _problem(return_lse=False), _problem(batch=1, seqlen_q=1, seqlen_k=1), *varlen_problems()]
+
+
+def varlen_problems() -> list:
+    """Varlen problems (``seqlen_*`` the max_seqlen values, ``total_*`` the token counts) the
+    Gluon kernels serve: causal and full, GQA, d64, fp16, Sq != Sk."""
+    v = dict(varlen=True, batch=5, seqlen_q=1029, seqlen_k=1029, total_q=1410, total_k=1410)
+    return [_problem(**v), _problem(**v, causal=False, window_right=-1), _problem(**v, heads_kv=1),
+            _problem(**v, head_dim_qk=64, head_dim_v=64, dtype=FP16),
+            _problem(**dict(v, seqlen_k=77, total_k=300))]
 
 
 def refused_problems() -> dict:
     """Problems the Gluon kernels refuse, keyed by a phrase of the reason they give."""
     return {
-        "varlen": _problem(varlen=True),
+        "empty": _problem(varlen=True, total_q=0),
+        "empty batch": _problem(varlen=True, total_k=0),
         "fp8": _problem(fp8=True, fp8_block=128),
         "sinks": _problem(sink=True),
         "dropout": _problem(dropout_p=0.1),
@@ -147,7 +157,7 @@ def refused_problems() -> dict:
         "q/k 192, v 128": _problem(head_dim_qk=192, head_dim_v=128),
         "q/k 128, v 64": _problem(head_dim_v=64),
         "q/k 256": _problem(head_dim_qk=256, head_dim_v=256),
-        "empty": _problem(seqlen_k=0),
+        "empty batch or sequence": _problem(seqlen_k=0),
         "65535": _problem(batch=1024, heads_q=128, heads_kv=128),
     }
 
@@ -361,7 +371,7 @@ def launchers(monkeypatch):
         calls.append("plain")
         return q.new_full(q.shape, 1.0), torch.full((p.batch, p.heads_q, p.seqlen_q), 1.0)
 
-    def gluon(p, q, k, v):
+    def gluon(p, q, k, v, cu_q=None, cu_k=None):
         calls.append("gluon")
         return q.new_full(q.shape, 2.0), torch.full((p.batch, p.heads_q, p.seqlen_q), 2.0)
 
@@ -412,17 +422,20 @@ def test_describe_names_the_gluon_forward(sm90):
     from turbo_dispatch.backends.triton.attention import TritonAttention
 
     assert "Gluon" in TritonAttention().describe(_problem())
-    assert "Gluon" not in TritonAttention().describe(_problem(varlen=True))
+    assert "Gluon" in TritonAttention().describe(_problem(varlen=True))
+    assert "Gluon" not in TritonAttention().describe(_problem(head_dim_qk=96, head_dim_v=96))
 
 
 def test_configs_offer_one_tile_where_the_gluon_forward_serves(sm90, monkeypatch):
-    """The Gluon forward ignores the tile, so the tuner gets one TRITON candidate there; where the
-    plain kernel runs (switched off, varlen) every tile of the table is offered."""
+    """The Gluon forward ignores the tile, so the tuner gets one TRITON candidate there (dense and
+    varlen); where the plain kernel runs (switched off, a head dim it leaves) every tile of the
+    table is offered."""
     from turbo_dispatch.backends.triton.attention import TritonAttention
 
     ad = TritonAttention()
     assert len(ad.configs(_problem())) == 1
-    assert len(ad.configs(_problem(varlen=True))) > 1
+    assert len(ad.configs(_problem(varlen=True))) == 1
+    assert len(ad.configs(_problem(head_dim_qk=96, head_dim_v=96))) > 1
     monkeypatch.setenv(sm90.ATTN_GLUON_ENV, "0")
     every = ad.configs(_problem())
     assert len(every) > 1 and every[0] == TritonAttention().configs(_problem(varlen=True))[0]
@@ -924,4 +937,301 @@ def test_gpu_window_gradients_through_the_op(case, counted, monkeypatch):
     ref = ref_grads(q, k, v, grad, causal=causal, window=window)
     got = run_op(turbo.ops.flash_attn_func, q, k, v, grad, causal=causal, window_size=window, return_lse=True)
     assert calls, "the forward did not run on the Gluon kernel"
+    assert_result(got, ref, dtype, True)
+
+
+# -- varlen -----------------------------------------------------------------------------------------------
+def _packed(lens_q, lens_k, hq=8, hk=2, d=128, dtype=BF16, tail=0, device="cpu"):
+    """Packed q ``[Tq, Hq, D]``, k, v ``[Tk, Hkv, D]`` (random, non-zero) with ``tail`` tokens past
+    the last sequence of each, and int32 cu_seqlens on ``device``."""
+    from test_attention import cu, randn
+
+    tq, tk = sum(lens_q) + tail, sum(lens_k) + tail
+    q, k, v = (randn(s, dtype).to(device) for s in ((tq, hq, d), (tk, hk, d), (tk, hk, d)))
+    return q, k, v, cu(lens_q).to(device), cu(lens_k).to(device)
+
+
+def _varlen_problem(q, k, v, cu_q, cu_k, lens_q, lens_k, **kw):
+    from turbo_dispatch.ops.attention import attention_varlen_problem
+
+    return attention_varlen_problem(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True,
+                                    **kw)._replace(platform="cuda")
+
+
+def test_varlen_problems_are_served_with_the_dense_rules(sm90):
+    """Varlen calls take the Gluon forward where a dense call of the same dtype, head dims and mask
+    would; a batch without query or key tokens is refused; windows still need their switch."""
+    for p in varlen_problems():
+        assert sm90.gluon_forward_refusal(p) is None, p
+    v = dict(varlen=True, batch=3, total_q=10, total_k=10, seqlen_q=7, seqlen_k=7)
+    assert "empty batch or sequence" in sm90.gluon_forward_refusal(_problem(**dict(v, total_q=0)))
+    assert "empty batch or sequence" in sm90.gluon_forward_refusal(_problem(**dict(v, seqlen_k=0)))
+    assert "q/k 96" in sm90.gluon_forward_refusal(_problem(**v, head_dim_qk=96, head_dim_v=96))
+    assert sm90.ATTN_GLUON_WINDOW_ENV in sm90.gluon_forward_refusal(_problem(**v, window_left=16))
+
+
+def test_varlen_tensor_reasons_read_packed_tensors_as_one_batch(sm90):
+    """Packed ``[T, H, D]`` tensors pass the layout rules as the one batch the descriptors read."""
+    q = torch.randn(33, 8, 64, dtype=BF16)
+    assert sm90.as_batch(q).shape == (1, 33, 8, 64) and sm90.as_batch(q[None]).shape == (1, 33, 8, 64)
+    assert "q is on cpu" in sm90.tensor_refusal(q=q, k=q, v=q)
+    assert "heads must be packed" in sm90.tensor_refusal(q=torch.randn(8, 33, 64, dtype=BF16).transpose(0, 1))
+
+
+def _recorded_varlen_launch(AG, monkeypatch, p, q, k, v, cu_q, cu_k):
+    """``(grid, args, kwargs, fills, out, lse)`` of ``AG.attend``'s varlen call with the kernel,
+    the descriptors and the tail fill replaced by recorders (runs on the CPU)."""
+    launches, fills = [], []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, args, kwargs))
+
+    monkeypatch.setattr(AG, "attn_fwd_gluon_kernel", Recorder())
+    monkeypatch.setattr(AG, "descriptor", lambda x, rows: (tuple(x.shape), rows))
+    monkeypatch.setattr(AG, "fill_tail", lambda x, cu: fills.append((x, cu)))
+    out, lse = AG.attend(p, q, k, v, cu_q, cu_k)
+    (grid, args, kwargs), = launches
+    return grid, args, kwargs, fills, out, lse
+
+
+@pytest.mark.parametrize("variant", ["default", "pipelined", "wg3"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_varlen_launch(sm90, monkeypatch, variant, head_dim):
+    """One ``VARLEN`` launch over the longest query sequence's blocks for every (batch, head), the
+    packed tensors and both cu_seqlens passed through (never read on the host), out's token stride
+    for the masked tail stores, the lse ``[Hq, Tq]`` (batch stride 0) filled with -inf first, and
+    out's tokens past the last sequence handed to the tail fill."""
+    AG = sm90
+    _set_switches(AG, monkeypatch, **VARIANTS[variant])
+    lens_q, lens_k = [17, 0, 300, 1029, 64], [5, 40, 0, 1029, 700]
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, d=head_dim, tail=3)
+    p = _varlen_problem(q, k, v, cu_q, cu_k, lens_q, lens_k, causal=True)
+    grid, args, kwargs, fills, out, lse = _recorded_varlen_launch(AG, monkeypatch, p, q, k, v, cu_q, cu_k)
+    cfg = AG.call_config(head_dim, True, varlen=True)
+    assert cfg.varlen and kwargs["VARLEN"] is True and kwargs["BLOCK_M"] == cfg.block_m
+    assert grid == (-(-1029 // cfg.block_m), 5 * 8)
+    rows = cfg.block_m // cfg.math_wgs
+    assert args[0] == ((1413, 8, head_dim), rows) and args[1] == ((1777, 2, head_dim), cfg.block_n)
+    assert args[4] is lse and args[5] is cu_q and args[6] is cu_k and args[7] is out and args[8] == 8 * head_dim
+    assert args[9:13] == (1029, 1029, 8, 4) and args[13:15] == (0, 1413)
+    assert lse.shape == (8, 1413) and torch.isneginf(lse).all() and out.shape == q.shape
+    assert len(fills) == 1 and fills[0][0] is out and fills[0][1] is cu_q
+
+
+def test_varlen_launch_args_check_the_config(sm90):
+    """A varlen config launched without cu_seqlens (or the other way round) is an error naming both."""
+    AG = sm90
+    q = torch.randn(2, 64, 8, 128, dtype=BF16)
+    lse = torch.empty(2, 8, 64)
+    with pytest.raises(ValueError, match="cfg.varlen=True but cu_seqlens not given"):
+        AG.launch_args(q, q, q, q, lse, 0.1, AG.config_for(128, True, varlen=True))
+    cu = torch.tensor([0, 64, 128], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cfg.varlen=False but cu_seqlens given"):
+        AG.launch_args(q[0], q[0], q[0], q[0], lse[0], 0.1, AG.config_for(128, True), cu_seqlens=(cu, cu),
+                       max_seqlens=(64, 64))
+
+
+def test_adapter_passes_cu_seqlens_to_the_gluon_forward(sm90, monkeypatch):
+    """A varlen call the gate accepts runs the Gluon forward with the call's own cu_seqlens, eager
+    and compiled."""
+    from turbo_dispatch.backends.triton import attention as TA
+
+    seen = []
+
+    def gluon(p, q, k, v, cu_q=None, cu_k=None):
+        seen.append((cu_q, cu_k))
+        return torch.zeros_like(q), torch.zeros(p.heads_q, p.total_q)
+
+    monkeypatch.setattr(sm90, "attend", gluon)
+    monkeypatch.setattr(TA, "attend", lambda *a, **kw: pytest.fail("the plain forward ran"))
+    monkeypatch.setattr(sm90, "tensor_refusal", lambda **t: None)
+    lens = [5, 0, 7]
+    q, k, v, cu_q, cu_k = _packed(lens, lens, hq=4, hk=2, d=64)
+    p = _varlen_problem(q, k, v, cu_q, cu_k, lens, lens, causal=True)
+    ad = TA.TritonAttention()
+    ad.forward(p, q, k, v, cu_q, cu_k)
+    ad.compiled_forward(p, q, k, v, cu_q, cu_k)
+    assert len(seen) == 2 and all(a is cu_q and b is cu_k for a, b in seen)
+
+
+_FILL_TAIL_SCRIPT = """
+import torch
+from turbo_dispatch.backends.triton.attention_kernels import fill_tail
+
+torch.manual_seed(0)
+for tokens, ends, row in ((40, [0, 17, 17, 33], (3, 8)), (16, [0, 16], (2, 4)), (700, [0, 5, 600], (1, 520)),
+                          (9, [0, 0], (4,))):
+    x = torch.randn(tokens, *row)
+    before = x.clone()
+    cu = torch.tensor(ends, dtype=torch.int32)
+    fill_tail(x, cu, -7.0)
+    end = ends[-1]
+    assert torch.equal(x[:end], before[:end]), (tokens, ends)
+    assert (x[end:] == -7.0).all(), (tokens, ends)
+print("ok")
+"""
+
+
+def test_fill_tail_writes_only_the_tokens_past_the_last_sequence(interpreter_refusal):
+    """``attention_kernels.fill_tail`` under the Triton interpreter: the tokens past
+    ``cu_seqlens[-1]`` take the value, every other token keeps its own (across program and column
+    blocks, and with no sequence tokens at all)."""
+    import os
+    import subprocess
+    import sys
+
+    if interpreter_refusal:
+        pytest.skip(interpreter_refusal)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-c", _FILL_TAIL_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+
+
+#: (lens_q, lens_k, Hq, Hkv, D, dtype, causal, tail): packed sequences with odd and empty lengths,
+#: Sq != Sk per sequence (a query sequence without keys among them), and ``tail`` tokens past the
+#: last sequence.
+VARLEN_CASES = [
+    ([17, 0, 300, 1029, 64], [17, 0, 300, 1029, 64], 8, 2, 128, BF16, True, 0),
+    ([17, 0, 300, 1029, 64], [17, 0, 300, 1029, 64], 8, 8, 64, FP16, False, 5),
+    ([17, 0, 300, 1029, 64], [40, 5, 0, 1029, 700], 8, 2, 128, BF16, True, 3),
+    ([128, 256, 1, 129], [1, 300, 128, 64], 4, 1, 64, FP16, True, 0),
+    ([1000, 77, 0], [77, 1000, 9], 8, 4, 64, BF16, False, 0),
+    ([1024] * 4, [1024] * 4, 8, 2, 128, FP16, False, 0),
+]
+
+
+def _varlen_id(c):
+    lens_q, lens_k, hq, hk, d, dtype, causal, tail = c
+    return (f"q{'-'.join(map(str, lens_q))}_k{'-'.join(map(str, lens_k))}-h{hq}/{hk}-d{d}-{str(dtype)[6:]}-"
+            f"{'causal' if causal else 'full'}{f'-tail{tail}' if tail else ''}")
+
+
+def varlen_reference32(q, k, v, cu_q, cu_k, causal, scale, window=(-1, -1), dout=None):
+    """float32 (out ``[Tq, Hq, D]``, lse ``[Hq, Tq]``[, (dq, dk, dv)]) of packed sequences, each
+    attended on its own (materialised softmax on the CPU); tokens outside every sequence and rows
+    that attend no key: out 0, lse -inf, zero gradients. ``dout``: also the gradients."""
+    from test_attention import ref_attention
+
+    q32, k32, v32 = (x.detach().cpu().float().requires_grad_(dout is not None) for x in (q, k, v))
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2])
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"))
+    grads = [torch.zeros(x.shape) for x in (q, k, v)]
+    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(cu_q) - 1):
+        sq_, sk_ = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if cu_q[b + 1] == cu_q[b] or cu_k[b + 1] == cu_k[b]:
+            continue
+        leaves = [x[sq_ if i == 0 else sk_].detach().clone().requires_grad_(dout is not None)
+                  for i, x in enumerate((q32, k32, v32))]
+        o, l_ = ref_attention(*(x[None] for x in leaves), scale=scale, causal=causal, window=window)
+        out[sq_], lse[:, sq_] = o[0].detach(), l_[0]
+        if dout is not None:
+            o.backward(dout[sq_].cpu().float()[None])
+            grads[0][sq_] = leaves[0].grad
+            grads[1][sk_] += leaves[1].grad
+            grads[2][sk_] += leaves[2].grad
+    return (out, lse) if dout is None else (out, lse, grads)
+
+
+def _check_varlen_forward(AG, case, window=(-1, -1)):
+    from test_triton_attention import _snr
+
+    lens_q, lens_k, hq, hk, d, dtype, causal, tail = case
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, hq, hk, d, dtype, tail, "cuda")
+    p = _varlen_problem(q, k, v, cu_q, cu_k, lens_q, lens_k, causal=causal, window_size=window)
+    assert AG.gluon_forward_refusal(p, q, k, v) is None
+    out, lse = AG.attend(p, q, k, v, cu_q, cu_k)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = varlen_reference32(q, k, v, cu_q, cu_k, causal, p.softmax_scale, window)
+    assert out.dtype == dtype and out.shape == q.shape and lse.shape == (hq, q.shape[0])
+    assert torch.isfinite(out).all()
+    assert _snr(out.float(), ref_out) >= 40.0, _snr(out.float(), ref_out)
+    assert _snr(lse, ref_lse) >= 40.0, _snr(lse, ref_lse)  # -inf rows (no keys, the tail) must match exactly
+    empty = torch.isneginf(ref_lse).all(0)
+    assert (out[empty.cuda()] == 0).all()
+    return out, lse
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["default", "pipelined", "wg3", "pipelined-fold-emu"])
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=_varlen_id)
+def test_gpu_varlen_forward_matches_reference(case, variant, monkeypatch):
+    """out and lse of the ``VARLEN`` kernel (each variant) against a float32 reference per
+    sequence: SNR >= 40 dB, rows of query sequences without keys and tokens past the last sequence
+    exactly 0 / -inf, nothing written into another sequence's rows."""
+    AG = _variant_gate(monkeypatch, variant, case[4])
+    _check_varlen_forward(AG, case)
+
+
+#: (lens_q, lens_k, D, causal, (window_left, window_right))
+VARLEN_WINDOW_CASES = [
+    ([17, 0, 300, 1029, 64], [17, 0, 300, 1029, 64], 128, True, (100, 0)),
+    ([300, 1029, 5], [200, 1029, 77], 64, False, (33, 7)),
+    ([300, 1029, 5], [200, 1029, 77], 128, False, (-1, 16)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pipeline", ["0", "1"])
+@pytest.mark.parametrize("case", VARLEN_WINDOW_CASES, ids=str)
+def test_gpu_varlen_window_forward_matches_reference(case, pipeline, monkeypatch):
+    """Sliding windows on packed sequences (served unless ``PRIMUS_TURBO_ATTN_GLUON_WINDOW=0``)."""
+    AG = _gpu_gate()
+    monkeypatch.setenv(AG.ATTN_GLUON_WINDOW_ENV, "1")
+    monkeypatch.setenv(AG.ATTN_GLUON_PIPELINE_ENV, pipeline)
+    lens_q, lens_k, d, causal, window = case
+    _check_varlen_forward(AG, (lens_q, lens_k, 8, 2, d, BF16, causal, 2), window)
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_forward_captures_in_a_cuda_graph():
+    """The varlen forward reads cu_seqlens on the device only: captured in a CUDA graph and replayed
+    on new lengths (same token counts), it matches the eager call on those lengths."""
+    from test_attention import cu
+
+    AG = _gpu_gate()
+    lens_a, lens_b = [300, 0, 1029, 17], [1029, 17, 300, 0]
+    q, k, v, cu_q, cu_k = _packed(lens_a, lens_a, 8, 2, 128, BF16, 0, "cuda")
+    p = _varlen_problem(q, k, v, cu_q, cu_k, lens_a, lens_a, causal=True)
+    AG.attend(p, q, k, v, cu_q, cu_k)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = AG.attend(p, q, k, v, cu_q, cu_k)
+    cu_q.copy_(cu(lens_b).cuda())
+    cu_k.copy_(cu(lens_b).cuda())
+    graph.replay()
+    torch.cuda.synchronize()
+    eager_out, eager_lse = AG.attend(p, q, k, v, cu_q, cu_k)
+    assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [(*VARLEN_CASES[i][:7], 0) for i in (0, 2, 3, 4)], ids=_varlen_id)
+def test_gpu_varlen_gradients_through_the_op(case, monkeypatch):
+    """ops.flash_attn_varlen_func pinned to TRITON runs both directions on the Gluon kernels: out,
+    lse, dq, dk, dv against the float64 reference per sequence."""
+    import turbo_dispatch as turbo
+    from test_attention import assert_result, run_op, varlen_reference
+
+    from turbo_dispatch.backends.triton import attention_gluon_bwd as AGB
+
+    AG = _gpu_gate()
+    if AGB.machine_refusal():
+        pytest.skip(AGB.machine_refusal())
+    fwd_calls = count_calls(monkeypatch, AG, "attend")
+    bwd_calls = count_calls(monkeypatch, AGB, "attend_backward")
+    lens_q, lens_k, hq, hk, d, dtype, causal, tail = case
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, hq, hk, d, dtype, tail, "cuda")
+    grad = torch.randn(q.shape[0], hq, d, device="cuda").to(dtype)
+    turbo.GlobalBackendManager.set_attn_backend("TRITON")
+    try:
+        got = run_op(turbo.ops.flash_attn_varlen_func, q, k, v, grad, cu_q, cu_k, max(lens_q), max(lens_k),
+                     causal=causal, return_lse=True)
+    finally:
+        turbo.GlobalBackendManager.set_attn_backend(None)
+    assert fwd_calls and bwd_calls, "the call did not run on the Gluon kernels"
+    ref = varlen_reference(q, k, v, grad, cu_q.cpu(), cu_k.cpu(), dict(causal=causal))
     assert_result(got, ref, dtype, True)

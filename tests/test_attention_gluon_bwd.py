@@ -347,7 +347,7 @@ def backward_launchers(monkeypatch):
         calls.append("plain")
         return q.new_full(q.shape, 1.0), k.new_full(k.shape, 1.0), v.new_full(v.shape, 1.0), lse
 
-    def gluon(p, q, k, v, out, lse, dout):
+    def gluon(p, q, k, v, out, lse, dout, cu_q=None, cu_k=None):
         calls.append("gluon")
         return q.new_full(q.shape, 2.0), k.new_full(k.shape, 2.0), v.new_full(v.shape, 2.0)
 
@@ -697,3 +697,146 @@ def test_window_mask_of_the_dkdv_kernel_is_one_unsigned_compare():
         off = (i - (r - np.int32(hi))).view(np.uint32)
         width = np.uint32(lo) + np.uint32(hi)
         assert np.array_equal(off <= width, want), (left, right)
+
+
+# -- varlen -----------------------------------------------------------------------------------------------
+def test_varlen_problems_are_served(switched_on):
+    from test_attention_gluon import varlen_problems
+
+    for p in varlen_problems():
+        assert switched_on.gluon_backward_refusal(p) is None, p
+
+
+class _ArgsRecorder:
+    """``_Recorder`` that also keeps the positional arguments: ``(name, grid, args, kwargs)``."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.log.append((self.name, grid, args, kwargs))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_varlen_backward_launches(switched_on, monkeypatch, causal, head_dim):
+    """A varlen backward: the preprocess kernel on the packed layout, both Gluon kernels with
+    ``VARLEN``, the packed tensors and both cu_seqlens (never read on the host), grids over the
+    longest sequences, lse2/delta ``[Hq, Tq]`` (batch stride 0), the gradients' token strides for
+    the masked tail stores, and each gradient's tokens past the last sequence handed to the tail
+    fill with its own cu_seqlens."""
+    from test_attention_gluon import _packed, _varlen_problem
+
+    AGB = switched_on
+    if AGB.gluon is None:
+        pytest.skip("triton.experimental.gluon is missing")
+    log, fills = [], []
+    monkeypatch.setattr(AGB.AK, "attn_bwd_preprocess_kernel", _ArgsRecorder("preprocess", log))
+    monkeypatch.setattr(AGB, "attn_bwd_dkdv_gluon_kernel", _ArgsRecorder("dkdv", log))
+    monkeypatch.setattr(AGB, "attn_bwd_dq_gluon_kernel", _ArgsRecorder("dq", log))
+    monkeypatch.setattr(AGB, "descriptor", lambda x, rows: (tuple(x.shape), rows))
+    monkeypatch.setattr(AGB.AK, "fill_tail", lambda x, cu: fills.append((x, cu)))
+    monkeypatch.setenv(AGB.ATTN_GLUON_BWD_OVERLAP_ENV, "0")
+    lens_q, lens_k = [17, 0, 300, 1029, 64], [5, 40, 0, 1029, 700]
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, d=head_dim)
+    p = _varlen_problem(q, k, v, cu_q, cu_k, lens_q, lens_k, causal=causal)
+    out, lse, dout = torch.zeros_like(q), torch.zeros(8, q.shape[0]), torch.zeros_like(q)
+    dq, dk, dv = AGB.attend_backward(p, q, k, v, out, lse, dout, cu_q, cu_k)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    (_, pre_grid, pre_args, pre_kw), (_, kv_grid, kv_args, kv_kw), (_, q_grid, q_args, q_kw) = log
+    assert pre_kw["VARLEN"] is True and pre_args[5] is cu_q and pre_grid == (5 * 8, -(-1029 // AGB.PRE_BLOCK_M))
+    assert kv_kw["VARLEN"] is True and q_kw["VARLEN"] is True
+    assert kv_args[8] is cu_q and kv_args[9] is cu_k and kv_args[10] is dk and kv_args[11] is dv
+    assert kv_args[12] == 2 * head_dim and kv_args[13:17] == (1029, 1029, 2, 4) and kv_args[17:19] == (0, 1410)
+    assert q_args[7] is cu_q and q_args[8] is cu_k and q_args[9] is dq
+    assert q_args[10] == 8 * head_dim and q_args[11:15] == (1029, 1029, 8, 4) and q_args[15:17] == (0, 1410)
+    blocks = -(-1029 // AGB.BLOCK)
+    assert kv_grid == ((5 * 2, blocks) if causal else (blocks, 5 * 2))
+    assert q_grid == ((5 * 8, blocks) if causal else (blocks, 5 * 8))
+    assert [(x is g, c is want) for (x, c), g, want in zip(fills, (dq, dk, dv), (cu_q, cu_k, cu_k))] == [(True,) * 2] * 3
+
+
+#: The forward's varlen cases (test_attention_gluon.VARLEN_CASES).
+from test_attention_gluon import VARLEN_CASES, _varlen_id  # noqa: E402
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=_varlen_id)
+def test_gpu_varlen_backward_matches_reference(case, gpu, monkeypatch):
+    """dq, dk, dv of the ``VARLEN`` kernels from the reference's out and lse, against a float32
+    reference per sequence: SNR >= 40 dB, zero where a sequence has no queries or no keys and on
+    the tokens past the last sequence, bit-identical over two runs and across the variants."""
+    from test_attention_gluon import _packed, _varlen_problem, varlen_reference32
+    from test_triton_attention import _snr
+
+    lens_q, lens_k, hq, hk, d, dtype, causal, tail = case
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, hq, hk, d, dtype, tail, "cuda")
+    dout = torch.randn(q.shape, device="cuda").to(dtype)
+    p = _varlen_problem(q, k, v, cu_q, cu_k, lens_q, lens_k, causal=causal)
+    ref_out, ref_lse, ref = varlen_reference32(q, k, v, cu_q, cu_k, causal, p.softmax_scale, dout=dout)
+    out, lse = ref_out.to(dtype).cuda(), ref_lse.cuda()
+    assert gpu.gluon_backward_refusal(p, q, k, v, out, dout) is None
+    baseline = None
+    for variant, settings in VARIANTS.items():
+        for var, value in settings.items():
+            monkeypatch.setenv(var, value)
+        first = gpu.attend_backward(p, q, k, v, out, lse, dout, cu_q, cu_k)
+        second = gpu.attend_backward(p, q, k, v, out, lse, dout, cu_q, cu_k)
+        torch.cuda.synchronize()
+        for name, got, again, want, like in zip(("dq", "dk", "dv"), first, second, ref, (q, k, v)):
+            assert got.shape == like.shape and got.dtype == like.dtype, (variant, name)
+            assert torch.isfinite(got).all(), (variant, name)
+            assert torch.equal(got, again), f"{variant}: {name} differs between two runs"
+            assert _snr(got.float(), want) >= 40.0, (variant, name, _snr(got.float(), want))
+            assert (got[(want == 0).all(-1).all(-1).cuda()] == 0).all(), (variant, name)
+            if baseline is not None:
+                assert torch.equal(got, baseline[name]), f"{variant}: {name} differs from the default's"
+        if baseline is None:
+            baseline = dict(zip(("dq", "dk", "dv"), first))
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_window_backward_matches_reference(gpu, monkeypatch):
+    """A sliding window on packed sequences, forward and backward on the Gluon kernels."""
+    from test_attention_gluon import VARLEN_WINDOW_CASES, _packed, _varlen_problem, varlen_reference32
+    from test_triton_attention import _snr
+
+    monkeypatch.setenv("PRIMUS_TURBO_ATTN_GLUON_WINDOW", "1")
+    for lens_q, lens_k, d, causal, window in VARLEN_WINDOW_CASES:
+        q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, 8, 2, d, BF16, 0, "cuda")
+        dout = torch.randn(q.shape, device="cuda").to(BF16)
+        p = _varlen_problem(q, k, v, cu_q, cu_k, lens_q, lens_k, causal=causal, window_size=window)
+        ref_out, ref_lse, ref = varlen_reference32(q, k, v, cu_q, cu_k, causal, p.softmax_scale, window, dout)
+        assert gpu.gluon_backward_refusal(p, q, k, v) is None
+        grads = gpu.attend_backward(p, q, k, v, ref_out.to(BF16).cuda(), ref_lse.cuda(), dout, cu_q, cu_k)
+        for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
+            assert _snr(got.float(), want) >= 40.0, (window, name, _snr(got.float(), want))
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_backward_captures_in_a_cuda_graph(gpu, monkeypatch):
+    """The varlen backward (overlap on: its fork and join) captured in a CUDA graph and replayed on
+    new lengths (same token counts) equals the eager backward on those lengths."""
+    from test_attention import cu
+    from test_attention_gluon import _packed, _varlen_problem
+
+    monkeypatch.setenv(gpu.ATTN_GLUON_BWD_OVERLAP_ENV, "1")
+    lens_a, lens_b = [300, 0, 1029, 17], [1029, 17, 300, 0]
+    q, k, v, cu_q, cu_k = _packed(lens_a, lens_a, 8, 2, 128, BF16, 0, "cuda")
+    dout = torch.randn(q.shape, device="cuda").to(BF16)
+    p = _varlen_problem(q, k, v, cu_q, cu_k, lens_a, lens_a, causal=True)
+    out, lse = torch.randn_like(q), torch.randn(8, q.shape[0], device="cuda")
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        gpu.attend_backward(p, q, k, v, out, lse, dout, cu_q, cu_k)
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = gpu.attend_backward(p, q, k, v, out, lse, dout, cu_q, cu_k)
+    cu_q.copy_(cu(lens_b).cuda())
+    cu_k.copy_(cu(lens_b).cuda())
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = gpu.attend_backward(p, q, k, v, out, lse, dout, cu_q, cu_k)
+    assert all(torch.equal(a, b) for a, b in zip(eager, captured))

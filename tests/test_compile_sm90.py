@@ -151,6 +151,26 @@ def test_gluon_attention_window_kernels_fit_on_sm90(tmp_path):
 
 
 @pytest.mark.skipif(_nvidia_toolchain() is not None, reason=str(_nvidia_toolchain()))
+def test_gluon_attention_varlen_kernels_fit_on_sm90(tmp_path):
+    """The packed-sequence (``VARLEN``) kernels compile as the dense ones do: every forward variant a
+    varlen call runs (full and causal, the window kernels too) without a spill; both backward
+    kernels with no spill inside a wgmma loop and no more stack than the dense ones; every wgmma
+    asynchronous, one program per SM."""
+    fwd = _gluon_family_rows(tmp_path, "attention_gluon_fwd_varlen")
+    assert {(r["config"][2], r["config"][3]) for r in fwd} == {(d, c) for d in (64, 128) for c in (False, True)}
+    for r in fwd:
+        assert r["config"][11] and r["status"] == "PASS" and r["stack"] == 0 and r["loop_spills"] == 0, r
+        assert not r["serialised"] and r["shared"] <= 227 * 1024 and r["fit"] == 1, r
+    bwd = _gluon_family_rows(tmp_path, "attention_gluon_bwd_varlen")
+    assert sorted((r["config"][6], r["config"][2], r["config"][3], r["config"][8]) for r in bwd) == [
+        (kernel, d, causal, window) for kernel in ("dkdv", "dq") for d in (64, 128) for causal in (False, True)
+        for window in (False, True)]
+    for r in bwd:
+        assert r["config"][9] and r["status"] == "PASS" and r["loop_spills"] == 0 and not r["serialised"], r
+        assert r["stack"] <= 8 and r["shared"] <= 227 * 1024 and r["fit"] == 1 and 1 in r["wgmma_waits"], r
+
+
+@pytest.mark.skipif(_nvidia_toolchain() is not None, reason=str(_nvidia_toolchain()))
 def test_programs_per_sm_model():
     """The fit model against hand-computed Hopper limits."""
     checks = [

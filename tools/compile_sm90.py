@@ -245,12 +245,18 @@ WINDOW_ATTN = {True: (1024, 0), False: (1024, 256)}
 def _attention_gluon_fwd(cfg: AG.GluonAttnConfig):
     """The Gluon attention forward's variant ``cfg`` at B 2, S 4096, GQA 32/8, bf16, the
     launcher's own arguments (``attention_gluon.launch_args``; a window config with
-    ``WINDOW_ATTN``)."""
+    ``WINDOW_ATTN``; a ``varlen`` config on the same tokens packed, cu_seqlens int32 ``[B + 1]``)."""
     d = cfg.head_dim
     q, out = (torch.empty((B_ATTN, S_ATTN, HQ_ATTN, d), dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.empty((B_ATTN, S_ATTN, HKV_ATTN, d), dtype=torch.bfloat16) for _ in range(2))
     window = WINDOW_ATTN[cfg.causal] if cfg.window else (-1, -1)
-    _, args, kwargs = AG.launch_args(q, k, v, out, torch.empty((B_ATTN, HQ_ATTN, S_ATTN)), d ** -0.5, cfg, window)
+    if cfg.varlen:
+        cu = torch.arange(0, (B_ATTN + 1) * S_ATTN, S_ATTN, dtype=torch.int32)
+        _, args, kwargs = AG.launch_args(*(x.flatten(0, 1) for x in (q, k, v, out)),
+                                         torch.empty((HQ_ATTN, B_ATTN * S_ATTN)), d ** -0.5, cfg, window, (cu, cu),
+                                         (S_ATTN, S_ATTN))
+    else:
+        _, args, kwargs = AG.launch_args(q, k, v, out, torch.empty((B_ATTN, HQ_ATTN, S_ATTN)), d ** -0.5, cfg, window)
     return AG.attn_fwd_gluon_kernel.warmup(*args, **kwargs, grid=(1,))
 
 
@@ -258,18 +264,24 @@ def _attention_gluon_bwd(cfg: AGB.GluonAttnBwdConfig):
     """One Gluon attention backward kernel (``cfg.kernel``: dK/dV or dQ; in the heavy-first order if
     ``cfg.heavy_first``) at the forward's problem, the launcher's own arguments
     (``attention_gluon_bwd.dkdv_launch_args`` / ``dq_launch_args``; a window config with
-    ``WINDOW_ATTN``)."""
+    ``WINDOW_ATTN``; a ``varlen`` config on the same tokens packed)."""
     d = cfg.head_dim
     q, dout, dq = (torch.empty((B_ATTN, S_ATTN, HQ_ATTN, d), dtype=torch.bfloat16) for _ in range(3))
     k, v, dk, dv = (torch.empty((B_ATTN, S_ATTN, HKV_ATTN, d), dtype=torch.bfloat16) for _ in range(4))
     lse2, delta = (torch.empty((B_ATTN, HQ_ATTN, S_ATTN)) for _ in range(2))
     window = WINDOW_ATTN[cfg.causal] if cfg.window else None
+    seqs = {}
+    if cfg.varlen:
+        q, dout, dq, k, v, dk, dv = (x.flatten(0, 1) for x in (q, dout, dq, k, v, dk, dv))
+        lse2, delta = (torch.empty((HQ_ATTN, B_ATTN * S_ATTN)) for _ in range(2))
+        cu = torch.arange(0, (B_ATTN + 1) * S_ATTN, S_ATTN, dtype=torch.int32)
+        seqs = dict(cu_seqlens=(cu, cu), max_seqlens=(S_ATTN, S_ATTN))
     if cfg.kernel == "dkdv":
         _, args, kwargs = AGB.dkdv_launch_args(q, k, v, dout, dk, dv, lse2, delta, d ** -0.5, cfg.causal,
-                                               cfg.heavy_first, window)
+                                               cfg.heavy_first, window, **seqs)
         return AGB.attn_bwd_dkdv_gluon_kernel.warmup(*args, **kwargs, grid=(1,))
     _, args, kwargs = AGB.dq_launch_args(q, k, v, dout, dq, lse2, delta, d ** -0.5, cfg.causal, cfg.heavy_first,
-                                         window)
+                                         window, **seqs)
     return AGB.attn_bwd_dq_gluon_kernel.warmup(*args, **kwargs, grid=(1,))
 
 
@@ -419,6 +431,21 @@ def attention_window_fwd_configs() -> list:
     return first + flipped + options
 
 
+def attention_varlen_fwd_configs() -> list:
+    """The Gluon attention forward's ``VARLEN`` kernels, full and causal: the variants a varlen call
+    runs with every switch at its default (``call_config``), then with the pipelined choice
+    flipped, and the window kernels."""
+    make = AG.config_for
+    defaults = {key: default for key, (_, _, default) in AG.VARIANT_SWITCHES.items()}
+    first = [make(d, c, d in AG.PIPELINED_HEAD_DIMS, varlen=True, **defaults) for d in (128, 64)
+             for c in (False, True)]
+    flipped = [make(d, c, d not in AG.PIPELINED_HEAD_DIMS, **dict(defaults, wg3=False), varlen=True)
+               for d in (128, 64) for c in (False, True)]
+    window = [make(d, c, d in AG.PIPELINED_HEAD_DIMS, window=True, varlen=True, **defaults) for d in (128, 64)
+              for c in (False, True)]
+    return first + flipped + window
+
+
 def families() -> dict:
     """family -> (configs in the order the adapters offer them (first = default), compile(cfg),
     index of the occupancy field). Warps are field 5 of dense and grouped configs alike."""
@@ -474,6 +501,12 @@ def families() -> dict:
         ("attention_gluon_bwd_window", [make(d, causal, heavy_first=causal, window=True)
                                         for make in (AGB.dkdv_config, AGB.dq_config) for d in (128, 64)
                                         for causal in (False, True)], _attention_gluon_bwd,
+         len(AGB.GluonAttnBwdConfig._fields)),
+        ("attention_gluon_fwd_varlen", attention_varlen_fwd_configs(), _attention_gluon_fwd,
+         len(AG.GluonAttnConfig._fields)),
+        ("attention_gluon_bwd_varlen", [make(d, causal, heavy_first=causal, window=window, varlen=True)
+                                        for window in (False, True) for make in (AGB.dkdv_config, AGB.dq_config)
+                                        for d in (128, 64) for causal in (False, True)], _attention_gluon_bwd,
          len(AGB.GluonAttnBwdConfig._fields)),
         ("fused_producers", _fused_configs(), _fused_producer, 6),
     ]

@@ -31,11 +31,13 @@ recomputed), and so does ``compiled_backward`` from the forward op's out and lse
 ``compiled_forward`` always returns. No call reads cu_seqlens on the host or syncs it, so
 every call can be captured in a CUDA graph.
 
-On sm_90 the dense bf16/fp16 forward with head dims 64 or 128 and no mask or a causal one runs
-on the warp-specialised Gluon kernel of attention_gluon.py (TMA, wgmma), which writes the same out
-and lse; ``attention_gluon.gluon_forward_refusal`` names every call it leaves to the plain-Triton
-kernel, and ``PRIMUS_TURBO_ATTN_GLUON=0`` (or ``PRIMUS_TURBO_GLUON_KERNELS=0``) switches it off. The
-forward configs below then apply to the calls it refuses only.
+On sm_90 the dense and varlen bf16/fp16 forward with head dims 64 or 128 and no mask or a causal
+one runs on the warp-specialised Gluon kernel of attention_gluon.py (TMA, wgmma), which writes the
+same out and lse (varlen: cu_seqlens read on the device only), and the backward on those of
+attention_gluon_bwd.py; ``attention_gluon.gluon_forward_refusal`` and
+``attention_gluon_bwd.gluon_backward_refusal`` name every call they leave to the plain-Triton
+kernels, and ``PRIMUS_TURBO_ATTN_GLUON=0`` (or ``PRIMUS_TURBO_GLUON_KERNELS=0``) switches the
+forward off. The forward configs below then apply to the calls it refuses only.
 
 Configs are forward tiles ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``, a few per head dim
 (``configs()``, the first being the default); the autotuner times the forward (``run``). The
@@ -394,7 +396,7 @@ class TritonAttention(Adapter):
         tile = self._tile(p, config)
         if not p.fp8:
             if AG.gluon_forward_refusal(p, q, k, v) is None:
-                return (*AG.attend(p, q, k, v), (q, k, v, None))
+                return (*AG.attend(p, q, k, v, cu_q, cu_k), (q, k, v, None))
             return (*attend(p, q, k, v, cu_q, cu_k, tile, sink), (q, k, v, None))
         operands, scales = quantize_operands(p, q, k, v)
         return (*attend(p, *operands, cu_q, cu_k, tile, sink, scales), (*operands, scales))
@@ -403,7 +405,7 @@ class TritonAttention(Adapter):
         """(dq, dk, dv) and, for a call with a sink, dsink, from high-precision q, k, v; on the
         Gluon backward (attention_gluon_bwd.py) where its gate allows (never with a sink)."""
         if AGB.gluon_backward_refusal(p, q, k, v, out, grad_out) is None:
-            return AGB.attend_backward(p, q, k, v, out, lse, grad_out)
+            return AGB.attend_backward(p, q, k, v, out, lse, grad_out, cu_q, cu_k)
         dq, dk, dv, delta = attend_backward(p, q, k, v, cu_q, cu_k, out, lse, grad_out, self.backward_tiles(p))
         return (dq, dk, dv, sink_grad(sink, lse, delta)) if p.sink else (dq, dk, dv)
 

@@ -8,7 +8,10 @@ window, Sq != Sk, any softmax scale. Its results mean what
 ``attention_kernels.attn_fwd_kernel``'s mean, so the backward kernels start from them unchanged:
 out ``[B, Sq, Hq, D]`` in the inputs' dtype, and the float32 natural-log lse of the scaled scores
 ``[B, Hq, Sq]``; a row that may attend no key (causal with Sq > Sk; a right window bound with
-Sq > Sk + right, the only way a window empties a row) gets out = 0 and lse = -inf.
+Sq > Sk + right, the only way a window empties a row) gets out = 0 and lse = -inf. Varlen calls
+(``VARLEN``) take packed ``q [Tq, Hq, D]``, ``k``/``v [Tk, Hkv, D]`` with int32 ``cu_seqlens``
+read on the device only, and give out ``[Tq, Hq, D]`` and the lse ``[Hq, Tq]``, the masks per
+sequence; rows of a sequence without keys and tokens past the last sequence get out 0, lse -inf.
 
 Structure (one program per 128 query rows of one head, ``(query blocks, B * Hq)`` grid, the
 causal blocks with the most keys first):
@@ -37,7 +40,14 @@ causal blocks with the most keys first):
   odd lengths need no padding and no other batch's tokens are read; keys past Sk are masked out
   of the scores;
 * epilogue: each math warpgroup normalises its rows, stages them in its own q buffer (no longer
-  read) and stores them by TMA; the lse goes out through masked pointer stores.
+  read) and stores them by TMA; the lse goes out through masked pointer stores;
+* varlen (``VARLEN``): the descriptors read the packed tensors as one batch ``[1, T, H * D]``
+  (``as_batch``) and each program reads its sequence's first token and length from cu_seqlens
+  (``program_rows``; a block past its sequence's end does nothing, causal blocks run each
+  sequence's last block first). TMA clips only at ``T``, so the last key block of a sequence reads
+  the next one's keys (masked out of the scores like the dense tail: k/v tokens that belong to no
+  sequence must be finite, since P = 0 multiplies them), and an output tile that runs past its
+  sequence's end is written by masked pointer stores instead of TMA (``store_rows``).
 
 The pipelined variant (``PIPELINE``; the default at head dim 128, where it measured faster, and
 forced on or off for every head dim by ``PRIMUS_TURBO_ATTN_GLUON_PIPELINE=1``/``0``) also
@@ -82,6 +92,7 @@ import torch
 
 from turbo_dispatch.env import env_text_reader, parse_bool
 
+from .attention_kernels import fill_tail
 from .fp8_blockwise_gluon import available, gluon, shared_layout
 from .gemm_kernels import bind_cuda_context
 
@@ -110,7 +121,7 @@ ATTN_GLUON_EXP2_EMU_ENV = "PRIMUS_TURBO_ATTN_GLUON_EXP2_EMU"
 #: ``WINDOW`` kernels, forward and backward; off by default (the plain-Triton kernels serve them).
 ATTN_GLUON_WINDOW_ENV = "PRIMUS_TURBO_ATTN_GLUON_WINDOW"
 #: Bumped whenever a variant's code or the choice between them changes.
-KERNEL_REVISION = "attn-gluon-r3"
+KERNEL_REVISION = "attn-gluon-r4"
 #: Head dims that run the pipelined variant unless the switch says otherwise: at d128 it ran
 #: 1.05-1.08x the default variant's forward on an H200, at d64 0.95x (docs/performance.md).
 PIPELINED_HEAD_DIMS = frozenset({128})
@@ -140,8 +151,9 @@ class GluonAttnConfig(NamedTuple):
     """One compiled variant: ``BLOCK_N`` keys per ring slot and ``STAGES`` slots for head dim
     ``head_dim``, pipelined or not, ``math_wgs`` math warpgroups of ``ROWS`` query rows, the
     softmax's options (``fold_scale``, ``exp2_emu``: see their switches), and ``window``: the
-    sliding-window mask (``WINDOW``). Fields 4 and 5 are where tools/compile_sm90.py reads stages
-    and warps."""
+    sliding-window mask (``WINDOW``), ``varlen``: packed sequences (``VARLEN``; the launch decides
+    it, the field names the compiled kernel for tools/compile_sm90.py). Fields 4 and 5 are where
+    tools/compile_sm90.py reads stages and warps."""
 
     block_m: int
     block_n: int
@@ -154,6 +166,7 @@ class GluonAttnConfig(NamedTuple):
     fold_scale: bool = False
     exp2_emu: bool = False
     window: bool = False
+    varlen: bool = False
 
     def regs(self) -> tuple[int, int, int]:
         """(math partitions', loader's, kernel-wide cap) registers per thread."""
@@ -173,17 +186,18 @@ WG3_TILES = {64: (128, 4)}
 
 
 def config_for(head_dim: int, causal: bool, pipeline: bool = False, wg3: bool = False, fold_scale: bool = False,
-               exp2_emu: bool = False, window: bool = False) -> GluonAttnConfig:
+               exp2_emu: bool = False, window: bool = False, varlen: bool = False) -> GluonAttnConfig:
     """The variant that serves head dim ``head_dim`` (64 or 128): pipelined or the default, with
     three math warpgroups where ``wg3`` and ``WG3_TILES`` serves the head dim (then unpipelined),
     and the softmax options as asked. ``window``: the sliding-window kernel, always on two math
-    warpgroups (three would each walk a span of their own inside the program's, at both edges)."""
+    warpgroups (three would each walk a span of their own inside the program's, at both edges).
+    ``varlen``: the packed-sequence kernel (the same tiles and variants)."""
     wg3 = bool(wg3) and head_dim in WG3_TILES and not window
     pipeline = bool(pipeline) and not wg3
     block_n, stages = (WG3_TILES if wg3 else PIPELINED_TILES if pipeline else TILES)[head_dim]
     wgs = 3 if wg3 else 2
     return GluonAttnConfig(ROWS * wgs, block_n, head_dim, bool(causal), stages, 4 * wgs + 1, pipeline, wgs,
-                           bool(fold_scale), bool(exp2_emu), bool(window))
+                           bool(fold_scale), bool(exp2_emu), bool(window), bool(varlen))
 
 
 #: The bound a window side that is unbounded (-1) is launched with: no query row is that far
@@ -240,6 +254,9 @@ if gluon is not None:
         else:
             end = sk
             full = sk
+            if PIPELINE:
+                # Varlen: a sequence without keys still runs (and masks) block 0.
+                end = gl.maximum(m0 * 0 + sk, 1)
         return (full // BLOCK_N) * BLOCK_N, end
 
     @gluon.jit
@@ -291,31 +308,73 @@ if gluon is not None:
         return start, full_start, full_end, end
 
     @gluon.jit
-    def query_program(SEQ_Q, HEADS_Q, GROUP, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
-        """(batch, head, kv head, first query row) of this program; causal programs walk the
-        query blocks last-first, so the blocks with the most keys start first."""
-        pid_m = gl.program_id(0)
-        if CAUSAL:
-            pid_m = gl.num_programs(0) - 1 - pid_m
-        bh = gl.program_id(1)
-        h = bh % HEADS_Q
-        return bh // HEADS_Q, h, h // GROUP, pid_m * BLOCK_M
+    def sequence(cu_ptr, b, SEQ, VARLEN: gl.constexpr):
+        """``(first token, length)`` of sequence ``b``: from the int32 ``cu_seqlens`` at ``cu_ptr``
+        (``VARLEN``), else ``(0, SEQ)``."""
+        if VARLEN:
+            start = gl.load(cu_ptr + b)
+            length = gl.load(cu_ptr + b + 1) - start
+        else:
+            start = 0
+            length = SEQ
+        return start, length
 
     @gluon.jit
-    def _attn_load(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready, v_ready,
-                   kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, LEFT, RIGHT,
-                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   STAGES: gl.constexpr, PIPELINE: gl.constexpr, MATH_WGS: gl.constexpr, FOLD: gl.constexpr,
-                   EMU: gl.constexpr, WINDOW: gl.constexpr):
-        """The loader: every math warpgroup's q rows, then every key block of the span in ring order."""
-        b, h, hk, m0 = query_program(SEQ_Q, HEADS_Q, GROUP, CAUSAL, BLOCK_M)
+    def tma_batch(b, VARLEN: gl.constexpr):
+        """The descriptors' batch coordinate of batch ``b``: 0 for packed varlen tensors (one
+        ``[1, T, H * D]`` batch, ``descriptor``), else ``b``."""
+        if VARLEN:
+            tb = 0
+        else:
+            tb = b
+        return tb
+
+    @gluon.jit
+    def program_rows(cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, HEADS_Q, GROUP, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                     VARLEN: gl.constexpr):
+        """``(b, h, hk, m0, q_start, sq, k_start, sk, live)`` of this program of a
+        ``(query blocks, B * Hq)`` grid: batch, head, kv head, first query row, and the sequence's
+        first query token, query count, first key token and key count (``sequence``). Causal
+        programs walk the query blocks last-first, so the blocks with the most keys start first;
+        varlen ones from each sequence's own last block. ``live``: the block starts inside its
+        sequence (always, dense: the grid is exact; varlen grids cover the longest sequence)."""
+        pid_m = gl.program_id(0)
+        bh = gl.program_id(1)
+        b = bh // HEADS_Q
+        h = bh % HEADS_Q
+        q_start, sq = sequence(cu_q_ptr, b, SEQ_Q, VARLEN)
+        k_start, sk = sequence(cu_k_ptr, b, SEQ_K, VARLEN)
+        if CAUSAL:
+            if VARLEN:
+                pid_m = (sq + BLOCK_M - 1) // BLOCK_M - 1 - pid_m
+            else:
+                pid_m = gl.num_programs(0) - 1 - pid_m
+        m0 = pid_m * BLOCK_M
+        if VARLEN:
+            live = (m0 >= 0) & (m0 < sq)
+        else:
+            live = True
+        return b, h, h // GROUP, m0, q_start, sq, k_start, sk, live
+
+    @gluon.jit
+    def _attn_load(q_desc, k_desc, v_desc, o_desc, lse_ptr, cu_q_ptr, cu_k_ptr, o_ptr, stride_ot, q_smem, k_ring,
+                   v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh,
+                   qk_scale, LEFT, RIGHT, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PIPELINE: gl.constexpr, MATH_WGS: gl.constexpr,
+                   FOLD: gl.constexpr, EMU: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr):
+        """The loader: every math warpgroup's q rows, then every key block of the span in ring order
+        (nothing for a varlen block past its sequence's end)."""
+        b, h, hk, m0, q_start, sq, k_start, sk, live = program_rows(cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, HEADS_Q, GROUP,
+                                                                    CAUSAL, BLOCK_M, VARLEN)
+        tb = tma_batch(b, VARLEN)
         ROWS: gl.constexpr = BLOCK_M // MATH_WGS
-        for wg in gl.static_range(MATH_WGS):
-            bar = q_ready.index(wg)
-            mbarrier.expect(bar, q_desc.block_type.nbytes)
-            _tma_load(q_desc, [b, m0 + wg * ROWS, h * HEAD_DIM], bar, q_smem.index(wg))
-        load_key_span(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, b, hk * HEAD_DIM, m0, SEQ_Q, SEQ_K,
-                      LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N, STAGES, PIPELINE, WINDOW)
+        if live:
+            for wg in gl.static_range(MATH_WGS):
+                bar = q_ready.index(wg)
+                mbarrier.expect(bar, q_desc.block_type.nbytes)
+                _tma_load(q_desc, [tb, q_start + m0 + wg * ROWS, h * HEAD_DIM], bar, q_smem.index(wg))
+            load_key_span(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, tb, hk * HEAD_DIM, k_start, m0,
+                          sq, sk, LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N, STAGES, PIPELINE, WINDOW)
 
     @gluon.jit
     def ring_barriers(STAGES: gl.constexpr):
@@ -341,10 +400,11 @@ if gluon is not None:
         return once, ready_a, ready_b, empty
 
     @gluon.jit
-    def load_kv_ring(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, b, col, start, end,
+    def load_kv_ring(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, b, col, k_start, start, end,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """The loader's stream of the key blocks starting in ``[start, end)`` of batch ``b``, columns
-        from ``col``: k and v of each block into the next ring slot (the first into slot 0) once the
+        """The loader's stream of the key blocks starting in ``[start, end)`` of batch ``b`` (the
+        descriptor's batch coordinate), keys counted from token ``k_start`` (a varlen sequence's
+        first), columns from ``col``: k and v of each block into the next ring slot (the first into slot 0) once the
         math warpgroups have emptied it, each with its own ready barrier (so S = Q K^T can start
         before v lands)."""
         step = 0
@@ -355,20 +415,21 @@ if gluon is not None:
             mbarrier.wait(kv_empty.index(slot), ((step // STAGES) & 1) ^ 1)
             kbar = k_ready.index(slot)
             mbarrier.expect(kbar, k_desc.block_type.nbytes)
-            _tma_load(k_desc, [b, n0, col], kbar, k_ring.index(slot))
+            _tma_load(k_desc, [b, k_start + n0, col], kbar, k_ring.index(slot))
             vbar = v_ready.index(slot)
             mbarrier.expect(vbar, v_desc.block_type.nbytes)
-            _tma_load(v_desc, [b, n0, col], vbar, v_ring.index(slot))
+            _tma_load(v_desc, [b, k_start + n0, col], vbar, v_ring.index(slot))
             step += 1
 
     @gluon.jit
-    def load_key_span(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, b, col, m0, sq, sk, left, right,
-                      CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                      PIPELINE: gl.constexpr, WINDOW: gl.constexpr):
+    def load_key_span(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, b, col, k_start, m0, sq, sk, left,
+                      right, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr, PIPELINE: gl.constexpr, WINDOW: gl.constexpr):
         """``load_kv_ring`` over the key blocks the query rows from ``m0`` attend
         (``program_key_span``)."""
         start, _, _, end = program_key_span(m0, sq, sk, left, right, CAUSAL, BLOCK_M, BLOCK_N, PIPELINE, WINDOW)
-        load_kv_ring(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, b, col, start, end, BLOCK_N, STAGES)
+        load_kv_ring(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, b, col, k_start, start, end, BLOCK_N,
+                     STAGES)
 
     @gluon.jit
     def _exp2_mixed(x):
@@ -585,16 +646,49 @@ if gluon is not None:
         return acc, m_i, l_i
 
     @gluon.jit
-    def _attn_math(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready, v_ready,
-                   kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, LEFT, RIGHT,
-                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   STAGES: gl.constexpr, PIPELINE: gl.constexpr, MATH_WGS: gl.constexpr, FOLD: gl.constexpr,
-                   EMU: gl.constexpr, WINDOW: gl.constexpr, WG: gl.constexpr):
+    def store_rows(x, base, first, limit, stride, buf, desc, tb, col, VARLEN: gl.constexpr):
+        """The epilogue's store of the ``[rows, D]`` tile ``x`` (registers, cast to the destination's
+        dtype) as the rows ``first ..`` of the tensor behind ``desc``, starting at column ``col``:
+        staged in ``buf`` (read by no pending wgmma) and stored by TMA, which clips at the tensor's
+        end. ``VARLEN``: only rows below ``limit`` (the sequence's end) are written, since the next
+        sequence's rows follow it; a tile that runs past it takes masked pointer stores from
+        ``base`` (the tensor's data, ``stride`` elements per row), for the rest TMA as dense."""
+        ROWS: gl.constexpr = x.shape[0]
+        tile = buf.reshape([ROWS, x.shape[1]])
+        if VARLEN:
+            if first + ROWS <= limit:
+                tile.store(x.to(desc.dtype))
+                fence_async_shared()
+                _cta_barrier()
+                _tma_store(desc, [tb, first, col], buf)
+            else:
+                layout: gl.constexpr = x.type.layout
+                rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+                cols = gl.arange(0, x.shape[1], layout=gl.SliceLayout(0, layout))
+                mask = (first + rows[:, None] < limit) & (cols[None, :] < x.shape[1])
+                ptrs = base + first.to(gl.int64) * stride + col + (rows[:, None] * stride + cols[None, :])
+                gl.store(ptrs, x.to(desc.dtype), mask=mask)
+        else:
+            tile.store(x.to(desc.dtype))
+            # Every thread's generic-proxy writes must be visible to the async proxy before the copy.
+            fence_async_shared()
+            _cta_barrier()
+            _tma_store(desc, [tb, first, col], buf)
+
+    @gluon.jit
+    def _attn_math(q_desc, k_desc, v_desc, o_desc, lse_ptr, cu_q_ptr, cu_k_ptr, o_ptr, stride_ot, q_smem, k_ring,
+                   v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh,
+                   qk_scale, LEFT, RIGHT, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PIPELINE: gl.constexpr, MATH_WGS: gl.constexpr,
+                   FOLD: gl.constexpr, EMU: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
+                   WG: gl.constexpr):
         """Math warpgroup ``WG``: query rows ``m0 + WG * 64`` to ``m0 + WG * 64 + 63``. With two
         warpgroups both walk the program's key span; with three (unpipelined) each walks its own
         rows' span and hands back the slots of the program's blocks past it unread, so causal
         warpgroups above the diagonal skip the blocks only their neighbours' rows attend. ``WINDOW``
-        (two warpgroups): masked blocks at both edges of the program's span, unmasked between."""
+        (two warpgroups): masked blocks at both edges of the program's span, unmasked between.
+        ``VARLEN``: rows and keys of this program's sequence (``program_rows``), nothing at all for
+        a block past its end."""
         gl.static_assert(MATH_WGS == 2 or not PIPELINE, "three math warpgroups run unpipelined")
         gl.static_assert(MATH_WGS == 2 or not WINDOW, "windows run on two math warpgroups")
         ROWS: gl.constexpr = BLOCK_M // MATH_WGS
@@ -603,69 +697,70 @@ if gluon is not None:
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HEAD_DIM, 16])
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-        b, h, hk, m0 = query_program(SEQ_Q, HEADS_Q, GROUP, CAUSAL, BLOCK_M)
-        row0 = m0 + WG * ROWS
-        start, full_start, full_end, end = program_key_span(m0, SEQ_Q, SEQ_K, LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N,
-                                                            PIPELINE, WINDOW)
-        prog_end = end
-        if MATH_WGS == 3:
-            full_end, end = key_span(row0, SEQ_Q, SEQ_K, CAUSAL, ROWS, BLOCK_N, PIPELINE)
-            # Rows wholly past the sequence's end (the last program's) attend nothing.
-            live = (row0 < SEQ_Q).to(gl.int32)
-            full_end = full_end * live
-            end = end * live
-        shift = SEQ_K - SEQ_Q
-        rows = row0 + gl.arange(0, ROWS, layout=row_layout)
+        b, h, hk, m0, q_start, sq, k_start, sk, live = program_rows(cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, HEADS_Q, GROUP,
+                                                                    CAUSAL, BLOCK_M, VARLEN)
+        if live:
+            row0 = m0 + WG * ROWS
+            start, full_start, full_end, end = program_key_span(m0, sq, sk, LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N,
+                                                                PIPELINE, WINDOW)
+            prog_end = end
+            if MATH_WGS == 3:
+                full_end, end = key_span(row0, sq, sk, CAUSAL, ROWS, BLOCK_N, PIPELINE)
+                # Rows wholly past the sequence's end (the last program's) attend nothing.
+                live_wg = (row0 < sq).to(gl.int32)
+                full_end = full_end * live_wg
+                end = end * live_wg
+            shift = sk - sq
+            rows = row0 + gl.arange(0, ROWS, layout=row_layout)
 
-        zero_s = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=s_layout)
-        acc = gl.zeros((ROWS, HEAD_DIM), dtype=gl.float32, layout=o_layout)
-        m_i = gl.full((ROWS,), float("-inf"), dtype=gl.float32, layout=row_layout)
-        l_i = gl.zeros((ROWS,), dtype=gl.float32, layout=row_layout)
-        q_buf = q_smem.index(WG)
-        mbarrier.wait(q_ready.index(WG), 0)
-        q_tile = q_buf.reshape([ROWS, HEAD_DIM])
-        if PIPELINE:
-            acc, m_i, l_i = _attn_pipelined(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i, zero_s,
-                                            start, full_start, full_end, end, rows, SEQ_K, shift, qk_scale, LEFT,
-                                            RIGHT, CAUSAL, BLOCK_N, HEAD_DIM, STAGES, FOLD, EMU, WINDOW)
-        else:
-            # The ring step starts as a tensor (a literal 0 would be a constexpr, not loop-carriable).
-            step = full_end * 0
-            if WINDOW:
+            zero_s = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=s_layout)
+            acc = gl.zeros((ROWS, HEAD_DIM), dtype=gl.float32, layout=o_layout)
+            m_i = gl.full((ROWS,), float("-inf"), dtype=gl.float32, layout=row_layout)
+            l_i = gl.zeros((ROWS,), dtype=gl.float32, layout=row_layout)
+            q_buf = q_smem.index(WG)
+            mbarrier.wait(q_ready.index(WG), 0)
+            q_tile = q_buf.reshape([ROWS, HEAD_DIM])
+            if PIPELINE:
+                acc, m_i, l_i = _attn_pipelined(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i,
+                                                zero_s, start, full_start, full_end, end, rows, sk, shift, qk_scale,
+                                                LEFT, RIGHT, CAUSAL, BLOCK_N, HEAD_DIM, STAGES, FOLD, EMU, WINDOW)
+            else:
+                # The ring step starts as a tensor (a literal 0 would be a constexpr, not loop-carriable).
+                step = full_end * 0
+                if WINDOW:
+                    acc, m_i, l_i, step = _attn_blocks(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i,
+                                                       l_i, zero_s, step, start, full_start, rows, sk, shift, qk_scale,
+                                                       LEFT, RIGHT, True, CAUSAL, BLOCK_N, HEAD_DIM, STAGES, FOLD, EMU,
+                                                       WINDOW)
                 acc, m_i, l_i, step = _attn_blocks(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i,
-                                                   zero_s, step, start, full_start, rows, SEQ_K, shift, qk_scale, LEFT,
-                                                   RIGHT, True, CAUSAL, BLOCK_N, HEAD_DIM, STAGES, FOLD, EMU, WINDOW)
-            acc, m_i, l_i, step = _attn_blocks(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i,
-                                               zero_s, step, full_start, full_end, rows, SEQ_K, shift, qk_scale, LEFT,
-                                               RIGHT, False, CAUSAL, BLOCK_N, HEAD_DIM, STAGES, FOLD, EMU, WINDOW)
-            acc, m_i, l_i, step = _attn_blocks(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i,
-                                               zero_s, step, full_end, end, rows, SEQ_K, shift, qk_scale, LEFT, RIGHT,
-                                               True, CAUSAL, BLOCK_N, HEAD_DIM, STAGES, FOLD, EMU, WINDOW)
+                                                   zero_s, step, full_start, full_end, rows, sk, shift, qk_scale, LEFT,
+                                                   RIGHT, False, CAUSAL, BLOCK_N, HEAD_DIM, STAGES, FOLD, EMU, WINDOW)
+                acc, m_i, l_i, step = _attn_blocks(q_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, acc, m_i, l_i,
+                                                   zero_s, step, full_end, end, rows, sk, shift, qk_scale, LEFT, RIGHT,
+                                                   True, CAUSAL, BLOCK_N, HEAD_DIM, STAGES, FOLD, EMU, WINDOW)
 
-        attended = l_i > 0.0
-        l_safe = gl.where(attended, l_i, 1.0)
-        lse = gl.where(attended, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-        lse_base = lse_ptr + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
-        gl.store(lse_base + rows, lse, mask=rows < SEQ_Q)
-        out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
-        # This warpgroup's q buffer is read by no pending wgmma now: it stages the output. The
-        # TMA store clips at the sequence's end.
-        q_tile.store(out.to(o_desc.dtype))
-        # Every thread's generic-proxy writes must be visible to the async proxy before the copy.
-        fence_async_shared()
-        _cta_barrier()
-        _tma_store(o_desc, [b, row0, h * HEAD_DIM], q_buf)
-        if MATH_WGS == 3:
-            _release_rest(k_ready, kv_empty, step, step * BLOCK_N, prog_end, BLOCK_N, STAGES)
-        tma.store_wait(0)
+            attended = l_i > 0.0
+            l_safe = gl.where(attended, l_i, 1.0)
+            lse = gl.where(attended, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+            # Varlen: stride_lb is 0 and the sequence's rows start at token q_start.
+            lse_base = lse_ptr + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start
+            gl.store(lse_base + rows, lse, mask=rows < sq)
+            out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
+            # This warpgroup's q buffer is read by no pending wgmma now: it stages the output. The
+            # TMA store clips at the tensor's end, store_rows' masked stores at a varlen sequence's.
+            store_rows(out, o_ptr, q_start + row0, q_start + sq, stride_ot, q_buf, o_desc, tma_batch(b, VARLEN),
+                       h * HEAD_DIM, VARLEN)
+            if MATH_WGS == 3:
+                _release_rest(k_ready, kv_empty, step, step * BLOCK_N, prog_end, BLOCK_N, STAGES)
+            tma.store_wait(0)
 
     @gluon.jit
-    def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb,
-                              stride_lh, qk_scale, LEFT, RIGHT, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                              MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, PIPELINE: gl.constexpr,
-                              MATH_WGS: gl.constexpr, FOLD: gl.constexpr, EMU: gl.constexpr,
-                              WINDOW: gl.constexpr):
+    def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, cu_q_ptr, cu_k_ptr, o_ptr, stride_ot, SEQ_Q,
+                              SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, LEFT, RIGHT,
+                              CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MATH_REGS: gl.constexpr,
+                              LOAD_REGS: gl.constexpr, PIPELINE: gl.constexpr, MATH_WGS: gl.constexpr,
+                              FOLD: gl.constexpr, EMU: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr):
         """Grid ``(cdiv(Sq, BLOCK_M), B * Hq)``; launched with 4 warps (the default partition)
         and ``maxnreg``. ``qk_scale`` is the softmax scale times log2(e); the descriptors are
         ``descriptor``'s, q and out with ``BLOCK_M / MATH_WGS`` rows per block, k and v
@@ -674,7 +769,12 @@ if gluon is not None:
         softmax options of ``GluonAttnConfig``. ``WINDOW`` (two math warpgroups): row ``i`` attends
         key ``j`` iff ``i + Sk - Sq - LEFT <= j <= i + Sk - Sq + RIGHT`` (``window_bounds``), and
         only the key blocks some row of the program attends are loaded; without it ``LEFT`` and
-        ``RIGHT`` are not read and ``CAUSAL`` sets the mask."""
+        ``RIGHT`` are not read and ``CAUSAL`` sets the mask. ``VARLEN``: q, k, v and out are packed
+        ``[T, H, D]`` tensors read as one batch (``descriptor``), sequence ``b`` spans tokens
+        ``cu[b] .. cu[b + 1] - 1`` of the int32 ``cu_q_ptr`` / ``cu_k_ptr`` (``SEQ_Q`` the longest
+        query count, which sizes the grid; ``SEQ_K`` unread), out is also written through ``o_ptr``
+        (``stride_ot`` elements per token) and the lse is ``[Hq, Tq]`` (``stride_lb`` 0); dense
+        calls pass stand-ins there, never read."""
         # Buffers of rank 3 like the descriptors' blocks ([1, rows, D]); the math reshapes them to 2-D.
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [MATH_WGS, 1, BLOCK_M // MATH_WGS, HEAD_DIM],
                                            q_desc.layout)
@@ -685,18 +785,22 @@ if gluon is not None:
         # entries would become tensors (triton 3.6). The math partitions differ only in WG; the
         # third one, listed last, runs only with three math warpgroups.
         gl.warp_specialize([
-            (_attn_math, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready,
-                          v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, LEFT,
-                          RIGHT, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PIPELINE, MATH_WGS, FOLD, EMU, WINDOW, 0)),
-            (_attn_math, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready,
-                          v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, LEFT,
-                          RIGHT, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PIPELINE, MATH_WGS, FOLD, EMU, WINDOW, 1)),
-            (_attn_load, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready,
-                          v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, LEFT,
-                          RIGHT, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PIPELINE, MATH_WGS, FOLD, EMU, WINDOW)),
-            (_attn_math, (q_desc, k_desc, v_desc, o_desc, lse_ptr, q_smem, k_ring, v_ring, q_ready, k_ready,
-                          v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, LEFT,
-                          RIGHT, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PIPELINE, MATH_WGS, FOLD, EMU, WINDOW, 2)),
+            (_attn_math, (q_desc, k_desc, v_desc, o_desc, lse_ptr, cu_q_ptr, cu_k_ptr, o_ptr, stride_ot, q_smem,
+                          k_ring, v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb,
+                          stride_lh, qk_scale, LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PIPELINE,
+                          MATH_WGS, FOLD, EMU, WINDOW, VARLEN, 0)),
+            (_attn_math, (q_desc, k_desc, v_desc, o_desc, lse_ptr, cu_q_ptr, cu_k_ptr, o_ptr, stride_ot, q_smem,
+                          k_ring, v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb,
+                          stride_lh, qk_scale, LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PIPELINE,
+                          MATH_WGS, FOLD, EMU, WINDOW, VARLEN, 1)),
+            (_attn_load, (q_desc, k_desc, v_desc, o_desc, lse_ptr, cu_q_ptr, cu_k_ptr, o_ptr, stride_ot, q_smem,
+                          k_ring, v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb,
+                          stride_lh, qk_scale, LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PIPELINE,
+                          MATH_WGS, FOLD, EMU, WINDOW, VARLEN)),
+            (_attn_math, (q_desc, k_desc, v_desc, o_desc, lse_ptr, cu_q_ptr, cu_k_ptr, o_ptr, stride_ot, q_smem,
+                          k_ring, v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb,
+                          stride_lh, qk_scale, LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PIPELINE,
+                          MATH_WGS, FOLD, EMU, WINDOW, VARLEN, 2)),
         ][:MATH_WGS + 1], [4, 1, 4][:MATH_WGS], [MATH_REGS, LOAD_REGS, MATH_REGS][:MATH_WGS])
 
 
@@ -759,16 +863,17 @@ def pipelined(head_dim: int) -> bool:
     return head_dim in PIPELINED_HEAD_DIMS if setting is None else setting
 
 
-def call_config(head_dim: int, causal: bool, window: bool = False) -> GluonAttnConfig:
+def call_config(head_dim: int, causal: bool, window: bool = False, varlen: bool = False) -> GluonAttnConfig:
     """The variant a call of head dim ``head_dim`` runs, every switch read now; ``window``: the
     call has a sliding window (``has_window``), which runs on two math warpgroups, pipelined as
-    ``PRIMUS_TURBO_ATTN_GLUON_PIPELINE`` or ``PIPELINED_HEAD_DIMS`` says."""
+    ``PRIMUS_TURBO_ATTN_GLUON_PIPELINE`` or ``PIPELINED_HEAD_DIMS`` says; ``varlen``: packed
+    sequences (the same variant, its ``VARLEN`` kernel)."""
     settings = variant_settings()
     if window:
         setting = pipeline_setting()
         pipeline = head_dim in PIPELINED_HEAD_DIMS if setting is None else setting
-        return config_for(head_dim, causal, pipeline, window=True, **settings)
-    return config_for(head_dim, causal, pipelined(head_dim), **settings)
+        return config_for(head_dim, causal, pipeline, window=True, varlen=varlen, **settings)
+    return config_for(head_dim, causal, pipelined(head_dim), varlen=varlen, **settings)
 
 
 _read_window = env_text_reader(ATTN_GLUON_WINDOW_ENV)
@@ -804,8 +909,6 @@ def machine_refusal() -> Optional[str]:
 
 def problem_refusal(p) -> Optional[str]:
     """Why the kernel does not serve the attention problem ``p`` (an ``AttentionProblem``), or None."""
-    if p.varlen:
-        return "varlen calls run on the plain-Triton forward"
     if p.fp8:
         return "fp8 calls run on the plain-Triton forward"
     if p.sink:
@@ -819,7 +922,7 @@ def problem_refusal(p) -> Optional[str]:
         return f"dtype {p.dtype}: bf16/fp16 only"
     if p.head_dim_qk != p.head_dim_v or p.head_dim_qk not in TILES:
         return f"head dims q/k {p.head_dim_qk}, v {p.head_dim_v}: both must be one of {sorted(TILES)}"
-    if p.seqlen_q < 1 or p.seqlen_k < 1 or p.batch < 1:
+    if p.seqlen_q < 1 or p.seqlen_k < 1 or p.batch < 1 or p.total_q < 1 or p.total_k < 1:
         return "empty batch or sequence"
     if p.batch * p.heads_q > 65535:
         return f"batch x query heads = {p.batch * p.heads_q}: the grid's second dimension holds 65535"
@@ -827,10 +930,12 @@ def problem_refusal(p) -> Optional[str]:
 
 
 def tensor_refusal(**tensors: torch.Tensor) -> Optional[str]:
-    """Why the named dense ``[B, S, H, D]`` tensors cannot be read by this kernel's TMA
-    descriptors (``descriptor``), or None: each token's heads packed (``stride(2) == D``,
-    ``stride(3) == 1``), the base and the batch and token strides 16-byte aligned, and CUDA
-    tensors (asked last, so the layout rules are checkable on any device)."""
+    """Why the named dense ``[B, S, H, D]`` (or packed varlen ``[T, H, D]``, read as one batch:
+    ``as_batch``) tensors cannot be read by this kernel's TMA descriptors (``descriptor``), or
+    None: each token's heads packed (``stride(2) == D``, ``stride(3) == 1``), the base and the
+    batch and token strides 16-byte aligned, and CUDA tensors (asked last, so the layout rules are
+    checkable on any device)."""
+    tensors = {name: as_batch(t) for name, t in tensors.items()}
     for name, t in tensors.items():
         if t.dim() != 4 or t.stride(3) != 1 or t.stride(2) != t.shape[3]:
             return f"{name} strides {tuple(t.stride())}: each token's heads must be packed and contiguous"
@@ -854,10 +959,19 @@ def gluon_forward_refusal(p, q: Optional[torch.Tensor] = None, k: Optional[torch
 
 
 # -- launch --------------------------------------------------------------------------------------------
+def as_batch(x: torch.Tensor) -> torch.Tensor:
+    """A packed varlen ``[T, H, D]`` tensor as the one-batch ``[1, T, H, D]`` the descriptors read
+    (the kernels address sequence ``b``'s tokens from ``cu_seqlens[b]``); 4-D tensors as they are."""
+    return x.unsqueeze(0) if x.dim() == 3 else x
+
+
 def descriptor(x: torch.Tensor, rows: int):
     """A rank-3 TMA descriptor over the dense ``[B, S, H, D]`` tensor ``x`` read as
     ``[B, S, H * D]`` (heads packed, ``tensor_refusal``), with blocks of ``rows`` tokens of one head
-    (``[1, rows, D]``). TMA clips the block at ``S`` per batch."""
+    (``[1, rows, D]``). TMA clips the block at ``S`` per batch. A packed varlen ``[T, H, D]``
+    tensor is read as ``[1, T, H * D]`` (``as_batch``): TMA clips at ``T`` only, so a block that
+    runs past a sequence's end reads the next sequence's tokens, which the kernels mask."""
+    x = as_batch(x)
     b, s, h, d = x.shape
     block = (1, rows, d)
     bind_cuda_context(x)
@@ -866,44 +980,72 @@ def descriptor(x: torch.Tensor, rows: int):
 
 
 def launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                softmax_scale: float, cfg: GluonAttnConfig, window: tuple[int, int] = (-1, -1)
-                ) -> tuple[tuple, tuple, dict]:
+                softmax_scale: float, cfg: GluonAttnConfig, window: tuple[int, int] = (-1, -1),
+                cu_seqlens: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                max_seqlens: Optional[tuple[int, int]] = None) -> tuple[tuple, tuple, dict]:
     """``(grid, args, kwargs)`` of one launch of variant ``cfg`` (``config_for``; its head dim and
     mask those of the call) writing ``out`` and ``lse``; tools/compile_sm90.py compiles with them.
     ``fold_scale`` applies to a positive ``softmax_scale`` only (the row maximum of the raw scores
     is the scaled one's only then). ``window``: the call's ``(window_left, window_right)``, read
-    where ``cfg.window`` (a causal call's right side is 0)."""
-    b, sq, hq, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+    where ``cfg.window`` (a causal call's right side is 0). ``cu_seqlens``: a varlen launch's
+    ``(cu_seqlens_q, cu_seqlens_k)`` (int32 ``[B + 1]`` on the device, never read here) over packed
+    ``[T, H, D]`` q, k, v, out and an lse ``[Hq, Tq]``, with ``max_seqlens`` the caller's
+    ``(max_seqlen_q, max_seqlen_k)`` (the grid covers the longest query sequence)."""
+    varlen = cu_seqlens is not None
+    if varlen != cfg.varlen:
+        raise ValueError(f"attention_gluon.launch_args: cfg.varlen={cfg.varlen} but cu_seqlens "
+                         f"{'given' if varlen else 'not given'}")
+    if varlen:
+        b, (sq, sk) = cu_seqlens[0].numel() - 1, max_seqlens
+        hq, d, hk = q.shape[1], q.shape[2], k.shape[1]
+        cu_q, cu_k = cu_seqlens
+        lse_strides, out_stride = (0, lse.stride(0)), out.stride(0)
+    else:
+        b, sq, hq, d = q.shape
+        sk, hk = k.shape[1], k.shape[2]
+        cu_q = cu_k = lse  # stand-ins: read under VARLEN only
+        lse_strides, out_stride = (lse.stride(0), lse.stride(1)), 0
     rows = cfg.block_m // cfg.math_wgs
     math_regs, load_regs, maxnreg = cfg.regs()
     args = (descriptor(q, rows), descriptor(k, cfg.block_n), descriptor(v, cfg.block_n), descriptor(out, rows), lse,
-            sq, sk, hq, hq // hk, lse.stride(0), lse.stride(1), softmax_scale * _LOG2E, *window_bounds(*window))
+            cu_q, cu_k, out, out_stride, sq, sk, hq, hq // hk, *lse_strides, softmax_scale * _LOG2E,
+            *window_bounds(*window))
     kwargs = dict(CAUSAL=cfg.causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.stages,
                   MATH_REGS=math_regs, LOAD_REGS=load_regs, PIPELINE=cfg.pipeline, MATH_WGS=cfg.math_wgs,
-                  FOLD=cfg.fold_scale and softmax_scale > 0, EMU=cfg.exp2_emu, WINDOW=cfg.window, num_warps=4,
-                  maxnreg=maxnreg)
+                  FOLD=cfg.fold_scale and softmax_scale > 0, EMU=cfg.exp2_emu, WINDOW=cfg.window, VARLEN=varlen,
+                  num_warps=4, maxnreg=maxnreg)
     return (-(-sq // cfg.block_m), b * hq), args, kwargs
 
 
-def attend(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out ``[B, Sq, Hq, D]`` in the inputs' dtype, float32 natural-log lse ``[B, Hq, Sq]``) of
-    a call ``gluon_forward_refusal(p, q, k, v)`` accepted; the same contract as
-    ``attention.attend``'s dense forward. The variant is ``call_config``'s (the ``WINDOW`` kernel
-    for a call with a sliding window)."""
+def attend(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor] = None,
+           cu_seqlens_k: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out shaped like q in the inputs' dtype, float32 natural-log lse ``[B, Hq, Sq]``, varlen
+    ``[Hq, Tq]``) of a call ``gluon_forward_refusal(p, q, k, v)`` accepted; the same contract as
+    ``attention.attend``'s forward, varlen included (rows of empty or fully masked sequences: out
+    0, lse -inf; tokens past ``cu_seqlens_q[-1]``: out 0, lse -inf). The variant is
+    ``call_config``'s (the ``WINDOW`` kernel for a call with a sliding window). Varlen calls
+    (``p.varlen``) pass both cu_seqlens, which only the device reads."""
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    lse = torch.empty((p.batch, p.heads_q, p.seqlen_q), device=q.device, dtype=torch.float32)
     window = has_window(p)
-    grid, args, kwargs = launch_args(q, k, v, out, lse, p.softmax_scale,
-                                     call_config(p.head_dim_qk, p.causal, window),
-                                     (p.window_left, p.window_right))
+    cfg = call_config(p.head_dim_qk, p.causal, window, p.varlen)
+    if p.varlen:
+        # The kernel writes every token of every sequence; only the lse (Hq x Tq floats) is
+        # filled first, out's tokens past the last sequence by a kernel that reads cu_seqlens.
+        lse = torch.full((p.heads_q, p.total_q), float("-inf"), device=q.device, dtype=torch.float32)
+        grid, args, kwargs = launch_args(q, k, v, out, lse, p.softmax_scale, cfg, (p.window_left, p.window_right),
+                                         (cu_seqlens_q, cu_seqlens_k), (p.seqlen_q, p.seqlen_k))
+        attn_fwd_gluon_kernel[grid](*args, **kwargs)
+        fill_tail(out, cu_seqlens_q)
+        return out, lse
+    lse = torch.empty((p.batch, p.heads_q, p.seqlen_q), device=q.device, dtype=torch.float32)
+    grid, args, kwargs = launch_args(q, k, v, out, lse, p.softmax_scale, cfg, (p.window_left, p.window_right))
     attn_fwd_gluon_kernel[grid](*args, **kwargs)
     return out, lse
 
 
 __all__ = ["ATTN_GLUON_ENV", "ATTN_GLUON_EXP2_EMU_ENV", "ATTN_GLUON_FOLD_SCALE_ENV", "ATTN_GLUON_PIPELINE_ENV",
            "ATTN_GLUON_WG3_ENV", "ATTN_GLUON_WINDOW_ENV", "KERNEL_REVISION", "PIPELINED_HEAD_DIMS", "UNBOUNDED",
-           "VARIANT_SWITCHES", "GluonAttnConfig", "attend", "block_span_host", "call_config", "config_for",
+           "VARIANT_SWITCHES", "GluonAttnConfig", "as_batch", "attend", "block_span_host", "call_config", "config_for",
            "gluon_forward_refusal", "has_window", "launch_args", "machine_refusal", "pipeline_setting", "pipelined",
            "problem_refusal", "tensor_refusal", "variant_settings", "variant_tag", "window_bounds",
            "window_key_span_host", "window_setting", "window_tag"]

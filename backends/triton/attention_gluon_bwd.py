@@ -6,7 +6,12 @@ bottom-right causal mask or a sliding window (``WINDOW``, behind the forward's
 ``PRIMUS_TURBO_ATTN_GLUON_WINDOW``), Sq != Sk, odd lengths, any softmax scale. It starts from the forward's
 out and float32 natural-log lse ``[B, Hq, Sq]`` (either forward kernel's: they mean the same) and
 returns dq, dk, dv in the inputs' dtype, the gradients ``attention_kernels``' backward computes.
-``gluon_backward_refusal`` names every call it leaves to those plain-Triton kernels.
+``gluon_backward_refusal`` names every call it leaves to those plain-Triton kernels. Varlen
+calls (``VARLEN``: packed tensors, cu_seqlens read on the device, the lse ``[Hq, Tq]``) run the
+same kernels per sequence, as the forward does (attention_gluon.py: one-batch descriptors, blocks
+past a sequence's end idle, tiles running past it stored by masked pointer stores); in the dK/dV
+kernel the query rows past a sequence's end (the next sequence's, read by TMA) get lse2 = +inf,
+so they contribute nothing. Tokens past the last sequence get zero gradients.
 
 Three launches, deterministic (no atomics; a GQA group's dK/dV are summed inside one program):
 
@@ -78,7 +83,8 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
 
-    from .attention_gluon import block_span, key_mask, load_key_span, program_key_span, ring_barriers
+    from .attention_gluon import (block_span, key_mask, load_key_span, program_key_span, ring_barriers, sequence,
+                                  store_rows, tma_batch)
     from .fp8_blockwise_gluon import _cta_barrier, _tma_load
     from .fp8_blockwise_gluon_ws import _cp_async, _tma_store
 
@@ -89,7 +95,7 @@ ATTN_GLUON_BWD_HEAVY_FIRST_ENV = "PRIMUS_TURBO_ATTN_GLUON_BWD_HEAVY_FIRST"
 #: The dK/dV and dQ kernels run side by side on two streams unless set to 0/false.
 ATTN_GLUON_BWD_OVERLAP_ENV = "PRIMUS_TURBO_ATTN_GLUON_BWD_OVERLAP"
 #: Bumped whenever a kernel's code changes.
-KERNEL_REVISION = "attn-gluon-bwd-r3"
+KERNEL_REVISION = "attn-gluon-bwd-r4"
 #: Rows one math warpgroup owns: keys in the dK/dV kernel, queries in the dQ kernel (one wgmma M).
 ROWS = 64
 #: Keys per dK/dV program and query rows per dQ program: two math warpgroups of ``ROWS``.
@@ -107,8 +113,9 @@ _LOG2E = 1.4426950408889634
 class GluonAttnBwdConfig(NamedTuple):
     """One compiled variant of ``kernel`` ("dkdv" or "dq"): ``block_m`` query rows and
     ``block_n`` keys per step or program, ``stages`` ring slots, programs in the heavy-first order
-    if ``heavy_first`` (causal only), the sliding-window mask where ``window`` (``WINDOW``). Fields 4
-    and 5 are where tools/compile_sm90.py reads stages and warps."""
+    if ``heavy_first`` (causal only), the sliding-window mask where ``window`` (``WINDOW``), packed
+    sequences where ``varlen`` (``VARLEN``). Fields 4 and 5 are where tools/compile_sm90.py reads
+    stages and warps."""
 
     block_m: int
     block_n: int
@@ -119,6 +126,7 @@ class GluonAttnBwdConfig(NamedTuple):
     kernel: str
     heavy_first: bool = False
     window: bool = False
+    varlen: bool = False
 
 
 #: Per head dim: (query rows per dK/dV ring slot, its STAGES) and (keys per dQ ring slot, its
@@ -129,21 +137,23 @@ class GluonAttnBwdConfig(NamedTuple):
 BWD_TILES = {64: ((64, 4), (128, 3)), 128: ((64, 3), (64, 3))}
 
 
-def dkdv_config(head_dim: int, causal: bool, heavy_first: bool = False, window: bool = False) -> GluonAttnBwdConfig:
+def dkdv_config(head_dim: int, causal: bool, heavy_first: bool = False, window: bool = False,
+                varlen: bool = False) -> GluonAttnBwdConfig:
     """The dK/dV kernel's variant for head dim ``head_dim`` (64 or 128); ``heavy_first`` counts
     only for causal calls (a full mask's programs all weigh the same); ``window``: the
-    sliding-window kernel (the same tiles)."""
+    sliding-window kernel, ``varlen``: the packed-sequence one (the same tiles)."""
     block_m, stages = BWD_TILES[head_dim][0]
     return GluonAttnBwdConfig(block_m, BLOCK, head_dim, bool(causal), stages, WARPS, "dkdv",
-                              bool(causal and heavy_first), bool(window))
+                              bool(causal and heavy_first), bool(window), bool(varlen))
 
 
-def dq_config(head_dim: int, causal: bool, heavy_first: bool = False, window: bool = False) -> GluonAttnBwdConfig:
-    """The dQ kernel's variant for head dim ``head_dim`` (64 or 128); ``heavy_first`` and
-    ``window`` as in ``dkdv_config``."""
+def dq_config(head_dim: int, causal: bool, heavy_first: bool = False, window: bool = False,
+              varlen: bool = False) -> GluonAttnBwdConfig:
+    """The dQ kernel's variant for head dim ``head_dim`` (64 or 128); ``heavy_first``, ``window``
+    and ``varlen`` as in ``dkdv_config``."""
     block_n, stages = BWD_TILES[head_dim][1]
     return GluonAttnBwdConfig(BLOCK, block_n, head_dim, bool(causal), stages, WARPS, "dq",
-                              bool(causal and heavy_first), bool(window))
+                              bool(causal and heavy_first), bool(window), bool(varlen))
 
 
 
@@ -196,22 +206,47 @@ if gluon is not None:
         return block, bh, blocks
 
     @gluon.jit
-    def _key_program(HEADS_KV, BLOCK_N: gl.constexpr, HEAVY_FIRST: gl.constexpr):
-        """(batch, kv head, first key) of this dK/dV program. Block 0 is the heaviest: causal key
-        blocks are attended by fewer query blocks the later they start."""
+    def _key_program(cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, HEADS_KV, BLOCK_N: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+                     VARLEN: gl.constexpr):
+        """``(batch, kv head, first key, q_start, sq, k_start, sk, live)`` of this dK/dV program:
+        its sequence's first query token, query count, first key token and key count
+        (``attention_gluon.sequence``), and whether its block starts inside the sequence (always,
+        dense). Block 0 is the heaviest: causal key blocks are attended by fewer query blocks the
+        later they start."""
         block, bh, _ = _grid_position(HEAVY_FIRST)
-        return bh // HEADS_KV, bh % HEADS_KV, block * BLOCK_N
+        b = bh // HEADS_KV
+        q_start, sq = sequence(cu_q_ptr, b, SEQ_Q, VARLEN)
+        k_start, sk = sequence(cu_k_ptr, b, SEQ_K, VARLEN)
+        n0 = block * BLOCK_N
+        if VARLEN:
+            live = n0 < sk
+        else:
+            live = True
+        return b, bh % HEADS_KV, n0, q_start, sq, k_start, sk, live
 
     @gluon.jit
-    def _query_program(HEADS_Q, GROUP, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAVY_FIRST: gl.constexpr):
-        """(batch, head, kv head, first query row) of this dQ program; causal programs walk the
-        query blocks last-first, so the blocks with the most keys start first (the forward's
-        order where not ``HEAVY_FIRST``)."""
+    def _query_program(cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, HEADS_Q, GROUP, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                       HEAVY_FIRST: gl.constexpr, VARLEN: gl.constexpr):
+        """``(batch, head, kv head, first query row, q_start, sq, k_start, sk, live)`` of this dQ
+        program (see ``_key_program``); causal programs walk the query blocks last-first, so the
+        blocks with the most keys start first (the forward's order where not ``HEAVY_FIRST``;
+        varlen ones from each sequence's own last block)."""
         block, bh, blocks = _grid_position(HEAVY_FIRST)
+        b = bh // HEADS_Q
+        q_start, sq = sequence(cu_q_ptr, b, SEQ_Q, VARLEN)
+        k_start, sk = sequence(cu_k_ptr, b, SEQ_K, VARLEN)
         if CAUSAL:
-            block = blocks - 1 - block
+            if VARLEN:
+                block = (sq + BLOCK_M - 1) // BLOCK_M - 1 - block
+            else:
+                block = blocks - 1 - block
+        m0 = block * BLOCK_M
+        if VARLEN:
+            live = (m0 >= 0) & (m0 < sq)
+        else:
+            live = True
         h = bh % HEADS_Q
-        return bh // HEADS_Q, h, h // GROUP, block * BLOCK_M
+        return b, h, h // GROUP, m0, q_start, sq, k_start, sk, live
 
     @gluon.jit
     def _load_halves(a_desc, b_desc, a_smem, b_smem, bars, b, row0, col, ROWS: gl.constexpr):
@@ -240,24 +275,41 @@ if gluon is not None:
         return x, y, first, second
 
     @gluon.jit
-    def _dkdv_load(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, k_smem, v_smem, q_ring,
-                   do_ring, lse_ring, delta_ring, kv_ready, q_ready, do_ready, slot_empty, SEQ_Q, SEQ_K, HEADS_KV,
-                   GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                   HEAVY_FIRST: gl.constexpr, WINDOW: gl.constexpr):
+    def _dkdv_load(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, dk_ptr,
+                   dv_ptr, stride_kt, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, kv_ready, q_ready,
+                   do_ready, slot_empty, SEQ_Q, SEQ_K, HEADS_KV, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT,
+                   RIGHT, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   STAGES: gl.constexpr, HEAVY_FIRST: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr):
         """The loader: both warpgroups' k and v rows, then q, dO, lse2 and delta of every query
-        block of every query head of the group, in ring order."""
-        b, hk, n0 = _key_program(HEADS_KV, BLOCK_N, HEAVY_FIRST)
-        _load_halves(k_desc, v_desc, k_smem, v_smem, kv_ready, b, n0, hk * HEAD_DIM, BLOCK_N // 2)
+        block of every query head of the group, in ring order (nothing for a varlen block past its
+        sequence's end)."""
+        b, hk, n0, q_start, sq, k_start, sk, live = _key_program(cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, HEADS_KV, BLOCK_N,
+                                                                 HEAVY_FIRST, VARLEN)
+        if live:
+            _dkdv_load_rows(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, k_smem, v_smem, q_ring, do_ring,
+                            lse_ring, delta_ring, kv_ready, q_ready, do_ready, slot_empty, b, hk, n0, q_start, sq,
+                            k_start, sk, GROUP, stride_lb, stride_lh, LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM,
+                            STAGES, WINDOW, VARLEN)
+
+    @gluon.jit
+    def _dkdv_load_rows(q_desc, k_desc, v_desc, do_desc, lse2_ptr, delta_ptr, k_smem, v_smem, q_ring, do_ring,
+                        lse_ring, delta_ring, kv_ready, q_ready, do_ready, slot_empty, b, hk, n0, q_start, sq, k_start,
+                        sk, GROUP, stride_lb, stride_lh, LEFT, RIGHT, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WINDOW: gl.constexpr,
+                        VARLEN: gl.constexpr):
+        """``_dkdv_load``'s copies for a program whose keys start at ``n0`` of its sequence."""
+        tb = tma_batch(b, VARLEN)
+        _load_halves(k_desc, v_desc, k_smem, v_smem, kv_ready, tb, k_start + n0, hk * HEAD_DIM, BLOCK_N // 2)
         if WINDOW:
-            start, end = _window_query_span(n0, SEQ_Q, SEQ_K, LEFT, RIGHT, BLOCK_M, BLOCK_N)
+            start, end = _window_query_span(n0, sq, sk, LEFT, RIGHT, BLOCK_M, BLOCK_N)
         else:
-            start, end = _query_span(n0, SEQ_Q, SEQ_K, CAUSAL, BLOCK_M)
+            start, end = _query_span(n0, sq, sk, CAUSAL, BLOCK_M)
         offs = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
         step = 0
         for g in range(GROUP):
             h = hk * GROUP + g
-            l_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+            # Varlen: stride_lb is 0 and the sequence's rows start at token q_start.
+            l_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start
             for m0 in range(start, end, BLOCK_M):
                 slot = step % STAGES
                 # A fresh mbarrier counts as having completed the phase before phase 0, so the
@@ -269,25 +321,28 @@ if gluon is not None:
                 # Rows past sq are zero-filled; their q and dO rows are zeros too, so P^T dO and
                 # dS^T vanish there.
                 qbar = q_ready.index(slot)
-                _cp_async(lse_ring.index(slot), lse2_ptr + l_off + rows, mask=rows < SEQ_Q)
+                _cp_async(lse_ring.index(slot), lse2_ptr + l_off + rows, mask=rows < sq)
                 async_copy.mbarrier_arrive(qbar, increment_count=True)
                 mbarrier.expect(qbar, q_desc.block_type.nbytes)
-                _tma_load(q_desc, [b, m0, h * HEAD_DIM], qbar, q_ring.index(slot))
+                _tma_load(q_desc, [tb, q_start + m0, h * HEAD_DIM], qbar, q_ring.index(slot))
                 dobar = do_ready.index(slot)
-                _cp_async(delta_ring.index(slot), delta_ptr + l_off + rows, mask=rows < SEQ_Q)
+                _cp_async(delta_ring.index(slot), delta_ptr + l_off + rows, mask=rows < sq)
                 async_copy.mbarrier_arrive(dobar, increment_count=True)
                 mbarrier.expect(dobar, do_desc.block_type.nbytes)
-                _tma_load(do_desc, [b, m0, h * HEAD_DIM], dobar, do_ring.index(slot))
+                _tma_load(do_desc, [tb, q_start + m0, h * HEAD_DIM], dobar, do_ring.index(slot))
                 step += 1
 
     @gluon.jit
     def _dkdv_blocks(k_tile, v_tile, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready, slot_empty, dk, dv,
-                     zero_s, step, lo, hi, diag0, qk_scale, left, right, MASKED: gl.constexpr, BLOCK_M: gl.constexpr,
-                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WINDOW: gl.constexpr):
+                     zero_s, step, lo, hi, diag0, sq, qk_scale, left, right, MASKED: gl.constexpr,
+                     BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WINDOW: gl.constexpr,
+                     VARLEN: gl.constexpr):
         """dK/dV contributions of the query blocks starting in [lo, hi), ring steps from ``step``;
         ``MASKED`` blocks zero P^T above the causal diagonal: query ``i`` attends the
         warpgroup's key ``r`` iff ``i >= diag0 + r``; ``WINDOW``, iff
-        ``diag0 + r - right <= i <= diag0 + r + left``. Returns ``(dk, dv, step)``."""
+        ``diag0 + r - right <= i <= diag0 + r + left``. ``VARLEN``: queries from ``sq`` on are the
+        next sequence's (read, not zeros): their lse2 is taken as +inf, so P^T and dS^T are 0
+        there. Returns ``(dk, dv, step)``."""
         s_layout: gl.constexpr = zero_s.type.layout
         acc_layout: gl.constexpr = dk.type.layout
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -299,7 +354,10 @@ if gluon is not None:
             st, dpt, q_tile, do_tile = _start_products(k_tile, v_tile, q_ring, do_ring, q_ready, do_ready, slot, phase,
                                                        zero_s, BLOCK_M, HEAD_DIM)
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
-            pt = gl.exp2(st * qk_scale - lse_ring.index(slot).load(col_layout)[None, :])
+            lse2 = lse_ring.index(slot).load(col_layout)
+            if VARLEN:
+                lse2 = gl.where(m0 + gl.arange(0, BLOCK_M, layout=col_layout) < sq, lse2, float("inf"))
+            pt = gl.exp2(st * qk_scale - lse2[None, :])
             if MASKED:
                 cols = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
                 rows = diag0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
@@ -325,27 +383,41 @@ if gluon is not None:
         return dk, dv, step
 
     @gluon.jit
-    def _dkdv_math(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, k_smem, v_smem, q_ring,
-                   do_ring, lse_ring, delta_ring, kv_ready, q_ready, do_ready, slot_empty, SEQ_Q, SEQ_K, HEADS_KV,
-                   GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                   HEAVY_FIRST: gl.constexpr, WINDOW: gl.constexpr, WG: gl.constexpr):
+    def _dkdv_math(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, dk_ptr,
+                   dv_ptr, stride_kt, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, kv_ready, q_ready,
+                   do_ready, slot_empty, SEQ_Q, SEQ_K, HEADS_KV, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT,
+                   RIGHT, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   STAGES: gl.constexpr, HEAVY_FIRST: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr, WG: gl.constexpr):
         """Math warpgroup ``WG``: keys ``n0 + WG * 64`` to ``n0 + WG * 64 + 63``, dK and dV summed
         over the query heads of the group. ``WINDOW``: the query blocks of the program's window
-        span, every one masked (as the causal ones, for the registers' sake)."""
+        span, every one masked (as the causal ones, for the registers' sake). ``VARLEN``: keys and
+        queries of this program's sequence, nothing at all for a block past its end."""
+        b, hk, n0, q_start, sq, k_start, sk, live = _key_program(cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, HEADS_KV, BLOCK_N,
+                                                                 HEAVY_FIRST, VARLEN)
+        if live:
+            _dkdv_rows(dk_desc, dv_desc, dk_ptr, dv_ptr, stride_kt, k_smem, v_smem, q_ring, do_ring, lse_ring,
+                       delta_ring, kv_ready, q_ready, do_ready, slot_empty, b, hk, n0, q_start, sq, k_start, sk, GROUP,
+                       qk_scale, sm_scale, LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, WINDOW, VARLEN, WG)
+
+    @gluon.jit
+    def _dkdv_rows(dk_desc, dv_desc, dk_ptr, dv_ptr, stride_kt, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring,
+                   kv_ready, q_ready, do_ready, slot_empty, b, hk, n0, q_start, sq, k_start, sk, GROUP, qk_scale,
+                   sm_scale, LEFT, RIGHT, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
+                   WG: gl.constexpr):
+        """``_dkdv_math``'s work for a program whose keys start at ``n0`` of its sequence."""
         KEYS: gl.constexpr = BLOCK_N // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_M, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEAD_DIM, 16])
-        b, hk, n0 = _key_program(HEADS_KV, BLOCK_N, HEAVY_FIRST)
         row0 = n0 + WG * KEYS
         if WINDOW:
-            start, end = _window_query_span(n0, SEQ_Q, SEQ_K, LEFT, RIGHT, BLOCK_M, BLOCK_N)
+            start, end = _window_query_span(n0, sq, sk, LEFT, RIGHT, BLOCK_M, BLOCK_N)
         else:
-            start, end = _query_span(n0, SEQ_Q, SEQ_K, CAUSAL, BLOCK_M)
+            start, end = _query_span(n0, sq, sk, CAUSAL, BLOCK_M)
         # Query i attends key j iff i + sk - sq >= j (causal; the window's bounds hang off this).
-        diag0 = row0 - (SEQ_K - SEQ_Q)
+        diag0 = row0 - (sk - sq)
 
         zero_s = gl.zeros((KEYS, BLOCK_M), dtype=gl.float32, layout=s_layout)
         dk = gl.zeros((KEYS, HEAD_DIM), dtype=gl.float32, layout=acc_layout)
@@ -362,26 +434,33 @@ if gluon is not None:
             # more loop state than the registers allow (spills in both loops, d128, sm_90); the
             # mask of a block below the diagonal keeps every element, at a compare and a select.
             dk, dv, step = _dkdv_blocks(k_tile, v_tile, q_ring, do_ring, lse_ring, delta_ring, q_ready, do_ready,
-                                        slot_empty, dk, dv, zero_s, step, start, end, diag0, qk_scale, LEFT, RIGHT,
-                                        CAUSAL or WINDOW, BLOCK_M, HEAD_DIM, STAGES, WINDOW)
+                                        slot_empty, dk, dv, zero_s, step, start, end, diag0, sq, qk_scale, LEFT, RIGHT,
+                                        CAUSAL or WINDOW, BLOCK_M, HEAD_DIM, STAGES, WINDOW, VARLEN)
 
         # This warpgroup's k and v buffers are read by no pending wgmma now: they stage dK and dV.
-        # The TMA stores clip at the sequence's end (keys past Sk are never written).
-        k_tile.store((dk * sm_scale).to(dk_desc.dtype))
-        v_tile.store(dv.to(dv_desc.dtype))
-        # Every thread's generic-proxy writes must be visible to the async proxy before the copies.
-        fence_async_shared()
-        _cta_barrier()
-        _tma_store(dk_desc, [b, row0, hk * HEAD_DIM], k_buf)
-        _tma_store(dv_desc, [b, row0, hk * HEAD_DIM], v_buf)
+        if VARLEN:
+            # Keys past the sequence's end are the next sequence's: store_rows writes only its own.
+            store_rows(dk * sm_scale, dk_ptr, k_start + row0, k_start + sk, stride_kt, k_buf, dk_desc, 0,
+                       hk * HEAD_DIM, VARLEN)
+            store_rows(dv, dv_ptr, k_start + row0, k_start + sk, stride_kt, v_buf, dv_desc, 0, hk * HEAD_DIM, VARLEN)
+        else:
+            # The TMA stores clip at the sequence's end (keys past Sk are never written).
+            k_tile.store((dk * sm_scale).to(dk_desc.dtype))
+            v_tile.store(dv.to(dv_desc.dtype))
+            # Every thread's generic-proxy writes must be visible to the async proxy before the copies.
+            fence_async_shared()
+            _cta_barrier()
+            _tma_store(dk_desc, [b, row0, hk * HEAD_DIM], k_buf)
+            _tma_store(dv_desc, [b, row0, hk * HEAD_DIM], v_buf)
         tma.store_wait(0)
 
     @gluon.jit
-    def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, SEQ_Q,
-                                   SEQ_K, HEADS_KV, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT,
-                                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MATH_REGS: gl.constexpr,
-                                   LOAD_REGS: gl.constexpr, HEAVY_FIRST: gl.constexpr, WINDOW: gl.constexpr):
+    def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, cu_q_ptr,
+                                   cu_k_ptr, dk_ptr, dv_ptr, stride_kt, SEQ_Q, SEQ_K, HEADS_KV, GROUP, stride_lb,
+                                   stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL: gl.constexpr,
+                                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                                   STAGES: gl.constexpr, MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
+                                   HEAVY_FIRST: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr):
         """Grid ``(cdiv(Sk, BLOCK_N), B * Hkv)``, swapped with ``HEAVY_FIRST`` (``_grid_position``);
         launched with 4 warps and ``maxnreg``.
         ``qk_scale`` is the softmax scale times log2(e), ``sm_scale`` the softmax scale; ``lse2``
@@ -389,7 +468,13 @@ if gluon is not None:
         ``stride_lh``, unit along Sq). k, v, dk, dv descriptors have ``BLOCK_N / 2`` rows per
         block, q and dO ``BLOCK_M``. ``WINDOW``: query ``i`` attends key ``j`` iff
         ``i + Sk - Sq - LEFT <= j <= i + Sk - Sq + RIGHT`` (``attention_gluon.window_bounds``);
-        without it ``LEFT`` and ``RIGHT`` are not read and ``CAUSAL`` sets the mask."""
+        without it ``LEFT`` and ``RIGHT`` are not read and ``CAUSAL`` sets the mask. ``VARLEN``:
+        packed ``[T, H, D]`` tensors read as one batch, sequence ``b`` spanning the tokens
+        ``cu[b] .. cu[b + 1] - 1`` of the int32 ``cu_q_ptr`` / ``cu_k_ptr`` (``SEQ_Q``, ``SEQ_K``
+        the longest counts; ``lse2``/``delta`` ``[Hq, Tq]``, ``stride_lb`` 0), and dK/dV rows that
+        a tile holds past its sequence's end are not stored: tiles that run past it go through
+        ``dk_ptr``/``dv_ptr`` (``stride_kt`` elements per token) by masked stores. Dense calls pass
+        stand-ins there, never read."""
         KEYS: gl.constexpr = BLOCK_N // 2
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, 1, KEYS, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, 1, KEYS, HEAD_DIM], v_desc.layout)
@@ -402,31 +487,35 @@ if gluon is not None:
         # The argument tuples are spelled out at each use: assigned to a variable, their constexpr
         # entries would become tensors (triton 3.6). The math partitions differ only in WG.
         gl.warp_specialize([
-            (_dkdv_math, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, k_smem, v_smem,
-                          q_ring, do_ring, lse_ring, delta_ring, kv_ready, q_ready, do_ready, slot_empty, SEQ_Q,
-                          SEQ_K, HEADS_KV, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL,
-                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HEAVY_FIRST, WINDOW, 0)),
-            (_dkdv_math, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, k_smem, v_smem,
-                          q_ring, do_ring, lse_ring, delta_ring, kv_ready, q_ready, do_ready, slot_empty, SEQ_Q,
-                          SEQ_K, HEADS_KV, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL,
-                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HEAVY_FIRST, WINDOW, 1)),
-            (_dkdv_load, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, k_smem, v_smem,
-                          q_ring, do_ring, lse_ring, delta_ring, kv_ready, q_ready, do_ready, slot_empty, SEQ_Q,
-                          SEQ_K, HEADS_KV, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL,
-                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HEAVY_FIRST, WINDOW)),
+            (_dkdv_math, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr,
+                          dk_ptr, dv_ptr, stride_kt, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, kv_ready,
+                          q_ready, do_ready, slot_empty, SEQ_Q, SEQ_K, HEADS_KV, GROUP, stride_lb, stride_lh, qk_scale,
+                          sm_scale, LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HEAVY_FIRST, WINDOW, VARLEN, 0)),
+            (_dkdv_math, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr,
+                          dk_ptr, dv_ptr, stride_kt, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, kv_ready,
+                          q_ready, do_ready, slot_empty, SEQ_Q, SEQ_K, HEADS_KV, GROUP, stride_lb, stride_lh, qk_scale,
+                          sm_scale, LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HEAVY_FIRST, WINDOW, VARLEN, 1)),
+            (_dkdv_load, (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr,
+                          dk_ptr, dv_ptr, stride_kt, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, kv_ready,
+                          q_ready, do_ready, slot_empty, SEQ_Q, SEQ_K, HEADS_KV, GROUP, stride_lb, stride_lh, qk_scale,
+                          sm_scale, LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HEAVY_FIRST, WINDOW, VARLEN)),
         ], [4, 1], [MATH_REGS, LOAD_REGS])
 
     @gluon.jit
-    def _dq_load(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, q_smem, do_smem, k_ring, v_ring,
-                 q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale,
-                 sm_scale, LEFT, RIGHT, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HEAVY_FIRST: gl.constexpr, WINDOW: gl.constexpr):
+    def _dq_load(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, dq_ptr, stride_qt,
+                 q_smem, do_smem, k_ring, v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP,
+                 stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+                 WINDOW: gl.constexpr, VARLEN: gl.constexpr):
         """The loader: both warpgroups' q and dO rows, then every key block of the span in ring
-        order."""
-        b, h, hk, m0 = _query_program(HEADS_Q, GROUP, CAUSAL, BLOCK_M, HEAVY_FIRST)
-        _load_halves(q_desc, do_desc, q_smem, do_smem, q_ready, b, m0, h * HEAD_DIM, BLOCK_M // 2)
-        load_key_span(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, b, hk * HEAD_DIM, m0, SEQ_Q, SEQ_K,
-                      LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N, STAGES, False, WINDOW)
+        order (nothing for a varlen block past its sequence's end)."""
+        b, h, hk, m0, q_start, sq, k_start, sk, live = _query_program(cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, HEADS_Q, GROUP,
+                                                                      CAUSAL, BLOCK_M, HEAVY_FIRST, VARLEN)
+        if live:
+            tb = tma_batch(b, VARLEN)
+            _load_halves(q_desc, do_desc, q_smem, do_smem, q_ready, tb, q_start + m0, h * HEAD_DIM, BLOCK_M // 2)
+            load_key_span(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, tb, hk * HEAD_DIM, k_start, m0,
+                          sq, sk, LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N, STAGES, False, WINDOW)
 
     @gluon.jit
     def _dq_blocks(q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, dq, zero_s, lse2, delta, rows, step,
@@ -458,66 +547,72 @@ if gluon is not None:
         return dq, step
 
     @gluon.jit
-    def _dq_math(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, q_smem, do_smem, k_ring, v_ring,
-                 q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale,
-                 sm_scale, LEFT, RIGHT, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HEAVY_FIRST: gl.constexpr, WINDOW: gl.constexpr,
-                 WG: gl.constexpr):
+    def _dq_math(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, dq_ptr, stride_qt,
+                 q_smem, do_smem, k_ring, v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP,
+                 stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+                 WINDOW: gl.constexpr, VARLEN: gl.constexpr, WG: gl.constexpr):
         """Math warpgroup ``WG``: query rows ``m0 + WG * 64`` to ``m0 + WG * 64 + 63``. ``WINDOW``:
-        masked key blocks at both edges of the program's window span, unmasked between."""
+        masked key blocks at both edges of the program's window span, unmasked between.
+        ``VARLEN``: rows and keys of this program's sequence, nothing at all for a block past its
+        end."""
         Q_ROWS: gl.constexpr = BLOCK_M // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEAD_DIM, 16])
-        b, h, hk, m0 = _query_program(HEADS_Q, GROUP, CAUSAL, BLOCK_M, HEAVY_FIRST)
-        row0 = m0 + WG * Q_ROWS
-        start, full_start, full_end, end = program_key_span(m0, SEQ_Q, SEQ_K, LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N,
-                                                            False, WINDOW)
-        shift = SEQ_K - SEQ_Q
-        rows = row0 + gl.arange(0, Q_ROWS, layout=gl.SliceLayout(1, s_layout))
-        l_base = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
-        # Rows past sq: lse2 = +inf makes their probabilities 0.
-        lse2 = gl.load(lse2_ptr + l_base + rows, mask=rows < SEQ_Q, other=float("inf"))
-        delta = gl.load(delta_ptr + l_base + rows, mask=rows < SEQ_Q, other=0.0)
+        b, h, hk, m0, q_start, sq, k_start, sk, live = _query_program(cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, HEADS_Q, GROUP,
+                                                                      CAUSAL, BLOCK_M, HEAVY_FIRST, VARLEN)
+        if live:
+            row0 = m0 + WG * Q_ROWS
+            start, full_start, full_end, end = program_key_span(m0, sq, sk, LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N,
+                                                                False, WINDOW)
+            shift = sk - sq
+            rows = row0 + gl.arange(0, Q_ROWS, layout=gl.SliceLayout(1, s_layout))
+            # Varlen: stride_lb is 0 and the sequence's rows start at token q_start.
+            l_base = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start
+            # Rows past sq: lse2 = +inf makes their probabilities 0.
+            lse2 = gl.load(lse2_ptr + l_base + rows, mask=rows < sq, other=float("inf"))
+            delta = gl.load(delta_ptr + l_base + rows, mask=rows < sq, other=0.0)
 
-        zero_s = gl.zeros((Q_ROWS, BLOCK_N), dtype=gl.float32, layout=s_layout)
-        dq = gl.zeros((Q_ROWS, HEAD_DIM), dtype=gl.float32, layout=acc_layout)
-        q_buf = q_smem.index(WG)
-        mbarrier.wait(q_ready.index(WG), 0)
-        q_tile = q_buf.reshape([Q_ROWS, HEAD_DIM])
-        do_tile = do_smem.index(WG).reshape([Q_ROWS, HEAD_DIM])
-        # The ring step starts as a tensor (a literal 0 would be a constexpr, not loop-carriable).
-        step = full_end * 0
-        if WINDOW:
-            dq, step = _dq_blocks(q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, dq, zero_s, lse2,
-                                  delta, rows, step, start, full_start, SEQ_K, shift, qk_scale, LEFT, RIGHT, True,
-                                  CAUSAL, BLOCK_N, HEAD_DIM, STAGES, WINDOW)
-        dq, step = _dq_blocks(q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, dq, zero_s, lse2, delta,
-                              rows, step, full_start, full_end, SEQ_K, shift, qk_scale, LEFT, RIGHT, False, CAUSAL,
-                              BLOCK_N, HEAD_DIM, STAGES, WINDOW)
-        dq, step = _dq_blocks(q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, dq, zero_s, lse2, delta,
-                              rows, step, full_end, end, SEQ_K, shift, qk_scale, LEFT, RIGHT, True, CAUSAL, BLOCK_N,
-                              HEAD_DIM, STAGES, WINDOW)
+            zero_s = gl.zeros((Q_ROWS, BLOCK_N), dtype=gl.float32, layout=s_layout)
+            dq = gl.zeros((Q_ROWS, HEAD_DIM), dtype=gl.float32, layout=acc_layout)
+            q_buf = q_smem.index(WG)
+            mbarrier.wait(q_ready.index(WG), 0)
+            q_tile = q_buf.reshape([Q_ROWS, HEAD_DIM])
+            do_tile = do_smem.index(WG).reshape([Q_ROWS, HEAD_DIM])
+            # The ring step starts as a tensor (a literal 0 would be a constexpr, not loop-carriable).
+            step = full_end * 0
+            if WINDOW:
+                dq, step = _dq_blocks(q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, dq, zero_s, lse2,
+                                      delta, rows, step, start, full_start, sk, shift, qk_scale, LEFT, RIGHT, True,
+                                      CAUSAL, BLOCK_N, HEAD_DIM, STAGES, WINDOW)
+            dq, step = _dq_blocks(q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, dq, zero_s, lse2, delta,
+                                  rows, step, full_start, full_end, sk, shift, qk_scale, LEFT, RIGHT, False, CAUSAL,
+                                  BLOCK_N, HEAD_DIM, STAGES, WINDOW)
+            dq, step = _dq_blocks(q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, kv_empty, dq, zero_s, lse2, delta,
+                                  rows, step, full_end, end, sk, shift, qk_scale, LEFT, RIGHT, True, CAUSAL, BLOCK_N,
+                                  HEAD_DIM, STAGES, WINDOW)
 
-        # This warpgroup's q buffer is read by no pending wgmma now: it stages dQ. The TMA store
-        # clips at the sequence's end.
-        q_tile.store((dq * sm_scale).to(dq_desc.dtype))
-        fence_async_shared()
-        _cta_barrier()
-        _tma_store(dq_desc, [b, row0, h * HEAD_DIM], q_buf)
-        tma.store_wait(0)
+            # This warpgroup's q buffer is read by no pending wgmma now: it stages dQ. The TMA store
+            # clips at the tensor's end, store_rows' masked stores at a varlen sequence's.
+            store_rows(dq * sm_scale, dq_ptr, q_start + row0, q_start + sq, stride_qt, q_buf, dq_desc,
+                       tma_batch(b, VARLEN), h * HEAD_DIM, VARLEN)
+            tma.store_wait(0)
 
     @gluon.jit
-    def attn_bwd_dq_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, SEQ_Q, SEQ_K,
-                                 HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT,
-                                 CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MATH_REGS: gl.constexpr,
-                                 LOAD_REGS: gl.constexpr, HEAVY_FIRST: gl.constexpr, WINDOW: gl.constexpr):
+    def attn_bwd_dq_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr,
+                                 dq_ptr, stride_qt, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale,
+                                 sm_scale, LEFT, RIGHT, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                                 MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+                                 WINDOW: gl.constexpr, VARLEN: gl.constexpr):
         """Grid ``(cdiv(Sq, BLOCK_M), B * Hq)`` (the forward's), swapped with ``HEAVY_FIRST``
         (``_grid_position``); launched with 4 warps and ``maxnreg``. Scales, ``lse2``/``delta``,
-        ``LEFT``/``RIGHT`` and ``WINDOW`` as ``attn_bwd_dkdv_gluon_kernel``'s; q, dO and dq
-        descriptors have ``BLOCK_M / 2`` rows per block, k and v ``BLOCK_N``."""
+        ``LEFT``/``RIGHT``, ``WINDOW`` and ``VARLEN`` (cu_seqlens, and ``dq_ptr`` with
+        ``stride_qt`` elements per token for the tiles that run past a sequence's end) as
+        ``attn_bwd_dkdv_gluon_kernel``'s; q, dO and dq descriptors have ``BLOCK_M / 2`` rows per
+        block, k and v ``BLOCK_N``."""
         Q_ROWS: gl.constexpr = BLOCK_M // 2
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 1, Q_ROWS, HEAD_DIM], q_desc.layout)
         do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, 1, Q_ROWS, HEAD_DIM], do_desc.layout)
@@ -525,18 +620,18 @@ if gluon is not None:
         v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
         q_ready, k_ready, v_ready, kv_empty = ring_barriers(STAGES)
         gl.warp_specialize([
-            (_dq_math, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, q_smem, do_smem, k_ring,
-                        v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb,
-                        stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                        HEAVY_FIRST, WINDOW, 0)),
-            (_dq_math, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, q_smem, do_smem, k_ring,
-                        v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb,
-                        stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                        HEAVY_FIRST, WINDOW, 1)),
-            (_dq_load, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, q_smem, do_smem, k_ring,
-                        v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb,
-                        stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                        HEAVY_FIRST, WINDOW)),
+            (_dq_math, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, dq_ptr,
+                        stride_qt, q_smem, do_smem, k_ring, v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K,
+                        HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL, BLOCK_M,
+                        BLOCK_N, HEAD_DIM, STAGES, HEAVY_FIRST, WINDOW, VARLEN, 0)),
+            (_dq_math, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, dq_ptr,
+                        stride_qt, q_smem, do_smem, k_ring, v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K,
+                        HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL, BLOCK_M,
+                        BLOCK_N, HEAD_DIM, STAGES, HEAVY_FIRST, WINDOW, VARLEN, 1)),
+            (_dq_load, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, dq_ptr,
+                        stride_qt, q_smem, do_smem, k_ring, v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K,
+                        HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL, BLOCK_M,
+                        BLOCK_N, HEAD_DIM, STAGES, HEAVY_FIRST, WINDOW, VARLEN)),
         ], [4, 1], [MATH_REGS, LOAD_REGS])
 
 
@@ -620,43 +715,64 @@ def _heavy_first(causal: bool, heavy_first: bool, seqlen: int) -> bool:
     return bool(causal and heavy_first and -(-seqlen // BLOCK) <= _GRID_Y)
 
 
+def _shapes(q: torch.Tensor, k: torch.Tensor, cu_seqlens, max_seqlens) -> tuple[int, int, int, int, int, int]:
+    """``(B, Sq, Sk, Hq, Hkv, D)`` of a dense launch, or of a varlen one (``cu_seqlens`` given:
+    packed ``[T, H, D]`` tensors, Sq and Sk the caller's ``max_seqlens``)."""
+    if cu_seqlens is not None:
+        return (cu_seqlens[0].numel() - 1, *max_seqlens, q.shape[1], k.shape[1], q.shape[2])
+    return q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
+
+
+def _lse_strides(lse2: torch.Tensor, varlen: bool) -> tuple[int, int]:
+    """(batch, head) strides of a dense ``[B, Hq, Sq]`` or varlen ``[Hq, Tq]`` (batch stride 0) lse2."""
+    return (0, lse2.stride(0)) if varlen else (lse2.stride(0), lse2.stride(1))
+
+
 def dkdv_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dk: torch.Tensor,
                      dv: torch.Tensor, lse2: torch.Tensor, delta: torch.Tensor, softmax_scale: float,
-                     causal: bool, heavy_first: bool = False, window: Optional[tuple[int, int]] = None
-                     ) -> tuple[tuple, tuple, dict]:
+                     causal: bool, heavy_first: bool = False, window: Optional[tuple[int, int]] = None,
+                     cu_seqlens: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                     max_seqlens: Optional[tuple[int, int]] = None) -> tuple[tuple, tuple, dict]:
     """``(grid, args, kwargs)`` of the dK/dV launch writing ``dk`` and ``dv``, its causal programs
     in the heavy-first order if ``heavy_first`` (and the grid holds it), the ``WINDOW`` kernel for
-    ``window`` = ``(window_left, window_right)`` where given; tools/compile_sm90.py compiles with
-    them."""
-    b, sq, hq, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    cfg = dkdv_config(d, causal, _heavy_first(causal, heavy_first, sk), window is not None)
+    ``window`` = ``(window_left, window_right)`` where given, the ``VARLEN`` one for
+    ``cu_seqlens`` = ``(cu_seqlens_q, cu_seqlens_k)`` (packed ``[T, H, D]`` tensors, lse2 and
+    delta ``[Hq, Tq]``, ``max_seqlens`` the caller's ``(max_seqlen_q, max_seqlen_k)``);
+    tools/compile_sm90.py compiles with them."""
+    varlen = cu_seqlens is not None
+    b, sq, sk, hq, hk, d = _shapes(q, k, cu_seqlens, max_seqlens)
+    cfg = dkdv_config(d, causal, _heavy_first(causal, heavy_first, sk), window is not None, varlen)
     keys = cfg.block_n // 2
+    cu_q, cu_k = cu_seqlens if varlen else (lse2, lse2)  # stand-ins: read under VARLEN only
     args = (descriptor(q, cfg.block_m), descriptor(k, keys), descriptor(v, keys), descriptor(dout, cfg.block_m),
-            descriptor(dk, keys), descriptor(dv, keys), lse2, delta, sq, sk, hk, hq // hk, lse2.stride(0),
-            lse2.stride(1), softmax_scale * _LOG2E, softmax_scale, *window_bounds(*(window or (-1, -1))))
+            descriptor(dk, keys), descriptor(dv, keys), lse2, delta, cu_q, cu_k, dk, dv, hk * d if varlen else 0, sq,
+            sk, hk, hq // hk, *_lse_strides(lse2, varlen), softmax_scale * _LOG2E, softmax_scale,
+            *window_bounds(*(window or (-1, -1))))
     kwargs = dict(CAUSAL=bool(causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.stages,
                   MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, HEAVY_FIRST=cfg.heavy_first, WINDOW=cfg.window,
-                  num_warps=4, maxnreg=MAXNREG)
+                  VARLEN=varlen, num_warps=4, maxnreg=MAXNREG)
     return _grid(-(-sk // cfg.block_n), b * hk, cfg.heavy_first), args, kwargs
 
 
 def dq_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor,
                    lse2: torch.Tensor, delta: torch.Tensor, softmax_scale: float, causal: bool,
-                   heavy_first: bool = False, window: Optional[tuple[int, int]] = None) -> tuple[tuple, tuple, dict]:
+                   heavy_first: bool = False, window: Optional[tuple[int, int]] = None,
+                   cu_seqlens: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                   max_seqlens: Optional[tuple[int, int]] = None) -> tuple[tuple, tuple, dict]:
     """``(grid, args, kwargs)`` of the dQ launch writing ``dq``, its causal programs in the
-    heavy-first order if ``heavy_first`` (and the grid holds it), ``window`` as in
-    ``dkdv_launch_args``; tools/compile_sm90.py compiles with them."""
-    b, sq, hq, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    cfg = dq_config(d, causal, _heavy_first(causal, heavy_first, sq), window is not None)
+    heavy-first order if ``heavy_first`` (and the grid holds it), ``window``, ``cu_seqlens`` and
+    ``max_seqlens`` as in ``dkdv_launch_args``; tools/compile_sm90.py compiles with them."""
+    varlen = cu_seqlens is not None
+    b, sq, sk, hq, hk, d = _shapes(q, k, cu_seqlens, max_seqlens)
+    cfg = dq_config(d, causal, _heavy_first(causal, heavy_first, sq), window is not None, varlen)
     rows = cfg.block_m // 2
+    cu_q, cu_k = cu_seqlens if varlen else (lse2, lse2)  # stand-ins: read under VARLEN only
     args = (descriptor(q, rows), descriptor(k, cfg.block_n), descriptor(v, cfg.block_n), descriptor(dout, rows),
-            descriptor(dq, rows), lse2, delta, sq, sk, hq, hq // hk, lse2.stride(0), lse2.stride(1),
-            softmax_scale * _LOG2E, softmax_scale, *window_bounds(*(window or (-1, -1))))
+            descriptor(dq, rows), lse2, delta, cu_q, cu_k, dq, hq * d if varlen else 0, sq, sk, hq, hq // hk,
+            *_lse_strides(lse2, varlen), softmax_scale * _LOG2E, softmax_scale, *window_bounds(*(window or (-1, -1))))
     kwargs = dict(CAUSAL=bool(causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.stages,
                   MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, HEAVY_FIRST=cfg.heavy_first, WINDOW=cfg.window,
-                  num_warps=4, maxnreg=MAXNREG)
+                  VARLEN=varlen, num_warps=4, maxnreg=MAXNREG)
     return _grid(-(-sq // cfg.block_m), b * hq, cfg.heavy_first), args, kwargs
 
 
@@ -666,11 +782,14 @@ def _tma_readable(x: torch.Tensor) -> torch.Tensor:
 
 
 def attend_backward(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                    dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    dout: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor] = None,
+                    cu_seqlens_k: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) shaped like q, k, v in their dtype, from the forward's out and float32
-    natural-log lse ``[B, Hq, Sq]``, for a call ``gluon_backward_refusal`` accepted; the same
-    gradients as ``attention.attend_backward``'s dense path, bit for bit whatever the switches
-    (they change when and where programs run, not what one computes).
+    natural-log lse ``[B, Hq, Sq]`` (varlen: ``[Hq, Tq]``, with both cu_seqlens, which only the
+    device reads; tokens past the last sequence get zero gradients), for a call
+    ``gluon_backward_refusal`` accepted; the gradients ``attention.attend_backward`` computes, bit
+    for bit the same whatever the switches (they change when and where programs run, not what one
+    computes).
 
     With ``PRIMUS_TURBO_ATTN_GLUON_BWD_OVERLAP`` on, in eager execution on CUDA tensors
     (``side_streams.overlappable``), the dK/dV kernel goes on a side stream and is launched first,
@@ -679,18 +798,25 @@ def attend_backward(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     stream waits for both before returning."""
     dout = _tma_readable(dout.to(q.dtype))
     lse = lse.contiguous()
+    # Rows outside every sequence (varlen) are never read: the kernels mask rows past each end.
     lse2, delta = torch.empty_like(lse), torch.empty_like(lse)
     d = p.head_dim_v
+    varlen = p.varlen
+    cu_q = cu_seqlens_q if varlen else lse  # a stand-in, never read without VARLEN
+    lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     AK.attn_bwd_preprocess_kernel[(p.batch * p.heads_q, -(-p.seqlen_q // PRE_BLOCK_M))](
-        out, dout, lse, lse2, delta, lse, *out.stride(), *dout.stride(), lse.stride(0), lse.stride(1), p.seqlen_q,
-        p.heads_q, VARLEN=False, D_V=d, BLOCK_DV=d, BLOCK_M=PRE_BLOCK_M)
+        out, dout, lse, lse2, delta, cu_q, *((0, *out.stride()) if varlen else out.stride()),
+        *((0, *dout.stride()) if varlen else dout.stride()), *lse_strides, p.seqlen_q, p.heads_q, VARLEN=varlen,
+        D_V=d, BLOCK_DV=d, BLOCK_M=PRE_BLOCK_M)
     # Contiguous, whatever q, k, v's strides: the descriptors store packed heads.
     dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
     heavy_first = heavy_first_setting()
     window = (p.window_left, p.window_right) if has_window(p) else None
+    seqs = dict(cu_seqlens=(cu_seqlens_q, cu_seqlens_k), max_seqlens=(p.seqlen_q, p.seqlen_k)) if varlen else {}
     dkdv_launch = dkdv_launch_args(q, k, v, dout, dk, dv, lse2, delta, p.softmax_scale, p.causal, heavy_first,
-                                   window)
-    dq_launch = dq_launch_args(q, k, v, dout, dq, lse2, delta, p.softmax_scale, p.causal, heavy_first, window)
+                                   window, **seqs)
+    dq_launch = dq_launch_args(q, k, v, dout, dq, lse2, delta, p.softmax_scale, p.causal, heavy_first, window,
+                               **seqs)
 
     def run_dkdv() -> None:
         grid, args, kwargs = dkdv_launch
@@ -705,6 +831,10 @@ def attend_backward(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     else:
         run_dkdv()
         run_dq()
+    if varlen:
+        # The kernels write every token of every sequence; the tokens past the last one read 0.
+        for grad, cu in ((dq, cu_seqlens_q), (dk, cu_seqlens_k), (dv, cu_seqlens_k)):
+            AK.fill_tail(grad, cu)
     return dq, dk, dv
 
 
