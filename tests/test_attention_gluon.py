@@ -490,12 +490,12 @@ def _variant_gate(monkeypatch, variant: str, head_dim: int):
     """The GPU gate, with ``variant``'s switches set; skips a three-warpgroup variant at a head dim
     it does not serve (the call would run another variant, tested under its own name)."""
     AG = _gpu_gate()
-    if VARIANTS[variant].get("wg3") and head_dim not in AG.WG3_TILES:
+    wg3 = VARIANTS[variant].get("wg3") == "1"
+    if wg3 and head_dim not in AG.WG3_TILES:
         pytest.skip(f"three math warpgroups serve head dims {sorted(AG.WG3_TILES)}")
     _set_switches(AG, monkeypatch, **VARIANTS[variant])
     cfg = AG.call_config(head_dim, True)
-    assert cfg.pipeline is (VARIANTS[variant].get("pipeline") == "1") and cfg.math_wgs == (
-        3 if VARIANTS[variant].get("wg3") else 2)
+    assert cfg.pipeline is (VARIANTS[variant].get("pipeline") == "1") and cfg.math_wgs == (3 if wg3 else 2)
     return AG
 
 

@@ -788,7 +788,11 @@ def test_gpu_varlen_backward_matches_reference(case, gpu, monkeypatch):
             assert torch.isfinite(got).all(), (variant, name)
             assert torch.equal(got, again), f"{variant}: {name} differs between two runs"
             assert _snr(got.float(), want) >= 40.0, (variant, name, _snr(got.float(), want))
-            assert (got[(want == 0).all(-1).all(-1).cuda()] == 0).all(), (variant, name)
+            # Rows whose reference is all zero (tokens of no sequence, sequences without keys or
+            # queries, and a causal row's first key alone, where the softmax gradient vanishes):
+            # nothing beyond rounding.
+            zero_rows = got[(want == 0).all(-1).all(-1).cuda()]
+            assert zero_rows.numel() == 0 or float(zero_rows.abs().max()) <= ZERO_GRAD_TOL, (variant, name)
             if baseline is not None:
                 assert torch.equal(got, baseline[name]), f"{variant}: {name} differs from the default's"
         if baseline is None:
