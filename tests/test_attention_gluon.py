@@ -958,15 +958,17 @@ def _varlen_problem(q, k, v, cu_q, cu_k, lens_q, lens_k, **kw):
                                     **kw)._replace(platform="cuda")
 
 
-def test_varlen_problems_are_served_with_the_dense_rules(sm90):
+def test_varlen_problems_are_served_with_the_dense_rules(sm90, monkeypatch):
     """Varlen calls take the Gluon forward where a dense call of the same dtype, head dims and mask
-    would; a batch without query or key tokens is refused; windows still need their switch."""
+    would; a batch without query or key tokens is refused; windows follow their switch."""
     for p in varlen_problems():
         assert sm90.gluon_forward_refusal(p) is None, p
     v = dict(varlen=True, batch=3, total_q=10, total_k=10, seqlen_q=7, seqlen_k=7)
     assert "empty batch or sequence" in sm90.gluon_forward_refusal(_problem(**dict(v, total_q=0)))
     assert "empty batch or sequence" in sm90.gluon_forward_refusal(_problem(**dict(v, seqlen_k=0)))
     assert "q/k 96" in sm90.gluon_forward_refusal(_problem(**v, head_dim_qk=96, head_dim_v=96))
+    assert sm90.gluon_forward_refusal(_problem(**v, window_left=16)) is None
+    monkeypatch.setenv(sm90.ATTN_GLUON_WINDOW_ENV, "0")
     assert sm90.ATTN_GLUON_WINDOW_ENV in sm90.gluon_forward_refusal(_problem(**v, window_left=16))
 
 
