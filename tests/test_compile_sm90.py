@@ -66,15 +66,17 @@ def test_occupancy_configs_fit_on_sm90(tmp_path):
     assert all(1 in r["wgmma_waits"] for r in gluon) and (gluon or not report["gluon_checked"]), gluon
 
 
-def _gluon_family_rows(tmp_path, family: str) -> list[dict]:
-    """compile_sm90's rows for the Gluon ``family``, compiled cold in a subprocess; skips where
-    this Triton release is not one the Gluon kernels are checked on, fails if the tool does."""
+def _gluon_family_rows(tmp_path, family: str, first: int | None = None) -> list[dict]:
+    """compile_sm90's rows for the Gluon ``family`` (its ``first`` configs where given), compiled
+    cold in a subprocess; skips where this Triton release is not one the Gluon kernels are checked
+    on, fails if the tool does."""
     pytest.importorskip("triton.experimental.gluon")
     out = tmp_path / f"{family}.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    limit = [] if first is None else ["--first", str(first)]
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "compile_sm90.py"), "--only", family,
-                           "--json", str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+                           "--json", str(out), *limit], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert out.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
     if not report["gluon_checked"]:
@@ -152,19 +154,19 @@ def test_gluon_attention_window_kernels_fit_on_sm90(tmp_path):
 
 @pytest.mark.skipif(_nvidia_toolchain() is not None, reason=str(_nvidia_toolchain()))
 def test_gluon_attention_varlen_kernels_fit_on_sm90(tmp_path):
-    """The packed-sequence (``VARLEN``) kernels compile as the dense ones do: every forward variant a
-    varlen call runs (full and causal, the window kernels too) without a spill; both backward
-    kernels with no spill inside a wgmma loop and no more stack than the dense ones; every wgmma
-    asynchronous, one program per SM."""
-    fwd = _gluon_family_rows(tmp_path, "attention_gluon_fwd_varlen")
+    """The packed-sequence (``VARLEN``) kernels compile as the dense ones do: the default forward
+    variants a varlen call runs (full and causal, d64 and d128) without a spill; both backward
+    kernels without a window with no spill inside a wgmma loop and no more stack than the dense
+    ones; every wgmma asynchronous, one program per SM. The families' other variants (pipelining
+    flipped, windows) are left to ``tools/compile_sm90.py`` run in full, which takes minutes."""
+    fwd = _gluon_family_rows(tmp_path, "attention_gluon_fwd_varlen", first=4)
     assert {(r["config"][2], r["config"][3]) for r in fwd} == {(d, c) for d in (64, 128) for c in (False, True)}
     for r in fwd:
         assert r["config"][11] and r["status"] == "PASS" and r["stack"] == 0 and r["loop_spills"] == 0, r
         assert not r["serialised"] and r["shared"] <= 227 * 1024 and r["fit"] == 1, r
-    bwd = _gluon_family_rows(tmp_path, "attention_gluon_bwd_varlen")
+    bwd = _gluon_family_rows(tmp_path, "attention_gluon_bwd_varlen", first=8)
     assert sorted((r["config"][6], r["config"][2], r["config"][3], r["config"][8]) for r in bwd) == [
-        (kernel, d, causal, window) for kernel in ("dkdv", "dq") for d in (64, 128) for causal in (False, True)
-        for window in (False, True)]
+        (kernel, d, causal, False) for kernel in ("dkdv", "dq") for d in (64, 128) for causal in (False, True)]
     for r in bwd:
         assert r["config"][9] and r["status"] == "PASS" and r["loop_spills"] == 0 and not r["serialised"], r
         assert r["stack"] <= 8 and r["shared"] <= 227 * 1024 and r["fit"] == 1 and 1 in r["wgmma_waits"], r

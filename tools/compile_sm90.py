@@ -22,7 +22,8 @@ is a FAIL (exit 1). The fused fp8 producers (family ``fused_producers``: every l
 benchmark's cases make, with and without the high-precision output) are memory-bound: one of
 theirs FAILs if it spills at all or fewer than ``FUSED_MIN_FIT`` programs fit on an SM.
 
-Usage: ``python tools/compile_sm90.py [--only dense_fp8_blockwise,...] [--json FILE] [--cc 90]``.
+Usage: ``python tools/compile_sm90.py [--only dense_fp8_blockwise,...] [--json FILE] [--cc 90] [--first N]``
+(``--first N``: each family's first N configs only, for a quicker check).
 ``--occupancy-only`` compiles just the configs with occupancy > 1 plus each family's default (the
 CPU test runs that). TRITON_INTERPRET is ignored (unset before triton is imported).
 """
@@ -513,9 +514,9 @@ def families() -> dict:
     return {name: (cfgs, build, occ_at) for name, cfgs, build, occ_at in table}
 
 
-def run(table: dict, only: list[str] | None, occupancy_only: bool, cc: int) -> list[dict]:
-    """Compiles every selected (family, config) of ``table`` (``families()``); one result dict per
-    compile."""
+def run(table: dict, only: list[str] | None, occupancy_only: bool, cc: int, first: int | None = None) -> list[dict]:
+    """Compiles every selected (family, config) of ``table`` (``families()``), or each family's
+    ``first`` configs only; one result dict per compile."""
     # Restored as found: reset_active() would try to create a real driver, which fails here.
     previous = getattr(_driver, "_active", None)
     _driver.set_active(_OfflineDriver(cc))
@@ -524,7 +525,7 @@ def run(table: dict, only: list[str] | None, occupancy_only: bool, cc: int) -> l
         for name, (cfgs, build, occ_at) in table.items():
             if only and name not in only:
                 continue
-            for i, cfg in enumerate(cfgs):
+            for i, cfg in enumerate(cfgs if first is None else cfgs[:first]):
                 occ = cfg[occ_at] if len(cfg) > occ_at else 1
                 if occupancy_only and occ == 1 and i > 0:
                     continue
@@ -561,7 +562,11 @@ def main(argv=None) -> int:
                     help="compile only configs with occupancy > 1 and each family's default")
     ap.add_argument("--cc", type=int, default=90, help="compute capability to compile for (default 90)")
     ap.add_argument("--json", default="", help="also write the rows to this file")
+    ap.add_argument("--first", type=int, default=None, metavar="N",
+                    help="compile only the first N configs of each family (its defaults come first)")
     args = ap.parse_args(argv)
+    if args.first is not None and args.first < 1:
+        ap.error(f"--first must be >= 1, got {args.first}")
     only = [f for f in args.only.split(",") if f]
     table = families()
     unknown = set(only) - set(table)
@@ -574,7 +579,7 @@ def main(argv=None) -> int:
         # The library refuses the Gluon kernels on this release (fp8_blockwise_gluon.available), so
         # they are not compiled here either; add the release to GLUON_TRITON_RELEASES once they do.
         table = {name: entry for name, entry in table.items() if "gluon" not in name}
-    rows = run(table, only, args.occupancy_only, args.cc)
+    rows = run(table, only, args.occupancy_only, args.cc, args.first)
     print(f"triton {triton.__version__}, sm_{args.cc}")
     if unchecked:
         print(f"SKIP every Gluon family: triton {GB._triton_release()} is not in GLUON_TRITON_RELEASES")
