@@ -991,7 +991,7 @@ def _recorded_varlen_launch(AG, monkeypatch, p, q, k, v, cu_q, cu_k):
 
     monkeypatch.setattr(AG, "attn_fwd_gluon_kernel", Recorder())
     monkeypatch.setattr(AG, "descriptor", lambda x, rows: (tuple(x.shape), rows))
-    monkeypatch.setattr(AG, "fill_tail", lambda x, cu: fills.append((x, cu)))
+    monkeypatch.setattr(AG, "zero_tokens_past", lambda x, cu: fills.append((x, cu)))
     out, lse = AG.attend(p, q, k, v, cu_q, cu_k)
     (grid, args, kwargs), = launches
     return grid, args, kwargs, fills, out, lse
@@ -1057,9 +1057,9 @@ def test_adapter_passes_cu_seqlens_to_the_gluon_forward(sm90, monkeypatch):
     assert len(seen) == 2 and all(a is cu_q and b is cu_k for a, b in seen)
 
 
-_FILL_TAIL_SCRIPT = """
+_ZERO_TAIL_SCRIPT = """
 import torch
-from turbo_dispatch.backends.triton.attention_kernels import fill_tail
+from turbo_dispatch.backends.triton.attention_gluon import zero_tokens_past
 
 torch.manual_seed(0)
 for tokens, ends, row in ((40, [0, 17, 17, 33], (3, 8)), (16, [0, 16], (2, 4)), (700, [0, 5, 600], (1, 520)),
@@ -1067,17 +1067,17 @@ for tokens, ends, row in ((40, [0, 17, 17, 33], (3, 8)), (16, [0, 16], (2, 4)), 
     x = torch.randn(tokens, *row)
     before = x.clone()
     cu = torch.tensor(ends, dtype=torch.int32)
-    fill_tail(x, cu, -7.0)
+    assert zero_tokens_past(x, cu) is x
     end = ends[-1]
     assert torch.equal(x[:end], before[:end]), (tokens, ends)
-    assert (x[end:] == -7.0).all(), (tokens, ends)
+    assert (x[end:] == 0).all(), (tokens, ends)
 print("ok")
 """
 
 
-def test_fill_tail_writes_only_the_tokens_past_the_last_sequence(interpreter_refusal):
-    """``attention_kernels.fill_tail`` under the Triton interpreter: the tokens past
-    ``cu_seqlens[-1]`` take the value, every other token keeps its own (across program and column
+def test_zero_tokens_past_writes_only_the_tokens_past_the_last_sequence(interpreter_refusal):
+    """``attention_gluon.zero_tokens_past`` under the Triton interpreter: the tokens past
+    ``cu_seqlens[-1]`` become zeros, every other token keeps its own (across program and column
     blocks, and with no sequence tokens at all)."""
     import os
     import subprocess
@@ -1086,7 +1086,7 @@ def test_fill_tail_writes_only_the_tokens_past_the_last_sequence(interpreter_ref
     if interpreter_refusal:
         pytest.skip(interpreter_refusal)
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-c", _FILL_TAIL_SCRIPT], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", _ZERO_TAIL_SCRIPT], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
 

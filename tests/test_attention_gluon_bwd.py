@@ -735,7 +735,7 @@ def test_varlen_backward_launches(switched_on, monkeypatch, causal, head_dim):
     monkeypatch.setattr(AGB, "attn_bwd_dkdv_gluon_kernel", _ArgsRecorder("dkdv", log))
     monkeypatch.setattr(AGB, "attn_bwd_dq_gluon_kernel", _ArgsRecorder("dq", log))
     monkeypatch.setattr(AGB, "descriptor", lambda x, rows: (tuple(x.shape), rows))
-    monkeypatch.setattr(AGB.AK, "fill_tail", lambda x, cu: fills.append((x, cu)))
+    monkeypatch.setattr(AGB, "zero_tokens_past", lambda x, cu: fills.append((x, cu)))
     monkeypatch.setenv(AGB.ATTN_GLUON_BWD_OVERLAP_ENV, "0")
     lens_q, lens_k = [17, 0, 300, 1029, 64], [5, 40, 0, 1029, 700]
     q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, d=head_dim)

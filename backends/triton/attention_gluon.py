@@ -92,7 +92,7 @@ import torch
 
 from turbo_dispatch.env import env_text_reader, parse_bool
 
-from .attention_kernels import fill_tail
+from .grouped_launch import zero_padded_tail
 from .fp8_blockwise_gluon import available, gluon, shared_layout
 from .gemm_kernels import bind_cuda_context
 
@@ -1035,7 +1035,7 @@ def attend(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: O
         grid, args, kwargs = launch_args(q, k, v, out, lse, p.softmax_scale, cfg, (p.window_left, p.window_right),
                                          (cu_seqlens_q, cu_seqlens_k), (p.seqlen_q, p.seqlen_k))
         attn_fwd_gluon_kernel[grid](*args, **kwargs)
-        fill_tail(out, cu_seqlens_q)
+        zero_tokens_past(out, cu_seqlens_q)
         return out, lse
     lse = torch.empty((p.batch, p.heads_q, p.seqlen_q), device=q.device, dtype=torch.float32)
     grid, args, kwargs = launch_args(q, k, v, out, lse, p.softmax_scale, cfg, (p.window_left, p.window_right))
@@ -1043,9 +1043,19 @@ def attend(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: O
     return out, lse
 
 
+
+def zero_tokens_past(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Zeros the tokens of the packed, contiguous ``[T, ...]`` tensor ``x`` past ``cu_seqlens[-1]``
+    (read on the device, CUDA-graph safe), which the varlen kernels leave unwritten: the padded
+    tail of the grouped GEMMs (``grouped_launch.zero_padded_tail``) over ``x`` as ``[T, rest]``;
+    returns ``x``."""
+    zero_padded_tail(x.flatten(1), cu_seqlens)
+    return x
+
+
 __all__ = ["ATTN_GLUON_ENV", "ATTN_GLUON_EXP2_EMU_ENV", "ATTN_GLUON_FOLD_SCALE_ENV", "ATTN_GLUON_PIPELINE_ENV",
            "ATTN_GLUON_WG3_ENV", "ATTN_GLUON_WINDOW_ENV", "KERNEL_REVISION", "PIPELINED_HEAD_DIMS", "UNBOUNDED",
            "VARIANT_SWITCHES", "GluonAttnConfig", "as_batch", "attend", "block_span_host", "call_config", "config_for",
            "gluon_forward_refusal", "has_window", "launch_args", "machine_refusal", "pipeline_setting", "pipelined",
            "problem_refusal", "tensor_refusal", "variant_settings", "variant_tag", "window_bounds",
-           "window_key_span_host", "window_setting", "window_tag"]
+           "window_key_span_host", "window_setting", "window_tag", "zero_tokens_past"]

@@ -74,7 +74,8 @@ from turbo_dispatch.env import env_text_reader, parse_bool
 from turbo_dispatch.low_precision.side_streams import overlappable, side_by_side
 
 from . import attention_kernels as AK
-from .attention_gluon import block_span_host, descriptor, has_window, problem_refusal, tensor_refusal, window_bounds
+from .attention_gluon import (block_span_host, descriptor, has_window, problem_refusal, tensor_refusal, window_bounds,
+                              zero_tokens_past)
 from .fp8_blockwise_gluon import available, gluon
 
 if gluon is not None:
@@ -834,7 +835,7 @@ def attend_backward(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     if varlen:
         # The kernels write every token of every sequence; the tokens past the last one read 0.
         for grad, cu in ((dq, cu_seqlens_q), (dk, cu_seqlens_k), (dv, cu_seqlens_k)):
-            AK.fill_tail(grad, cu)
+            zero_tokens_past(grad, cu)
     return dq, dk, dv
 
 

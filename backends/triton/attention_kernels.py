@@ -499,36 +499,3 @@ if triton is not None:
                             BLOCK_DQK, BLOCK_DV, BLOCK_N, UPCAST)
         _store_tile(_head(DQ, b64, h64, stride_dqb, stride_dqh), first, offs_m, rows_ok, dq * sm_scale, stride_dqs,
                     stride_dqd, D_QK, BLOCK_DQK)
-
-    # -- varlen tails -------------------------------------------------------------------------------
-    @triton.jit
-    def fill_tail_kernel(X, CU, B, T, ROW, value, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-        """``value`` into the tokens ``CU[B] .. T - 1`` of the contiguous ``[T, ROW]`` buffer ``X``:
-        the tokens past every sequence of a packed varlen batch, which the Gluon kernels (they
-        write only their sequences' rows) leave unwritten. Grid ``cdiv(T, BLOCK_T)``; a program
-        wholly below ``CU[B]`` stores nothing, so the usual case (``CU[B] == T``) costs a launch."""
-        t0 = tl.program_id(0) * BLOCK_T
-        end = tl.load(CU + B)
-        if t0 + BLOCK_T > end:
-            tokens = t0 + tl.arange(0, BLOCK_T)
-            ok = (tokens >= end) & (tokens < T)
-            base = X + tl.cast(tokens, tl.int64)[:, None] * ROW
-            for c0 in range(0, ROW, BLOCK_C):
-                cols = c0 + tl.arange(0, BLOCK_C)
-                fill = (tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32) + value).to(X.dtype.element_ty)
-                tl.store(base + cols[None, :], fill, mask=ok[:, None] & (cols[None, :] < ROW))
-
-
-#: Tokens and elements per program of ``fill_tail_kernel``.
-FILL_BLOCK_T, FILL_BLOCK_C = 16, 512
-
-
-def fill_tail(x, cu_seqlens, value: float = 0.0):
-    """Writes ``value`` into the tokens of the packed ``[T, ...]`` tensor ``x`` (contiguous) past
-    ``cu_seqlens[-1]`` on the device, without reading ``cu_seqlens`` on the host (CUDA-graph
-    safe); returns ``x``."""
-    t = x.shape[0]
-    if t and x.numel():
-        fill_tail_kernel[(-(-t // FILL_BLOCK_T),)](x, cu_seqlens, cu_seqlens.numel() - 1, t, x.numel() // t,
-                                                   float(value), BLOCK_T=FILL_BLOCK_T, BLOCK_C=FILL_BLOCK_C)
-    return x
