@@ -38,6 +38,8 @@ import torch
 from subprocess_results import assert_check_passed, collect_results
 from test_compile_sm90 import _nvidia_toolchain
 
+from turbo_dispatch.ops._common import snr_db
+
 ROOT = Path(__file__).resolve().parents[1]
 BF16, FP16 = torch.bfloat16, torch.float16
 PLUGIN_NAME = "TRITON_INTERP"  # the adapter served on the CPU, for the interpreter's op-level checks
@@ -55,13 +57,12 @@ INTERP_TILE = (16, 16, 4, 1)
 
 # -- shared helpers ---------------------------------------------------------------------------------
 def _snr(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """SNR in dB over the finite entries of ``ref``; -inf when ``got`` has infinities elsewhere."""
+    """``snr_db`` over the finite entries of ``ref``; -inf when ``got`` has infinities elsewhere."""
     got, ref = got.detach().cpu().double(), ref.detach().cpu().double()
     finite = torch.isfinite(ref)
     if not torch.equal(finite, torch.isfinite(got)) or not torch.equal(got[~finite], ref[~finite]):
         return -math.inf
-    noise = float((got[finite] - ref[finite]).pow(2).sum())
-    return math.inf if noise == 0 else 10 * math.log10(float(ref[finite].pow(2).sum()) / noise)
+    return snr_db(got[finite], ref[finite])
 
 
 def _ref_kwargs(kw: dict) -> dict:
