@@ -249,7 +249,8 @@ def rebaser(descriptor: Any) -> Callable[[Any], Any]:
     For a caller whose key fixes everything the descriptor was validated on: the new base has the
     same dtype, shape, strides and device as the old one and a 16-byte aligned data pointer (a
     fresh allocation, or an input whose alignment the key holds). Where the descriptor class keeps
-    no instance ``__dict__`` (slots), the copies go through ``dataclasses.replace``, which validates.
+    no instance ``__dict__`` (a dataclass with slots), the copies go through its constructor,
+    which validates. The function keeps no reference to ``descriptor``'s base tensor.
 
     >>> class D:
     ...     def __init__(self, base, shape):
@@ -261,10 +262,13 @@ def rebaser(descriptor: Any) -> Callable[[Any], Any]:
     if not isinstance(fields, dict) or "base" not in fields:
         import dataclasses
 
-        return lambda base: dataclasses.replace(descriptor, base=base)
+        # Through the constructor, which validates; the first call's tensor is not kept.
+        kept = {f.name: getattr(descriptor, f.name) for f in dataclasses.fields(descriptor) if f.name != "base"}
+        cls = descriptor.__class__
+        return lambda base: cls(base=base, **kept)
     cls = descriptor.__class__
     new = object.__new__
-    template = dict(fields)
+    template = {**fields, "base": None}  # the template must not keep the first call's tensor alive
 
     def rebased(base: Any) -> Any:
         copy = new(cls)
