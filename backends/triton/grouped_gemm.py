@@ -425,7 +425,6 @@ class TritonGroupedGemmFp8(_TritonAdapter):
         return launch_fixed_k(qa, qb, out, offs, cfg, scale=mode, sa=sa, sa_strides=sas, sb=sb, sb_strides=sbs,
                               qblock=qblock, sb_ndiv=ndiv, upcast=up)
 
-
     def _repeat_fixed_k(self, p, config, relaunch, rezero):
         """The repeat of a prepared warp-specialised forward/dgrad (``prepare``)."""
         from .fp8_blockwise_gluon import launch_env
