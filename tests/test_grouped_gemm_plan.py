@@ -161,14 +161,16 @@ def test_tuning_db_settings_and_cleared_decisions_plan_again(tmp_path):
 
 
 def test_provisional_decisions_are_resolved_on_every_call(monkeypatch):
-    real = resolver.resolve
+    from turbo_dispatch.ops import grouped_gemm_spec
+
+    real = grouped_gemm_spec.resolve
     asked = []
 
     def provisional(spec, problem):
         asked.append(problem)
         return dataclasses.replace(real(spec, problem), provisional=True)
 
-    monkeypatch.setattr(resolver, "resolve", provisional)
+    monkeypatch.setattr(grouped_gemm_spec, "resolve", provisional)
     a, b, lens, grad = _inputs()
     _step(a, b, lens, grad)
     first = len(asked)

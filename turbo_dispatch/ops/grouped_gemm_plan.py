@@ -42,6 +42,7 @@ from ..low_precision.dual_quantize import prepare_runs_both, prepare_tiles_both
 from ..tracing import tracing
 from .grouped_gemm_fp8_step import step_forward_problem
 from .grouped_gemm_problem import GroupedGemmFp8Problem, grouped_gemm_fp8_problem
+from . import grouped_gemm_spec as _spec
 from .grouped_gemm_spec import GROUPED_GEMM_FP8
 
 #: Step plans kept at most; a full cache starts over (a job whose shapes vary without bound must
@@ -113,14 +114,9 @@ def clear() -> None:
 
 
 def _prepared_gemm(p: GroupedGemmFp8Problem, x, y, group_lens, group_offs):
-    """(``p`` run on these operands, the function that repeats it or None): the resolver's
-    decision for ``p`` prepared by its backend (``Adapter.prepare``); a provisional decision is
-    run, not kept."""
-    decision = _resolver.resolve(GROUPED_GEMM_FP8, p)
-    adapter = decision.entry.adapter
-    if decision.provisional:
-        return adapter.run(p, x, y, group_lens, group_offs, config=decision.config), None
-    return adapter.prepare(p, x, y, group_lens, group_offs, config=decision.config)
+    """(``p`` run on these operands, the function that repeats it or None):
+    ``grouped_gemm_spec.prepare_fp8``, looked up on every call as ``run_fp8`` is."""
+    return _spec.prepare_fp8(p, x, y, group_lens, group_offs)
 
 
 class StepPlan:
