@@ -204,7 +204,7 @@ def _case_ops():
 
     def resolve(op, p):
         used.append(op.name)
-        return SimpleNamespace(entry=SimpleNamespace(adapter=adapters[op]), config=None)
+        return SimpleNamespace(entry=SimpleNamespace(adapter=adapters[op]), config=None, provisional=False)
 
     spec.resolve = resolve
     lens_l = [11, 0, 20]

@@ -5,7 +5,7 @@ Those are the resolver's business.
 """
 from __future__ import annotations
 
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 
 class Adapter:
@@ -75,3 +75,14 @@ class Adapter:
 
     def run(self, problem: Any, *tensors: Any, config: Hashable = None) -> Any:
         raise NotImplementedError(f"{type(self).__name__}.run")
+
+    def prepare(self, problem: Any, *tensors: Any, config: Hashable = None) -> tuple[Any, Callable[..., Any]]:
+        """``(run(problem, *tensors, config=config), again)``: this call's result, and a function
+        ``again(*tensors)`` that runs ``problem`` with ``config`` on later tensors laid out as these
+        are (same types, dtypes, shapes, strides, devices and 16-byte alignment of their data;
+        a caller that keeps ``again`` holds these in its key). An adapter may resolve here, once,
+        what ``run`` works out on every call (launch arguments, descriptors, kernel plans); the
+        default ``again`` is ``run`` itself. ``again`` must give what ``run`` would, also after a
+        setting it depends on changed (then it may call ``run``)."""
+        return (self.run(problem, *tensors, config=config),
+                lambda *tensors: self.run(problem, *tensors, config=config))

@@ -70,8 +70,21 @@ def _shared_decision(spec: OpSpec, problem: Any, settings: "_manager.Settings") 
     return dataclasses.replace(decision, problem=problem, notes=decision.notes + (note,))
 
 
+_epoch = 0
+
+
 def clear_cache() -> None:
+    """Forgets every cached decision (the tuners call it after storing new results) and starts a
+    new ``epoch``."""
+    global _epoch
+    _epoch += 1
     _cache.clear()
+
+
+def epoch() -> int:
+    """A counter that ``clear_cache`` bumps: a cache of anything derived from decisions (the
+    grouped step's plans) holds it beside ``Settings.generation`` and is void once either moved."""
+    return _epoch
 
 
 def _pinned_name(choice: "BackendType | str", platform: str, what: str) -> str:

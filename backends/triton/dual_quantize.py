@@ -164,6 +164,67 @@ def kernel_args(x, data, data_t, scale, scale_t, block: int) -> tuple:
             *scale.stride(), *scale_t.stride())
 
 
+def prepare_dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool):
+    """``(dual_quantize(x, dtype, block, tile_2d), quantize)``: this call's result, and a function
+    ``quantize(x)`` that gives ``dual_quantize``'s result for a later ``x`` with the same dtype,
+    shape, strides, device and 16-byte alignment as this one (the caller's key holds them), with
+    this call's launch resolved: outputs allocated as here, the kernel launched through its
+    pre-bound plan. Where the environment switches the launch paths read (``launch_env``) have
+    changed, or this call's kernel has no pre-bound plan, ``quantize`` is ``dual_quantize``."""
+    from .fp8_blockwise_gluon import launch_env
+
+    _check_arguments(x, dtype, block)
+    env = launch_env()
+    g, r, c = x.shape
+    relaunch = None
+    if g * r * c and not _interpreting():
+        from . import dual_quantize_gluon
+
+        if dual_quantize_gluon.available(x, block) is None:
+            outs = _dual_outputs(x, dtype, block, tile_2d)
+            relaunch = dual_quantize_gluon.prepare(x, *outs, FP8_MAX[dtype], _TINY, tile_2d)
+    if relaunch is None:
+        outs = dual_quantize(x, dtype, block, tile_2d)
+
+        def quantize(x):
+            return dual_quantize(x, dtype, block, tile_2d)
+
+        return outs, quantize
+
+    def quantize(x):
+        if launch_env() != env:
+            return dual_quantize(x, dtype, block, tile_2d)
+        outs = _dual_outputs(x, dtype, block, tile_2d)
+        relaunch(x, *outs)
+        return outs
+
+    return outs, quantize
+
+
+def _check_arguments(x: torch.Tensor, dtype: torch.dtype, block: int) -> None:
+    if x.dim() != 3:
+        raise ValueError(f"dual_quantize: x must be 3-D [G, R, C]; got shape {tuple(x.shape)}")
+    if dtype not in FP8_MAX:
+        raise ValueError(f"dual_quantize: dtype must be float8_e4m3fn or float8_e5m2; got {dtype}")
+    if block not in DUAL_BLOCK_SIZES:
+        raise ValueError(f"dual_quantize: block must be one of {DUAL_BLOCK_SIZES}; got {block}")
+
+
+def _dual_outputs(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool):
+    """``dual_quantize``'s uninitialised outputs (data, scale, data_t, scale_t) for ``x``."""
+    g, r, c = x.shape
+    n_r, n_c = -(-r // block), -(-c // block)
+    data = empty_padded_rows(x, (g, r, c), dtype)
+    data_t = empty_padded_rows(x, (g, c, r), dtype)
+    if tile_2d:
+        scale = torch.empty((g, n_r, n_c), dtype=torch.float32, device=x.device)
+        return data, scale, data_t, scale.transpose(1, 2)
+    # Row scales' rows padded to 16 floats: the Gluon runs kernel writes a strip of them per
+    # row as one aligned vector store, padding included (never read).
+    return (data, empty_padded_rows(x, (g, r, n_c), torch.float32), data_t,
+            torch.empty((g, n_r, c), dtype=torch.float32, device=x.device))
+
+
 def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool, *, gluon: bool = True
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantise ``x[G, R, C]`` (any strides) both ways in one pass; see the module docstring.
@@ -186,25 +247,10 @@ def dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool
     >>> tuple(d.shape), tuple(s.shape), tuple(dt.shape), tuple(st.shape)  # doctest: +SKIP
     ((1, 300, 256), (1, 300, 2), (1, 256, 300), (1, 3, 256))
     """
-    if x.dim() != 3:
-        raise ValueError(f"dual_quantize: x must be 3-D [G, R, C]; got shape {tuple(x.shape)}")
-    if dtype not in FP8_MAX:
-        raise ValueError(f"dual_quantize: dtype must be float8_e4m3fn or float8_e5m2; got {dtype}")
-    if block not in DUAL_BLOCK_SIZES:
-        raise ValueError(f"dual_quantize: block must be one of {DUAL_BLOCK_SIZES}; got {block}")
+    _check_arguments(x, dtype, block)
     g, r, c = x.shape
     n_r, n_c = -(-r // block), -(-c // block)
-    data = empty_padded_rows(x, (g, r, c), dtype)
-    data_t = empty_padded_rows(x, (g, c, r), dtype)
-    f32 = dict(dtype=torch.float32, device=x.device)
-    if tile_2d:
-        scale = torch.empty((g, n_r, n_c), **f32)
-        scale_t = scale.transpose(1, 2)
-    else:
-        # Row scales' rows padded to 16 floats: the Gluon runs kernel writes a strip of them per
-        # row as one aligned vector store, padding included (never read).
-        scale = empty_padded_rows(x, (g, r, n_c), torch.float32)
-        scale_t = torch.empty((g, n_r, c), **f32)
+    data, scale, data_t, scale_t = _dual_outputs(x, dtype, block, tile_2d)
     if g * r * c == 0:
         return data, scale, data_t, scale_t
     interpreting = _interpreting()

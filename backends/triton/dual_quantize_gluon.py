@@ -26,7 +26,7 @@ import torch
 from .dual_quantize import kernel_args
 from .fp8_blockwise_gluon import available as _gluon_available
 from .gemm_kernels import bind_cuda_context, num_programs, tma_ok
-from .prebound import CallKeyedKernel
+from .prebound import CallKeyedKernel, rebaser
 
 try:
     from triton.experimental import gluon
@@ -442,15 +442,24 @@ def _launchers() -> tuple[CallKeyedKernel, CallKeyedKernel]:
 def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d: bool = False) -> None:
     """Fill ``data``, ``scale``, ``data_t``, ``scale_t`` (laid out by ``dual_quantize``) from ``x``:
     token runs (``tile_2d`` False) by the runs kernel, 2-D tiles by the tiles kernel."""
+    prepare(x, data, data_t, scale, scale_t, fp8_max, tiny, tile_2d)
+
+
+def prepare(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d: bool = False):
+    """``launch`` now, and ``relaunch(x, data, data_t, scale, scale_t)`` for later calls whose
+    tensors match these in dtype, shape, strides, device and 16-byte alignment (the caller's key
+    holds them), launched through this call's pre-bound plan without the per-call key (the TMA
+    runs kernel's descriptor rebuilt without validation); None where this launch has no
+    pre-bound plan (the pointer runs kernel)."""
     g, r, c = x.shape
     n_r, n_c = -(-r // BLOCK), -(-c // BLOCK)
     args = kernel_args(x, data, data_t, scale, scale_t, BLOCK)
     if tile_2d:
         rows, warps, maxnreg = TILES_LAUNCH
         lay, lay_t = _layouts(rows, warps)
-        _launchers()[0]((g * n_r, n_c), args, dict(B=BLOCK, L=lay, LT=lay_t, FP8_MAX=fp8_max, TINY=tiny,
-                                                   num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {})))
-        return
+        return _launchers()[0].launch_and_plan((g * n_r, n_c), args, dict(
+            B=BLOCK, L=lay, LT=lay_t, FP8_MAX=fp8_max, TINY=tiny, num_warps=warps,
+            **({"maxnreg": maxnreg} if maxnreg else {})))
     chunk, t_chunk, warps, maxnreg = LAUNCH
     if tma_ok(x):
         stages, per_sm, maxnreg = TMA_RUNS  # the TMA form's own register cap
@@ -461,11 +470,18 @@ def launch(x, data, data_t, scale, scale_t, fp8_max: float, tiny: float, tile_2d
         programs = per_sm * num_programs(x.device.index)
         span = _span(scale, g * n_r, programs)
         grid = min(_units(g * n_r, n_c, span), programs)
-        _launchers()[1]((grid,), (desc, *args[1:5], r, c, n_r, n_c, n_tiles, *args[11:]), dict(
+        plan = _launchers()[1].launch_and_plan((grid,), (desc, *args[1:5], r, c, n_r, n_c, n_tiles, *args[11:]), dict(
             B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, STAGES=stages, SPAN=span,
             num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {})))
-        return
+        x_desc = rebaser(desc)
+
+        def relaunch(x, data, data_t, scale, scale_t) -> None:
+            bind_cuda_context(x)
+            plan(x_desc(x), data, data_t, scale, scale_t)
+
+        return relaunch
     _dual_quantize_runs_kernel[(g * n_r, n_c)](
         *args, B=BLOCK, CH=chunk, TCH=t_chunk, FP8_MAX=fp8_max, TINY=tiny, WARPS=warps, num_warps=warps,
         **({"maxnreg": maxnreg} if maxnreg else {}))
+    return None
 

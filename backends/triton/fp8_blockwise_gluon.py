@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from turbo_dispatch.env import env_text_reader, parse_bool
+from turbo_dispatch.env import env_reader, env_text_reader, parse_bool
 
 from .gemm_kernels import bind_cuda_context, interpreting, num_programs, tile_coords, tma_ok
 
@@ -229,6 +229,16 @@ if gluon is not None:
 
 #: The text of the Gluon switch (``GLUON_ENV``) as it is now, None when unset.
 read_switch = env_text_reader(GLUON_ENV)
+_SWITCH_RAW = env_reader(GLUON_ENV)
+_INTERPRET_RAW = env_reader("TRITON_INTERPRET")
+
+
+def launch_env() -> tuple:
+    """The raw values of the environment variables that the Triton backend's launch paths read on
+    every call (the Gluon switch ``GLUON_ENV``, ``TRITON_INTERPRET``): equal between two calls
+    exactly when neither changed. A launcher prepared under one value serves only calls under
+    the same one."""
+    return _SWITCH_RAW(), _INTERPRET_RAW()
 
 
 def available(device_index: int | None = None) -> str | None:

@@ -48,6 +48,7 @@ from .configs import KERNEL_GLUON_WS, MAX_OCCUPANCY
 from .gemm import rocm_fitted
 from .grouped_launch import _interpreting, _offsets, _triton_reason, _upcast
 from .grouped_launch import _vk_descriptor, launch_fixed_k, launch_variable_k, zero_padded_tail  # noqa: F401  (re-exported)
+from .grouped_launch import prepare_zero_padded_tail
 
 log = logging.getLogger("turbo_dispatch.backends.triton.grouped_gemm")
 
@@ -343,6 +344,23 @@ class TritonGroupedGemmFp8(_TritonAdapter):
                 f"kernel, {p.granularity.value}, default config {cfg} (no host sync, capturable)")
 
     def run(self, p, x, y, group_lens, group_offs, config=None):
+        return self._run(p, x, y, group_lens, group_offs, config, None)
+
+    def prepare(self, p, x, y, group_lens, group_offs, config=None):
+        """``run``, and for pre-quantised blockwise operands on the warp-specialised kernels (the
+        training step's GEMMs) a function that repeats the call with everything but the outputs
+        and the descriptors' base tensors resolved: launches through the kernels' pre-bound
+        plans (``prepare_grouped``, ``prepare_wgrad``). It runs ``run`` itself when the launch
+        environment (``launch_env``: the Gluon switch, the interpreter) has changed since."""
+        prepared: list = []
+        out = self._run(p, x, y, group_lens, group_offs, config, prepared)
+        if prepared:
+            return out, prepared[0]
+        return out, lambda x, y, group_lens, group_offs: self._run(p, x, y, group_lens, group_offs, config, None)
+
+    def _run(self, p, x, y, group_lens, group_offs, config, prepared: Optional[list]):
+        """``run``; with a ``prepared`` list, a warp-specialised launch of pre-quantised operands
+        appends its repeat function to it (``prepare``)."""
         cfg = _fp8_configs(p)[0] if config is None else _check_config(config)
         # A default config came from _fp8_configs, which offers the WS ones only where they run.
         if config is not None and _is_ws(cfg):
@@ -362,11 +380,15 @@ class TritonGroupedGemmFp8(_TritonAdapter):
             qx, sx, sxs = _wgrad_operand(x, p.a_fp8, gran, bs, mode)
             qy, sy, sys_ = _wgrad_operand(y, p.b_fp8, gran, bs, mode)
             if _is_ws(cfg):
-                from .fp8_blockwise_wgrad_ws import launch_wgrad, operands_error
+                from .fp8_blockwise_wgrad_ws import launch_wgrad, operands_error, prepare_wgrad
 
                 cfg = _ws_for_operands(p, cfg, config is not None, operands_error(qx, qy))
                 if _is_ws(cfg):
-                    return launch_wgrad(qx, qy, out, offs, sx, sxs, sy, sys_, cfg[:6], qblock=bs)
+                    if prepared is None or not _both_quantized(x, y):
+                        return launch_wgrad(qx, qy, out, offs, sx, sxs, sy, sys_, cfg[:6], qblock=bs)
+                    relaunch = prepare_wgrad(qx, qy, out, offs, sx, sxs, sy, sys_, cfg[:6], qblock=bs)
+                    prepared.append(self._repeat_wgrad(p, config, relaunch))
+                    return out
             return launch_variable_k(qx, qy, out, offs, cfg, scale=mode, sx=sx, sx_strides=sxs, sy=sy,
                                      sy_strides=sys_, qblock=qblock, upcast=up)
         out = torch.empty((p.m, p.n), dtype=p.out_dtype, device=device)
@@ -378,24 +400,70 @@ class TritonGroupedGemmFp8(_TritonAdapter):
         else:
             qa3, sa = _quant_rows(x.unsqueeze(0), p.a_fp8, gran, bs)
             qa, sas = qa3[0], ((0, 0) if mode == 1 else (sa.stride(1), sa.stride(2)))
+        b_copied = False
         if isinstance(y, QuantizedTensor):  # the weight's tiles, viewed [G, N, K] with K contiguous
             qb = y.data if p.trans_b else y.data.transpose(1, 2)
             sb = y.scale if p.trans_b else y.scale.transpose(1, 2)
             if qb.stride(2) != 1:  # fp8 MMAs read K-major operands
-                qb = qb.contiguous()
+                qb, b_copied = qb.contiguous(), True
         else:
             qb, sb = _quant_rows(y if p.trans_b else y.transpose(1, 2), p.b_fp8, gran, bs, tile_2d=p.b_2d)
         sbs = (0, 0, 0) if mode == 1 else sb.stride()
         ndiv = bs if (gran is ScalingGranularity.BLOCKWISE and p.b_2d) else 1
         if _is_ws(cfg):
-            from .fp8_blockwise_gluon_ws import grouped_operands_error, launch_grouped
+            from .fp8_blockwise_gluon_ws import grouped_operands_error, launch_grouped, prepare_grouped
 
             cfg = _ws_for_operands(p, cfg, config is not None, grouped_operands_error(qa, qb))
             if _is_ws(cfg):
-                launch_grouped(qa, qb, out, offs, sa, sas, sb, sbs, cfg[:6], b_group=bs)
-                return zero_padded_tail(out, offs)  # the warp-specialised kernel writes its groups' rows only
+                if prepared is None or not _both_quantized(x, y) or b_copied:
+                    launch_grouped(qa, qb, out, offs, sa, sas, sb, sbs, cfg[:6], b_group=bs)
+                    return zero_padded_tail(out, offs)  # the warp-specialised kernel writes its groups' rows only
+                relaunch = prepare_grouped(qa, qb, out, offs, sa, sas, sb, sbs, cfg[:6], b_group=bs)
+                rezero = prepare_zero_padded_tail(out, offs)
+                prepared.append(self._repeat_fixed_k(p, config, relaunch, rezero))
+                return out
         return launch_fixed_k(qa, qb, out, offs, cfg, scale=mode, sa=sa, sa_strides=sas, sb=sb, sb_strides=sbs,
                               qblock=qblock, sb_ndiv=ndiv, upcast=up)
+
+    def _repeat_fixed_k(self, p, config, relaunch, rezero):
+        """The repeat of a prepared warp-specialised forward/dgrad (``prepare``)."""
+        from .fp8_blockwise_gluon import launch_env
+
+        env, shape, dtype, trans_b, empty = launch_env(), (p.m, p.n), p.out_dtype, p.trans_b, torch.empty
+
+        def again(x, y, group_lens, group_offs):
+            if launch_env() != env:
+                return self._run(p, x, y, group_lens, group_offs, config, None)
+            offs = _offsets(group_lens, group_offs)
+            qb, sb = (y.data, y.scale) if trans_b else (y.data.transpose(1, 2), y.scale.transpose(1, 2))
+            qa = x.data
+            out = empty(shape, dtype=dtype, device=qa.device)
+            relaunch(qa, qb, out, offs, x.scale, sb)
+            rezero(out, offs)  # the warp-specialised kernel writes its groups' rows only
+            return out
+
+        return again
+
+    def _repeat_wgrad(self, p, config, relaunch):
+        """The repeat of a prepared warp-specialised wgrad (``prepare``)."""
+        from .fp8_blockwise_gluon import launch_env
+
+        env, shape, dtype, empty = launch_env(), (p.g, p.m, p.n), p.out_dtype, torch.empty
+
+        def again(x, y, group_lens, group_offs):
+            if launch_env() != env:
+                return self._run(p, x, y, group_lens, group_offs, config, None)
+            offs = _offsets(group_lens, group_offs)
+            qx = x.data
+            out = empty(shape, dtype=dtype, device=qx.device)
+            relaunch(qx, y.data, out, offs, x.scale, y.scale)
+            return out
+
+        return again
+
+
+def _both_quantized(x, y) -> bool:
+    return isinstance(x, QuantizedTensor) and isinstance(y, QuantizedTensor)
 
 
 def _ws_for_operands(p, cfg: Config, pinned: bool, why: str | None) -> Config:

@@ -214,10 +214,25 @@ class CallKeyedKernel:
     def __call__(self, grid: Sequence[int], args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """Launches ``kernel[grid](*args, **kwargs)``; ``args`` are positional in signature order
         (the keyword arguments may name the remaining parameters and launch options)."""
+        self.launch_and_plan(grid, args, kwargs)
+
+    def launch_and_plan(self, grid: Sequence[int], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Plan:
+        """Launches as ``__call__`` does and returns the plan that served the launch.
+
+        A caller that keeps the plan may launch later calls with ``plan(*per_call)`` (the
+        ``per_call`` parameters in the order given to the constructor), skipping the key, as long
+        as everything the key holds is the same for them: the grid, every other argument's value,
+        the keyword arguments, and the per-call tensors' and descriptors' ``trait``. Such a launch
+        is not counted in ``prebound.hits``."""
         per_call = tuple(args[i] for i in self._per_call_at)
         fixed_args = tuple(args[i] for i in self._fixed_at if i < len(args))
         key = (tuple(grid), fixed_args, tuple(kwargs.items()), tuple(map(self.trait, per_call)))
-        self.prebound.launch_keyed(key, per_call, lambda: self._resolve(grid, args, kwargs))
+        plan = self.prebound.plan(key)
+        if plan is None:
+            grid, fixed, options = self._resolve(grid, args, kwargs)
+            return self.prebound.bind(key, grid, per_call, fixed, options)
+        plan(*per_call)
+        return plan
 
     def _resolve(self, grid: Sequence[int], args: Sequence[Any], kwargs: Mapping[str, Any]):
         fixed = {self._names[i]: args[i] for i in self._fixed_at if i < len(args)}
@@ -225,6 +240,42 @@ class CallKeyedKernel:
         for name, value in kwargs.items():
             (fixed if name in self._names else options)[name] = value
         return tuple(grid), fixed, options
+
+
+def rebaser(descriptor: Any) -> Callable[[Any], Any]:
+    """A function that makes copies of host TMA descriptor ``descriptor`` over other base tensors,
+    without the validation its constructor repeats (about twenty Python calls per descriptor).
+
+    For a caller whose key fixes everything the descriptor was validated on: the new base has the
+    same dtype, shape, strides and device as the old one and a 16-byte aligned data pointer (a
+    fresh allocation, or an input whose alignment the key holds). Where the descriptor class keeps
+    no instance ``__dict__`` (a dataclass with slots), the copies go through its constructor,
+    which validates. The function keeps no reference to ``descriptor``'s base tensor.
+
+    >>> class D:
+    ...     def __init__(self, base, shape):
+    ...         self.base, self.shape = base, shape
+    >>> rebaser(D("x", [2, 3]))("y").__dict__
+    {'base': 'y', 'shape': [2, 3]}
+    """
+    fields = getattr(descriptor, "__dict__", None)
+    if not isinstance(fields, dict) or "base" not in fields:
+        import dataclasses
+
+        # Through the constructor, which validates; the first call's tensor is not kept.
+        kept = {f.name: getattr(descriptor, f.name) for f in dataclasses.fields(descriptor) if f.name != "base"}
+        cls = descriptor.__class__
+        return lambda base: cls(base=base, **kept)
+    cls = descriptor.__class__
+    new = object.__new__
+    template = {**fields, "base": None}  # the template must not keep the first call's tensor alive
+
+    def rebased(base: Any) -> Any:
+        copy = new(cls)
+        copy.__dict__ = {**template, "base": base}
+        return copy
+
+    return rebased
 
 
 def _direct_launcher(kernel: Any, compiled: Any, grid3: tuple) -> tuple[Callable[..., Any] | None, str]:

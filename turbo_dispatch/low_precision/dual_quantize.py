@@ -43,6 +43,17 @@ def _dual_kernel() -> Optional[Callable]:
     return fn
 
 
+@functools.lru_cache(maxsize=None)
+def _prepare_kernel() -> Optional[Callable]:
+    module, _ = kernel_module(KERNEL)
+    return getattr(module, "prepare_dual_quantize", None)
+
+
+def _one_read(x: torch.Tensor, block_size: int) -> bool:
+    """Whether the one-read kernel may quantise ``x`` with ``block_size`` (a GPU tensor, a block it takes)."""
+    return x.is_cuda and block_size in DUAL_BLOCK_SIZES
+
+
 def empty_padded_rows(like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, pad: int = 16) -> torch.Tensor:
     """An uninitialised ``shape`` tensor on ``like``'s device whose rows are padded in memory to a
     multiple of ``pad`` elements (for fp8, 16 bytes: the row stride TMA descriptors need; the
@@ -65,7 +76,7 @@ def quantize_both_tensors(x3: torch.Tensor, dtype: torch.dtype, block_size: int,
     ``dual_quantize`` returns them (fp8 rows padded to 16 bytes, token runs' row scales to 16
     floats): from that one-read kernel on a GPU, else from two reference ``quantize`` calls,
     which give the same bits."""
-    fn = _dual_kernel() if x3.is_cuda and block_size in DUAL_BLOCK_SIZES else None
+    fn = _dual_kernel() if _one_read(x3, block_size) else None
     if fn is not None:
         return fn(x3, dtype, block_size, tile_2d)
     if tile_2d:
@@ -119,6 +130,39 @@ def quantize_runs_both(x: torch.Tensor, dtype: torch.dtype, block_size: int
     """
     data, scale, data_t, scale_t = quantize_both_tensors(x.unsqueeze(0), dtype, block_size, False)
     return runs_from_tensors(data[0], scale[0], data_t[0], scale_t[0], block_size)
+
+
+def prepare_runs_both(x: torch.Tensor, dtype: torch.dtype, block_size: int):
+    """``(quantize_runs_both(x, dtype, block_size), runs)``: this call's result, and ``runs(x)``,
+    which gives ``quantize_runs_both``'s result for a later ``x`` with the same dtype, shape,
+    strides, device and 16-byte alignment as this one (the caller's key holds them) with the
+    kernel's launch resolved once (its ``prepare_dual_quantize``); where there is none, ``runs``
+    is ``quantize_runs_both`` itself."""
+    fn = _prepare_kernel() if _one_read(x, block_size) else None
+    if fn is None:
+        return quantize_runs_both(x, dtype, block_size), lambda x: quantize_runs_both(x, dtype, block_size)
+    (data, scale, data_t, scale_t), quantize = fn(x.unsqueeze(0), dtype, block_size, False)
+
+    def runs(x: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
+        data, scale, data_t, scale_t = quantize(x.unsqueeze(0))
+        return runs_from_tensors(data[0], scale[0], data_t[0], scale_t[0], block_size)
+
+    return runs_from_tensors(data[0], scale[0], data_t[0], scale_t[0], block_size), runs
+
+
+def prepare_tiles_both(w: torch.Tensor, dtype: torch.dtype, block_size: int):
+    """``(quantize_tiles_both(w, dtype, block_size), tiles)``, as ``prepare_runs_both`` for the
+    weight's tiles."""
+    fn = _prepare_kernel() if _one_read(w, block_size) else None
+    if fn is None:
+        return quantize_tiles_both(w, dtype, block_size), lambda w: quantize_tiles_both(w, dtype, block_size)
+    (data, scale, data_t, _), quantize = fn(w, dtype, block_size, True)
+
+    def tiles(w: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
+        data, scale, data_t, _ = quantize(w)
+        return tiles_from_tensors(data, scale, data_t, block_size)
+
+    return tiles_from_tensors(data, scale, data_t, block_size), tiles
 
 
 def quantize_tiles_both(w: torch.Tensor, dtype: torch.dtype, block_size: int

@@ -20,6 +20,7 @@ import torch
 
 from ..low_precision import Float8QuantConfig, QuantizedTensor, ScalingGranularity
 from . import grouped_gemm_custom_ops  # noqa: F401  (registers torch.ops.turbo_dispatch.grouped_gemm*)
+from . import grouped_gemm_plan
 from .gemm_grad_accum import main_grad_for
 from .gemm_operands import data_of, needs_grad, scale_of
 from .grouped_gemm_routing import VALIDATE_ENV, check_group_lens_values, offsets_or
@@ -182,6 +183,14 @@ def grouped_gemm_fp8(a: torch.Tensor, b: torch.Tensor, group_lens: torch.Tensor,
         return torch.ops.turbo_dispatch.grouped_gemm_fp8(a, b, group_lens, offs, trans_b, out_dtype, cfg.format.value,
                                                          cfg.granularity.value, cfg.block_size, cfg.scale_dtype.value,
                                                          num_cu, main_grad)
+    key = None
+    if needs_grad(a, b) and step_reuses_quantization(cfg):
+        key = grouped_gemm_plan.step_key(a, b, group_lens, group_offs, trans_b, out_dtype, cfg)
+        plan = None if key is None else grouped_gemm_plan.lookup(key)
+        if plan is not None:  # a call with this key passed every check below before
+            check_group_lens_values("grouped_gemm_fp8", group_lens, group_offs, plan.problem.m)
+            offs = offsets_or(group_offs, group_lens, a.shape[0])
+            return GroupedFp8Function.apply(a, b, group_lens, offs, plan.problem, cfg, num_cu, main_grad, plan)
     problem = forward_fp8_problem(a, b, group_lens, group_offs, trans_b, out_dtype, cfg)
     check_group_lens_values("grouped_gemm_fp8", group_lens, group_offs, problem.m)
     if 0 in (problem.m, problem.n, problem.k):
@@ -191,5 +200,6 @@ def grouped_gemm_fp8(a: torch.Tensor, b: torch.Tensor, group_lens: torch.Tensor,
                             fuse_bgrad_accum_pattern).to(problem.out_dtype)
     offs = offsets_or(group_offs, group_lens, a.shape[0])
     if needs_grad(a, b):
-        return GroupedFp8Function.apply(a, b, group_lens, offs, problem, cfg, num_cu, main_grad)
+        plan = None if key is None else grouped_gemm_plan.keep(key, problem, cfg)
+        return GroupedFp8Function.apply(a, b, group_lens, offs, problem, cfg, num_cu, main_grad, plan)
     return _run_capped(num_cu, run_fp8, problem, a, b, group_lens, offs)

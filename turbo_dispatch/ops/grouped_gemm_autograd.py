@@ -62,37 +62,42 @@ def eager_fp8_mms(cfg: Float8QuantConfig) -> tuple[Callable, Callable]:
 
 
 class GroupedFp8Function(torch.autograd.Function):
-    """``apply(a, b, group_lens, group_offs, problem, config, num_cu=None, main_grad=None)``:
-    grouped_gemm_fp8; a blockwise step quantises each operand once and saves them fp8
-    (``grouped_gemm_fp8_step``), any other saves the inputs. ``num_cu`` and ``main_grad`` as in
-    GroupedGemmFunction."""
+    """``apply(a, b, group_lens, group_offs, problem, config, num_cu=None, main_grad=None,
+    plan=None)``: grouped_gemm_fp8; a blockwise step quantises each operand once and saves them
+    fp8 (``grouped_gemm_fp8_step``), any other saves the inputs. ``num_cu`` and ``main_grad`` as
+    in GroupedGemmFunction. A blockwise step with a ``plan`` (``grouped_gemm_plan.StepPlan`` of the
+    call's key) runs its prepared quantisers and GEMMs, forward and backward; same results."""
 
     @staticmethod
-    def forward(ctx, a, b, group_lens, group_offs, problem, config, num_cu=None, main_grad=None):
+    def forward(ctx, a, b, group_lens, group_offs, problem, config, num_cu=None, main_grad=None, plan=None):
         with compute_unit_limit(num_cu):
             return GroupedFp8Function._forward_body(ctx, a, b, group_lens, group_offs, problem, config, num_cu,
-                                                    main_grad)
+                                                    main_grad, plan)
 
     @staticmethod
-    def _forward_body(ctx, a, b, group_lens, group_offs, problem, config, num_cu, main_grad):
+    def _forward_body(ctx, a, b, group_lens, group_offs, problem, config, num_cu, main_grad, plan):
         ctx.problem, ctx.config, ctx.num_cu, ctx.main_grad = problem, config, num_cu, main_grad
         ctx.dtypes = (a.dtype, b.dtype)
         ctx.reuse = step_reuses_quantization(config)
         if not ctx.reuse:
+            ctx.plan = None
             ctx.save_for_backward(a, b, group_lens, group_offs)
             return run_fp8(problem, a, b, group_lens, group_offs)
+        ctx.plan = plan
         need_a, need_b = ctx.needs_input_grad[:2]
-        qa, qb, a_saved, b_saved = quantize_for_step(a, b, config, need_a, need_b, quantize_runs_both,
-                                                     quantize_tiles_both, reuse=True)
+        runs, tiles = (quantize_runs_both, quantize_tiles_both) if plan is None else (plan.runs_both, plan.tiles_both)
+        qa, qb, a_saved, b_saved = quantize_for_step(a, b, config, need_a, need_b, runs, tiles, reuse=True)
         ctx.quantized = (layout(a_saved), layout(b_saved))  # their tensors go through save_for_backward
         ctx.save_for_backward(*unpack(a_saved), *unpack(b_saved), group_lens, group_offs)
+        if plan is not None:
+            return plan.forward(qa, qb, group_lens, group_offs)
         return run_fp8(step_forward_problem(problem, qa, qb), qa, qb, group_lens, group_offs)
 
     @staticmethod
     def backward(ctx, grad):
         with compute_unit_limit(ctx.num_cu):
             grad_a, grad_b = GroupedFp8Function._gradients(ctx, grad)
-        return grad_a, add_to_main_grad(ctx.main_grad, grad_b), None, None, None, None, None, None
+        return grad_a, add_to_main_grad(ctx.main_grad, grad_b), None, None, None, None, None, None, None
 
     @staticmethod
     def _gradients(ctx, grad):
@@ -104,6 +109,11 @@ class GroupedFp8Function(torch.autograd.Function):
             return grouped_fp8_grads(*eager_fp8_mms(cfg), a, b, grad, group_lens, group_offs, *flags)
         a_data, a_scale, b_data, b_scale, group_lens, group_offs = ctx.saved_tensors
         a_saved, b_saved = (repack(q, d, s) for q, d, s in zip(ctx.quantized, (a_data, b_data), (a_scale, b_scale)))
-        return grouped_fp8_grads(*eager_fp8_mms(cfg), a_saved, b_saved, grad, group_lens, group_offs,
+        planned = None if ctx.plan is None else ctx.plan.backward_plan(grad)
+        if planned is None:
+            mm8, mm8_k, runs = *eager_fp8_mms(cfg), quantize_runs_both
+        else:
+            mm8, mm8_k, runs = planned.mm8, planned.mm8_k, planned.runs_both
+        return grouped_fp8_grads(mm8, mm8_k, a_saved, b_saved, grad, group_lens, group_offs,
                                  *flags, a_dtype=ctx.dtypes[0], b_dtype=ctx.dtypes[1],
-                                 runs_both=quantize_runs_both, block_size=cfg.block_size)
+                                 runs_both=runs, block_size=cfg.block_size)

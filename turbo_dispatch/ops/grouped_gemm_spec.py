@@ -137,3 +137,14 @@ def run_fp8(p: GroupedGemmFp8Problem, x, y, group_lens, group_offs) -> torch.Ten
     """``p`` on the backend the resolver picks for it."""
     decision = resolve(GROUPED_GEMM_FP8, p)
     return decision.entry.adapter.run(p, x, y, group_lens, group_offs, config=decision.config)
+
+
+def prepare_fp8(p: GroupedGemmFp8Problem, x, y, group_lens, group_offs):
+    """``(run_fp8(p, ...), again)``: ``again(x, y, group_lens, group_offs)`` repeats the call on
+    operands laid out as these (``Adapter.prepare`` of the decision's backend and config); None
+    where the decision is provisional (autotuning not finished), which must be resolved again."""
+    decision = resolve(GROUPED_GEMM_FP8, p)
+    adapter = decision.entry.adapter
+    if decision.provisional:
+        return adapter.run(p, x, y, group_lens, group_offs, config=decision.config), None
+    return adapter.prepare(p, x, y, group_lens, group_offs, config=decision.config)
