@@ -301,6 +301,43 @@ def test_rebaser_copies_a_descriptor_over_another_base_without_keeping_the_first
     assert rebaser(Slotted(torch.zeros(2), [2]))(other) == Slotted(other, [2])
 
 
+@pytest.mark.parametrize("tile_2d", [False, True], ids=["runs", "tiles"])
+@pytest.mark.parametrize("prebound", [True, False], ids=["prebound", "pointer"])
+def test_prepared_dual_quantize_hands_each_buffer_its_role(tile_2d, prebound, monkeypatch):
+    """The prepared quantiser hands the Gluon launcher each output in its parameter's place, on the
+    first call and on repeats (a fake launcher checks each buffer's shape and dtype against
+    ``dual_quantize``'s and marks it with its role and the input)."""
+    pytest.importorskip("triton")
+    from turbo_dispatch.backends.triton import dual_quantize as DQ, dual_quantize_gluon as DG
+
+    dtype = torch.float8_e4m3fn
+
+    def fill(x, data, data_t, scale, scale_t, *rest):
+        want = DQ._dual_outputs(x, dtype, 128, tile_2d)
+        for role, (buf, ref) in enumerate(zip((data, scale, data_t, scale_t), want)):
+            assert (buf.shape, buf.stride(), buf.dtype) == (ref.shape, ref.stride(), ref.dtype), role
+            buf.copy_(torch.full(buf.shape, role + 1.0) * x[0, 0, 0].float())
+
+    def prepare(x, data, data_t, scale, scale_t, *rest):
+        fill(x, data, data_t, scale, scale_t)
+        return fill if prebound else None
+
+    def launch(x, data, data_t, scale, scale_t, *rest):
+        fill(x, data, data_t, scale, scale_t)
+
+    monkeypatch.setattr(DQ, "_interpreting", lambda: False)
+    monkeypatch.setattr(DG, "available", lambda x, block: None)
+    monkeypatch.setattr(DG, "prepare", prepare)
+    monkeypatch.setattr(DG, "launch", launch)
+    xs = [torch.full((2, 300, 260), v).bfloat16() for v in (0.5, -2.0)]
+    first, again = DQ.prepare_dual_quantize(xs[0], dtype, 128, tile_2d)
+    for got, x in zip((first, again(xs[1])), xs):
+        want = DQ.dual_quantize(x, dtype, 128, tile_2d)  # through the fake launch: the roles by name
+        for g, r in zip(got, want):
+            assert g.shape == r.shape and g.stride() == r.stride()
+            assert torch.equal(g.float(), r.float())
+
+
 # -- GPU ---------------------------------------------------------------------------------------------
 def _triton_fp8():
     GlobalBackendManager.reset()

@@ -176,15 +176,17 @@ def prepare_dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_
     _check_arguments(x, dtype, block)
     env = launch_env()
     g, r, c = x.shape
-    relaunch = None
+    relaunch, outs = None, None
     if g * r * c and not _interpreting():
         from . import dual_quantize_gluon
 
         if dual_quantize_gluon.available(x, block) is None:
             outs = _dual_outputs(x, dtype, block, tile_2d)
-            relaunch = dual_quantize_gluon.prepare(x, *outs, FP8_MAX[dtype], _TINY, tile_2d)
+            data, scale, data_t, scale_t = outs  # the kernels take them in another order
+            relaunch = dual_quantize_gluon.prepare(x, data, data_t, scale, scale_t, FP8_MAX[dtype], _TINY, tile_2d)
     if relaunch is None:
-        outs = dual_quantize(x, dtype, block, tile_2d)
+        if outs is None:  # not launched above
+            outs = dual_quantize(x, dtype, block, tile_2d)
 
         def quantize(x):
             return dual_quantize(x, dtype, block, tile_2d)
@@ -194,9 +196,9 @@ def prepare_dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_
     def quantize(x):
         if launch_env() != env:
             return dual_quantize(x, dtype, block, tile_2d)
-        outs = _dual_outputs(x, dtype, block, tile_2d)
-        relaunch(x, *outs)
-        return outs
+        data, scale, data_t, scale_t = _dual_outputs(x, dtype, block, tile_2d)
+        relaunch(x, data, data_t, scale, scale_t)
+        return data, scale, data_t, scale_t
 
     return outs, quantize
 
