@@ -1231,8 +1231,8 @@ def test_gpu_side_by_side_quantisers_match_serial():
 class _FakeStream:
     """Stands in for a CUDA stream in ``_wait_for_callers``: records what it waited on."""
 
-    def __init__(self, name: str):
-        self.name, self.waited = name, []
+    def __init__(self, name: str, stream_id: int = 0):
+        self.name, self.waited, self.stream_id = name, [], stream_id or id(self)
 
     def wait_stream(self, other: "_FakeStream") -> None:
         self.waited.append(other.name)
@@ -1262,7 +1262,72 @@ def test_side_stream_waits_for_every_earlier_caller(monkeypatch):
     capturing[0] = True
     graph = _FakeStream("capture")
     side_streams._wait_for_callers(side, graph, 0)
-    assert side.waited == ["capture"] and side_streams._FORK_CALLERS[0] == [s1, s3]
+    assert side.waited == ["capture"] and list(side_streams._FORK_CALLERS[0].values()) == [s1, s3]
+
+
+def test_eager_side_by_side_queues_the_same_waits_through_torchs_c_calls(monkeypatch):
+    """The eager fast path of ``side_by_side``: the side stream waits for the current stream and
+    every earlier caller before ``second`` runs on it, the current stream is back for ``first``
+    (also after ``second`` raised), and the current stream waits for the side stream at the end;
+    the two events per device are recorded again on each call."""
+    from turbo_dispatch.low_precision import side_streams
+
+    log = []
+
+    class Stream:
+        def __init__(self, stream_id, device_index, device_type):
+            self.stream_id, self.device_index, self.device_type = stream_id, device_index, device_type
+
+    class Event:
+        made = 0
+
+        def __init__(self):
+            Event.made += 1
+            self.name = ("fork", "join")[(Event.made - 1) % 2]
+
+    class EventBase:
+        @staticmethod
+        def record(event, stream):
+            log.append(("record", event.name, stream.stream_id))
+
+        @staticmethod
+        def wait(event, stream):
+            log.append(("wait", event.name, stream.stream_id))
+
+    current = [11]
+    side = Stream(99, 0, 1)
+    monkeypatch.setattr(side_streams, "_FORK_CALLERS", {})
+    monkeypatch.setattr(side_streams, "_STREAMS", {})
+    monkeypatch.setattr(side_streams, "_EVENTS", __import__("threading").local())
+    monkeypatch.setattr(side_streams, "_side_stream", lambda index: side)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch._C, "_CudaEventBase", EventBase, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentStream", lambda index: (current[0], index, 1), raising=False)
+
+    def set_stream(stream_id, device_index, device_type):
+        log.append(("set", stream_id))
+        current[0] = stream_id
+    monkeypatch.setattr(torch._C, "_cuda_setStream", set_stream, raising=False)
+
+    def work(name):
+        return lambda: log.append((name, current[0])) or name
+
+    assert side_streams._eager_side_by_side(work("first"), work("second"), 0) == ("first", "second")
+    assert log == [("record", "fork", 11), ("wait", "fork", 99), ("set", 99), ("second", 99), ("set", 11),
+                   ("first", 11), ("record", "join", 99), ("wait", "join", 11)]
+    log.clear()
+    current[0] = 12  # a caller on another stream: the side stream also waits for the earlier one
+    side_streams._eager_side_by_side(work("first"), work("second"), 0)
+    assert log[:4] == [("record", "fork", 12), ("wait", "fork", 99), ("record", "fork", 11), ("wait", "fork", 99)]
+    assert Event.made == 2  # one pair per device and thread, recorded again
+    log.clear()
+
+    def fails():
+        raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"):
+        side_streams._eager_side_by_side(work("first"), fails, 0)
+    assert current[0] == 12 and log[-1] == ("set", 12)
 
 
 @pytest.mark.gpu

@@ -8,6 +8,7 @@ tensors (``overlappable``); everywhere else the work runs in turn.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Callable
 
 import torch
@@ -20,8 +21,14 @@ def _side_stream(device_index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=device_index)
 
 
-#: Per device: every stream a ``side_by_side`` call started from, in eager execution.
-_FORK_CALLERS: dict[int, list[torch.cuda.Stream]] = {}
+#: Per device: every stream a ``side_by_side`` call started from, in eager execution, by stream id.
+_FORK_CALLERS: dict[int, dict[int, torch.cuda.Stream]] = {}
+#: Per thread: per device, the (fork, join) events of the eager fast path (``_eager_side_by_side``).
+_EVENTS = threading.local()
+#: Stream objects for the current streams the eager fast path met, by (device, stream id): making one
+#: per call is most of ``torch.cuda.current_stream``'s host time. Bounded (``_MAX_STREAMS``).
+_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+_MAX_STREAMS = 256
 
 
 def _wait_for_callers(side: torch.cuda.Stream, current: torch.cuda.Stream, device_index: int) -> None:
@@ -41,11 +48,10 @@ def _wait_for_callers(side: torch.cuda.Stream, current: torch.cuda.Stream, devic
     side.wait_stream(current)
     if torch.cuda.is_current_stream_capturing():
         return
-    callers = _FORK_CALLERS.setdefault(device_index, [])
-    if current not in callers:
-        callers.append(current)
-    for caller in callers:
-        if caller != current:
+    callers = _FORK_CALLERS.setdefault(device_index, {})
+    callers.setdefault(current.stream_id, current)
+    for stream_id, caller in callers.items():
+        if stream_id != current.stream_id:
             side.wait_stream(caller)
 
 
@@ -70,6 +76,8 @@ def side_by_side(first: Callable[[], object], second: Callable[[], object], devi
     (1, 2)
     """
     index = device.index if device.index is not None else torch.cuda.current_device()
+    if index == torch._C._cuda_getDevice() and not torch._C._cuda_isCurrentStreamCapturing():
+        return _eager_side_by_side(first, second, index)
     current = torch.cuda.current_stream(device)
     side = _side_stream(index)
     _wait_for_callers(side, current, index)  # second's inputs are ready, its pool's blocks free
@@ -78,3 +86,50 @@ def side_by_side(first: Callable[[], object], second: Callable[[], object], devi
     first_out = first()
     current.wait_stream(side)
     return first_out, second_out
+
+
+def _eager_side_by_side(first: Callable[[], object], second: Callable[[], object], index: int
+                        ) -> tuple[object, object]:
+    """``side_by_side`` outside a capture, on the current device ``index``: the same stream waits
+    as ``_wait_for_callers`` and the join, through torch's C calls and two events per thread and
+    device recorded again on every call (a stream wait takes the event's state when it is queued,
+    so a later record cannot change an earlier wait). The generic path makes an event per wait
+    and several Python layers per stream lookup and switch: host time on every step."""
+    stream_id, device_index, device_type = torch._C._cuda_getCurrentStream(index)
+    current = _STREAMS.get((index, stream_id))
+    if current is None:
+        if len(_STREAMS) >= _MAX_STREAMS:
+            _STREAMS.clear()
+        current = _STREAMS[(index, stream_id)] = torch.cuda.Stream(
+            stream_id=stream_id, device_index=device_index, device_type=device_type)
+    side = _side_stream(index)
+    fork, join = _events(index)
+    record, wait = torch._C._CudaEventBase.record, torch._C._CudaEventBase.wait
+    record(fork, current)
+    wait(fork, side)
+    callers = _FORK_CALLERS.setdefault(index, {})
+    callers.setdefault(stream_id, current)
+    for caller_id, caller in callers.items():
+        if caller_id != stream_id:
+            record(fork, caller)
+            wait(fork, side)
+    set_stream = torch._C._cuda_setStream
+    set_stream(stream_id=side.stream_id, device_index=side.device_index, device_type=side.device_type)
+    try:
+        second_out = second()
+    finally:
+        set_stream(stream_id=stream_id, device_index=device_index, device_type=device_type)
+    first_out = first()
+    record(join, side)
+    wait(join, current)
+    return first_out, second_out
+
+
+def _events(index: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    per_device = getattr(_EVENTS, "pairs", None)
+    if per_device is None:
+        per_device = _EVENTS.pairs = {}
+    pair = per_device.get(index)
+    if pair is None:
+        pair = per_device[index] = (torch.cuda.Event(), torch.cuda.Event())
+    return pair
