@@ -610,10 +610,12 @@ def write_reports(rows: list[Row], *, name: str, device: torch.device, out_dir: 
         lines.append("")
     for s in lows:
         peers = " / ".join(dict.fromkeys(r.backend for r in rows if r.op == s["op"] and r.peer)) or "no peer"
-        low = (f"{s['lowest_ratio']:.3f}x on {s['lowest_shape']} ({s['lowest_on']})" if s["lowest_ratio"] is not None
-               else "no shape scored")
-        geo = "" if s["geomean_ratio"] is None else f", geomean {s['geomean_ratio']:.3f}x"
-        lines.append(f"- lowest shape, {s['op']} {s['backend']} vs {peers}: {low}; {s['shapes']} shapes scored{geo}")
+        if s["lowest_ratio"] is None:
+            low = f"none scored ({s['shapes']} shapes)"
+        else:
+            low = (f"{s['lowest_ratio']:.3f}x on {s['lowest_shape']} ({s['lowest_on']}); {s['shapes']} shapes "
+                   f"scored, geomean {s['geomean_ratio']:.3f}x")
+        lines.append(f"- lowest shape, {s['op']} {s['backend']} vs {peers}: {low}")
     for by in breakdown:
         lines += ["", f"## Score by {by}", "",
                   f"| op | {by} | backend | PASS | FAIL | shapes scored | fwd TFLOPS | step TFLOPS | ratio vs best peer |",
