@@ -19,7 +19,8 @@ Every benchmark script builds ``Row`` objects through ``Bench`` and calls ``writ
   time) on the headline metric (combined step when timed, else forward); > 1 means faster than
   the best plain-PyTorch peer;
 * the score: geomean over shapes of TFLOPS and of the ratio, per backend, over the shapes where
-  both the backend and a peer passed (coverage shown);
+  both the backend and a peer passed (coverage shown); for the backends a script names (e.g. the
+  autotuned row) a "lowest shape" line gives the lowest ratio and the shape it was measured on;
 * results land in ``<out>/<gpu>_<date>_<name>.{csv,md,png}``, where ``<out>`` is ``--out`` (alias
   ``--out-dir``), else ``$TURBO_BENCH_OUT``, else ``bench-out/`` at the repository root (ignored by
   git: results are run artifacts, and docs/performance.md keeps the figures that last); the
