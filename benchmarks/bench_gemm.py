@@ -4,6 +4,24 @@ Shapes: the linear layers (qkv, o_proj, gate_up, down) of Llama-2-7B/70B, Llama-
 Qwen2.5-7B/72B and Mistral-7B (turbo_dispatch.presets) at micro-batches 1, 2, 4 of 4096 tokens,
 deduplicated (a shape shared by several models is measured once and lists them all).
 
+``--shapes MxNxK[,...]`` measures the given shapes instead (rows ``custom/M<m>/N<n>/K<k>``; x is
+[M, K], the weight [N, K]). ``--shapes unseen`` names a set of 8 LLM linear layers that no preset,
+and no entry of the shipped tuned databases (turbo_dispatch/tuned/), has: token counts 3072, 5120,
+6144 and 12288 (the presets run 4096 tokens per micro-batch: 4096, 8192, 16384) on the widths of
+models that turbo_dispatch.presets lacks (their published Hugging Face configs; no (N, K) pair is a
+preset's):
+
+* Gemma-2-9B (hidden 3584, FFN 14336, 16 heads / 8 KV heads of dim 256): qkv (N 8192, K 3584),
+  down (N 3584, K 14336);
+* Phi-3-medium (hidden 5120, FFN 17920, 40 heads / 10 KV heads of dim 128): qkv (N 7680, K 5120),
+  gate_up (N 35840, K 5120), down (N 5120, K 17920);
+* Yi-34B (hidden 7168, FFN 20480, 56 heads of dim 128): o_proj (N 7168, K 7168), gate_up
+  (N 40960, K 7168);
+* Falcon-40B (hidden 8192, ungated FFN 32768): dense_h_to_4h (N 32768, K 8192).
+
+The step runs each layer's forward (M, N, K), dgrad (M, K, N) and wgrad (N, K, M): none of them is
+a preset's or a shipped tuned key, so the autotuned row meets all three as a new user's model would.
+
 Modes:
 
 * ``--dtype bf16``: peer ``torch.matmul`` vs ``turbo_dispatch.ops.gemm`` with each registered
@@ -32,6 +50,8 @@ Usage:
     python benchmarks/bench_gemm.py --dtype bf16                  # full run, GPU
     python benchmarks/bench_gemm.py --dtype fp8 --granularity rowwise --quick
     python benchmarks/bench_gemm.py --quick --device cpu          # smoke run (tiny shapes)
+    python benchmarks/bench_gemm.py --dtype bf16 --shapes unseen --tune-budget-ms 300
+    python benchmarks/bench_gemm.py --shapes 8x16x32,24x40x56 --quick --device cpu
 """
 from __future__ import annotations
 
@@ -68,10 +88,25 @@ NOT_SERVED = (BackendUnsupportedError, NoBackendError)
 class Shape:
     label: str
     models: list[str]
-    mb: int
+    mb: int | str  # "" for --shapes: no micro-batch
     m: int
     n: int
     k: int
+
+
+#: ``--shapes unseen``: (model, layer, M, N, K) of LLM linear layers that no preset has (see the
+#: module docstring for where the widths come from).
+UNSEEN = (
+    ("gemma-2-9b", "qkv", 3072, 8192, 3584),
+    ("gemma-2-9b", "down", 6144, 3584, 14336),
+    ("phi-3-medium", "qkv", 5120, 7680, 5120),
+    ("phi-3-medium", "gate_up", 3072, 35840, 5120),
+    ("phi-3-medium", "down", 12288, 5120, 17920),
+    ("yi-34b", "o_proj", 6144, 7168, 7168),
+    ("yi-34b", "gate_up", 5120, 40960, 7168),
+    ("falcon-40b", "dense_h_to_4h", 12288, 32768, 8192),
+)
+SHAPE_SETS = {"unseen": UNSEEN}
 
 
 def collect_shapes(models: list[str], mbs: list[int], seq_len: int | None) -> list[Shape]:
@@ -86,6 +121,23 @@ def collect_shapes(models: list[str], mbs: list[int], seq_len: int | None) -> li
                     shapes[key].models.append(model.name)
                 else:
                     shapes[key] = Shape(f"{model.name}/{s.name}/mb{mb}", [model.name], mb, s.m, s.n, s.k)
+    return list(shapes.values())
+
+
+def custom_shapes(spec: str) -> list[Shape]:
+    """Shapes from ``--shapes``: comma-separated ``MxNxK`` items (``custom/M<m>/N<n>/K<k>``) and
+    names of ``SHAPE_SETS`` (``unseen/<model>/<layer>/M<m>``), deduplicated on (m, n, k) in the
+    order given. Bad text raises SystemExit naming ``--shapes`` and the item."""
+    shapes: dict[tuple[int, int, int], Shape] = {}
+    for item in H.parse_shapes(spec, "MxNxK", names=SHAPE_SETS):
+        if isinstance(item, str):
+            found = [Shape(f"{item}/{model}/{layer}/M{m}", [model], "", m, n, k)
+                     for model, layer, m, n, k in SHAPE_SETS[item]]
+        else:
+            m, n, k = item
+            found = [Shape(f"custom/M{m}/N{n}/K{k}", ["custom"], "", m, n, k)]
+        for s in found:
+            shapes.setdefault((s.m, s.n, s.k), s)
     return list(shapes.values())
 
 
@@ -289,7 +341,8 @@ def run_blockwise(args, device, timer, shapes: list[Shape], rows: list[H.Row]) -
     from turbo_dispatch.ops.gemm import GemmFp8Problem
 
     extra = Shape("single M=4096 N=7168 K=16384", ["-"], 1, 4096, 7168, 16384)
-    if device.type == "cuda" and all((s.m, s.n, s.k) != (extra.m, extra.n, extra.k) for s in shapes):
+    if (device.type == "cuda" and args.shapes is None
+            and all((s.m, s.n, s.k) != (extra.m, extra.n, extra.k) for s in shapes)):
         shapes = [extra] + shapes  # first: the target shape survives a time-limited run
     triton_fn, triton_why = triton_blockwise_gemm()
     plat = platform_of(device.type)
@@ -405,6 +458,9 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default=None, help="comma-separated presets (default: the 8 dense models)")
     parser.add_argument("--mb", default=None, help="micro-batches, comma-separated (default 1,2,4)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per micro-batch (default: preset's)")
+    parser.add_argument("--shapes", default=None, metavar="MxNxK[,...]",
+                        help="shapes instead of the presets (x [M, K], weight [N, K]); 'unseen': 8 LLM layers "
+                             "no preset has (the module docstring lists them); replaces --models/--mb/--seq-len")
     H.add_common_args(parser)
     args = parser.parse_args(argv)
     device = H.pick_device(args.device)
@@ -413,7 +469,15 @@ def main(argv=None) -> int:
     models = args.models.split(",") if args.models else (["tiny"] if cpu else QUICK_MODELS if args.quick
                                                           else DEFAULT_MODELS)
     mbs = [int(v) for v in args.mb.split(",")] if args.mb else ([1] if args.quick else [1, 2, 4])
-    shapes = collect_shapes(models, mbs, args.seq_len)
+    if args.shapes is not None:
+        shapes = custom_shapes(args.shapes)
+        ignored = [o for o, v in (("--models", args.models), ("--mb", args.mb), ("--seq-len", args.seq_len))
+                   if v is not None]
+        source = (f"shapes: --shapes {args.shapes}; {len(shapes)} unique shapes"
+                  + (f" ({', '.join(ignored)} ignored)" if ignored else ""))
+    else:
+        shapes = collect_shapes(models, mbs, args.seq_len)
+        source = f"models: {', '.join(models)}; micro-batches {mbs}; {len(shapes)} unique shapes"
     timer = H.make_timer(device, args.quick, args.target_ms)
     torch.manual_seed(0)
     t0 = time.time()
@@ -433,12 +497,13 @@ def main(argv=None) -> int:
     plain()
     name = args.name or (args.dtype if args.dtype == "bf16" else f"fp8_{args.granularity}") + "_gemm" + (
         "_quick" if args.quick else "")
-    notes = [f"models: {', '.join(models)}; micro-batches {mbs}; {len(shapes)} unique shapes",
+    notes = [source,
              f"autotune budget per key: PRIMUS_TURBO_TUNE_BUDGET_MS={os.environ.get('PRIMUS_TURBO_TUNE_BUDGET_MS')}",
              f"elapsed {time.time() - t0:.0f} s"] + notes
     H.write_reports(rows, name=name, device=device, out_dir=args.out_dir, notes=notes,
                     title=f"GEMM {args.dtype}" + ("" if args.dtype == "bf16" else f" {args.granularity}"),
-                    plot_metric="fwd" if args.granularity == "blockwise" and args.dtype == "fp8" else "step")
+                    plot_metric="fwd" if args.granularity == "blockwise" and args.dtype == "fp8" else "step",
+                    lowest=("turbo autotune",))
     return 0
 
 

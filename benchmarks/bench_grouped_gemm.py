@@ -116,13 +116,7 @@ def custom_cases(spec: str, routings) -> list[Case]:
     """Cases from ``--shapes``: comma-separated ``GxTxNxK`` (G experts of T tokens each on average,
     weights [G, N, K]), e.g. ``16x2048x4096x1536``; shapes no preset has, as a tuner meets them."""
     cases = []
-    for item in (v.strip() for v in spec.split(",") if v.strip()):
-        try:
-            g, t, n, k = (int(v) for v in item.lower().split("x"))
-        except ValueError:
-            raise SystemExit(f"--shapes: {item!r} is not GxTxNxK (four integers joined by 'x')") from None
-        if min(g, t, n, k) <= 0:
-            raise SystemExit(f"--shapes: {item!r} needs positive sizes")
+    for g, t, n, k in H.parse_shapes(spec, "GxTxNxK"):
         for routing in routings:
             if routing == "empty" and g < 4:
                 continue
@@ -382,7 +376,7 @@ def main(argv=None) -> int:
     for r in routings:
         if r not in ROUTINGS:
             raise SystemExit(f"--routings: unknown {r!r}; valid: {', '.join(ROUTINGS)}")
-    if args.shapes:
+    if args.shapes is not None:
         cases, notes = custom_cases(args.shapes, routings), []
         models = ["custom"]
     else:

@@ -19,7 +19,8 @@ Every benchmark script builds ``Row`` objects through ``Bench`` and calls ``writ
   time) on the headline metric (combined step when timed, else forward); > 1 means faster than
   the best plain-PyTorch peer;
 * the score: geomean over shapes of TFLOPS and of the ratio, per backend, over the shapes where
-  both the backend and a peer passed (coverage shown);
+  both the backend and a peer passed (coverage shown); for the backends a script names (e.g. the
+  autotuned row) a "lowest shape" line gives the lowest ratio and the shape it was measured on;
 * results land in ``<out>/<gpu>_<date>_<name>.{csv,md,png}``, where ``<out>`` is ``--out`` (alias
   ``--out-dir``), else ``$TURBO_BENCH_OUT``, else ``bench-out/`` at the repository root (ignored by
   git: results are run artifacts, and docs/performance.md keeps the figures that last); the
@@ -330,6 +331,7 @@ class Row:
     note: str = ""
     extra: dict = field(default_factory=dict)
     ratio: float | None = None
+    ratio_on: str = ""  # "step" or "fwd": the metric ``ratio`` compares (set by assign_ratios)
 
     @property
     def passed(self) -> bool:
@@ -497,13 +499,13 @@ def assign_ratios(rows: list[Row]) -> None:
             times = [getattr(r, metric) for r in peers if getattr(r, metric)]
             best[metric] = min(times) if times else None
         for r in group:
-            r.ratio = None
+            r.ratio, r.ratio_on = None, ""
             if not r.passed:
                 continue
             for metric in ("step_ms", "fwd_ms"):
                 mine = getattr(r, metric)
                 if mine and best[metric]:
-                    r.ratio = best[metric] / mine
+                    r.ratio, r.ratio_on = best[metric] / mine, metric[:-3]
                     break
 
 
@@ -533,8 +535,17 @@ def summary(rows: list[Row], by: str | None = None) -> list[dict[str, Any]]:
             "geomean_fwd_tflops": geomean(r.tflops("fwd") for r in mine),
             "geomean_step_tflops": geomean(r.tflops("step") for r in mine),
             "geomean_ratio": geomean(r.ratio for r in scored),
+            **_lowest(scored),
         })
     return out
+
+
+def _lowest(scored: list[Row]) -> dict[str, Any]:
+    """The scored row with the lowest ratio: ``lowest_ratio``, its ``lowest_shape`` and the metric
+    compared, ``lowest_on`` (None, "", "" when nothing was scored)."""
+    low = min(scored, key=lambda r: r.ratio, default=None)
+    return {"lowest_ratio": low.ratio if low else None, "lowest_shape": low.shape if low else "",
+            "lowest_on": low.ratio_on if low else ""}
 
 
 # -- reports ---------------------------------------------------------------------------------------
@@ -554,10 +565,12 @@ def _score_cells(s: dict[str, Any]) -> str:
 
 def write_reports(rows: list[Row], *, name: str, device: torch.device, out_dir: Path | str | None = None,
                   title: str = "", notes: Sequence[str] = (), plot_metric: str = "step",
-                  breakdown: Sequence[str] = ()) -> dict[str, Path]:
+                  breakdown: Sequence[str] = (), lowest: Sequence[str] = ()) -> dict[str, Path]:
     """Writes <out>/<gpu>_<date>_<name>.{csv,md,png} (``out``: see ``resolve_out_dir``); returns
     the paths written. Each column of ``breakdown`` (a key of the rows' ``extra``) adds a score
-    table per value of it."""
+    table per value of it. Each backend named in ``lowest`` gets a "lowest shape" line per op under
+    the score table: its lowest ratio vs the best peer and the shape it was measured on (a geomean
+    can hide one slow shape)."""
     assign_ratios(rows)
     out_dir = resolve_out_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -590,8 +603,20 @@ def write_reports(rows: list[Row], *, name: str, device: torch.device, out_dir: 
               "both have one, else the forward; >1 = faster than the best peer; FAIL rows are excluded)", "",
               "| op | backend | peer | PASS | FAIL | shapes scored | fwd TFLOPS | step TFLOPS | ratio vs best peer |",
               "|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    for s in summary(rows):
+    scores = summary(rows)
+    for s in scores:
         lines.append(f"| {s['op']} | {s['backend']} | {'yes' if s['peer'] else ''} | {_score_cells(s)} |")
+    lows = [s for s in scores if s["backend"] in lowest]
+    if lows:
+        lines.append("")
+    for s in lows:
+        peers = " / ".join(dict.fromkeys(r.backend for r in rows if r.op == s["op"] and r.peer)) or "no peer"
+        if s["lowest_ratio"] is None:
+            low = f"none scored ({s['shapes']} shapes)"
+        else:
+            low = (f"{s['lowest_ratio']:.3f}x on {s['lowest_shape']} ({s['lowest_on']}); {s['shapes']} shapes "
+                   f"scored, geomean {s['geomean_ratio']:.3f}x")
+        lines.append(f"- lowest shape, {s['op']} {s['backend']} vs {peers}: {low}")
     for by in breakdown:
         lines += ["", f"## Score by {by}", "",
                   f"| op | {by} | backend | PASS | FAIL | shapes scored | fwd TFLOPS | step TFLOPS | ratio vs best peer |",
@@ -665,6 +690,39 @@ def add_common_args(parser) -> None:
     parser.add_argument("--target-ms", type=float, default=None, help="time budget of one measurement")
     parser.add_argument("--tune-budget-ms", type=float, default=None,
                         help="PRIMUS_TURBO_TUNE_BUDGET_MS for the autotuned rows (default 400; 50 with --quick)")
+
+
+_COUNTS = {2: "two", 3: "three", 4: "four", 5: "five"}
+
+
+def parse_shapes(spec: str, form: str, *, option: str = "--shapes",
+                 names: Sequence[str] = ()) -> list[tuple[int, ...] | str]:
+    """The items of a comma-separated shape list such as ``--shapes 4096x5120x3584,...``: each is
+    ``form`` (sizes joined by 'x', e.g. ``MxNxK`` or ``GxTxNxK``) parsed to a tuple of positive
+    ints, or one of ``names`` (case-insensitive), returned as that name in lower case. Bad text
+    (a malformed or non-positive item, or no item at all) raises SystemExit naming ``option`` and
+    the bad item."""
+    dims = len(form.split("x"))
+    known = {n.lower() for n in names}
+    either = f" or one of: {', '.join(sorted(known))}" if known else ""
+    out: list[tuple[int, ...] | str] = []
+    for item in (v.strip() for v in spec.split(",") if v.strip()):
+        if item.lower() in known:
+            out.append(item.lower())
+            continue
+        try:
+            sizes = tuple(int(v) for v in item.lower().split("x"))
+        except ValueError:
+            sizes = ()
+        if len(sizes) != dims:
+            raise SystemExit(f"{option}: {item!r} is not {form} ({_COUNTS.get(dims, dims)} integers joined by "
+                             f"'x'){either}")
+        if min(sizes) <= 0:
+            raise SystemExit(f"{option}: {item!r} needs positive sizes")
+        out.append(sizes)
+    if not out:
+        raise SystemExit(f"{option}: no shape in {spec!r}; give {form}[,...]{either}")
+    return out
 
 
 def pick_device(arg: str | None) -> torch.device:

@@ -98,6 +98,108 @@ def test_bench_gemm_blockwise_cpu_smoke(tmp_path):
     assert all("NVIDIA GPU" in r["note"] for r in gemm_rows if r["backend"] == "F.scaled_mm blockwise")
 
 
+CUSTOM = "8x16x256, 24X40X128,8x16x256"  # a repeat, upper-case 'X' and a space: all accepted
+
+
+# rowwise runs the tensorwise code path (run_dense) with another config: not repeated here
+@pytest.mark.parametrize("mode", [["--dtype", "bf16"], ["--dtype", "fp8", "--granularity", "tensorwise"],
+                                  ["--dtype", "fp8", "--granularity", "blockwise"]])
+def test_bench_gemm_custom_shapes_cpu_smoke(tmp_path, mode):
+    """``--shapes`` replaces the presets in every code path (deduplicated, named custom/M/N/K), and
+    the report's "lowest shape" line names the autotuned row's lowest ratio vs the peer and its
+    shape."""
+    rows = _run("bench_gemm.py", [*mode, "--shapes", CUSTOM, "--mb", "2"], tmp_path)
+    timed = [r for r in rows if r["op"] != "linear_peak_memory"]
+    assert [r["shape"] for r in timed if r["backend"] == "turbo autotune"] == ["custom/M8/N16/K256",
+                                                                               "custom/M24/N40/K128"]
+    assert {(r["m"], r["n"], r["k"]) for r in timed} == {("8", "16", "256"), ("24", "40", "128")}
+    assert all(r["mb"] == "" and r["model"] == "custom" for r in timed)
+    assert any(r["backend"] == "turbo autotune" and r["check"] == "PASS" for r in timed)
+    text = next(tmp_path.glob("cpu_*.md")).read_text()
+    assert "- shapes: --shapes " + CUSTOM + "; 2 unique shapes (--mb ignored)" in text
+    lowest = [line for line in text.splitlines() if line.startswith("- lowest shape, ")]
+    assert len(lowest) == 1 and " turbo autotune vs " in lowest[0], lowest
+    auto = [r for r in timed if r["backend"] == "turbo autotune" and r["ratio_vs_best_peer"]]
+    if "blockwise" in mode:  # F.scaled_mm blockwise needs an NVIDIA GPU: no peer, no ratio
+        assert not auto and "none scored (0/2 shapes)" in lowest[0]
+    else:
+        low = min(auto, key=lambda r: float(r["ratio_vs_best_peer"]))
+        assert f"x on {low['shape']} (step); 2/2 shapes scored, geomean " in lowest[0]
+        assert ("vs torch.matmul:" if "bf16" in mode else "vs torch fp8 recipe") in lowest[0]
+
+
+def test_bench_gemm_shapes_parsing():
+    """``--shapes`` items: MxNxK or a named set, mixed freely, deduplicated in the order given;
+    bad text exits naming ``--shapes`` and the bad item."""
+    G = _bench_module("bench_gemm")
+    shapes = G.custom_shapes("3000x5120x3584 ,unseen,UNSEEN,3072x8192x3584")
+    assert shapes[0].label == "custom/M3000/N5120/K3584" and shapes[0].models == ["custom"]
+    assert (shapes[0].m, shapes[0].n, shapes[0].k) == (3000, 5120, 3584)
+    # 3072x8192x3584 is unseen's gemma-2-9b qkv: measured once, under its first name
+    assert [s.label for s in shapes[1:]] == [f"unseen/{m}/{layer}/M{mm}" for m, layer, mm, _, _ in G.UNSEEN]
+    for bad, says in (("8x16", "'8x16' is not MxNxK (three integers joined by 'x') or one of: unseen"),
+                      ("8x16x32,8xAx32", "'8xAx32' is not MxNxK"),
+                      ("8x16x32x4", "'8x16x32x4' is not MxNxK"), ("8x0x32", "'8x0x32' needs positive sizes"),
+                      ("unsen", "'unsen' is not MxNxK"), (" , ", "no shape in ' , '")):
+        with pytest.raises(SystemExit) as err:
+            G.custom_shapes(bad)
+        assert str(err.value).startswith("--shapes: ") and says in str(err.value), (bad, err.value)
+    H = _harness()
+    assert H.parse_shapes("4x16x32x256", "GxTxNxK") == [(4, 16, 32, 256)]
+    with pytest.raises(SystemExit, match=r"--shapes: '4x16x32' is not GxTxNxK \(four integers"):
+        H.parse_shapes("4x16x32", "GxTxNxK")
+
+
+def test_bench_gemm_unseen_shapes_are_new():
+    """``--shapes unseen``: 8 LLM layers whose M, (N, K) pair and step keys (fwd, dgrad, wgrad) are
+    in no preset and no shipped tuned database, from models the module docstring names."""
+    from turbo_dispatch.presets import MODELS, dense_linear_shapes, moe_grouped_shapes
+
+    G = _bench_module("bench_gemm")
+    unseen = G.custom_shapes("unseen")
+    assert len(unseen) == 8 == len(G.UNSEEN) and len({(s.m, s.n, s.k) for s in unseen}) == 8
+    def step_keys(m, n, k):  # (M, N, K) of the forward, dgrad and wgrad GEMMs
+        return {(m, n, k), (m, k, n), (n, k, m)}
+
+    preset_m, preset_nk, preset_keys = set(), set(), set()
+    for model in MODELS.values():
+        for mb in (1, 2, 4, 8):
+            for s in dense_linear_shapes(model, mb):
+                preset_m.add(s.m)
+                preset_nk.add((s.n, s.k))
+                preset_keys |= step_keys(s.m, s.n, s.k)
+        if model.is_moe:
+            preset_nk |= {(s.n, s.k) for s in moe_grouped_shapes(model)}
+    tuned = set()
+    for path in (REPO / "turbo_dispatch" / "tuned").glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            if entry.get("type") == "result" and entry["op"] in ("gemm", "gemm_fp8"):
+                tuned.add((entry["key"]["m"], entry["key"]["n"], entry["key"]["k"]))
+    assert tuned, "no shipped tuned gemm entry found: the check below would be empty"
+    for s in unseen:
+        assert s.m not in preset_m and (s.n, s.k) not in preset_nk, s
+        assert not step_keys(s.m, s.n, s.k) & (tuned | preset_keys), s
+    for name in ("Gemma-2-9B", "Phi-3-medium", "Yi-34B", "Falcon-40B"):
+        assert name in G.__doc__
+    assert {s.models[0] for s in unseen} == {"gemma-2-9b", "phi-3-medium", "yi-34b", "falcon-40b"}
+    assert not {s.models[0] for s in unseen} & set(MODELS)
+
+
+def test_summary_names_the_lowest_ratio():
+    H = _harness()
+    rows = []
+    for shape, ratio in (("a", 1.2), ("b", 0.9), ("c", None)):
+        row = H.Row(op="g", shape=shape, backend="mine", flops=1e9, step_ms=1.0,
+                    check=H.Check(True, 99.0, 0.0, []))
+        row.ratio, row.ratio_on = ratio, "step" if ratio else ""
+        rows.append(row)
+    (s,) = H.summary(rows)
+    assert (s["lowest_ratio"], s["lowest_shape"], s["lowest_on"], s["shapes"]) == (0.9, "b", "step", "2/3")
+    (s,) = H.summary(rows[2:])
+    assert (s["lowest_ratio"], s["lowest_shape"]) == (None, "")
+
+
 def test_bench_grouped_gemm_cpu_smoke(tmp_path):
     rows = _run("bench_grouped_gemm.py", ["--routings", "balanced,empty", "--models", "tiny"], tmp_path)
     assert {r["routing"] for r in rows} == {"balanced", "empty"}
