@@ -119,22 +119,15 @@ def _prepared_gemm(p: GroupedGemmFp8Problem, x, y, group_lens, group_offs):
     return _spec.prepare_fp8(p, x, y, group_lens, group_offs)
 
 
-class StepPlan:
-    """One call key's plan: its forward problem, the prepared quantisers of ``a`` and ``b``, the
-    prepared forward GEMM (each made by the first call that needs it), and the backward plans.
+class _RunsQuantiser:
+    """``runs_both`` with the signature of ``quantize_runs_both``, prepared by its first call
+    (``prepare_runs_both``): the activation's quantiser of a step plan, the gradient's of a
+    backward plan."""
 
-    ``runs_both``/``tiles_both`` have the signature of ``quantize_runs_both``/``quantize_tiles_both``
-    (``grouped_gemm_fp8_step.quantize_for_step`` takes them); ``forward(qa, qb, group_lens,
-    group_offs)`` runs the forward GEMM on what they made."""
+    __slots__ = ("_runs",)
 
-    __slots__ = ("problem", "config", "state", "_runs", "_tiles", "_forward", "_backward")
-
-    def __init__(self, problem: GroupedGemmFp8Problem, config: Float8QuantConfig, state: tuple) -> None:
-        self.problem, self.config, self.state = problem, config, state
+    def __init__(self) -> None:
         self._runs: Optional[Callable] = None
-        self._tiles: Optional[Callable] = None
-        self._forward: Optional[Callable] = None
-        self._backward: dict = {}
 
     def runs_both(self, x: torch.Tensor, dtype: torch.dtype, block_size: int):
         again = self._runs
@@ -142,6 +135,24 @@ class StepPlan:
             return again(x)
         result, self._runs = prepare_runs_both(x, dtype, block_size)
         return result
+
+
+class StepPlan(_RunsQuantiser):
+    """One call key's plan: its forward problem, the prepared quantisers of ``a`` and ``b``, the
+    prepared forward GEMM (each made by the first call that needs it), and the backward plans.
+
+    ``runs_both``/``tiles_both`` have the signature of ``quantize_runs_both``/``quantize_tiles_both``
+    (``grouped_gemm_fp8_step.quantize_for_step`` takes them); ``forward(qa, qb, group_lens,
+    group_offs)`` runs the forward GEMM on what they made."""
+
+    __slots__ = ("problem", "config", "state", "_tiles", "_forward", "_backward")
+
+    def __init__(self, problem: GroupedGemmFp8Problem, config: Float8QuantConfig, state: tuple) -> None:
+        super().__init__()
+        self.problem, self.config, self.state = problem, config, state
+        self._tiles: Optional[Callable] = None
+        self._forward: Optional[Callable] = None
+        self._backward: dict = {}
 
     def tiles_both(self, w: torch.Tensor, dtype: torch.dtype, block_size: int):
         again = self._tiles
@@ -173,44 +184,38 @@ class StepPlan:
         return plan
 
 
-class BackwardPlan:
+class BackwardPlan(_RunsQuantiser):
     """The backward's prepared pieces for one gradient layout: the gradient's quantiser
     (``runs_both``) and the dgrad's and wgrad's GEMMs (``mm8``/``mm8_k``, the callables of
     ``grouped_gemm_grads.grouped_fp8_grads``). Each is prepared by its first call, which builds
     and checks the GEMM's problem key exactly as the unplanned path does; within one step plan
     each is always called with the same flags."""
 
-    __slots__ = ("config", "_runs", "_mm8", "_mm8_k")
+    __slots__ = ("config", "_mm8", "_mm8_k")
 
     def __init__(self, config: Float8QuantConfig) -> None:
+        super().__init__()
         self.config = config
-        self._runs: Optional[Callable] = None
         self._mm8: Optional[Callable] = None
         self._mm8_k: Optional[Callable] = None
-
-    def runs_both(self, x: torch.Tensor, dtype: torch.dtype, block_size: int):
-        again = self._runs
-        if again is not None:
-            return again(x)
-        result, self._runs = prepare_runs_both(x, dtype, block_size)
-        return result
 
     def mm8(self, x, y, lens, offs, trans_b, out_dtype, x_fp8, y_fp8, y_2d):
         again = self._mm8
         if again is not None:
             return again(x, y, lens, offs)
-        cfg = self.config
-        p = grouped_gemm_fp8_problem(x, y, lens, offs, trans_b, False, out_dtype, x_fp8, y_fp8, cfg.granularity,
-                                     cfg.block_size, y_2d)
-        out, self._mm8 = _prepared_gemm(p, x, y, lens, offs)
+        out, self._mm8 = self._prepare(x, y, lens, offs, trans_b, False, out_dtype, x_fp8, y_fp8, y_2d)
         return out
 
     def mm8_k(self, x, y, lens, offs, out_dtype, x_fp8, y_fp8):
         again = self._mm8_k
         if again is not None:
             return again(x, y, lens, offs)
-        cfg = self.config
-        p = grouped_gemm_fp8_problem(x, y, lens, offs, False, True, out_dtype, x_fp8, y_fp8, cfg.granularity,
-                                     cfg.block_size, False)
-        out, self._mm8_k = _prepared_gemm(p, x, y, lens, offs)
+        out, self._mm8_k = self._prepare(x, y, lens, offs, False, True, out_dtype, x_fp8, y_fp8, False)
         return out
+
+    def _prepare(self, x, y, lens, offs, trans_b, variable_k, out_dtype, x_fp8, y_fp8, y_2d):
+        """The GEMM's problem key, built and checked as the unplanned path does, run and prepared."""
+        cfg = self.config
+        p = grouped_gemm_fp8_problem(x, y, lens, offs, trans_b, variable_k, out_dtype, x_fp8, y_fp8, cfg.granularity,
+                                     cfg.block_size, y_2d)
+        return _prepared_gemm(p, x, y, lens, offs)
