@@ -332,24 +332,30 @@ if gluon is not None:
     @gluon.jit
     def program_rows(cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, HEADS_Q, GROUP, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                      VARLEN: gl.constexpr):
-        """``(b, h, hk, m0, q_start, sq, k_start, sk, live)`` of this program of a
-        ``(query blocks, B * Hq)`` grid: batch, head, kv head, first query row, and the sequence's
+        """``query_block`` of this program of a ``(query blocks, B * Hq)`` grid."""
+        return query_block(cu_q_ptr, cu_k_ptr, gl.program_id(0), gl.num_programs(0), gl.program_id(1), SEQ_Q, SEQ_K,
+                           HEADS_Q, GROUP, CAUSAL, BLOCK_M, VARLEN)
+
+    @gluon.jit
+    def query_block(cu_q_ptr, cu_k_ptr, block, blocks, bh, SEQ_Q, SEQ_K, HEADS_Q, GROUP, CAUSAL: gl.constexpr,
+                    BLOCK_M: gl.constexpr, VARLEN: gl.constexpr):
+        """``(b, h, hk, m0, q_start, sq, k_start, sk, live)`` of query block ``block`` of ``blocks``
+        of (batch x query head) ``bh``: batch, head, kv head, first query row, and the sequence's
         first query token, query count, first key token and key count (``sequence``). Causal
         programs walk the query blocks last-first, so the blocks with the most keys start first;
         varlen ones from each sequence's own last block. ``live``: the block starts inside its
-        sequence (always, dense: the grid is exact; varlen grids cover the longest sequence)."""
-        pid_m = gl.program_id(0)
-        bh = gl.program_id(1)
+        sequence (always, dense: the grid is exact; varlen grids cover the longest sequence). The
+        forward's programs and the dQ kernel's share it."""
         b = bh // HEADS_Q
         h = bh % HEADS_Q
         q_start, sq = sequence(cu_q_ptr, b, SEQ_Q, VARLEN)
         k_start, sk = sequence(cu_k_ptr, b, SEQ_K, VARLEN)
         if CAUSAL:
             if VARLEN:
-                pid_m = (sq + BLOCK_M - 1) // BLOCK_M - 1 - pid_m
+                block = (sq + BLOCK_M - 1) // BLOCK_M - 1 - block
             else:
-                pid_m = gl.num_programs(0) - 1 - pid_m
-        m0 = pid_m * BLOCK_M
+                block = blocks - 1 - block
+        m0 = block * BLOCK_M
         if VARLEN:
             live = (m0 >= 0) & (m0 < sq)
         else:

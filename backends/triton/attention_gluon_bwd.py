@@ -84,8 +84,8 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
 
-    from .attention_gluon import (block_span, key_mask, load_key_span, program_key_span, ring_barriers, sequence,
-                                  store_rows, tma_batch)
+    from .attention_gluon import (block_span, key_mask, load_key_span, program_key_span, query_block, ring_barriers,
+                                  sequence, store_rows, tma_batch)
     from .fp8_blockwise_gluon import _cta_barrier, _tma_load
     from .fp8_blockwise_gluon_ws import _cp_async, _tma_store
 
@@ -233,21 +233,7 @@ if gluon is not None:
         blocks with the most keys start first (the forward's order where not ``HEAVY_FIRST``;
         varlen ones from each sequence's own last block)."""
         block, bh, blocks = _grid_position(HEAVY_FIRST)
-        b = bh // HEADS_Q
-        q_start, sq = sequence(cu_q_ptr, b, SEQ_Q, VARLEN)
-        k_start, sk = sequence(cu_k_ptr, b, SEQ_K, VARLEN)
-        if CAUSAL:
-            if VARLEN:
-                block = (sq + BLOCK_M - 1) // BLOCK_M - 1 - block
-            else:
-                block = blocks - 1 - block
-        m0 = block * BLOCK_M
-        if VARLEN:
-            live = (m0 >= 0) & (m0 < sq)
-        else:
-            live = True
-        h = bh % HEADS_Q
-        return b, h, h // GROUP, m0, q_start, sq, k_start, sk, live
+        return query_block(cu_q_ptr, cu_k_ptr, block, blocks, bh, SEQ_Q, SEQ_K, HEADS_Q, GROUP, CAUSAL, BLOCK_M, VARLEN)
 
     @gluon.jit
     def _load_halves(a_desc, b_desc, a_smem, b_smem, bars, b, row0, col, ROWS: gl.constexpr):
