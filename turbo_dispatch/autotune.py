@@ -23,7 +23,7 @@ import torch
 from . import host_cover
 from . import manager as _manager
 from .env import parse_bool, parse_nonnegative_float
-from .op_spec import OpSpec, format_key
+from .op_spec import OpSpec, dtype_name, format_key
 from .tuning import database as _tunedb
 
 log = logging.getLogger("turbo_dispatch.autotune")
@@ -54,6 +54,11 @@ class TuneRecord:
     winner's ``time_ms`` into its device time (None off CUDA/ROCm, where the host computes) and its
     host issue time, where they were measured: the cost is the larger of the two per call (under
     rank consensus ``time_ms`` is the worst rank's and the split this rank's own).
+
+    For an op with a high-precision counterpart (``OpSpec.high_precision_peer``), ``peer_op`` and
+    ``peer_backend`` name the counterpart op and its platform default, and ``peer_ms`` and
+    ``peer_winner_ms`` are that default's and the winner's costs per call when re-timed in turns on
+    the same inputs (``_time_peer``); all None where the counterpart was not timed.
     """
 
     backend: str | None
@@ -66,6 +71,10 @@ class TuneRecord:
     measured: tuple[tuple[str, Hashable, float], ...] = ()
     gpu_ms: float | None = None
     host_ms: float | None = None
+    peer_op: str | None = None
+    peer_backend: str | None = None
+    peer_ms: float | None = None
+    peer_winner_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -173,7 +182,8 @@ def _stored(spec: OpSpec, problem: Any) -> TuneRecord | None:
     if hit is None:
         return None
     record = TuneRecord(hit.backend, hit.config, hit.time_ms, source="tuned-db", note=hit.note(),
-                        gpu_ms=hit.gpu_ms, host_ms=hit.host_ms)
+                        gpu_ms=hit.gpu_ms, host_ms=hit.host_ms, peer_op=hit.peer_op, peer_backend=hit.peer_backend,
+                        peer_ms=hit.peer_ms, peer_winner_ms=hit.peer_winner_ms)
     _db_hits[(spec.name, problem, db_settings)] = record
     return record
 
@@ -210,6 +220,9 @@ def tune(spec: OpSpec, problem: Any, candidates: Sequence[Any], profile_allowed:
     notes = [record.note or f"tuned: {record.time_ms:.4f} ms"]
     if record.host_ms is not None:
         notes.append(_tunedb.per_call_text(record.gpu_ms, record.host_ms))
+    if record.peer_ms is not None and record.peer_winner_ms is not None:
+        notes.append(_tunedb.peer_text(record.peer_op, record.peer_backend, record.peer_ms, record.peer_winner_ms,
+                                       _peer_dtype(problem)))
     return TuneOutcome(entry, record.config, source=record.source, notes=notes)
 
 
@@ -390,9 +403,62 @@ def profile(spec: OpSpec, problem: Any, candidates: Sequence[Any]) -> TuneRecord
     if split is None:
         split = splits.get((best[1], best[2]))
     log.info("autotune %s %s: winner %s (%.4f ms)", spec.name, key, best[1], best[0])
+    peer = _time_peer(spec, problem, next(c for c in candidates if c.name == best[1]), best[2], sets, device)
     return TuneRecord(best[1], best[2], best[0], tuple(rejected), tuple(labelled), note=note,
                       measured=tuple(timings), gpu_ms=None if split is None else split.gpu_ms,
-                      host_ms=None if split is None else split.host_ms)
+                      host_ms=None if split is None else split.host_ms,
+                      **({} if peer is None else peer))
+
+
+def _peer_dtype(problem: Any) -> str | None:
+    """The high-precision dtype a peer comparison of ``problem`` ran in, for ``explain``'s note."""
+    dtype = getattr(problem, "a_dtype", None)
+    return dtype_name(dtype) if isinstance(dtype, torch.dtype) else None
+
+
+def _time_peer(spec: OpSpec, problem: Any, winner: Any, config: Hashable, sets: list,
+               device: torch.device) -> dict | None:
+    """Where ``spec`` has a high-precision counterpart for ``problem`` (``OpSpec.high_precision_peer``):
+    the counterpart op's platform default (as an untuned call runs it: no config) and ``winner``
+    with ``config`` timed in turns on the same input sets, ``CONFIRM_ROUNDS`` rounds, as the
+    ``TuneRecord`` fields ``peer_op``, ``peer_backend``, ``peer_ms`` and ``peer_winner_ms`` (medians
+    of each one's cost per call). None where there is no counterpart, it has no default for the
+    problem, or anything fails: this comparison informs ``explain`` and never decides or breaks tuning."""
+    if spec.high_precision_peer is None:
+        return None
+    from .op_spec import get_op_spec
+    from .registry import get_registry
+
+    try:
+        mapped = spec.high_precision_peer(problem, sets)
+        if mapped is None:
+            return None
+        peer_name, peer_problem, peer_sets = mapped
+        peer_spec = get_op_spec(peer_name)
+        registry = get_registry()
+        backend = registry.default_for(peer_name, peer_spec.platform_of(peer_problem), peer_problem)
+        if backend is None:
+            log.info("autotune %s %s: no %s default serves %s; no peer timing", spec.name, format_key(problem),
+                     peer_name, format_key(peer_problem))
+            return None
+        adapter = registry.get(peer_name, backend).adapter
+        runs = {"peer": (lambda inputs: peer_spec.run(adapter, peer_problem, inputs, None), list(peer_sets)),
+                "winner": (lambda inputs: spec.run(winner.adapter, problem, inputs, config), sets)}
+        times: dict[str, list[float]] = {"peer": [], "winner": []}
+        for _ in range(CONFIRM_ROUNDS):
+            for label in ("peer", "winner"):
+                fn, inputs = runs[label]
+                times[label].append(_time_ms(fn, inputs, device, 0.0))
+        peer_ms, winner_ms = statistics.median(times["peer"]), statistics.median(times["winner"])
+        if not (math.isfinite(peer_ms) and math.isfinite(winner_ms) and peer_ms > 0 and winner_ms > 0):
+            raise ValueError(f"non-positive or infinite times: peer {peer_ms} ms, winner {winner_ms} ms")
+    except Exception as exc:  # informational only: tuning goes on without it
+        log.warning("autotune %s %s: timing the high-precision peer failed (%s: %s); not recorded", spec.name,
+                    format_key(problem), type(exc).__name__, exc)
+        return None
+    log.info("autotune %s %s: peer %s %s %.4f ms, winner %.4f ms in turns", spec.name, format_key(problem),
+             peer_name, backend, peer_ms, winner_ms)
+    return {"peer_op": peer_name, "peer_backend": backend, "peer_ms": peer_ms, "peer_winner_ms": winner_ms}
 
 
 #: Rounds of the confirmation that re-times a winner against the platform default in turns.

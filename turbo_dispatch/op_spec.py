@@ -114,6 +114,13 @@ class OpSpec:
     #: (``tuning.buckets``), since dropless routing changes it every step. The resolver still
     #: checks that the shared choice serves the call's own problem (``resolver.resolve``).
     shared_problem: Callable[[Any], Any] | None = None
+    #: For a low-precision op with a high-precision counterpart: maps (problem, the input sets the
+    #: tuner times it on) to (the counterpart op's name, its problem, its input sets: the same
+    #: operands), or None where no counterpart applies (say, an operand arrives pre-quantised).
+    #: The autotuner then also times the counterpart's platform default against the winner, so
+    #: that ``explain`` can say where the low-precision op is slower (docs/tuning-db.md, ``peer_us``).
+    high_precision_peer: Callable[[Any, Sequence[Sequence[Any]]],
+                                  "tuple[str, Any, list[Sequence[Any]]] | None"] | None = None
 
     @property
     def family(self) -> str:

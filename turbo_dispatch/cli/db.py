@@ -1,7 +1,8 @@
 """``turbo-dispatch db show|validate|prune|merge``: inspect and maintain tuning DB files.
 
-``db show FILE`` prints one row per entry (with the winner's time, and its device and host time
-per call where the tuner measured them) and its verdict for this machine, then ``N entries
+``db show FILE`` prints one row per entry (with the winner's time, its device and host time per
+call where the tuner measured them, and how it compares with the high-precision op where that
+was timed) and its verdict for this machine, then ``N entries
 (... skipped, and why)``; ``db validate FILE...`` exits 1 on problems; ``db prune FILE`` drops
 entries stale for this machine; ``db merge -o OUT IN...`` merges files."""
 from __future__ import annotations
@@ -41,11 +42,14 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
     readable_db_file(args.file, "db show")
     report = inspect(args.file)
-    rows = [[r.op, r.key, r.backend, str(r.config), f"{r.time_ms:.4f}", _us(r.gpu_us), _us(r.host_us), r.scope, r.gpu,
-             r.status] for r in report.rows]
+    rows = [[r.op, r.key, r.backend, str(r.config), f"{r.time_ms:.4f}", _us(r.gpu_us), _us(r.host_us), r.scope,
+             _peer(r.peer, r.peer_ratio), r.gpu, r.status] for r in report.rows]
     if rows:
-        print(table(["OP", "KEY", "BACKEND", "CONFIG", "MS", "GPU_US", "HOST_US", "TIMED", "GPU", "STATUS"], rows,
-                    indent=""))
+        print(table(["OP", "KEY", "BACKEND", "CONFIG", "MS", "GPU_US", "HOST_US", "TIMED", "VS_PEER", "GPU", "STATUS"],
+                    rows, indent=""))
+    if any(r.peer is not None for r in report.rows):
+        print("VS_PEER: the high-precision op's default (op/BACKEND) and its time per call over this entry's, timed "
+              "in turns on the same inputs (quantisation included); below 1x the fp8 op is slower on that key")
     print(report.summary())
     return 0
 
@@ -53,6 +57,11 @@ def _cmd_show(args: argparse.Namespace) -> int:
 def _us(value: float | None) -> str:
     """A per-call time in microseconds as ``db show`` prints it; ``-`` where the entry has none."""
     return "-" if value is None else f"{value:.1f}"
+
+
+def _peer(peer: str | None, ratio: float | None) -> str:
+    """An entry's high-precision comparison as ``db show`` prints it, e.g. ``gemm/TORCH:0.97x``."""
+    return "-" if peer is None or ratio is None else f"{peer}:{ratio:.2f}x"
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:

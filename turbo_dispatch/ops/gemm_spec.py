@@ -9,7 +9,7 @@ from ..low_precision import quantize
 from ..op_spec import OpSpec, precision_of_dtype, register_op
 from ..resolver import resolve
 from ._common import check_rel
-from .gemm_operands import FP8_DTYPES, Fp8Operand, dequantized, fp8_check
+from .gemm_operands import FP8_DTYPES, HIGH_PRECISION_SET, Fp8Operand, dequantized, fp8_check
 from .gemm_problem import GemmFp8Problem, GemmProblem, explain_gemm, explain_gemm_fp8
 
 
@@ -37,6 +37,15 @@ def _fp8_operands(p: GemmFp8Problem, device: torch.device) -> tuple[Fp8Operand, 
     return a, b
 
 
+def _gemm_peer(p: GemmFp8Problem, sets):
+    """gemm_fp8's high-precision counterpart: ``gemm`` on the same operands, where both arrive in
+    one high-precision dtype (a pre-quantised operand has no high-precision call to compare with)."""
+    if p.a_dtype is not p.b_dtype or p.a_dtype not in HIGH_PRECISION_SET or p.out_dtype not in HIGH_PRECISION_SET:
+        return None
+    peer = GemmProblem(p.m, p.n, p.k, p.trans_a, p.trans_b, p.a_dtype, p.b_dtype, p.out_dtype, p.platform)
+    return "gemm", peer, [tuple(inputs) for inputs in sets]
+
+
 def _flops(p) -> float:
     return 2.0 * p.m * p.n * p.k
 
@@ -57,6 +66,7 @@ GEMM_FP8 = register_op(OpSpec(
     reference=lambda p, inputs: _reference(p, dequantized(inputs)),
     check=fp8_check, flops=_flops,
     problem_from_call=lambda *args, **kwargs: explain_gemm_fp8(*args, **kwargs),
+    high_precision_peer=_gemm_peer,
 ))
 
 

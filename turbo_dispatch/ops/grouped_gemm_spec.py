@@ -17,7 +17,7 @@ from ..low_precision.dual_quantize import padded_rows
 from ..op_spec import OpSpec, precision_of_dtype, register_op
 from ..resolver import resolve
 from ._common import check_rel
-from .gemm_operands import FP8_DTYPES, dequantized, fp8_check
+from .gemm_operands import FP8_DTYPES, HIGH_PRECISION_SET, dequantized, fp8_check
 from .grouped_gemm_routing import near_balanced_lens, offsets, random_lens
 from .grouped_gemm_problem import (GroupedGemmFp8Problem, GroupedGemmProblem, explain_grouped_gemm,
                                    explain_grouped_gemm_fp8)
@@ -97,6 +97,16 @@ def _token_bucketed(p):
     return p._replace(k=token_bucket(p.k)) if p.variable_k else p._replace(m=token_bucket(p.m))
 
 
+def _grouped_peer(p: GroupedGemmFp8Problem, sets):
+    """grouped_gemm_fp8's high-precision counterpart: ``grouped_gemm`` on the same operands and
+    routing, where both operands arrive in the output's high-precision dtype (grouped_gemm returns
+    its inputs' dtype; a pre-quantised operand has no high-precision call to compare with)."""
+    if not (p.a_dtype is p.b_dtype is p.out_dtype and p.a_dtype in HIGH_PRECISION_SET):
+        return None
+    peer = GroupedGemmProblem(p.g, p.m, p.n, p.k, p.trans_b, p.variable_k, p.a_dtype, p.platform)
+    return "grouped_gemm", peer, [tuple(inputs) for inputs in sets]
+
+
 def _flops(p) -> float:
     return 2.0 * p.m * p.n * p.k
 
@@ -124,6 +134,7 @@ GROUPED_GEMM_FP8 = register_op(OpSpec(
     check=fp8_check, flops=_flops,
     problem_from_call=lambda *args, **kwargs: explain_grouped_gemm_fp8(*args, **kwargs),
     shared_problem=_token_bucketed,
+    high_precision_peer=_grouped_peer,
 ))
 
 

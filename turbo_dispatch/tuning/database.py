@@ -35,6 +35,11 @@ class Hit:
     soft: tuple[str, ...]  # soft stamp fields that differ from this machine
     gpu_ms: float | None = None  # the entry's device time per call, where stored
     host_ms: float | None = None  # the entry's host issue time per call, where stored
+    #: The high-precision counterpart's comparison, where stored (``autotune.TuneRecord``).
+    peer_op: str | None = None
+    peer_backend: str | None = None
+    peer_ms: float | None = None
+    peer_winner_ms: float | None = None
 
     def note(self) -> str:
         soft = f"; differs in {', '.join(self.soft)} (soft)" if self.soft else ""
@@ -115,7 +120,8 @@ def lookup(spec: OpSpec, problem: Any) -> Hit | None:
         if usable:
             result, verdict = min(usable, key=lambda rv: rv[0].preference)
             return Hit(result.backend, decode_config(result.config), result.time_ms, layer, path, verdict.soft,
-                       _ms(result.gpu_us), _ms(result.host_us))
+                       _ms(result.gpu_us), _ms(result.host_us), result.peer_op, result.peer_backend,
+                       _ms(result.peer_us), _ms(result.peer_winner_us))
     return None
 
 
@@ -140,8 +146,18 @@ def result_for(spec: OpSpec, problem: Any, record: Any, candidates: Sequence[Any
         default_ms=None if default_ms is None else round(float(default_ms), 6),
         gpu_us=_us(record.gpu_ms),
         host_us=_us(record.host_ms),
+        **_peer_fields(record),
     )
     return result, stamp
+
+
+def _peer_fields(record: Any) -> dict:
+    """The ``store.Result`` peer fields of ``record``: all four, or none where it has no complete
+    finite comparison."""
+    fields = {"peer_op": getattr(record, "peer_op", None), "peer_backend": getattr(record, "peer_backend", None),
+              "peer_us": _us(getattr(record, "peer_ms", None)),
+              "peer_winner_us": _us(getattr(record, "peer_winner_ms", None))}
+    return fields if None not in fields.values() else {}
 
 
 def _us(ms: float | None) -> float | None:
@@ -159,6 +175,23 @@ def per_call_text(gpu_ms: float | None, host_ms: float) -> str:
     if gpu_ms is None:
         return f"{host} (no device: the host computes the call)"
     return f"gpu {gpu_ms * 1e3:.1f} us, {host}"
+
+
+def peer_ratio(peer_ms: float, winner_ms: float) -> float:
+    """How many times faster the tuned choice ran than its high-precision peer in the turns:
+    ``peer_ms / winner_ms`` (above 1: the low-precision op is faster)."""
+    return peer_ms / winner_ms
+
+
+def peer_text(peer_op: str | None, peer_backend: str | None, peer_ms: float, winner_ms: float,
+              dtype: str | None = None) -> str:
+    """How ``explain`` states the high-precision comparison, e.g. ``bf16 peer grouped_gemm TORCH:
+    0.913 ms per call; this fp8 choice 0.945 ms = 0.97x its speed: fp8 loses on this key (...)``."""
+    ratio = peer_ratio(peer_ms, winner_ms)
+    verdict = ": fp8 loses on this key" if ratio < 1.0 else ""
+    return (f"{dtype or 'high-precision'} peer {peer_op} {peer_backend}: {peer_ms:.3f} ms per call; this fp8 choice "
+            f"{winner_ms:.3f} ms = {ratio:.2f}x its speed{verdict} (the forward call, quantisation included, "
+            f"timed in turns against the high-precision op's default on the same inputs)")
 
 
 def contents_of(pairs: Sequence[tuple[store.Result, Stamp]]) -> store.Contents:

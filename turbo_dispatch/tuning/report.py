@@ -24,6 +24,8 @@ class EntryRow:
     scope: str = "gemm"  # what time_ms times (store.Result.scope)
     gpu_us: float | None = None  # the winner's device time per call, where stored
     host_us: float | None = None  # the winner's host issue time per call, where stored
+    peer: str | None = None  # the high-precision counterpart, "op/BACKEND", where stored
+    peer_ratio: float | None = None  # its time over the winner's in turns (above 1: the winner is faster)
 
 
 @dataclass
@@ -81,7 +83,9 @@ def inspect(path: "str | os.PathLike[str]") -> FileReport:
             report.entry_skips[_reason_class(verdict.reason)] += 1
         key = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in result.key.items())
         report.rows.append(EntryRow(result.op, key, result.backend, result.config, result.time_ms, stamp.gpu, status,
-                                    result.scope, result.gpu_us, result.host_us))
+                                    result.scope, result.gpu_us, result.host_us,
+                                    None if result.peer_op is None else f"{result.peer_op}/{result.peer_backend}",
+                                    None if result.peer_us is None else result.peer_us / result.peer_winner_us))
     return report
 
 

@@ -62,6 +62,14 @@ class Result:
     #: call computes on the host (cpu). Older entries have neither.
     gpu_us: float | None = None
     host_us: float | None = None
+    #: fp8 ops with a high-precision counterpart: that op (``peer_op``, e.g. ``gemm``), its platform
+    #: default (``peer_backend``) and the two costs per call in microseconds when the tuner re-timed
+    #: the counterpart and the winner in turns on the same inputs (``peer_us``, ``peer_winner_us``).
+    #: All four or none; older entries have none.
+    peer_op: str | None = None
+    peer_backend: str | None = None
+    peer_us: float | None = None
+    peer_winner_us: float | None = None
 
     @property
     def preference(self) -> tuple[bool, float]:
@@ -83,7 +91,9 @@ class Result:
                 "candidates": self.candidates, "rejected": [list(r) for r in self.rejected], "tuned": self.tuned,
                 **({} if self.scope == "gemm" else {"scope": self.scope}),
                 **({} if self.default_ms is None else {"default_ms": self.default_ms}),
-                **{name: value for name, value in (("gpu_us", self.gpu_us), ("host_us", self.host_us))
+                **{name: value for name, value in (("gpu_us", self.gpu_us), ("host_us", self.host_us),
+                                                   ("peer_op", self.peer_op), ("peer_backend", self.peer_backend),
+                                                   ("peer_us", self.peer_us), ("peer_winner_us", self.peer_winner_us))
                    if value is not None}}
 
     @classmethod
@@ -114,7 +124,30 @@ class Result:
         gpu_us, host_us = (_optional_duration(obj, name) for name in ("gpu_us", "host_us"))
         return cls(obj["stamp"], obj["op"], obj["key"], obj["backend"], obj["config"], obj["identity"],
                    float(time_ms), candidates, tuple(tuple(r) for r in rejected), str(obj.get("tuned", "")), scope,
-                   None if default_ms is None else float(default_ms), gpu_us, host_us)
+                   None if default_ms is None else float(default_ms), gpu_us, host_us, *_peer(obj))
+
+
+_PEER_FIELDS = ("peer_op", "peer_backend", "peer_us", "peer_winner_us")
+
+
+def _peer(obj: dict) -> tuple:
+    """The peer fields of a result line: all absent (or null) gives four Nones; a partial set, a
+    name that is not a non-empty string or a time that is not a finite positive number raises
+    ValueError (the line is then skipped as malformed)."""
+    present = [name for name in _PEER_FIELDS if obj.get(name) is not None]
+    if not present:
+        return None, None, None, None
+    if len(present) != len(_PEER_FIELDS):
+        missing = [name for name in _PEER_FIELDS if name not in present]
+        raise ValueError(f"peer fields come together: {', '.join(present)} without {', '.join(missing)}")
+    for name in ("peer_op", "peer_backend"):
+        if not isinstance(obj[name], str) or not obj[name]:
+            raise ValueError(f"{name} must be a non-empty string, got {obj[name]!r}")
+    times = [_optional_duration(obj, name) for name in ("peer_us", "peer_winner_us")]
+    for name, value in zip(("peer_us", "peer_winner_us"), times):
+        if value == 0:
+            raise ValueError(f"{name} must be a finite positive number, got {obj[name]!r}")
+    return obj["peer_op"], obj["peer_backend"], *times
 
 
 def _optional_duration(obj: dict, name: str) -> float | None:
