@@ -204,3 +204,23 @@ class FadingGemm(_Fixture):
         if type(self).calls > self.fast_calls:
             spend(0.5)
         return torch.matmul(a.t() if p.trans_a else a, b.t() if p.trans_b else b).to(p.out_dtype)
+
+
+class SlowFp8Gemm(_Fixture):
+    """Correct gemm_fp8 (the product TORCH backend's math) that declares 400 ms a call: twice
+    SlowGemm's, so fp8 loses to that high-precision peer."""
+
+    delay_s = 0.4
+
+    def run(self, p, a, b, config=None):
+        from turbo_dispatch.backends.torch.gemm import TorchGemmFp8
+
+        spend(self.delay_s)
+        return TorchGemmFp8().run(p, a, b)
+
+
+class BrokenGemm(_Fixture):
+    """Raises on every call: a high-precision peer whose timing fails."""
+
+    def run(self, p, a, b, config=None):
+        raise RuntimeError("fixture gemm always fails")
