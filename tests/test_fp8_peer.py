@@ -119,6 +119,16 @@ def test_online_tuning_stores_the_peer_and_explain_says_fp8_wins(plugins):
     assert 200_000 <= line["peer_us"] < 300_000 and line["peer_winner_us"] < line["peer_us"]
 
 
+def test_a_grouped_fp8_key_is_timed_against_grouped_gemm():
+    """The product CPU backends: only that a comparison is recorded, never which one is faster."""
+    lens = torch.tensor([5, 11], dtype=torch.int64)
+    problem = GROUPED_GEMM_FP8.shared_problem(explain_grouped_gemm_fp8(
+        torch.empty(16, 32, dtype=torch.bfloat16), torch.empty(2, 24, 32, dtype=torch.bfloat16), lens))
+    record = autotune.profile(GROUPED_GEMM_FP8, problem, _candidates("grouped_gemm_fp8", problem))
+    assert record.backend == "TORCH" and (record.peer_op, record.peer_backend) == ("grouped_gemm", "TORCH")
+    assert record.peer_ms > 0 and record.peer_winner_ms > 0
+
+
 def test_a_hook_that_returns_none_records_nothing(plugins):
     plugins("SLOW", "TORCH")
     spec = dataclasses.replace(GEMM_FP8, high_precision_peer=lambda p, sets: None)
