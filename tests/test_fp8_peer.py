@@ -223,3 +223,12 @@ def test_a_malformed_peer_skips_the_line(tmp_path, fields):
     assert not contents.results and sum(contents.skipped.values()) == 1
     assert next(iter(contents.skipped)).startswith("malformed result: ")
     assert cli(["db", "validate", str(db)]) == 1
+
+
+@pytest.mark.parametrize("peer_ms, winner_ms, verdict", [(0.913, 0.945, ": fp8 loses on this key"),
+                                                          (1.20, 1.00, ": fp8 wins on this key"),
+                                                          (1.00, 1.01, ": a tie within 2%"),
+                                                          (1.015, 1.00, ": a tie within 2%")])
+def test_peer_text_names_a_loss_a_win_and_a_tie(peer_ms, winner_ms, verdict):
+    text = database.peer_text("grouped_gemm", "TORCH", peer_ms, winner_ms, "bf16")
+    assert f"x its speed{verdict} (" in text

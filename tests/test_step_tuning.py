@@ -154,7 +154,19 @@ def test_the_tuner_leaves_no_trace_in_the_resolver_or_the_autotuner_memory(fixtu
     assert _run_layer_step(layer) == before == [("STEADY", None, "default")] * 3
 
 
-def test_a_gain_under_min_speedup_stores_nothing(fixtures):
+@pytest.fixture
+def declared_timing(monkeypatch):
+    """The step tuner's timer charges each step what the fixtures declare for its three GEMMs,
+    nothing of the wall clock: for tests of what the tuner does with times, not of the timing.
+    Timed on the wall clock, a loaded machine (a 2-core one with busy loops beside it; pytest -n 8
+    on a 16-core GPU host) can move a step by more than the fixtures' margins."""
+    def declared_ms(timer, choices):
+        return 1e3 * sum(c.entry.adapter.delay(problem, c.config) for (_, problem), c in choices.items())
+
+    monkeypatch.setattr(step_tuner._Timer, "__call__", declared_ms)
+
+
+def test_a_gain_under_min_speedup_stores_nothing(fixtures, declared_timing):
     report, stored = step_tuner.tune_layer(_layer(), CPU, min_speedup=2.0, **FAST)
     assert report.status == "default kept" and stored == []
     assert 1.25 < report.speedup < 1.8 and "under --min-speedup 2.0" in report.note
@@ -228,15 +240,8 @@ def test_a_step_result_outranks_a_faster_gemm_result_of_the_same_key():
     assert not parsed.results and "scope must be one of gemm, step" in next(iter(parsed.skipped))
 
 
-def test_cli_tune_step_tunes_stores_and_shows_step_entries(fixtures, tmp_path, capsys, monkeypatch):
-    # The CLI's plumbing is under test here, not the timing (the tests above time real steps):
-    # a step costs what the fixtures declare for its three GEMMs. Timed on the wall clock, a
-    # loaded machine (a 2-core one with busy loops beside it; pytest -n 8 on a 16-core GPU host)
-    # could hide even the fixtures' 1.5x from the sweep or the five-round confirmation.
-    def declared_ms(timer, choices):
-        return 1e3 * sum(c.entry.adapter.delay(problem, c.config) for (_, problem), c in choices.items())
-
-    monkeypatch.setattr(step_tuner._Timer, "__call__", declared_ms)
+def test_cli_tune_step_tunes_stores_and_shows_step_entries(fixtures, declared_timing, tmp_path, capsys):
+    # The CLI's plumbing is under test here, not the timing (the tests above time real steps).
     db = tmp_path / "cli.jsonl"
     args = ["tune", "--model", "tiny", "--ops", "grouped_gemm", "--step", "--ep", "1", "--tokens-per-expert", "16",
             "--db", str(db), "--no-progress", "--device", "cpu"]  # the fixtures serve the CPU only

@@ -183,12 +183,19 @@ def peer_ratio(peer_ms: float, winner_ms: float) -> float:
     return peer_ms / winner_ms
 
 
+#: Ratios this close to 1 are reported as a tie: re-timing in turns still moves by about this much.
+PEER_TIE = 0.02
+
+
 def peer_text(peer_op: str | None, peer_backend: str | None, peer_ms: float, winner_ms: float,
               dtype: str | None = None) -> str:
     """How ``explain`` states the high-precision comparison, e.g. ``bf16 peer grouped_gemm TORCH:
     0.913 ms per call; this fp8 choice 0.945 ms = 0.97x its speed: fp8 loses on this key (...)``."""
     ratio = peer_ratio(peer_ms, winner_ms)
-    verdict = ": fp8 loses on this key" if ratio < 1.0 else ""
+    if abs(ratio - 1.0) <= PEER_TIE:
+        verdict = f": a tie within {PEER_TIE:.0%}"
+    else:
+        verdict = ": fp8 loses on this key" if ratio < 1.0 else ": fp8 wins on this key"
     return (f"{dtype or 'high-precision'} peer {peer_op} {peer_backend}: {peer_ms:.3f} ms per call; this fp8 choice "
             f"{winner_ms:.3f} ms = {ratio:.2f}x its speed{verdict} (the forward call, quantisation included, "
             f"timed in turns against the high-precision op's default on the same inputs)")
