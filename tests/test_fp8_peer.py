@@ -29,6 +29,7 @@ from turbo_dispatch.tuning.codec import encode_key
 from turbo_dispatch.tuning.stamp import current_stamp
 
 from plugin_registry import use_plugins
+from db_lines import db_file
 
 
 def _registry(gemm_default: str, fp8_default: str) -> str:
@@ -173,15 +174,8 @@ def _entry(problem, **fields) -> dict:
 _PEER = {"peer_op": "gemm", "peer_backend": "TORCH", "peer_us": 913.0, "peer_winner_us": 945.0}
 
 
-def _db_file(path, entries: list[dict]):
-    header = {"type": "header", "format": store.FORMAT, "version": store.VERSION}
-    lines = [header, current_stamp("cpu").to_json(), *entries]
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return path
-
-
 def test_peer_fields_round_trip_and_older_lines_load(tmp_path, capsys):
-    db = _db_file(tmp_path / "db.jsonl", [_entry(_key(11), **_PEER), _entry(_key(12))])
+    db = db_file(tmp_path / "db.jsonl", [_entry(_key(11), **_PEER), _entry(_key(12))])
     contents = store.parse(db.read_text())
     assert not contents.skipped
     by_m = {r.key["m"]: r for r in contents.results.values()}
@@ -200,7 +194,7 @@ def test_peer_fields_round_trip_and_older_lines_load(tmp_path, capsys):
 
 
 def test_explain_states_a_db_entrys_comparison(tmp_path):
-    db = _db_file(tmp_path / "db.jsonl", [_entry(_key(11), **_PEER), _entry(_key(12))])
+    db = db_file(tmp_path / "db.jsonl", [_entry(_key(11), **_PEER), _entry(_key(12))])
     GlobalBackendManager.set_tune_db(db)
     a = torch.randn(11, 16, dtype=torch.bfloat16)
     b = torch.randn(16, 8, dtype=torch.bfloat16)
@@ -218,7 +212,7 @@ def test_explain_states_a_db_entrys_comparison(tmp_path):
     {k: v for k, v in _PEER.items() if k != "peer_backend"}, {"peer_us": 913.0},
 ])
 def test_a_malformed_peer_skips_the_line(tmp_path, fields):
-    db = _db_file(tmp_path / "db.jsonl", [_entry(_key(11), **fields)])
+    db = db_file(tmp_path / "db.jsonl", [_entry(_key(11), **fields)])
     contents = store.parse(db.read_text())
     assert not contents.results and sum(contents.skipped.values()) == 1
     assert next(iter(contents.skipped)).startswith("malformed result: ")

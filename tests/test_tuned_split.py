@@ -23,6 +23,7 @@ from turbo_dispatch.tuning.codec import encode_key
 from turbo_dispatch.tuning.stamp import current_stamp
 
 from plugin_registry import use_plugins
+from db_lines import db_file
 
 SLOW_ONLY = ("version: 1\nops:\n  gemm:\n    defaults: {cpu: SLOW}\n    backends:\n"
              "      - name: SLOW\n        adapter: fixture_backends:SlowGemm\n        platforms: [cpu]\n")
@@ -138,17 +139,10 @@ def _entry(problem, **times) -> dict:
             "config": None, "identity": identity, "time_ms": 0.0837, **times}
 
 
-def _db_file(path, entries: list[dict]):
-    header = {"type": "header", "format": store.FORMAT, "version": store.VERSION}
-    lines = [header, current_stamp("cpu").to_json(), *entries]
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return path
-
-
 def test_old_and_new_entries_load_validate_and_show(tmp_path, capsys):
     with_split = gemm_problem(torch.empty(11, 5), torch.empty(5, 6))
     without = gemm_problem(torch.empty(12, 5), torch.empty(5, 6))
-    db = _db_file(tmp_path / "db.jsonl", [_entry(with_split, gpu_us=5.2, host_us=83.7), _entry(without)])
+    db = db_file(tmp_path / "db.jsonl", [_entry(with_split, gpu_us=5.2, host_us=83.7), _entry(without)])
     contents = store.parse(db.read_text())
     assert not contents.skipped
     by_m = {r.key["m"]: r for r in contents.results.values()}
@@ -172,7 +166,7 @@ def test_old_and_new_entries_load_validate_and_show(tmp_path, capsys):
 def test_explain_names_the_split_of_a_db_entry(tmp_path):
     with_split = gemm_problem(torch.empty(11, 5), torch.empty(5, 6))
     without = gemm_problem(torch.empty(12, 5), torch.empty(5, 6))
-    db = _db_file(tmp_path / "db.jsonl", [_entry(with_split, gpu_us=5.2, host_us=83.7), _entry(without)])
+    db = db_file(tmp_path / "db.jsonl", [_entry(with_split, gpu_us=5.2, host_us=83.7), _entry(without)])
     GlobalBackendManager.set_tune_db(db)
     decision = turbo.explain("gemm", torch.randn(11, 5), torch.randn(5, 6))
     assert decision.source == "tuned-db"
