@@ -47,6 +47,21 @@ def test_profiled_by_several_ranks_each_candidate_counts_at_its_worst_rank():
     assert "2 rank(s)" in record.note
 
 
+def test_the_agreed_winner_keeps_the_peer_comparison_of_a_rank_that_chose_it():
+    peer = dict(peer_op="gemm", peer_backend="TORCH", peer_ms=2.0, peer_winner_ms=1.5)
+    rank0 = [("gemm_fp8", Key("k"), TuneRecord("A", None, 1.0, timings=(("A", 1.0), ("B", 1.2)),
+                                               measured=(("A", None, 1.0), ("B", None, 1.2)), peer_op="gemm",
+                                               peer_backend="TORCH", peer_ms=9.0, peer_winner_ms=1.0))]
+    rank1 = [("gemm_fp8", Key("k"), TuneRecord("B", None, 1.1, timings=(("A", 3.0), ("B", 1.1)),
+                                               measured=(("A", None, 3.0), ("B", None, 1.1)), **peer))]
+    record = agree([rank0, rank1])[("gemm_fp8", Key("k"))]
+    assert record.backend == "B"  # A at its worst rank's 3.0
+    assert (record.peer_op, record.peer_backend, record.peer_ms, record.peer_winner_ms) == ("gemm", "TORCH", 2.0, 1.5)
+    rank1 = [("gemm_fp8", Key("k"), TuneRecord("B", None, 1.1, timings=(("A", 3.0), ("B", 1.1)),
+                                               measured=(("A", None, 3.0), ("B", None, 1.1))))]
+    assert agree([rank0, rank1])[("gemm_fp8", Key("k"))].peer_ms is None  # rank 0's is about A
+
+
 def test_a_key_one_rank_profiled_is_adopted_by_the_others_and_db_hits_follow_the_lowest_rank():
     rank0 = [("g", Key("only0"), profiled(("A", 1.0), ("B", 2.0))), ("g", Key("db"), stored("X"))]
     rank1 = [("g", Key("only1"), profiled(("A", 2.0), ("B", 1.0))), ("g", Key("db"), stored("Y"))]

@@ -80,7 +80,18 @@ def _agree_on(key: tuple[str, Any], records: list[autotune.TuneRecord]) -> autot
     ms, name, config = min(finite, key=lambda t: t[0])
     return autotune.TuneRecord(name, config, ms, rejected, labelled, measured=measured,
                                note=_note(f"tuned: {ms:.4f} ms", "each candidate at its worst rank's time",
-                                          len(profiled)))
+                                          len(profiled)),
+                               **_peer_of(profiled, name, config))
+
+
+def _peer_of(profiled: list[autotune.TuneRecord], name: str, config: Hashable) -> dict:
+    """The high-precision peer comparison (``TuneRecord.peer_*``) of the lowest rank whose own
+    winner is the agreed one: a comparison against another winner would not describe it."""
+    for r in profiled:
+        if r.backend == name and repr(r.config) == repr(config) and r.peer_ms is not None:
+            return dict(peer_op=r.peer_op, peer_backend=r.peer_backend, peer_ms=r.peer_ms,
+                        peer_winner_ms=r.peer_winner_ms)
+    return {}
 
 
 def _note(base: str, how: str, ranks: int) -> str:
