@@ -84,8 +84,12 @@ BF16 = ("--dtype", "bf16")
 ROWWISE = ("--dtype", "fp8", "--granularity", "rowwise")
 BLOCKWISE = ("--dtype", "fp8", "--granularity", "blockwise")
 
+#: Expert layers no preset has (Qwen3-235B-like and GPT-OSS-120B-like at EP8), as a tuner meets them.
+NEW_MOE_SHAPES = "16x2048x3072x4096,16x2048x4096x1536,16x1024x5760x2880,16x1024x2880x2880"
+
 FAMILIES: dict[str, tuple[Run, ...]] = {
-    "gemm": (_gemm(None),),
+    # the presets, then 8 linear layers no preset or shipped DB has (bench_gemm.py --shapes unseen)
+    "gemm": (_gemm(None), Run("bf16_gemm_unseen", "bench_gemm.py", BF16, full=("--shapes", "unseen", *TUNE_BUDGET))),
     "gemm_fp8": tuple(_gemm(g) for g in ("tensorwise", "rowwise", "blockwise")),
     "grouped_gemm": (
         _grouped("bf16_grouped_gemm_tpe512", BF16, "8,16,32", "512"),
@@ -96,6 +100,10 @@ FAMILIES: dict[str, tuple[Run, ...]] = {
         _grouped("fp8_rowwise_grouped_gemm_ep8_tpe4096", ROWWISE, "8", "4096"),
         # TRITON alone among the pinned backends: TORCH's blockwise emulation takes minutes per case
         _grouped("fp8_blockwise_grouped_gemm_ep8_tpe4096", BLOCKWISE, "8", "4096", "--backends", "TRITON"),
+        # the eager step against bf16's on shapes no preset has, wall time per step included
+        Run("fp8_blockwise_grouped_gemm_new_shapes", "bench_grouped_gemm.py", BLOCKWISE,
+            full=("--shapes", NEW_MOE_SHAPES, "--routings", "balanced,skewed", "--backends", "TRITON",
+                  "--tune-budget-ms", "100")),
     ),
     "dispatch_overhead": (Run("dispatch_overhead", "bench_dispatch_overhead.py", kind="json", needs_gpu="never",
                               quick=("--iters", "2000", "--rounds", "3")),),

@@ -569,6 +569,9 @@ def test_suite_lists_every_family():
     assert set(families) >= {"gemm", "gemm_fp8", "grouped_gemm", "grouped_gemm_fp8", "dispatch_overhead",
                              "blaslt_switch"}
     assert families["gemm_fp8"].split(",") == ["fp8_tensorwise_gemm", "fp8_rowwise_gemm", "fp8_blockwise_gemm"]
+    # the checks on shapes no preset has run with their families
+    assert families["gemm"].split(",") == ["bf16_gemm", "bf16_gemm_unseen"]
+    assert "fp8_blockwise_grouped_gemm_new_shapes" in families["grouped_gemm_fp8"].split(",")
 
 
 def test_suite_dry_run_names_each_command_or_why_it_cannot_run(tmp_path):
@@ -584,13 +587,16 @@ def test_suite_dry_run_names_each_command_or_why_it_cannot_run(tmp_path):
     assert "blaslt_switch/blaslt_switch: skipped (needs a CUDA/ROCm GPU" in out
     assert not any(tmp_path.iterdir())  # a dry run writes nothing
     full = _suite("--family", "grouped_gemm_fp8", "--family", "dispatch_overhead", "--device", "cpu", "--dry-run")
-    assert full.stdout.count("a full run needs a GPU") == 2 and "dispatch_overhead: dry-run" in full.stdout
+    assert full.stdout.count("a full run needs a GPU") == 3 and "dispatch_overhead: dry-run" in full.stdout
     gpu = _suite("--family", "grouped_gemm_fp8", "--device", "cuda", "--dry-run", "--only",
                  "fp8_blockwise_grouped_gemm_ep8_tpe4096", "--", "--models", "deepseek-v3")
     assert gpu.returncode == 0 and "rowwise" not in gpu.stdout
     assert ("--dtype fp8 --granularity blockwise --ep 8 --tokens-per-expert 4096 --backends TRITON --target-ms 60 "
             "--tune-budget-ms 300 --device cuda") in gpu.stdout
     assert gpu.stdout.count("--models deepseek-v3") == 1
+    unseen = _suite("--family", "gemm", "--device", "cuda", "--dry-run", "--only", "bf16_gemm_unseen")
+    assert "bench_gemm.py --dtype bf16 --shapes unseen --tune-budget-ms 300 --device cuda" in unseen.stdout
+    assert "bf16_gemm_unseen: skipped (its quick form is bf16_gemm's)" in out
     bad = _suite("--family", "gemm", "--only", "nothing", "--dry-run")
     assert bad.returncode == 2 and "no run named nothing" in bad.stderr
 
