@@ -449,14 +449,8 @@ def launch_wgrad(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, offs: torc
     """``fp8_blockwise_wgrad`` without its checks of the machine, ``cfg`` and the operands: for a
     caller that made them already in the same call (the TRITON adapter's default config, as
     ``fp8_blockwise_gluon_ws.launch_grouped``)."""
-    G, M, N = out.shape
-    if out.numel() == 0:
-        return out
-    bm, bn = cfg[:2]
-    tiles = G * -(-M // bm) * -(-N // bn)
-    progs = max(1, min(tiles, num_programs(x.device.index)))
-    args, kwargs = launch_args(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock)
-    _launcher()((progs,), args, kwargs)
+    if out.numel():
+        _launch(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock)
     return out
 
 
@@ -469,11 +463,7 @@ def prepare_wgrad(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, offs: tor
     G, M, N = out.shape
     if out.numel() == 0:
         return lambda *tensors: None
-    bm, bn = cfg[:2]
-    tiles = G * -(-M // bm) * -(-N // bn)
-    progs = max(1, min(tiles, num_programs(x.device.index)))
-    args, kwargs = launch_args(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock)
-    plan = _launcher().launch_and_plan((progs,), args, kwargs)
+    plan, args = _launch(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock)
     x_desc, y_desc, c_desc = (rebaser(d) for d in (args[0], args[1], args[3]))
     c_is_x = args[3] is args[0]  # no TMA store: x's descriptor stands in for c's
     rows = (G * M, N)
@@ -487,6 +477,17 @@ def prepare_wgrad(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, offs: tor
         plan(xd, y_desc(y.t()), c2, xd if c_is_x else c_desc(c2), sx, sy, offs, zeros(1, dtype=i32, device=out.device))
 
     return relaunch
+
+
+def _launch(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock: int):
+    """One launch over ``out``'s tiles, at most ``num_programs`` persistent programs (arguments as
+    ``launch_wgrad``); returns its pre-bound plan and positional arguments."""
+    G, M, N = out.shape
+    bm, bn = cfg[:2]
+    tiles = G * -(-M // bm) * -(-N // bn)
+    progs = max(1, min(tiles, num_programs(x.device.index)))
+    args, kwargs = launch_args(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock)
+    return _launcher().launch_and_plan((progs,), args, kwargs), args
 
 
 @functools.lru_cache(maxsize=None)

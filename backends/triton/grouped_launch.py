@@ -141,11 +141,7 @@ def zero_padded_tail(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``out[offs[-1]:] = 0`` for an ``[M, N]`` output whose kernel wrote only its groups' rows,
     with the boundary read on the device (no host sync, capturable): the padded-tail contract of
     the fixed-K grouped GEMM for kernels that do not keep it themselves."""
-    m, n = out.shape
-    if m and n:
-        bm, bn = 64, 128
-        _zero_rows_launcher()((-(-m // bm),), (out, offs, offs.shape[0] - 1, m, n, out.stride(0), out.stride(1)),
-                              dict(BM=bm, BN=bn))
+    prepare_zero_padded_tail(out, offs)
     return out
 
 
@@ -157,9 +153,8 @@ def prepare_zero_padded_tail(out: torch.Tensor, offs: torch.Tensor):
     if not (m and n):
         return lambda out, offs: None
     bm, bn = 64, 128
-    plan = _zero_rows_launcher().launch_and_plan(
+    return _zero_rows_launcher().launch_and_plan(
         (-(-m // bm),), (out, offs, offs.shape[0] - 1, m, n, out.stride(0), out.stride(1)), dict(BM=bm, BN=bn))
-    return plan
 
 
 @functools.lru_cache(maxsize=None)
