@@ -48,11 +48,16 @@ def _wait_for_callers(side: torch.cuda.Stream, current: torch.cuda.Stream, devic
     side.wait_stream(current)
     if torch.cuda.is_current_stream_capturing():
         return
+    for caller in _earlier_callers(current, device_index):
+        side.wait_stream(caller)
+
+
+def _earlier_callers(current: torch.cuda.Stream, device_index: int) -> list[torch.cuda.Stream]:
+    """Records ``current`` among the streams forks on this device started from (eager) and
+    returns the others."""
     callers = _FORK_CALLERS.setdefault(device_index, {})
     callers.setdefault(current.stream_id, current)
-    for stream_id, caller in callers.items():
-        if stream_id != current.stream_id:
-            side.wait_stream(caller)
+    return [caller for stream_id, caller in callers.items() if stream_id != current.stream_id]
 
 
 def overlappable(t: torch.Tensor) -> bool:
@@ -105,14 +110,9 @@ def _eager_side_by_side(first: Callable[[], object], second: Callable[[], object
     side = _side_stream(index)
     fork, join = _events(index)
     record, wait = torch._C._CudaEventBase.record, torch._C._CudaEventBase.wait
-    record(fork, current)
-    wait(fork, side)
-    callers = _FORK_CALLERS.setdefault(index, {})
-    callers.setdefault(stream_id, current)
-    for caller_id, caller in callers.items():
-        if caller_id != stream_id:
-            record(fork, caller)
-            wait(fork, side)
+    for caller in (current, *_earlier_callers(current, index)):
+        record(fork, caller)
+        wait(fork, side)
     set_stream = torch._C._cuda_setStream
     set_stream(stream_id=side.stream_id, device_index=side.device_index, device_type=side.device_type)
     try:
