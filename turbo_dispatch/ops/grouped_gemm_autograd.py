@@ -80,7 +80,6 @@ class GroupedFp8Function(torch.autograd.Function):
         ctx.dtypes = (a.dtype, b.dtype)
         ctx.reuse = step_reuses_quantization(config)
         if not ctx.reuse:
-            ctx.plan = None
             ctx.save_for_backward(a, b, group_lens, group_offs)
             return run_fp8(problem, a, b, group_lens, group_offs)
         ctx.plan = plan

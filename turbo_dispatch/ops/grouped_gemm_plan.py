@@ -113,12 +113,6 @@ def clear() -> None:
         _plans.clear()
 
 
-def _prepared_gemm(p: GroupedGemmFp8Problem, x, y, group_lens, group_offs):
-    """(``p`` run on these operands, the function that repeats it or None):
-    ``grouped_gemm_spec.prepare_fp8``, looked up on every call as ``run_fp8`` is."""
-    return _spec.prepare_fp8(p, x, y, group_lens, group_offs)
-
-
 class _RunsQuantiser:
     """``runs_both`` with the signature of ``quantize_runs_both``, prepared by its first call
     (``prepare_runs_both``): the activation's quantiser of a step plan, the gradient's of a
@@ -165,8 +159,8 @@ class StepPlan(_RunsQuantiser):
         again = self._forward
         if again is not None:
             return again(qa, qb, group_lens, group_offs)
-        out, self._forward = _prepared_gemm(step_forward_problem(self.problem, qa, qb), qa, qb, group_lens,
-                                            group_offs)
+        out, self._forward = _spec.prepare_fp8(step_forward_problem(self.problem, qa, qb), qa, qb, group_lens,
+                                                group_offs)
         return out
 
     def backward_plan(self, grad: Any) -> Optional["BackwardPlan"]:
@@ -218,4 +212,4 @@ class BackwardPlan(_RunsQuantiser):
         cfg = self.config
         p = grouped_gemm_fp8_problem(x, y, lens, offs, trans_b, variable_k, out_dtype, x_fp8, y_fp8, cfg.granularity,
                                      cfg.block_size, y_2d)
-        return _prepared_gemm(p, x, y, lens, offs)
+        return _spec.prepare_fp8(p, x, y, lens, offs)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 from . import store
-from .database import judge
+from .database import judge, peer_ratio
 
 
 @dataclass(frozen=True)
@@ -82,10 +82,11 @@ def inspect(path: "str | os.PathLike[str]") -> FileReport:
             status = f"skipped: {verdict.reason}"
             report.entry_skips[_reason_class(verdict.reason)] += 1
         key = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in result.key.items())
+        stored_peer = result.peer_us is not None
         report.rows.append(EntryRow(result.op, key, result.backend, result.config, result.time_ms, stamp.gpu, status,
                                     result.scope, result.gpu_us, result.host_us,
-                                    None if result.peer_op is None else f"{result.peer_op}/{result.peer_backend}",
-                                    None if result.peer_us is None else result.peer_us / result.peer_winner_us))
+                                    f"{result.peer_op}/{result.peer_backend}" if stored_peer else None,
+                                    peer_ratio(result.peer_us, result.peer_winner_us) if stored_peer else None))
     return report
 
 
