@@ -26,6 +26,7 @@ Usage:
     python benchmarks/bench_attention.py                         # every case, GPU
     python benchmarks/bench_attention.py --only gqa,varlen       # cases whose label holds a word
     python benchmarks/bench_attention.py --quick --device cpu    # smoke run (tiny shapes)
+    python benchmarks/bench_attention.py --quick --only varlen --profile 10   # + profiler tables per backend
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import harness as H  # noqa: E402
+from bench_out import resolve_out_dir  # noqa: E402
 import turbo_dispatch as turbo  # noqa: E402
 from turbo_dispatch.device_platform import platform_of  # noqa: E402
 from turbo_dispatch.registry import get_registry  # noqa: E402
@@ -256,7 +258,17 @@ def gate(v: Variant, row: H.Row, x: Inputs, refs) -> H.Row:
     return H.gate_variant(row, v.enter, v.fwd, x.leaves, x.grad, refs, ("out", "dq", "dk", "dv"), MIN_SNR_DB)
 
 
-def run_case(i: int, c: Case, dtype, device, timer) -> list[H.Row]:
+def profile_case(c: Case, x: Inputs, vs: list[Variant], rows: list[H.Row], iters: int, device, folder: Path) -> None:
+    """``--profile N``: N forward+backward steps of every variant that passed, under cProfile and
+    torch.profiler (where the step's host and GPU time go), one text file each in ``folder``."""
+    for v, r in zip(vs, rows):
+        if r.passed:
+            v.enter()
+            H.profile_to_file(folder, f"{c.label}_{v.label}", lambda v=v: torch.autograd.grad(v.fwd(), x.leaves, x.grad),
+                              iters, device, f"{c.label}: {v.label}, forward + backward")
+
+
+def run_case(i: int, c: Case, dtype, device, timer, profile: int = 0, folder: Optional[Path] = None) -> list[H.Row]:
     x = make_inputs(c, dtype, device)
     refs = reference(c, x)
     vs = variants(c, x, device)
@@ -272,6 +284,8 @@ def run_case(i: int, c: Case, dtype, device, timer) -> list[H.Row]:
     for r in rows:
         if r.passed and r.bwd_ms:
             r.extra["bwd_tflops"] = round(2.5 * flops / (r.bwd_ms * 1e-3) / 1e12, 1)
+    if profile > 0:
+        profile_case(c, x, vs, rows, profile, device, folder)
     return rows
 
 
@@ -280,6 +294,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--only", default=None,
                         help="comma-separated words; runs the cases whose label contains one (e.g. gqa,varlen,d256)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after timing a case, profile N forward+backward steps of each backend that passed "
+                             "(cProfile + torch.profiler tables, one text file each under <out>/profiles/)")
     H.add_common_args(parser)
     args = parser.parse_args(argv)
     device = H.pick_device(args.device)
@@ -297,7 +314,7 @@ def main(argv=None) -> int:
     with H.interruptible() as stopped:
         for i, c in enumerate(cases):
             t1 = time.time()
-            shape_rows = run_case(i, c, dtype, device, timer)
+            shape_rows = run_case(i, c, dtype, device, timer, args.profile, resolve_out_dir(args.out_dir) / "profiles")
             rows += shape_rows
             plain()
             H.free_memory(device)

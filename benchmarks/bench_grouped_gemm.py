@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -276,15 +275,11 @@ def _explain(op, a, b, lens, kw):
 def profile_steps(args, device, case: Case, entries, a, b, grad) -> None:
     """``--profile N``: N eager steps of each variant under the profilers, one text file each."""
     folder = resolve_out_dir(args.out_dir) / "profiles"
-    folder.mkdir(parents=True, exist_ok=True)
     for row, v in entries:
         v.enter()
-        text = H.profile_calls(lambda v=v: torch.autograd.grad(v.fwd(), (a, b), grad), args.profile, device,
-                               f"{case.label}: {row.backend}, forward + backward")
-        slug = re.sub(r"[^A-Za-z0-9]+", "_", f"{case.label}_{row.backend}").strip("_")
-        path = folder / f"{slug}.txt"
-        path.write_text(text)
-        print(f"profile: {path}", flush=True)
+        H.profile_to_file(folder, f"{case.label}_{row.backend}",
+                          lambda v=v: torch.autograd.grad(v.fwd(), (a, b), grad), args.profile, device,
+                          f"{case.label}: {row.backend}, forward + backward")
 
 
 def run(args, device, timer, cases: list[Case], rows: list[H.Row]) -> None:

@@ -75,7 +75,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import statistics
 import sys
 import time
@@ -609,18 +608,14 @@ def profile_variants(c: ModelConfig, measured: list[Measured], batch, iters: int
     """``--profile N``: N forward+backward steps of every timed variant under cProfile and
     torch.profiler (the kernel table shows where the step's GPU time goes), one text file each in
     ``folder``."""
-    folder.mkdir(parents=True, exist_ok=True)
     for m in measured:
         if m.model is None or m.check is None or not m.check.ok:
             continue
         m.enter()
         label = m.variant.label(dtype)
-        text = H.profile_calls(lambda model=m.model: forward_backward(model, *batch), iters, device,
-                               f"{c.name} {c.shape}: {label}, forward + backward")
+        H.profile_to_file(folder, f"{c.name}_{label}", lambda model=m.model: forward_backward(model, *batch), iters,
+                          device, f"{c.name} {c.shape}: {label}, forward + backward")
         m.model.zero_grad(set_to_none=True)
-        path = folder / (re.sub(r"[^A-Za-z0-9]+", "_", f"{c.name}_{label}").strip("_") + ".txt")
-        path.write_text(text)
-        print(f"  profile: {path}", flush=True)
 
 
 def replay_or_note(c: ModelConfig, state: dict, batches: list, peer_losses: list[float], args, device: torch.device,

@@ -486,6 +486,17 @@ def profile_calls(fn: Callable[[], Any], iters: int, device: torch.device, title
     return f"{title}\n{iters} calls\n\n" + text.getvalue() + "\n\n".join(tables)
 
 
+def profile_to_file(folder: Path, label: str, fn: Callable[[], Any], iters: int, device: torch.device,
+                    title: str) -> Path:
+    """``profile_calls(fn, iters, device, title)`` written to ``folder/<label as a file name>.txt``
+    (the folder made if missing); prints and returns the path. The caller has run ``fn`` before."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / (re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_") + ".txt")
+    path.write_text(profile_calls(fn, iters, device, title))
+    print(f"profile: {path}", flush=True)
+    return path
+
+
 def assign_ratios(rows: list[Row]) -> None:
     """ratio = best PASSing peer's time / this row's time, per shape (same op + shape), on the
     combined step when both the row and a peer have one, else on the forward."""

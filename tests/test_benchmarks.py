@@ -232,6 +232,18 @@ def test_bench_grouped_gemm_custom_shapes_wall_time_and_profile(tmp_path):
     assert bad.returncode != 0 and "--shapes: '4x16x32' is not GxTxNxK" in bad.stderr
 
 
+def test_bench_attention_varlen_rows_and_profile(tmp_path):
+    """The varlen case's backends pass their gate and are timed; ``--profile`` writes one
+    cProfile + torch.profiler file per backend that passed."""
+    rows = _run("bench_attention.py", ["--only", "varlen", "--profile", "1"], tmp_path)
+    passed = [r for r in rows if r["check"] == "PASS"]
+    assert passed and all(float(r["step_ms"]) > 0 for r in passed)
+    profiles = sorted(p.name for p in (tmp_path / "profiles").iterdir())
+    assert len(profiles) == len(passed) and all(p.startswith("varlen_") for p in profiles)
+    text = (tmp_path / "profiles" / profiles[0]).read_text()
+    assert "forward + backward" in text and "Ordered by: internal time" in text
+
+
 def test_bench_fused_producers_cpu_smoke(tmp_path):
     """Every case has a fused row (SKIP on a CPU without the interpreter, saying why), a checked
     unfused row and a copy row, each timed one with its GB/s and the fraction of the copy's."""

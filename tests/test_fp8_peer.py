@@ -19,6 +19,7 @@ import torch
 import turbo_dispatch as turbo
 from turbo_dispatch import GlobalBackendManager, autotune
 from turbo_dispatch.cli import main as cli
+from turbo_dispatch.low_precision import Float8QuantConfig
 from turbo_dispatch.ops.gemm_problem import explain_gemm_fp8
 from turbo_dispatch.ops.gemm_spec import GEMM_FP8
 from turbo_dispatch.ops.grouped_gemm_problem import explain_grouped_gemm_fp8
@@ -226,3 +227,44 @@ def test_a_malformed_peer_skips_the_line(tmp_path, fields):
 def test_peer_text_names_a_loss_a_win_and_a_tie(peer_ms, winner_ms, verdict):
     text = database.peer_text("grouped_gemm", "TORCH", peer_ms, winner_ms, "bf16")
     assert f"x its speed{verdict} (" in text
+
+
+# -- GPU ---------------------------------------------------------------------------------------------
+def _peer_note(decision) -> str:
+    (note,) = [n for n in decision.notes if " peer " in n]
+    return note
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["gemm_fp8-rowwise", "grouped_gemm_fp8-blockwise"])
+def test_gpu_online_tuning_records_the_bf16_peer_and_explain_states_it(case, tmp_path):
+    """The product backends on a GPU: tuning an fp8 key times the bf16 op's default beside the
+    winner, the DB line keeps both, and ``explain`` states the comparison; never which one wins."""
+    GlobalBackendManager.reset()
+    GlobalBackendManager.set_tune_db(tmp_path / "db.jsonl")
+    GlobalBackendManager.set_auto_tune(True)
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        if case == "gemm_fp8-rowwise":
+            cfg = Float8QuantConfig(granularity="rowwise")
+            a = torch.randn(2048, 4096, device="cuda", generator=gen).bfloat16()
+            b = torch.randn(4096, 4096, device="cuda", generator=gen).bfloat16()
+            turbo.ops.gemm_fp8(a, b, trans_b=True, config=cfg)
+            decision, peer_op = turbo.explain("gemm_fp8", a, b, trans_b=True, config=cfg), "gemm"
+        else:
+            cfg = Float8QuantConfig(granularity="blockwise", block_size=128)
+            a = torch.randn(16 * 512, 768, device="cuda", generator=gen).bfloat16()
+            b = torch.randn(16, 2048, 768, device="cuda", generator=gen).bfloat16()
+            lens = torch.full((16,), 512, dtype=torch.int64, device="cuda")
+            turbo.ops.grouped_gemm_fp8(a, b, lens, config=cfg)
+            decision = turbo.explain("grouped_gemm_fp8", a, b, lens, config=cfg)
+            peer_op = "grouped_gemm"
+        note = _peer_note(decision)
+        print(f"{case}: {decision.backend} ({decision.source}); {note}")
+        assert decision.source == "autotune" and note.startswith(f"bf16 peer {peer_op} ")
+        ratio = float(note.split(" = ")[1].split("x")[0])
+        assert 0.05 < ratio < 20.0
+        line = next(json.loads(raw) for raw in open(tmp_path / "db.jsonl") if '"result"' in raw)
+        assert line["peer_op"] == peer_op and line["peer_us"] > 0 and line["peer_winner_us"] > 0
+    finally:
+        GlobalBackendManager.reset()
