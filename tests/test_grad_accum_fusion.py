@@ -175,6 +175,20 @@ def test_num_cu_is_ignored_where_a_backend_has_no_knob():
     assert all(torch.equal(x, y) for x, y in zip(*results))
 
 
+def test_compute_unit_limit_nests_and_restores_after_an_exception():
+    from turbo_dispatch.ops.grouped_gemm_compute_units import compute_unit_limit, current_compute_unit_limit
+
+    with compute_unit_limit(8):
+        with compute_unit_limit(None):
+            assert current_compute_unit_limit() is None
+        assert current_compute_unit_limit() == 8
+        with pytest.raises(RuntimeError), compute_unit_limit(2):
+            assert current_compute_unit_limit() == 2
+            raise RuntimeError("inside")
+        assert current_compute_unit_limit() == 8
+    assert current_compute_unit_limit() is None
+
+
 def test_schedule_is_static_only():
     a, w = torch.randn(32, 64), torch.randn(3, 48, 64)
     assert turbo.ops.grouped_gemm(a, w, _lens(), None, True, None, "static").shape == (32, 48)

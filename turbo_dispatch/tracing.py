@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 
 def tracing() -> bool:
@@ -13,6 +14,4 @@ def tracing() -> bool:
     >>> tracing()
     False
     """
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
     return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None

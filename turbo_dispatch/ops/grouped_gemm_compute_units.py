@@ -10,9 +10,8 @@ would make the backend choice depend on it. The cap is not part of any problem k
 """
 from __future__ import annotations
 
-import contextlib
 import contextvars
-from typing import Iterator, Optional
+from typing import Optional
 
 _LIMIT: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("turbo_dispatch_num_cu", default=None)
 
@@ -26,14 +25,22 @@ def check_num_cu(op: str, num_cu: object) -> Optional[int]:
     return num_cu
 
 
-@contextlib.contextmanager
-def compute_unit_limit(num_cu: Optional[int]) -> Iterator[None]:
-    """Caps the persistent grouped kernels launched inside at ``num_cu`` programs (None: no cap)."""
-    token = _LIMIT.set(num_cu)
-    try:
-        yield
-    finally:
-        _LIMIT.reset(token)
+class compute_unit_limit:
+    """Caps the persistent grouped kernels launched inside ``with compute_unit_limit(num_cu):`` at
+    ``num_cu`` programs (None: no cap). A class, not a generator context manager: it wraps every
+    eager grouped GEMM step twice (forward and backward), where contextlib's frames are host time."""
+
+    __slots__ = ("_num_cu", "_token")
+
+    def __init__(self, num_cu: Optional[int]) -> None:
+        self._num_cu = num_cu
+        self._token = None
+
+    def __enter__(self) -> None:
+        self._token = _LIMIT.set(self._num_cu)
+
+    def __exit__(self, *exc: object) -> None:
+        _LIMIT.reset(self._token)
 
 
 def current_compute_unit_limit() -> Optional[int]:
