@@ -74,6 +74,56 @@ def test_explain_fp8_recipes(capsys, recipe, expected):
     assert expected in capsys.readouterr().out
 
 
+GROUPED_ARGS = ["explain", "grouped_gemm", "--groups", "16", "--tokens", "65536", "--n", "2048", "--k", "768",
+                "--device", "cpu"]
+
+
+def test_explain_grouped_gemm_bf16_and_fp8(capsys):
+    assert main(GROUPED_ARGS) == 0
+    out = capsys.readouterr().out
+    assert "op:      grouped_gemm\n" in out and "g=16,m=65536,n=2048,k=768,trans_b=1,variable_k=0" in out
+    assert main(GROUPED_ARGS + ["--weight-kn", "--fp8", "blockwise", "--out-dtype", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "op:      grouped_gemm_fp8\n" in out and "trans_b=0" in out and "out_dtype=fp32" in out
+    assert "granularity=blockwise,block_size=128" in out and "backend: TORCH" in out
+
+
+def test_explain_grouped_gemm_fp8_states_a_db_entrys_bf16_peer(tmp_path, capsys):
+    """A tuned grouped_gemm_fp8 entry's comparison with the bf16 op reaches the command line."""
+    from db_lines import db_file
+    from turbo_dispatch.low_precision import Float8QuantConfig
+    from turbo_dispatch.op_spec import get_op_spec
+    from turbo_dispatch.registry import get_registry
+    from turbo_dispatch.tuning.codec import encode_key
+    from turbo_dispatch.tuning.stamp import current_stamp
+
+    assert main(GROUPED_ARGS + ["--fp8", "blockwise"]) == 0
+    key = capsys.readouterr().out.split("key:", 1)[1].split()[0]
+    spec = get_op_spec("grouped_gemm_fp8")
+    a = torch.empty(65536, 768, dtype=torch.bfloat16, device="meta")
+    b = torch.empty(16, 2048, 768, dtype=torch.bfloat16, device="meta")
+    lens = torch.empty(16, dtype=torch.int64, device="meta")
+    cfg = Float8QuantConfig(granularity="blockwise", block_size=128)
+    problem = spec.shared_problem(spec.problem_from_call(a, b, lens, config=cfg))._replace(platform="cpu")
+    identity = get_registry().get("grouped_gemm_fp8", "TORCH").adapter.identity(None)
+    db = db_file(tmp_path / "db.jsonl", [{
+        "type": "result", "stamp": current_stamp("cpu").id, "op": "grouped_gemm_fp8", "key": encode_key(problem),
+        "backend": "TORCH", "config": None, "identity": identity, "time_ms": 1.39, "peer_op": "grouped_gemm",
+        "peer_backend": "TORCH", "peer_us": 930.0, "peer_winner_us": 1390.0}])
+    GlobalBackendManager.set_tune_db(db)
+    assert main(GROUPED_ARGS + ["--fp8", "blockwise"]) == 0
+    out = capsys.readouterr().out
+    assert key in out and "source:  tuned-db" in out
+    assert "bf16 peer grouped_gemm TORCH: 0.930 ms per call; this fp8 choice 1.390 ms = 0.67x its speed: " \
+           "fp8 loses on this key" in out
+
+
+def test_explain_grouped_gemm_usage_errors(capsys):
+    assert main(GROUPED_ARGS + ["--out-dtype", "fp32"]) == 2
+    assert "--out-dtype applies to the fp8 op" in capsys.readouterr().err
+    assert main(["explain", "grouped_gemm", "--groups", "0", "--tokens", "1", "--n", "1", "--k", "1"]) == 2
+
+
 def test_explain_bad_recipe_is_an_error(capsys):
     assert main(GEMM_ARGS + ["--fp8", "tensorwise", "--block-size", "64"]) == 2
     err = capsys.readouterr().err
