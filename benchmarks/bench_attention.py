@@ -264,8 +264,9 @@ def profile_case(c: Case, x: Inputs, vs: list[Variant], rows: list[H.Row], iters
     for v, r in zip(vs, rows):
         if r.passed:
             v.enter()
-            H.profile_to_file(folder, f"{c.label}_{v.label}", lambda v=v: torch.autograd.grad(v.fwd(), x.leaves, x.grad),
-                              iters, device, f"{c.label}: {v.label}, forward + backward")
+            step = lambda v=v: torch.autograd.grad(v.fwd(), x.leaves, x.grad)  # noqa: E731
+            H.profile_to_file(folder, f"{c.label}_{v.label}", step, iters, device,
+                              f"{c.label}: {v.label}, forward + backward")
 
 
 def run_case(i: int, c: Case, dtype, device, timer, profile: int = 0, folder: Optional[Path] = None) -> list[H.Row]:

@@ -37,7 +37,8 @@ def _add_gemm(sub) -> None:
 
 
 def _add_fp8_args(p) -> None:
-    p.add_argument("--fp8", choices=list(_FP8_GRANULARITY), default=None, help="scaling granularity: selects the fp8 op")
+    p.add_argument("--fp8", choices=list(_FP8_GRANULARITY), default=None,
+                   help="scaling granularity: selects the fp8 op")
     p.add_argument("--format", choices=["e4m3", "e5m2", "hybrid"], default=None, help="fp8 format (default: e4m3)")
     p.add_argument("--block-size", type=positive_int, default=None,
                    help="fp8 block size (default: 128 for blockwise, 32 for mx)")
