@@ -244,6 +244,20 @@ def test_bench_attention_varlen_rows_and_profile(tmp_path):
     assert "forward + backward" in text and "Ordered by: internal time" in text
 
 
+def test_probe_step_host_cpu_smoke():
+    """benchmarks/probes/probe_step_host.py on the CPU backends: a row per piece of the planned fp8
+    step, each with a positive host time, and their sum."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "probes" / "probe_step_host.py"), "--device",
+                           "cpu", "--groups", "2", "--tokens-per-group", "32", "--n", "128", "--k", "128",
+                           "--backend", "auto", "--calls", "2", "--rounds", "1"],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    timed = {r[1].strip(): float(r[2]) for r in rows[1:] if not r[1].strip().startswith("sum")}
+    assert sum(1 for label in timed if label.startswith("plan: ")) == 6 and all(v > 0 for v in timed.values())
+    assert "whole step (forward + autograd.grad)" in timed and "| sum of the plan's six pieces |" in proc.stdout
+
+
 def test_bench_fused_producers_cpu_smoke(tmp_path):
     """Every case has a fused row (SKIP on a CPU without the interpreter, saying why), a checked
     unfused row and a copy row, each timed one with its GB/s and the fraction of the copy's."""
