@@ -81,6 +81,7 @@ def step_pieces(a, b, lens, offs, grad, cfg) -> list[tuple[str, Callable[[], Any
     key = grouped_gemm_plan.step_key(a, b, lens, offs, True, None, cfg)
     plan = None if key is None else grouped_gemm_plan.lookup(key)
     pieces = [("whole step (forward + autograd.grad)", step), ("forward alone, no grad (unplanned path)", forward)]
+    pieces += layer_rows(step, plan, a.device)
     if plan is None or not plan._backward:
         return pieces
     (back,) = plan._backward.values()
@@ -96,6 +97,64 @@ def step_pieces(a, b, lens, offs, grad, cfg) -> list[tuple[str, Callable[[], Any
         ("plan: dgrad GEMM (+ padded-tail zeroing)", lambda: back._mm8(g_rows, b_saved, lens, offs)),
         ("plan: wgrad GEMM", lambda: back._mm8_k(g_cols, a_saved, lens, offs)),
     ]
+
+
+class _PassThrough(torch.autograd.Function):
+    """The least a Python autograd function costs: forward and backward hand their input on."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def layer_rows(step: Callable[[], Any], plan, device: torch.device) -> list[tuple[str, Callable[[], Any]]]:
+    """The layers around the plan's pieces: the step with each piece returning its first result
+    again (no launch, no allocation), beside what Python and a Python autograd function cost here."""
+    x = torch.ones(16, device=device, requires_grad=True)
+    gx = torch.ones(16, device=device)
+
+    def noop():
+        pass
+
+    def hundred_noops():
+        for _ in range(100):
+            noop()
+
+    rows = [("100 calls of a no-op Python function", hundred_noops),
+            ("a pass-through Python autograd function: forward + autograd.grad",
+             lambda: torch.autograd.grad(_PassThrough.apply(x), (x,), gx))]
+    if plan is None or not plan._backward:
+        return rows
+    (back,) = plan._backward.values()
+    owners = [(plan, "_runs"), (plan, "_tiles"), (plan, "_forward"), (back, "_runs"), (back, "_mm8"), (back, "_mm8_k")]
+
+    def cached(fn):
+        kept = []
+
+        def again(*args):
+            if not kept:
+                kept.append(fn(*args))
+            return kept[0]
+
+        return again
+
+    stubs = [cached(getattr(owner, name)) for owner, name in owners]
+    originals = [getattr(owner, name) for owner, name in owners]
+
+    def with_stubs():
+        for (owner, name), stub in zip(owners, stubs):
+            setattr(owner, name, stub)
+        try:
+            step()
+        finally:
+            for (owner, name), fn in zip(owners, originals):
+                setattr(owner, name, fn)
+
+    return rows + [("whole step, the six pieces returning cached results (the layers around them)", with_stubs)]
 
 
 def primitives(device: torch.device, out_shape: tuple, offs) -> list[tuple[str, Callable[[], Any]]]:
