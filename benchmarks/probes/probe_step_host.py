@@ -24,17 +24,14 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-import turbo_dispatch as turbo  # noqa: E402
-from turbo_dispatch import GlobalBackendManager  # noqa: E402
-from turbo_dispatch.low_precision import Float8QuantConfig  # noqa: E402
-from turbo_dispatch.ops import grouped_gemm_plan  # noqa: E402
+import turbo_dispatch as turbo
+from turbo_dispatch import GlobalBackendManager, host_cover
+from turbo_dispatch.low_precision import Float8QuantConfig
+from turbo_dispatch.ops import grouped_gemm_plan
 
 #: GPU time the spin holds the stream for while a round of calls is issued (ms): longer than any
 #: round's host time, so that no call waits for the GPU.
@@ -48,7 +45,7 @@ def host_us(fn: Callable[[], Any], device: torch.device, calls: int, rounds: int
     for _ in range(rounds):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-            torch.cuda._sleep(int(SPIN_MS * _cycles_per_ms(device)))
+            torch.cuda._sleep(int(SPIN_MS * host_cover.cycles_per_ms(device)))
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
@@ -56,12 +53,6 @@ def host_us(fn: Callable[[], Any], device: torch.device, calls: int, rounds: int
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     return statistics.median(per_call), min(per_call)
-
-
-def _cycles_per_ms(device: torch.device) -> float:
-    from turbo_dispatch import host_cover
-
-    return host_cover.cycles_per_ms(device)
 
 
 def step_pieces(a, b, lens, offs, grad, cfg) -> list[tuple[str, Callable[[], Any]]]:

@@ -154,9 +154,8 @@ def result_for(spec: OpSpec, problem: Any, record: Any, candidates: Sequence[Any
 def _peer_fields(record: Any) -> dict:
     """The ``store.Result`` peer fields of ``record``: all four, or none where it has no complete
     finite comparison."""
-    fields = {"peer_op": getattr(record, "peer_op", None), "peer_backend": getattr(record, "peer_backend", None),
-              "peer_us": _us(getattr(record, "peer_ms", None)),
-              "peer_winner_us": _us(getattr(record, "peer_winner_ms", None))}
+    fields = {"peer_op": record.peer_op, "peer_backend": record.peer_backend, "peer_us": _us(record.peer_ms),
+              "peer_winner_us": _us(record.peer_winner_ms)}
     return fields if None not in fields.values() else {}
 
 
