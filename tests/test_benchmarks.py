@@ -252,10 +252,18 @@ def test_probe_step_host_cpu_smoke():
                            "--backend", "auto", "--calls", "2", "--rounds", "1"],
                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    alone, inside = proc.stdout.split("\nInside the whole step")
+    rows = [line.split("|") for line in alone.splitlines() if line.startswith("| ") and "---" not in line]
     timed = {r[1].strip(): float(r[2]) for r in rows[1:] if not r[1].strip().startswith("sum")}
     assert sum(1 for label in timed if label.startswith("plan: ")) == 6 and all(v > 0 for v in timed.values())
     assert "whole step (forward + autograd.grad)" in timed and "| sum of the plan's six pieces |" in proc.stdout
+    # Each piece timed where the step calls it, inside the layers that call it.
+    split = {r[2].strip(): (int(r[1]), float(r[3])) for r in (line.split("|") for line in inside.splitlines()[3:])
+             if len(r) == 5}
+    pieces = [label for label in split if label.startswith("plan: ")]
+    assert len(pieces) == 6 and all(split[label][1] > 0 for label in pieces)
+    assert split["whole step"][1] >= split["op call: forward, autograd.Function.apply included"][1] > 0
+    assert split["GroupedFp8Function.backward"][0] == 1 and split["plan: dgrad GEMM"][0] > 1
 
 
 def test_bench_fused_producers_cpu_smoke(tmp_path):

@@ -338,6 +338,41 @@ def test_prepared_dual_quantize_hands_each_buffer_its_role(tile_2d, prebound, mo
             assert torch.equal(g.float(), r.float())
 
 
+@pytest.mark.parametrize("prebound", [True, False], ids=["prebound", "pointer"])
+def test_prepared_2d_runs_lay_out_what_the_3d_path_selects(prebound, monkeypatch):
+    """``prepare_runs_2d`` allocates a later call's outputs 2-D: each has the shape, strides and
+    storage size of the 3-D path's only group (padded rows included, which kernels write), the
+    fake launcher gets them in their roles, and the results equal ``dual_quantize``'s group."""
+    pytest.importorskip("triton")
+    from turbo_dispatch.backends.triton import dual_quantize as DQ, dual_quantize_gluon as DG
+
+    dtype = torch.float8_e4m3fn
+
+    def fill(x, data, data_t, scale, scale_t, *rest):
+        want = [t[0] for t in DQ._dual_outputs(x.reshape(1, *x.shape[-2:]), dtype, 128, False)]
+        for role, (buf, ref) in enumerate(zip((data, scale, data_t, scale_t), want)):
+            if buf.dim() == 2:
+                assert (buf.shape, buf.stride(), buf.dtype) == (ref.shape, ref.stride(), ref.dtype), role
+                assert buf.untyped_storage().nbytes() == ref.untyped_storage().nbytes(), role
+            buf.copy_(torch.full(buf.shape, role + 1.0) * x.reshape(-1)[0].float())
+
+    def prepare(x, data, data_t, scale, scale_t, *rest):
+        fill(x, data, data_t, scale, scale_t)
+        return fill if prebound else None
+
+    monkeypatch.setattr(DQ, "_interpreting", lambda: False)
+    monkeypatch.setattr(DG, "available", lambda x, block: None)
+    monkeypatch.setattr(DG, "prepare", prepare)
+    monkeypatch.setattr(DG, "launch", fill)
+    xs = [torch.full((300, 260), v).bfloat16() for v in (0.5, -2.0)]
+    first, again = DQ.prepare_runs_2d(xs[0], dtype, 128)
+    for got, x in zip((first, again(xs[1])), xs):
+        want = [t[0] for t in DQ.dual_quantize(x.unsqueeze(0), dtype, 128, False)]
+        for g, r in zip(got, want):
+            assert g.shape == r.shape and g.stride() == r.stride()
+            assert torch.equal(g.float(), r.float())
+
+
 # -- GPU ---------------------------------------------------------------------------------------------
 def _triton_fp8():
     GlobalBackendManager.reset()
@@ -397,3 +432,22 @@ def test_gpu_a_planned_step_follows_the_gluon_switch(monkeypatch):
     planned = _step(a, b, lens, grad)
     _unplanned(monkeypatch)
     _same(planned, _step(a, b, lens, grad))
+
+
+@pytest.mark.gpu
+def test_gpu_planned_wgrad_counters_cycle_on_both_streams(monkeypatch):
+    """The planned wgrad takes its work-item counter from a per-stream buffer of pre-zeroed slots:
+    with three slots per buffer, seven steps (cycles that refill the buffer, on the current and,
+    through the backward's overlap, the side stream) give the unplanned step's bits every time."""
+    from turbo_dispatch.backends.triton import work_counters
+
+    monkeypatch.setattr(work_counters, "SLOTS", 3)
+    monkeypatch.setattr(work_counters, "_pools", {})
+    _triton_fp8()
+    a, b, lens, grad = _inputs("cuda", g=5, m=1100, n=384, k=640, lens=(300, 0, 1, 523, 200))
+    planned = [_step(a, b, lens, grad) for _ in range(7)]
+    assert work_counters._pools, "the planned wgrad took no pooled counter"
+    _unplanned(monkeypatch)
+    want = _step(a, b, lens, grad)
+    for got in planned:
+        _same(got, want)

@@ -171,12 +171,67 @@ def prepare_dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_
     this call's launch resolved: outputs allocated as here, the kernel launched through its
     pre-bound plan. Where the environment switches the launch paths read (``launch_env``) have
     changed, or this call's kernel has no pre-bound plan, ``quantize`` is ``dual_quantize``."""
+    outs, relaunch, env = _prepared(x, dtype, block, tile_2d)
+
+    def unplanned(x):
+        return dual_quantize(x, dtype, block, tile_2d)
+
+    if relaunch is None:
+        return outs, unplanned
+    from .fp8_blockwise_gluon import launch_env
+
+    def quantize(x):
+        if launch_env() != env:
+            return unplanned(x)
+        data, scale, data_t, scale_t = _dual_outputs(x, dtype, block, tile_2d)
+        relaunch(x, data, data_t, scale, scale_t)
+        return data, scale, data_t, scale_t
+
+    return outs, quantize
+
+
+def prepare_runs_2d(x: torch.Tensor, dtype: torch.dtype, block: int):
+    """``prepare_dual_quantize`` of a 2-D ``x[T, C]``'s token runs, as one group, with 2-D results
+    ``(data [T, C], scale [T, n_c], data_t [C, T], scale_t [n_r, C])``: the 3-D results' only
+    group, in the same storage. A later ``quantize(x)`` allocates them in that form and launches
+    with the 2-D tensors (a launch reads their data pointers; its strides and the descriptor's
+    shape are the plan's), so no call adds a dimension or selects one."""
+    outs, relaunch, env = _prepared(x.unsqueeze(0), dtype, block, False)
+
+    def unplanned(x):
+        data, scale, data_t, scale_t = dual_quantize(x.unsqueeze(0), dtype, block, False)
+        return data[0], scale[0], data_t[0], scale_t[0]
+
+    data, scale, data_t, scale_t = outs
+    if relaunch is None:
+        return (data[0], scale[0], data_t[0], scale_t[0]), unplanned
+    from .fp8_blockwise_gluon import launch_env
+
+    r, c = x.shape
+    n_r, n_c = -(-r // block), -(-c // block)
+    f32 = torch.float32
+
+    def quantize(x):
+        if launch_env() != env:
+            return unplanned(x)
+        data = empty_padded_rows(x, (r, c), dtype)
+        data_t = empty_padded_rows(x, (c, r), dtype)
+        scale = empty_padded_rows(x, (r, n_c), f32)
+        scale_t = x.new_empty((n_r, c), dtype=f32)
+        relaunch(x, data, data_t, scale, scale_t)
+        return data, scale, data_t, scale_t
+
+    return (data[0], scale[0], data_t[0], scale_t[0]), quantize
+
+
+def _prepared(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool):
+    """(``dual_quantize``'s result for ``x`` now, the pre-bound ``relaunch(x, data, data_t, scale,
+    scale_t)`` or None, the ``launch_env`` it was made under)."""
     from .fp8_blockwise_gluon import launch_env
 
     _check_arguments(x, dtype, block)
     env = launch_env()
     g, r, c = x.shape
-    relaunch, outs = None, None
     if g * r * c and not _interpreting():
         from . import dual_quantize_gluon
 
@@ -184,23 +239,10 @@ def prepare_dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_
             outs = _dual_outputs(x, dtype, block, tile_2d)
             data, scale, data_t, scale_t = outs  # the kernels take them in another order
             relaunch = dual_quantize_gluon.prepare(x, data, data_t, scale, scale_t, FP8_MAX[dtype], _TINY, tile_2d)
-    if relaunch is None:
-        if outs is None:  # not launched above
-            outs = dual_quantize(x, dtype, block, tile_2d)
-
-        def quantize(x):
-            return dual_quantize(x, dtype, block, tile_2d)
-
-        return outs, quantize
-
-    def quantize(x):
-        if launch_env() != env:
-            return dual_quantize(x, dtype, block, tile_2d)
-        data, scale, data_t, scale_t = _dual_outputs(x, dtype, block, tile_2d)
-        relaunch(x, data, data_t, scale, scale_t)
-        return data, scale, data_t, scale_t
-
-    return outs, quantize
+            if relaunch is not None:
+                return outs, relaunch, env
+            return outs, None, env  # launched above, through the unprepared path
+    return dual_quantize(x, dtype, block, tile_2d), None, env
 
 
 def _check_arguments(x: torch.Tensor, dtype: torch.dtype, block: int) -> None:

@@ -47,6 +47,7 @@ from .fp8_blockwise_gluon import available, device_error, gluon, make_descriptor
 from .fp8_blockwise_gluon_ws import LOAD_REGS, MATH_REGS, MAXNREG, SMEM_PER_CTA, output_descriptor, tma_storable
 from .gemm_kernels import bind_cuda_context, num_programs, tma_ok
 from .prebound import CallKeyedKernel, rebaser
+from .work_counters import zeroed_counter
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -467,14 +468,13 @@ def prepare_wgrad(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, offs: tor
     x_desc, y_desc, c_desc = (rebaser(d) for d in (args[0], args[1], args[3]))
     c_is_x = args[3] is args[0]  # no TMA store: x's descriptor stands in for c's
     rows = (G * M, N)
-    zeros, i32 = torch.zeros, torch.int32
+    device = out.device
 
     def relaunch(x, y, out, offs, sx, sy) -> None:
         bind_cuda_context(x)
         xd = x_desc(x.t())
         c2 = out.view(rows)
-        # A fresh zeroed work-item counter per launch, as launch_args makes it.
-        plan(xd, y_desc(y.t()), c2, xd if c_is_x else c_desc(c2), sx, sy, offs, zeros(1, dtype=i32, device=out.device))
+        plan(xd, y_desc(y.t()), c2, xd if c_is_x else c_desc(c2), sx, sy, offs, zeroed_counter(device))
 
     return relaunch
 

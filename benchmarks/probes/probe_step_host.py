@@ -21,6 +21,7 @@ of the probe itself; the numbers mean nothing for a GPU).
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -69,9 +70,18 @@ def step_pieces(a, b, lens, offs, grad, cfg) -> list[tuple[str, Callable[[], Any
 
     for _ in range(3):
         step()
-    key = grouped_gemm_plan.step_key(a, b, lens, offs, True, None, cfg)
-    plan = None if key is None else grouped_gemm_plan.lookup(key)
-    pieces = [("whole step (forward + autograd.grad)", step), ("forward alone, no grad (unplanned path)", forward)]
+    plan = _step_plan(a, b, lens, offs, cfg)
+    def step_without_gc():
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            step()
+        finally:
+            if was:
+                gc.enable()
+
+    pieces = [("whole step (forward + autograd.grad)", step), ("whole step, Python's garbage collector off", step_without_gc),
+              ("forward alone, no grad (unplanned path)", forward)]
     pieces += layer_rows(step, plan, a.device)
     if plan is None or not plan._backward:
         return pieces
@@ -88,6 +98,12 @@ def step_pieces(a, b, lens, offs, grad, cfg) -> list[tuple[str, Callable[[], Any
         ("plan: dgrad GEMM (+ padded-tail zeroing)", lambda: back._mm8(g_rows, b_saved, lens, offs)),
         ("plan: wgrad GEMM", lambda: back._mm8_k(g_cols, a_saved, lens, offs)),
     ]
+
+
+def _step_plan(a, b, lens, offs, cfg):
+    """The step plan the op keeps for these arguments, or None."""
+    key = grouped_gemm_plan.step_key(a, b, lens, offs, True, None, cfg)
+    return None if key is None else grouped_gemm_plan.lookup(key)
 
 
 class _PassThrough(torch.autograd.Function):
@@ -148,6 +164,117 @@ def layer_rows(step: Callable[[], Any], plan, device: torch.device) -> list[tupl
     return rows + [("whole step, the six pieces returning cached results (the layers around them)", with_stubs)]
 
 
+def _timed(fn: Callable, totals: dict, label: str) -> Callable:
+    """``fn`` adding its inclusive host time (s) to ``totals[label]`` on every call."""
+    clock = time.perf_counter
+
+    def timed(*args, **kwargs):
+        t0 = clock()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[label] += clock() - t0
+
+    return timed
+
+
+def in_step_split(step: Callable[[], Any], plan, device: torch.device, calls: int, rounds: int
+                  ) -> list[tuple[str, float]]:
+    """(label, median host us per step) of each layer and piece, timed inside the whole step
+    (inclusive: a layer's time holds the pieces it calls), in the loop ``host_us`` runs: what the
+    pieces cost where the step calls them, against their cost alone."""
+    from turbo_dispatch.ops import grouped_gemm_autograd, grouped_gemm_fp8_step, grouped_gemm_grads
+
+    fn_cls = grouped_gemm_autograd.GroupedFp8Function
+    (back,) = plan._backward.values()
+    points = [
+        ("op call: forward, autograd.Function.apply included", turbo.ops, "grouped_gemm_fp8"),
+        ("  GroupedFp8Function.forward", fn_cls, "forward"),
+        ("    quantize_for_step (a and b, side by side)", grouped_gemm_autograd, "quantize_for_step"),
+        ("      fork/join of the quantisers (side_by_side)", grouped_gemm_fp8_step, "side_by_side"),
+        ("        plan: quantise a", plan, "_runs"),
+        ("        plan: quantise b", plan, "_tiles"),
+        ("    plan: forward GEMM", plan, "_forward"),
+        ("  GroupedFp8Function.backward", fn_cls, "backward"),
+        ("    grouped_fp8_grads", grouped_gemm_autograd, "grouped_fp8_grads"),
+        ("      plan: quantise the gradient", back, "_runs"),
+        ("      fork/join of dgrad and wgrad (side_by_side)", grouped_gemm_grads, "side_by_side"),
+        ("        plan: dgrad GEMM", back, "_mm8"),
+        ("        plan: wgrad GEMM", back, "_mm8_k"),
+    ]
+    totals = {label: 0.0 for label, _, _ in points}
+    totals["whole step"] = 0.0
+    originals = [(owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name))
+                 for _, owner, name in points]
+    for (label, owner, name), (_, _, original) in zip(points, originals):
+        if isinstance(original, staticmethod):
+            setattr(owner, name, staticmethod(_timed(original.__func__, totals, label)))
+        else:
+            setattr(owner, name, _timed(original, totals, label))
+    timed_step = _timed(step, totals, "whole step")
+    per_round: dict = {label: [] for label in totals}
+    try:
+        timed_step()  # warm
+        for _ in range(rounds):
+            for label in totals:
+                totals[label] = 0.0
+            host_us(timed_step, device, calls, 1)
+            for label, seconds in totals.items():
+                per_round[label].append(seconds * 1e6 / calls)
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+    return [(label, statistics.median(values)) for label, values in per_round.items()]
+
+
+def print_cprofile(step: Callable[[], Any], device: torch.device, calls: int, rounds: int, top: int) -> None:
+    """The ``top`` functions by own time (cProfile, which slows Python code more than C calls) of
+    the whole step's loop, per step: one table for the calling thread, one for the autograd
+    function's backward (on CUDA autograd runs it on its device thread, which a profiler enabled
+    on the calling thread does not see)."""
+    import cProfile
+    from turbo_dispatch.ops import grouped_gemm_autograd
+
+    fn_cls = grouped_gemm_autograd.GroupedFp8Function
+    original = fn_cls.__dict__["backward"]
+    caller, backward = cProfile.Profile(), cProfile.Profile()
+
+    def profiled_backward(ctx, grad):
+        if device.type == "cpu":  # the same thread: the caller's profile sees it
+            return original.__func__(ctx, grad)
+        backward.enable()
+        try:
+            return original.__func__(ctx, grad)
+        finally:
+            backward.disable()
+
+    fn_cls.backward = staticmethod(profiled_backward)
+    try:
+        caller.enable()
+        host_us(step, device, calls, rounds)
+        caller.disable()
+    finally:
+        fn_cls.backward = original
+    for title, profile in (("calling thread", caller), ("backward on autograd's thread", backward)):
+        _print_profile(title, profile, calls * rounds, top)
+
+
+def _print_profile(title: str, profile, steps: int, top: int) -> None:
+    import pstats
+
+    try:
+        stats = pstats.Stats(profile)
+    except TypeError:  # nothing was profiled
+        return
+    rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:top]
+    print(f"\ncProfile, {title} ({steps} steps): own and inclusive us per step")
+    print("| function | calls per step | own us | inclusive us |")
+    print("|---|---:|---:|---:|")
+    for (path, line, name), (_, ncalls, own, inclusive, _) in rows:
+        where = f"{path.rsplit('/', 2)[-1]}:{line}" if line else path
+        print(f"| {name} ({where}) | {ncalls / steps:.1f} | {own * 1e6 / steps:.1f} | {inclusive * 1e6 / steps:.1f} |")
+
+
 def primitives(device: torch.device, out_shape: tuple, offs) -> list[tuple[str, Callable[[], Any]]]:
     """What the pieces are made of, on CUDA."""
     if device.type != "cuda":
@@ -189,6 +316,8 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=20, help="back-to-back calls per round (default 20)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    parser.add_argument("--cprofile", type=int, default=0, metavar="TOP",
+                        help="also print the TOP functions by own time (cProfile) of the whole step's loop")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     g, t, n, k = args.groups, args.tokens_per_group, args.n, args.k
@@ -219,6 +348,16 @@ def main(argv=None) -> int:
         print(f"| {label} | {median:.1f} | {low:.1f} |", flush=True)
     if pieces_sum:
         print(f"| sum of the plan's six pieces | {pieces_sum:.1f} | |")
+    plan = _step_plan(a, b, lens, offs, cfg)
+    if plan is not None and plan._backward:
+        step = step_pieces(a, b, lens, offs, grad, cfg)[0][1]
+        print("\nInside the whole step (inclusive host us per step, median over rounds; depth: what calls what):")
+        print("| depth | layer or piece | host us per step |")
+        print("|---:|---|---:|")
+        for label, us in in_step_split(step, plan, device, args.calls, args.rounds):
+            print(f"| {(len(label) - len(label.lstrip())) // 2} | {label.strip()} | {us:.1f} |", flush=True)
+        if args.cprofile:
+            print_cprofile(step, device, args.calls, args.rounds, args.cprofile)
     GlobalBackendManager.reset()
     return 0
 

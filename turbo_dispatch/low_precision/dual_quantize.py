@@ -44,9 +44,9 @@ def _dual_kernel() -> Optional[Callable]:
 
 
 @functools.lru_cache(maxsize=None)
-def _prepare_kernel() -> Optional[Callable]:
+def _prepare_kernel(name: str = "prepare_dual_quantize") -> Optional[Callable]:
     module, _ = kernel_module(KERNEL)
-    return getattr(module, "prepare_dual_quantize", None)
+    return getattr(module, name, None)
 
 
 def _one_read(x: torch.Tensor, block_size: int) -> bool:
@@ -138,18 +138,17 @@ def prepare_runs_both(x: torch.Tensor, dtype: torch.dtype, block_size: int):
     """``(quantize_runs_both(x, dtype, block_size), runs)``: this call's result, and ``runs(x)``,
     which gives ``quantize_runs_both``'s result for a later ``x`` with the same dtype, shape,
     strides, device and 16-byte alignment as this one (the caller's key holds them) with the
-    kernel's launch resolved once (its ``prepare_dual_quantize``); where there is none, ``runs``
+    kernel's launch resolved once (its ``prepare_runs_2d``); where there is none, ``runs``
     is ``quantize_runs_both`` itself."""
-    fn = _prepare_kernel() if _one_read(x, block_size) else None
+    fn = _prepare_kernel("prepare_runs_2d") if _one_read(x, block_size) else None
     if fn is None:
         return quantize_runs_both(x, dtype, block_size), lambda x: quantize_runs_both(x, dtype, block_size)
-    (data, scale, data_t, scale_t), quantize = fn(x.unsqueeze(0), dtype, block_size, False)
+    (data, scale, data_t, scale_t), quantize = fn(x, dtype, block_size)
 
     def runs(x: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
-        data, scale, data_t, scale_t = quantize(x.unsqueeze(0))
-        return runs_from_tensors(data[0], scale[0], data_t[0], scale_t[0], block_size)
+        return runs_from_tensors(*quantize(x), block_size)
 
-    return runs_from_tensors(data[0], scale[0], data_t[0], scale_t[0], block_size), runs
+    return runs_from_tensors(data, scale, data_t, scale_t, block_size), runs
 
 
 def prepare_tiles_both(w: torch.Tensor, dtype: torch.dtype, block_size: int):
