@@ -546,7 +546,9 @@ def prepare_grouped(a: torch.Tensor, b_gnk: torch.Tensor, out: torch.Tensor, off
     def relaunch(a, b_gnk, out, offs, sa, sb) -> None:
         bind_cuda_context(a)
         ad = a_desc(a)
-        plan(ad, b_desc(b_gnk.as_strided(*rows)), out, ad if c_is_a else c_desc(out), sa, sb, offs)
+        # A descriptor's launch reads its base's data pointer only (its shape and strides are the
+        # template's): b_gnk serves for its row view, which starts at the same address.
+        plan(ad, b_desc(b_gnk), out, ad if c_is_a else c_desc(out), sa, sb, offs)
 
     return relaunch
 

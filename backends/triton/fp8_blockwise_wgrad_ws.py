@@ -467,14 +467,14 @@ def prepare_wgrad(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, offs: tor
     plan, args = _launch(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock)
     x_desc, y_desc, c_desc = (rebaser(d) for d in (args[0], args[1], args[3]))
     c_is_x = args[3] is args[0]  # no TMA store: x's descriptor stands in for c's
-    rows = (G * M, N)
     device = out.device
 
     def relaunch(x, y, out, offs, sx, sy) -> None:
         bind_cuda_context(x)
-        xd = x_desc(x.t())
-        c2 = out.view(rows)
-        plan(xd, y_desc(y.t()), c2, xd if c_is_x else c_desc(c2), sx, sy, offs, zeroed_counter(device))
+        # Launches read only the data pointers of the descriptors' bases and of ``c``, which the
+        # views the first launch took (x.t(), y.t(), out as [G * M, N]) share with the tensors.
+        xd = x_desc(x)
+        plan(xd, y_desc(y), out, xd if c_is_x else c_desc(out), sx, sy, offs, zeroed_counter(device))
 
     return relaunch
 

@@ -429,16 +429,17 @@ class TritonGroupedGemmFp8(_TritonAdapter):
         """The repeat of a prepared warp-specialised forward/dgrad (``prepare``)."""
         from .fp8_blockwise_gluon import launch_env
 
-        env, shape, dtype, trans_b, empty = launch_env(), (p.m, p.n), p.out_dtype, p.trans_b, torch.empty
+        env, shape, dtype, empty = launch_env(), (p.m, p.n), p.out_dtype, torch.empty
 
         def again(x, y, group_lens, group_offs):
             if launch_env() != env:
                 return self._run(p, x, y, group_lens, group_offs, config, None)
             offs = _offsets(group_lens, group_offs)
-            qb, sb = (y.data, y.scale) if trans_b else (y.data.transpose(1, 2), y.scale.transpose(1, 2))
             qa = x.data
             out = empty(shape, dtype=dtype, device=qa.device)
-            relaunch(qa, qb, out, offs, x.scale, sb)
+            # The relaunch reads b's data and scale by their pointers only (the first launch fixed
+            # the strides): without trans_b's [G, N, K] views of them, which share those pointers.
+            relaunch(qa, y.data, out, offs, x.scale, y.scale)
             rezero(out, offs)  # the warp-specialised kernel writes its groups' rows only
             return out
 

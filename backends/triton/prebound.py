@@ -248,7 +248,10 @@ def rebaser(descriptor: Any) -> Callable[[Any], Any]:
 
     For a caller whose key fixes everything the descriptor was validated on: the new base has the
     same dtype, shape, strides and device as the old one and a 16-byte aligned data pointer (a
-    fresh allocation, or an input whose alignment the key holds). Where the descriptor class keeps
+    fresh allocation, or an input whose alignment the key holds). A launch reads only the base's
+    data pointer and dtype (the shape and strides it encodes are the descriptor's own), so a tensor
+    of which the old base's layout is a view at offset zero (``x`` for ``x.t()``) serves as well
+    and saves making the view. Where the descriptor class keeps
     no instance ``__dict__`` (a dataclass with slots), the copies go through its constructor,
     which validates. The function keeps no reference to ``descriptor``'s base tensor.
 
