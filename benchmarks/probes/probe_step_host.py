@@ -90,7 +90,16 @@ def step_pieces(a, b, lens, offs, grad, cfg) -> list[tuple[str, Callable[[], Any
     qa, a_saved = plan.runs_both(ad, fwd, bs)
     qb, b_saved = plan.tiles_both(bd, fwd, bs)
     g_rows, g_cols = back.runs_both(grad, bwd, bs)
+    def chained():
+        qa, a_saved = plan.runs_both(ad, fwd, bs)
+        qb, b_saved = plan.tiles_both(bd, fwd, bs)
+        plan.forward(qa, qb, lens, offs)
+        g_rows, g_cols = back.runs_both(grad, bwd, bs)
+        back._mm8(g_rows, b_saved, lens, offs)
+        back._mm8_k(g_cols, a_saved, lens, offs)
+
     return pieces + [
+        ("the six pieces chained on each other's fresh results (no autograd, one stream)", chained),
         ("plan: quantise a (runs, both ways)", lambda: plan.runs_both(ad, fwd, bs)),
         ("plan: quantise b (tiles)", lambda: plan.tiles_both(bd, fwd, bs)),
         ("plan: forward GEMM (+ padded-tail zeroing)", lambda: plan.forward(qa, qb, lens, offs)),
