@@ -249,10 +249,12 @@ def test_probe_step_host_cpu_smoke():
     step, each with a positive host time, and their sum."""
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "probes" / "probe_step_host.py"), "--device",
                            "cpu", "--groups", "2", "--tokens-per-group", "32", "--n", "128", "--k", "128",
-                           "--backend", "auto", "--calls", "2", "--rounds", "1"],
+                           "--backend", "auto", "--calls", "2", "--rounds", "1", "--cprofile", "3"],
                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     alone, inside = proc.stdout.split("\nInside the whole step")
+    inside, profiled = inside.split("\ncProfile, the step, all its threads (2 steps)")
+    assert len([line for line in profiled.splitlines() if line.startswith("| ") and "---" not in line]) == 4
     rows = [line.split("|") for line in alone.splitlines() if line.startswith("| ") and "---" not in line]
     timed = {r[1].strip(): float(r[2]) for r in rows[1:] if not r[1].strip().startswith("sum")}
     assert sum(1 for label in timed if label.startswith("plan: ")) == 6 and all(v > 0 for v in timed.values())

@@ -238,19 +238,26 @@ def in_step_split(step: Callable[[], Any], plan, device: torch.device, calls: in
 
 def print_cprofile(step: Callable[[], Any], device: torch.device, calls: int, rounds: int, top: int) -> None:
     """The ``top`` functions by own time (cProfile, which slows Python code more than C calls) of
-    the whole step's loop, per step: one table for the calling thread, one for the autograd
-    function's backward (on CUDA autograd runs it on its device thread, which a profiler enabled
-    on the calling thread does not see)."""
+    the whole step's loop, per step. On CUDA autograd runs the backward on its device thread: from
+    Python 3.12 a profile (``sys.monitoring``) sees every thread and one table holds both; before,
+    it sees its own thread only, so a second profile, enabled inside the autograd function's
+    backward, gives the backward's table."""
     import cProfile
+
+    caller = cProfile.Profile()
+    if sys.version_info >= (3, 12) or device.type == "cpu":  # one profile sees the backward too
+        caller.enable()
+        host_us(step, device, calls, rounds)
+        caller.disable()
+        _print_profile("the step, all its threads", caller, calls * rounds, top)
+        return
     from turbo_dispatch.ops import grouped_gemm_autograd
 
     fn_cls = grouped_gemm_autograd.GroupedFp8Function
     original = fn_cls.__dict__["backward"]
-    caller, backward = cProfile.Profile(), cProfile.Profile()
+    backward = cProfile.Profile()
 
     def profiled_backward(ctx, grad):
-        if device.type == "cpu":  # the same thread: the caller's profile sees it
-            return original.__func__(ctx, grad)
         backward.enable()
         try:
             return original.__func__(ctx, grad)
@@ -271,10 +278,7 @@ def print_cprofile(step: Callable[[], Any], device: torch.device, calls: int, ro
 def _print_profile(title: str, profile, steps: int, top: int) -> None:
     import pstats
 
-    try:
-        stats = pstats.Stats(profile)
-    except TypeError:  # nothing was profiled
-        return
+    stats = pstats.Stats(profile)
     rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:top]
     print(f"\ncProfile, {title} ({steps} steps): own and inclusive us per step")
     print("| function | calls per step | own us | inclusive us |")
