@@ -435,10 +435,11 @@ def test_gpu_a_planned_step_follows_the_gluon_switch(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_planned_wgrad_counters_cycle_on_both_streams(monkeypatch):
+def test_gpu_planned_wgrad_counters_cycle(monkeypatch):
     """The planned wgrad takes its work-item counter from a per-stream buffer of pre-zeroed slots:
-    with three slots per buffer, seven steps (cycles that refill the buffer, on the current and,
-    through the backward's overlap, the side stream) give the unplanned step's bits every time."""
+    with three slots per buffer, seven steps (six planned wgrads, so the buffer is refilled twice
+    while the dgrad runs beside each wgrad on the side stream) give the unplanned step's bits
+    every time."""
     from turbo_dispatch.backends.triton import work_counters
 
     monkeypatch.setattr(work_counters, "SLOTS", 3)
