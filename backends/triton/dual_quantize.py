@@ -22,12 +22,14 @@ the padding is never read.
 """
 from __future__ import annotations
 
+from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from turbo_dispatch.low_precision.dual_quantize import DUAL_BLOCK_SIZES, empty_padded_rows
+from turbo_dispatch.low_precision.dual_quantize import (DUAL_BLOCK_SIZES, empty_padded_rows,
+                                                       quantize_both_tensors_like)
 from .interpret import interpreting as _interpreting
 from .grouped_quantize import _MANT_BITS, _MIN_EXP, _TINY, FP8_MAX, _round_to_fp8_grid
 
@@ -178,16 +180,7 @@ def prepare_dual_quantize(x: torch.Tensor, dtype: torch.dtype, block: int, tile_
 
     if relaunch is None:
         return outs, unplanned
-    from .fp8_blockwise_gluon import launch_env
-
-    def quantize(x):
-        if launch_env() != env:
-            return unplanned(x)
-        data, scale, data_t, scale_t = _dual_outputs(x, dtype, block, tile_2d)
-        relaunch(x, data, data_t, scale, scale_t)
-        return data, scale, data_t, scale_t
-
-    return outs, quantize
+    return outs, _relaunching(relaunch, env, lambda x: _dual_outputs(x, dtype, block, tile_2d), unplanned)
 
 
 def prepare_runs_2d(x: torch.Tensor, dtype: torch.dtype, block: int):
@@ -202,26 +195,26 @@ def prepare_runs_2d(x: torch.Tensor, dtype: torch.dtype, block: int):
         data, scale, data_t, scale_t = dual_quantize(x.unsqueeze(0), dtype, block, False)
         return data[0], scale[0], data_t[0], scale_t[0]
 
-    data, scale, data_t, scale_t = outs
+    first = tuple(t[0] for t in outs)
     if relaunch is None:
-        return (data[0], scale[0], data_t[0], scale_t[0]), unplanned
-    from .fp8_blockwise_gluon import launch_env
+        return first, unplanned
+    return first, _relaunching(relaunch, env, lambda x: quantize_both_tensors_like(x, dtype, block, False), unplanned)
 
-    r, c = x.shape
-    n_r, n_c = -(-r // block), -(-c // block)
-    f32 = torch.float32
+
+def _relaunching(relaunch: Callable, env, outputs: Callable, unplanned: Callable) -> Callable:
+    """``quantize(x)``: ``outputs(x)`` (data, scale, data_t, scale_t) filled through the pre-bound
+    ``relaunch``, or ``unplanned(x)`` once the launch environment is no longer ``env``."""
+    from .fp8_blockwise_gluon import launch_env
 
     def quantize(x):
         if launch_env() != env:
             return unplanned(x)
-        data = empty_padded_rows(x, (r, c), dtype)
-        data_t = empty_padded_rows(x, (c, r), dtype)
-        scale = empty_padded_rows(x, (r, n_c), f32)
-        scale_t = x.new_empty((n_r, c), dtype=f32)
+        outs = outputs(x)
+        data, scale, data_t, scale_t = outs
         relaunch(x, data, data_t, scale, scale_t)
-        return data, scale, data_t, scale_t
+        return outs
 
-    return (data[0], scale[0], data_t[0], scale_t[0]), quantize
+    return quantize
 
 
 def _prepared(x: torch.Tensor, dtype: torch.dtype, block: int, tile_2d: bool):

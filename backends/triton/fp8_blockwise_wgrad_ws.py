@@ -461,7 +461,6 @@ def prepare_wgrad(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, offs: tor
     whose tensors match these in dtype, shape, strides, device and 16-byte alignment (as
     ``fp8_blockwise_gluon_ws.prepare_grouped``: descriptors rebuilt without validation, this
     call's pre-bound plan)."""
-    G, M, N = out.shape
     if out.numel() == 0:
         return lambda *tensors: None
     plan, args = _launch(x, y, out, offs, sx, sx_strides, sy, sy_strides, cfg, qblock)
