@@ -21,11 +21,12 @@ of the probe itself; the numbers mean nothing for a GPU).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -80,7 +81,8 @@ def step_pieces(a, b, lens, offs, grad, cfg) -> list[tuple[str, Callable[[], Any
             if was:
                 gc.enable()
 
-    pieces = [("whole step (forward + autograd.grad)", step), ("whole step, Python's garbage collector off", step_without_gc),
+    pieces = [("whole step (forward + autograd.grad)", step),
+              ("whole step, Python's garbage collector off", step_without_gc),
               ("forward alone, no grad (unplanned path)", forward)]
     pieces += layer_rows(step, plan, a.device)
     if plan is None or not plan._backward:
@@ -90,6 +92,7 @@ def step_pieces(a, b, lens, offs, grad, cfg) -> list[tuple[str, Callable[[], Any
     qa, a_saved = plan.runs_both(ad, fwd, bs)
     qb, b_saved = plan.tiles_both(bd, fwd, bs)
     g_rows, g_cols = back.runs_both(grad, bwd, bs)
+
     def chained():
         qa, a_saved = plan.runs_both(ad, fwd, bs)
         qb, b_saved = plan.tiles_both(bd, fwd, bs)
@@ -158,19 +161,33 @@ def layer_rows(step: Callable[[], Any], plan, device: torch.device) -> list[tupl
 
         return again
 
-    stubs = [cached(getattr(owner, name)) for owner, name in owners]
-    originals = [getattr(owner, name) for owner, name in owners]
+    # Made once: each stub keeps its first result across calls.
+    stubs = [(owner, name, lambda _, stub=cached(getattr(owner, name)): stub) for owner, name in owners]
 
     def with_stubs():
-        for (owner, name), stub in zip(owners, stubs):
-            setattr(owner, name, stub)
-        try:
+        with _replaced(stubs):
             step()
-        finally:
-            for (owner, name), fn in zip(owners, originals):
-                setattr(owner, name, fn)
 
     return rows + [("whole step, the six pieces returning cached results (the layers around them)", with_stubs)]
+
+
+@contextlib.contextmanager
+def _replaced(wraps: list) -> Iterator[None]:
+    """Within the block, each attribute ``name`` of ``owner`` in ``wraps`` (``(owner, name, wrap)``)
+    is ``wrap(its function)``; a class's static method stays a static method. Restored after."""
+    saved = []
+    try:
+        for owner, name, wrap in wraps:
+            raw = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            saved.append((owner, name, raw))
+            if isinstance(raw, staticmethod):
+                setattr(owner, name, staticmethod(wrap(raw.__func__)))
+            else:
+                setattr(owner, name, wrap(raw))
+        yield
+    finally:
+        for owner, name, raw in reversed(saved):
+            setattr(owner, name, raw)
 
 
 def _timed(fn: Callable, totals: dict, label: str) -> Callable:
@@ -213,16 +230,9 @@ def in_step_split(step: Callable[[], Any], plan, device: torch.device, calls: in
     ]
     totals = {label: 0.0 for label, _, _ in points}
     totals["whole step"] = 0.0
-    originals = [(owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name))
-                 for _, owner, name in points]
-    for (label, owner, name), (_, _, original) in zip(points, originals):
-        if isinstance(original, staticmethod):
-            setattr(owner, name, staticmethod(_timed(original.__func__, totals, label)))
-        else:
-            setattr(owner, name, _timed(original, totals, label))
     timed_step = _timed(step, totals, "whole step")
     per_round: dict = {label: [] for label in totals}
-    try:
+    with _replaced([(owner, name, lambda fn, label=label: _timed(fn, totals, label)) for label, owner, name in points]):
         timed_step()  # warm
         for _ in range(rounds):
             for label in totals:
@@ -230,9 +240,6 @@ def in_step_split(step: Callable[[], Any], plan, device: torch.device, calls: in
             host_us(timed_step, device, calls, 1)
             for label, seconds in totals.items():
                 per_round[label].append(seconds * 1e6 / calls)
-    finally:
-        for owner, name, original in originals:
-            setattr(owner, name, original)
     return [(label, statistics.median(values)) for label, values in per_round.items()]
 
 
@@ -253,24 +260,22 @@ def print_cprofile(step: Callable[[], Any], device: torch.device, calls: int, ro
         return
     from turbo_dispatch.ops import grouped_gemm_autograd
 
-    fn_cls = grouped_gemm_autograd.GroupedFp8Function
-    original = fn_cls.__dict__["backward"]
     backward = cProfile.Profile()
 
-    def profiled_backward(ctx, grad):
-        backward.enable()
-        try:
-            return original.__func__(ctx, grad)
-        finally:
-            backward.disable()
+    def profiled(original):
+        def profiled_backward(ctx, grad):
+            backward.enable()
+            try:
+                return original(ctx, grad)
+            finally:
+                backward.disable()
 
-    fn_cls.backward = staticmethod(profiled_backward)
-    try:
+        return profiled_backward
+
+    with _replaced([(grouped_gemm_autograd.GroupedFp8Function, "backward", profiled)]):
         caller.enable()
         host_us(step, device, calls, rounds)
         caller.disable()
-    finally:
-        fn_cls.backward = original
     for title, profile in (("calling thread", caller), ("backward on autograd's thread", backward)):
         _print_profile(title, profile, calls * rounds, top)
 
