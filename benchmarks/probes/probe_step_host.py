@@ -33,7 +33,7 @@ import torch
 import turbo_dispatch as turbo
 from turbo_dispatch import GlobalBackendManager, host_cover
 from turbo_dispatch.low_precision import Float8QuantConfig
-from turbo_dispatch.ops import grouped_gemm_plan
+from turbo_dispatch.ops import grouped_gemm_fp8_step, grouped_gemm_grads, grouped_gemm_plan
 
 #: GPU time the spin holds the stream for while a round of calls is issued (ms): longer than any
 #: round's host time, so that no call waits for the GPU.
@@ -81,8 +81,13 @@ def step_pieces(a, b, lens, offs, grad, cfg) -> list[tuple[str, Callable[[], Any
             if was:
                 gc.enable()
 
+    def step_in_turn():
+        with _replaced(_IN_TURN):
+            step()
+
     pieces = [("whole step (forward + autograd.grad)", step),
               ("whole step, Python's garbage collector off", step_without_gc),
+              ("whole step, its two side-stream forks run in turn on one stream", step_in_turn),
               ("forward alone, no grad (unplanned path)", forward)]
     pieces += layer_rows(step, plan, a.device)
     if plan is None or not plan._backward:
@@ -110,6 +115,25 @@ def step_pieces(a, b, lens, offs, grad, cfg) -> list[tuple[str, Callable[[], Any
         ("plan: dgrad GEMM (+ padded-tail zeroing)", lambda: back._mm8(g_rows, b_saved, lens, offs)),
         ("plan: wgrad GEMM", lambda: back._mm8_k(g_cols, a_saved, lens, offs)),
     ]
+
+
+def _in_turn(first: Callable[[], Any], second: Callable[[], Any], device: torch.device) -> tuple[Any, Any]:
+    return first(), second()
+
+
+#: ``side_by_side`` where the step calls it, replaced by a call in turn (``_replaced``'s form).
+_IN_TURN = [(module, "side_by_side", lambda _: _in_turn) for module in (grouped_gemm_fp8_step, grouped_gemm_grads)]
+
+
+def allocator_counts(step: Callable[[], Any], device: torch.device, calls: int) -> dict[str, float]:
+    """Per step, over ``calls`` steps issued as ``host_us`` issues them: the caching allocator's
+    allocations, and the device allocations, frees and retries under them (each a driver call
+    of hundreds of us; a warm step should make none)."""
+    names = ("allocation.all.allocated", "num_device_alloc", "num_device_free", "num_alloc_retries")
+    before = torch.cuda.memory_stats(device)
+    host_us(step, device, calls, 1)
+    after = torch.cuda.memory_stats(device)
+    return {name: (after.get(name, 0) - before.get(name, 0)) / calls for name in names}
 
 
 def _step_plan(a, b, lens, offs, cfg):
@@ -209,7 +233,7 @@ def in_step_split(step: Callable[[], Any], plan, device: torch.device, calls: in
     """(label, median host us per step) of each layer and piece, timed inside the whole step
     (inclusive: a layer's time holds the pieces it calls), in the loop ``host_us`` runs: what the
     pieces cost where the step calls them, against their cost alone."""
-    from turbo_dispatch.ops import grouped_gemm_autograd, grouped_gemm_fp8_step, grouped_gemm_grads
+    from turbo_dispatch.ops import grouped_gemm_autograd
 
     fn_cls = grouped_gemm_autograd.GroupedFp8Function
     (back,) = plan._backward.values()
@@ -366,6 +390,9 @@ def main(argv=None) -> int:
         print(f"| {label} | {median:.1f} | {low:.1f} |", flush=True)
     if pieces_sum:
         print(f"| sum of the plan's six pieces | {pieces_sum:.1f} | |")
+    if device.type == "cuda":
+        counts = allocator_counts(rows[0][1], device, args.calls)
+        print("\nCaching allocator per whole step: " + ", ".join(f"{k} {v:.1f}" for k, v in counts.items()))
     plan = _step_plan(a, b, lens, offs, cfg)
     if plan is not None and plan._backward:
         step = step_pieces(a, b, lens, offs, grad, cfg)[0][1]
