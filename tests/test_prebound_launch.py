@@ -13,6 +13,7 @@ GPU (``gpu``): the second call launches the compiled kernel directly, with the s
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sys
@@ -117,6 +118,131 @@ def test_a_plan_calls_the_c_launcher_itself_unless_a_launch_hook_is_installed(mo
     hooks[0], hooks[1] = None, print  # a plain callable set by hand counts too
     plan("x3", "y3")
     assert jit.log[-1][0] == "direct"
+
+
+# -- straight into the C launch function, against a launcher of triton 3.6's form ------------------
+#: Read from the launcher's globals, as triton's driver module holds them.
+_BASE_ARGS_FORMAT_LEN = 13
+_ENCODED: list = []
+
+
+def make_tensordesc_arg(arg, meta):
+    """Stands in for triton's encoder: records each encoding; with metadata, an "encoding" of the
+    base pointer, else the base with the shape and strides twice."""
+    _ENCODED.append(arg.base.data_ptr())
+    if meta is None:
+        return [arg.base, *arg.shape, *arg.strides, arg.padding == "nan", *arg.shape, *arg.strides]
+    return [("tma", meta, arg.base.data_ptr(), tuple(arg.shape), tuple(arg.strides), arg.padding), *arg.shape,
+            *arg.strides]
+
+
+def _wrap(launcher, tensordesc_indices, tensordesc_meta):
+    """Triton's ``wrap_handle_tensordesc`` form: every launch expands each descriptor argument."""
+    def inner(*args):
+        final_args = list(args[:_BASE_ARGS_FORMAT_LEN])
+        k = 0
+        for i, arg in enumerate(args[_BASE_ARGS_FORMAT_LEN:]):
+            if i in tensordesc_indices:
+                final_args.extend(make_tensordesc_arg(arg, tensordesc_meta[k]))
+                k += 1
+            else:
+                final_args.append(arg)
+        return launcher(*final_args)
+    return inner
+
+
+class CudaLauncher:
+    """Triton 3.6's launcher object: ``__call__`` adds the flags and scratch buffers."""
+
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self, launch, scratch=0):
+        self.launch, self.global_scratch_size, self.profile_scratch_size = launch, scratch, 0
+
+    def __call__(self, gx, gy, gz, stream, function, *args):
+        scratch = "scratch" if self.global_scratch_size else None
+        self.launch(gx, gy, gz, stream, function, self.launch_cooperative_grid, self.launch_pdl, scratch, None, *args)
+
+
+class _Desc:
+    def __init__(self, base, shape=(64, 32), strides=(32, 1), padding="zero"):
+        self.base, self.shape, self.strides, self.padding = base, list(shape), list(strides), padding
+
+
+class _Ptr:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def data_ptr(self):
+        return self.ptr
+
+
+class _DescJit(_Jit):
+    arg_names = ["a_desc", "x", "BLOCK", "b_desc", "n"]
+
+
+def _c_plan(monkeypatch, metas=("meta-a", "meta-b"), scratch=0):
+    calls = []
+    jit = _DescJit()
+    jit.compiled = _RawCompiled(jit.log)
+    jit.compiled.run = CudaLauncher(_wrap(lambda *args: calls.append(args), {0, 3}, list(metas)), scratch)
+    hooks = [_Chain(), _Chain()]
+    monkeypatch.setattr(prebound, "_launch_hooks", lambda: tuple(hooks))
+    monkeypatch.setattr(prebound, "_current_stream", lambda: 77)
+    kernel = PreboundKernel(jit, per_call=("x", "a_desc", "b_desc"))
+    plan = kernel.bind("key", (6, 2), ("x0", _Desc(_Ptr(16)), _Desc(_Ptr(32))), {"n": 7, "BLOCK": 32},
+                       {"num_warps": 4})
+    return jit, plan, calls, hooks
+
+
+@pytest.mark.parametrize("metas", [("meta-a", "meta-b"), (None, None)])
+def test_a_plan_launches_the_c_function_with_what_tritons_launcher_would_pass(monkeypatch, metas):
+    jit, plan, calls, hooks = _c_plan(monkeypatch, metas)
+    assert isinstance(plan, prebound._PerCallPlan)
+    per_call = ("x1", _Desc(_Ptr(48)), _Desc(_Ptr(64)))
+    plan(*per_call)
+    # Triton's own path for the same arguments: its launcher object on the plan's full argument list
+    jit.compiled.run(6, 2, 1, 77, _RawCompiled.function, ("packed",), None, None, None,
+                     per_call[1], "x1", 32, per_call[2], 7)
+    assert len(calls) == 2 and calls[0] == calls[1]
+    hooks[0] = _Chain([print])  # a profiler's hook: Triton's launcher calls it
+    plan(*per_call)
+    assert jit.log[-1] == ("direct", (6, 2, 1), (per_call[1], "x1", 32, per_call[2], 7), {})
+
+
+def test_descriptor_encodings_are_kept_per_data_pointer(monkeypatch):
+    _, plan, calls, _ = _c_plan(monkeypatch)
+    _ENCODED.clear()
+    for _ in range(3):
+        plan("x", _Desc(_Ptr(48)), _Desc(_Ptr(64)))
+    assert _ENCODED == [48, 64]  # encoded once each, then reused
+    plan("x", _Desc(_Ptr(80)), _Desc(_Ptr(64)))
+    assert _ENCODED == [48, 64, 80] and calls[-1][13] == ("tma", "meta-a", 80, (64, 32), (32, 1), "zero")
+    for ptr in range(96, 96 + 16 * prebound.DESCRIPTOR_CACHE, 16):  # a full slot starts over
+        plan("x", _Desc(_Ptr(ptr)), _Desc(_Ptr(64)))
+    assert len(_ENCODED) == 3 + prebound.DESCRIPTOR_CACHE
+
+
+@pytest.mark.parametrize("other", [dict(shape=(48, 32)), dict(strides=(40, 1)), dict(padding="nan")])
+def test_a_descriptor_of_another_layout_is_encoded_as_tritons_launcher_would(monkeypatch, other):
+    jit, plan, calls, _ = _c_plan(monkeypatch)
+    plan("x", _Desc(_Ptr(48)), _Desc(_Ptr(64)))
+    odd = _Desc(_Ptr(48), **other)  # the same base as a kept encoding, another layout
+    plan("x", odd, _Desc(_Ptr(64)))
+    jit.compiled.run(6, 2, 1, 77, _RawCompiled.function, ("packed",), None, None, None, odd, "x", 32,
+                     _Desc(_Ptr(64)), 7)
+    assert calls[-2] == calls[-1] and calls[-1][13][3:] == (tuple(odd.shape), tuple(odd.strides), odd.padding)
+
+
+def test_a_launcher_that_needs_scratch_or_has_another_form_keeps_tritons_launcher(monkeypatch):
+    jit, plan, calls, _ = _c_plan(monkeypatch, scratch=256)
+    assert not isinstance(plan, prebound._PerCallPlan)
+    plan("x1", _Desc(_Ptr(48)), _Desc(_Ptr(64)))
+    assert calls[-1][7] == "scratch"  # through the launcher object, which allocates it
+    odd = CudaLauncher(functools.partial(print))  # a C function: no descriptor parameters
+    assert prebound._c_launch_parts(type("K", (), {"run": odd, "packed_metadata": ()})()) is not None
+    odd.launch = lambda *args, launcher=print: None  # a Python launch whose closure is not triton's
+    assert prebound._c_launch_parts(type("K", (), {"run": odd, "packed_metadata": ()})()) is None
 
 
 def test_launch_keys_on_grid_fixed_values_and_each_tensors_specialisation():

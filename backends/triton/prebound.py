@@ -95,6 +95,15 @@ class Plan:
         self._launch(*self._pick(per_call + self._fixed))
 
 
+class _PerCallPlan(Plan):
+    """A plan whose launch takes the per-call arguments alone (``c_launcher``'s form)."""
+
+    __slots__ = ()
+
+    def __call__(self, *per_call: Any) -> None:
+        self._launch(*per_call)
+
+
 class PreboundKernel:
     """A Triton JIT kernel launched through one ``Plan`` per problem key.
 
@@ -147,7 +156,12 @@ class PreboundKernel:
                 log.debug("prebound launch of %s: the normal Triton launch serves each call (%s)", self.name, why_not)
             normal = self.kernel[grid3]
             launch = (lambda *args: normal(*args, **options)) if options else normal
-        plan = Plan(launch, pick, fixed_values, direct, state)
+        per_call_at = tuple(order.index(j) for j in range(len(self.per_call)))
+        fast = c_launcher(compiled, grid3, full, per_call_at, launch, pick, fixed_values) if direct else None
+        if fast is not None:
+            plan = _PerCallPlan(fast, pick, fixed_values, direct, state)
+        else:
+            plan = Plan(launch, pick, fixed_values, direct, state)
         with self._lock:
             self.binds += 1
             self._plans.put(key, plan)
@@ -347,3 +361,105 @@ def _raw_launcher(compiled: Any, grid3: tuple, runner: Callable[..., Any]) -> Ca
             run(gx, gy, gz, _current_stream(), function, packed, None, None, None, *args)
 
     return launch
+
+
+#: How many TMA descriptors (one per data pointer) a plan keeps per descriptor argument. A training
+#: step's tensors mostly come back at the same addresses from the caching allocator, so a few
+#: cover the steady state; beyond it the slot starts over.
+DESCRIPTOR_CACHE = 8
+#: The launch arguments Triton's C launcher takes before the kernel's own (triton 3.6 to 3.9:
+#: grid x/y/z, stream, function, cooperative, PDL, the two scratch buffers, packed metadata, launch
+#: metadata, the two hooks).
+_C_BASE_ARGS = 13
+
+
+def c_launcher(compiled: Any, grid3: tuple, first: tuple, per_call_at: tuple[int, ...], launch: Callable[..., Any],
+               pick: Callable[[tuple], tuple], fixed: tuple) -> Callable[..., Any] | None:
+    """``launch(per_call...)`` straight into the C function of Triton's launcher module, or None
+    where this Triton's launcher does not have the form it relies on.
+
+    Triton's ``CudaLauncher`` spends Python time on every launch around its C function: it looks
+    for scratch buffers, and for a kernel with TMA descriptor parameters it walks every argument
+    and encodes each descriptor again (``make_tensordesc_arg``: a driver call per descriptor). Here
+    the kernel's arguments are expanded once, from the first call's (``first``, in signature
+    order), into the C function's form; a call puts its per-call arguments (at signature positions
+    ``per_call_at``) into a copy and launches. A TMA descriptor's encoding depends on its base's
+    data pointer, its shape, strides and padding, and the kernel's metadata for it; each
+    descriptor argument keeps the encodings of the first call's layout by data pointer
+    (``DESCRIPTOR_CACHE``) and encodes any other layout afresh. Scratch buffers, which the launcher
+    allocates per launch, are left to it: a kernel that needs them gets None. While a launch hook
+    is installed a call goes through ``launch`` (with ``pick(per_call + fixed)``), which calls it.
+    """
+    found = _c_launch_parts(compiled)
+    if found is None:
+        return None
+    c_launch, desc_at, metas, encode, cooperative, pdl = found
+    expanded: list = []
+    slots = {}
+    descriptors = iter(metas)
+    for i, arg in enumerate(first):
+        at = len(expanded)
+        if i in desc_at:
+            meta = next(descriptors)
+            parts = encode(arg, meta)
+            expanded.extend(parts)
+            # A TMA encoding (with metadata) is kept by data pointer for this layout only.
+            known = {} if meta is not None else None
+            slots[i] = (at, len(parts), meta, (list(arg.shape), list(arg.strides), arg.padding), known)
+        else:
+            expanded.append(arg)
+            slots[i] = (at, 1, None, None, None)
+    per_call_slots = tuple(slots[i] for i in per_call_at)
+    gx, gy, gz = grid3
+    function, packed = compiled.function, compiled.packed_metadata
+
+    def fast(*per_call: Any) -> None:
+        enter, leave = _launch_hooks()
+        if _hooked(enter) or _hooked(leave):
+            launch(*pick(per_call + fixed))
+            return
+        args = expanded.copy()
+        for (at, width, meta, layout, known), value in zip(per_call_slots, per_call):
+            if layout is None:
+                args[at] = value
+            elif known is not None and (list(value.shape), list(value.strides), value.padding) == layout:
+                ptr = value.base.data_ptr()
+                encoded = known.get(ptr)
+                if encoded is None:
+                    if len(known) >= DESCRIPTOR_CACHE:
+                        known.clear()
+                    encoded = known[ptr] = encode(value, meta)[0]
+                args[at] = encoded
+            else:  # another layout, or no TMA metadata: encoded as Triton's launcher would
+                args[at:at + width] = encode(value, meta)
+        c_launch(gx, gy, gz, _current_stream(), function, cooperative, pdl, None, None, packed, None, None, None,
+                 *args)
+
+    return fast
+
+
+def _c_launch_parts(compiled: Any) -> tuple | None:
+    """(C launch function, signature positions of TMA descriptor parameters, their metadata,
+    triton's descriptor encoder, cooperative flag, PDL flag) of ``compiled``'s launcher, or None
+    where it is not a CudaLauncher of the known form, or needs scratch buffers."""
+    run = getattr(compiled, "run", None)
+    if type(run).__name__ != "CudaLauncher" or not hasattr(compiled, "packed_metadata"):
+        return None
+    try:
+        if run.global_scratch_size or run.profile_scratch_size:
+            return None
+        cooperative, pdl, launch = run.launch_cooperative_grid, run.launch_pdl, run.launch
+    except AttributeError:
+        return None
+    code, cells = getattr(launch, "__code__", None), getattr(launch, "__closure__", None)
+    if code is None:  # the C function itself: the kernel has no descriptor parameters
+        return (launch, frozenset(), [], None, cooperative, pdl) if callable(launch) else None
+    if cells is None:
+        return None
+    free = dict(zip(code.co_freevars, (cell.cell_contents for cell in cells)))
+    encode = launch.__globals__.get("make_tensordesc_arg")
+    c_launch, desc_at, metas = free.get("launcher"), free.get("tensordesc_indices"), free.get("tensordesc_meta")
+    if (not callable(c_launch) or not callable(encode) or desc_at is None or metas is None
+            or launch.__globals__.get("_BASE_ARGS_FORMAT_LEN") != _C_BASE_ARGS or len(metas) != len(desc_at)):
+        return None
+    return c_launch, frozenset(desc_at), list(metas), encode, cooperative, pdl

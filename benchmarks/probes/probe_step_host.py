@@ -57,6 +57,19 @@ def host_us(fn: Callable[[], Any], device: torch.device, calls: int, rounds: int
     return statistics.median(per_call), min(per_call)
 
 
+def in_turns(fns: list[Callable[[], Any]], device: torch.device, args: argparse.Namespace
+             ) -> list[tuple[float, float]]:
+    """``host_us`` of each of ``fns``, one round of each in turn per round (a machine whose speed
+    drifts during the run then shifts every row alike, so rows compare within the run)."""
+    for fn in fns:
+        fn()  # warm
+    per_round: list[list[float]] = [[] for _ in fns]
+    for _ in range(args.rounds):
+        for times, fn in zip(per_round, fns):
+            times.append(host_us(fn, device, args.calls, 1)[0])
+    return [(statistics.median(times), min(times)) for times in per_round]
+
+
 def step_pieces(a, b, lens, offs, grad, cfg) -> list[tuple[str, Callable[[], Any]]]:
     """The step and its plan's pieces, each a callable on inputs made once here."""
     fwd, bwd, bs = cfg.format.fwd_dtype(), cfg.format.bwd_dtype(), cfg.block_size
@@ -360,7 +373,14 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None)
     parser.add_argument("--cprofile", type=int, default=0, metavar="TOP",
                         help="also print the TOP functions by own time (cProfile) of the whole step's loop")
+    parser.add_argument("--launcher-object", action="store_true",
+                        help="launch Triton kernels through Triton's launcher object instead of its C function "
+                             "(prebound.c_launcher off): the A/B of that path")
     args = parser.parse_args(argv)
+    if args.launcher_object:
+        from turbo_dispatch.backends.triton import prebound
+
+        prebound.c_launcher = lambda *_, **__: None  # before any plan is bound
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     g, t, n, k = args.groups, args.tokens_per_group, args.n, args.k
     GlobalBackendManager.reset()
@@ -375,16 +395,15 @@ def main(argv=None) -> int:
     offs = torch.nn.functional.pad(torch.cumsum(lens, 0, dtype=torch.int32), (1, 0))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"probe_step_host: {name}, torch {torch.__version__}; G={g} x {t} tokens, N={n}, K={k}, blockwise fp8, "
-          f"backend {args.backend}; host us per call, {args.calls} calls x {args.rounds} rounds")
+          f"backend {args.backend}{', launcher object' if args.launcher_object else ''}; host us per call, {args.calls} calls x {args.rounds} rounds, "
+          "the rows in turn each round")
     rows = step_pieces(a, b, lens, offs, grad, cfg) + primitives(device, (g * t, n), offs)
     if device.type == "cuda":
         rows.append(("bf16 torch._grouped_mm step (forward + autograd.grad)", bf16_step(a, b, offs, grad)))
     print("| what | host us per call (median) | min |")
     print("|---|---:|---:|")
     pieces_sum = 0.0
-    for label, fn in rows:
-        fn()  # warm
-        median, low = host_us(fn, device, args.calls, args.rounds)
+    for label, (median, low) in zip((label for label, _ in rows), in_turns([fn for _, fn in rows], device, args)):
         if label.startswith("plan:"):
             pieces_sum += median
         print(f"| {label} | {median:.1f} | {low:.1f} |", flush=True)
