@@ -641,6 +641,37 @@ def test_gpu_wgrad_warp_specialised_vs_float64(out_dtype, fmt, offs_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lens_l, m_total", [([200, 0, 136], 400), ([150, 150], 300), ([40, 60], 4133)])
+@pytest.mark.parametrize("config", [0, 2])
+def test_gpu_ws_grouped_kernel_zeroes_the_padded_tail(lens_l, m_total, config):
+    """The warp-specialised grouped kernel writes every row of ``out``: its groups' rows against
+    float64 math on the dequantised operands, the rows past the last group zero (``out`` starts
+    as NaN), whether the tail is empty, shorter than one block or thousands of rows over many
+    blocks per warpgroup, at a 256- and a 128-column tile."""
+    from turbo_dispatch.backends.triton import fp8_blockwise_gluon_ws as GWS
+    from turbo_dispatch.backends.triton import grouped_gemm as GG
+    from turbo_dispatch.low_precision import ScalingGranularity as SG
+    from turbo_dispatch.low_precision import dequantize, quantize
+
+    if GWS.available(0):
+        pytest.skip(GWS.available(0))
+    e4, n, k = torch.float8_e4m3fn, 320, 256
+    gen = torch.Generator().manual_seed(7)
+    lens, offs = _lens_offs(lens_l, "cuda")
+    x = torch.randn(m_total, k, generator=gen).bfloat16().cuda()
+    w = torch.randn(len(lens_l), n, k, generator=gen).bfloat16().cuda()
+    qx = quantize(x, e4, SG.BLOCKWISE, axis=1, block_size=128)
+    qw = quantize(w, e4, SG.BLOCKWISE, block_size=128, block_2d=True)
+    out = torch.full((m_total, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    GWS.fp8_blockwise_grouped_gemm(qx.data, qw.data, out, offs, qx.scale, qx.scale.stride(), qw.scale,
+                                   qw.scale.stride(), GG.WS_CONFIGS[config][:6])
+    rows = sum(lens_l)
+    ref = _reference(dequantize(qx).float(), dequantize(qw).float(), lens.cpu(), True, False)
+    assert _snr(out[:rows].cpu(), ref) > 40
+    assert torch.equal(out[rows:].cpu(), torch.zeros(m_total - rows, n, dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_graph_capture_with_changing_routing():
     from turbo_dispatch.low_precision import ScalingGranularity as SG
     from turbo_dispatch.ops.grouped_gemm import grouped_gemm_problem

@@ -59,7 +59,9 @@ if gluon is not None:
     # triton 3.6 names the cp.async copy async_copy_global_to_shared; later ones async_load.
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
-#: Bumped whenever the kernel's code changes, so stored tuning results are invalidated.
+#: Bumped whenever a change to the kernel can change what tuning measured of it (its tiles' math,
+#: loads, pipeline or stores), so stored tuning results are invalidated. Not bumped when the padded
+#: tail's zeroing moved into the kernel from a launch of its own that the timed op made beside it.
 KERNEL_REVISION = "gluon-ws-r8"
 #: Registers per thread requested for the math warpgroups and the loader, and the kernel-wide
 #: cap: three warpgroups (default math, worker math, loader padded to a warpgroup) share 64K
@@ -248,9 +250,27 @@ if gluon is not None:
                                     A_GROUP, B_GROUP, ROWS, HALF, SPLIT, STAGES, SA_SMEM, TMA_STORE, WG)
                 tile += NUM_PROGS
             base += count + tail
+        if GROUPED:
+            _zero_tail(c, offs_ptr, G, M, N, sc_m, sc_n, pid, NUM_PROGS, ROWS, HALF, WG)
         if TMA_STORE:
             # The staging buffer must stay valid until the last store has read it.
             tma.store_wait(0)
+
+    @gluon.jit
+    def _zero_tail(c, offs_ptr, G, M, N, sc_m, sc_n, pid, NUM_PROGS, ROWS: gl.constexpr, COLS: gl.constexpr,
+                   WG: gl.constexpr):
+        """Zeroes the rows of ``c`` past the last group (``offs[G]`` to ``M``: a padded receive
+        buffer's tail) in ``[ROWS, COLS]`` blocks, block ``q`` by math warpgroup ``q`` modulo the
+        launch's ``2 * NUM_PROGS``: the grouped GEMM's padded-tail contract kept inside the launch
+        instead of by a launch of its own. The rows are disjoint from every group's, so these
+        stores need no ordering against the tiles' TMA stores."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        start = gl.load(offs_ptr + G).to(gl.int32)
+        blocks_n = gl.cdiv(N, COLS)
+        count = gl.cdiv(gl.maximum(M - start, 0), ROWS) * blocks_n
+        zeros = gl.zeros((ROWS, COLS), dtype=c.dtype.element_ty, layout=layout)
+        for q in range(pid * 2 + WG, count, NUM_PROGS * 2):
+            _masked_store_tile(c, zeros, start + (q // blocks_n) * ROWS, (q % blocks_n) * COLS, M, N, sc_m, sc_n)
 
     @gluon.jit
     def _ws_tile(a_bufs, b_bufs, sa_bufs, c, c_desc, c_smem, ready, empty, sa_ptr, sbg_ptr, step, k_tiles, off_m,
@@ -491,7 +511,8 @@ def fp8_blockwise_grouped_gemm(a: torch.Tensor, b_gnk: torch.Tensor, out: torch.
     ``a`` is K-major fp8 [M_total, K] with one scale per row and K block (``sa_strides``: row,
     K-block strides of ``sa``); ``b_gnk`` is K-major fp8 [G, N, K], contiguous per group, with one
     scale per ``b_group`` x K-block tile (``sb_strides``: group, row-block, K-block). Rows of
-    ``out`` are written group by group; an empty group has no tiles. Raises ValueError naming
+    ``out`` are written group by group (an empty group has no tiles), and its rows past the last
+    group (``offs[G]`` to M_total, padding) are set to zero by the same launch. Raises ValueError naming
     the reason when the kernel cannot run here or ``cfg`` does not suit it.
 
     >>> fp8_blockwise_grouped_gemm(qa, qw, out, offs, sa, (sa.stride(0), sa.stride(1)),

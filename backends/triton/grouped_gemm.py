@@ -48,7 +48,6 @@ from .configs import KERNEL_GLUON_WS, MAX_OCCUPANCY
 from .gemm import rocm_fitted
 from .grouped_launch import _interpreting, _offsets, _triton_reason, _upcast
 from .grouped_launch import _vk_descriptor, launch_fixed_k, launch_variable_k, zero_padded_tail  # noqa: F401  (re-exported)
-from .grouped_launch import prepare_zero_padded_tail
 
 log = logging.getLogger("turbo_dispatch.backends.triton.grouped_gemm")
 
@@ -415,17 +414,16 @@ class TritonGroupedGemmFp8(_TritonAdapter):
 
             cfg = _ws_for_operands(p, cfg, config is not None, grouped_operands_error(qa, qb))
             if _is_ws(cfg):
+                # The warp-specialised kernel zeroes the padded tail itself.
                 if prepared is None or not _both_quantized(x, y) or b_copied:
-                    launch_grouped(qa, qb, out, offs, sa, sas, sb, sbs, cfg[:6], b_group=bs)
-                    return zero_padded_tail(out, offs)  # the warp-specialised kernel writes its groups' rows only
+                    return launch_grouped(qa, qb, out, offs, sa, sas, sb, sbs, cfg[:6], b_group=bs)
                 relaunch = prepare_grouped(qa, qb, out, offs, sa, sas, sb, sbs, cfg[:6], b_group=bs)
-                rezero = prepare_zero_padded_tail(out, offs)
-                prepared.append(self._repeat_fixed_k(p, config, relaunch, rezero))
+                prepared.append(self._repeat_fixed_k(p, config, relaunch))
                 return out
         return launch_fixed_k(qa, qb, out, offs, cfg, scale=mode, sa=sa, sa_strides=sas, sb=sb, sb_strides=sbs,
                               qblock=qblock, sb_ndiv=ndiv, upcast=up)
 
-    def _repeat_fixed_k(self, p, config, relaunch, rezero):
+    def _repeat_fixed_k(self, p, config, relaunch):
         """The repeat of a prepared warp-specialised forward/dgrad (``prepare``)."""
         from .fp8_blockwise_gluon import launch_env
 
@@ -440,7 +438,6 @@ class TritonGroupedGemmFp8(_TritonAdapter):
             # The relaunch reads b's data and scale by their pointers only (the first launch fixed
             # the strides): without trans_b's [G, N, K] views of them, which share those pointers.
             relaunch(qa, y.data, out, offs, x.scale, y.scale)
-            rezero(out, offs)  # the warp-specialised kernel writes its groups' rows only
             return out
 
         return again

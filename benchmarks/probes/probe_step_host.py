@@ -123,9 +123,9 @@ def step_pieces(a, b, lens, offs, grad, cfg) -> list[tuple[str, Callable[[], Any
         ("the six pieces chained on each other's fresh results (no autograd, one stream)", chained),
         ("plan: quantise a (runs, both ways)", lambda: plan.runs_both(ad, fwd, bs)),
         ("plan: quantise b (tiles)", lambda: plan.tiles_both(bd, fwd, bs)),
-        ("plan: forward GEMM (+ padded-tail zeroing)", lambda: plan.forward(qa, qb, lens, offs)),
+        ("plan: forward GEMM", lambda: plan.forward(qa, qb, lens, offs)),
         ("plan: quantise the gradient (runs, both ways)", lambda: back.runs_both(grad, bwd, bs)),
-        ("plan: dgrad GEMM (+ padded-tail zeroing)", lambda: back._mm8(g_rows, b_saved, lens, offs)),
+        ("plan: dgrad GEMM", lambda: back._mm8(g_rows, b_saved, lens, offs)),
         ("plan: wgrad GEMM", lambda: back._mm8_k(g_cols, a_saved, lens, offs)),
     ]
 
