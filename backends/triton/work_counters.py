@@ -36,7 +36,8 @@ class _Pool:
     def __init__(self, device: torch.device, slots: int | None = None) -> None:
         slots = SLOTS if slots is None else slots
         self.buffer = torch.zeros(slots * _STRIDE, dtype=torch.int32, device=device)
-        self.views: list = [None] * slots
+        # Every slot's one-element view, made by one call here rather than one slicing per launch.
+        self.views = self.buffer.view(slots, _STRIDE)[:, :1].unbind(0)
         self.next = 0
         self.lock = threading.Lock()
 
@@ -48,10 +49,7 @@ class _Pool:
                 self.buffer.zero_()
                 i = 0
             self.next = i + 1
-            view = self.views[i]
-            if view is None:
-                view = self.views[i] = self.buffer[i * _STRIDE:i * _STRIDE + 1]
-        return view
+        return self.views[i]
 
 
 _pools: dict = {}
