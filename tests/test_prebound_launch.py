@@ -17,6 +17,7 @@ import functools
 import json
 import logging
 import sys
+import types
 
 import pytest
 import torch
@@ -243,6 +244,16 @@ def test_a_launcher_that_needs_scratch_or_has_another_form_keeps_tritons_launche
     assert prebound._c_launch_parts(type("K", (), {"run": odd, "packed_metadata": ()})()) is not None
     odd.launch = lambda *args, launcher=print: None  # a Python launch whose closure is not triton's
     assert prebound._c_launch_parts(type("K", (), {"run": odd, "packed_metadata": ()})()) is None
+    # A driver module of another form (triton 3.9 passes the kernel's arguments otherwise and names
+    # no _BASE_ARGS_FORMAT_LEN): not used, even for a C function.
+    other = types.ModuleType("other_triton_driver")
+    other.make_tensordesc_arg = make_tensordesc_arg
+    monkeypatch.setitem(sys.modules, other.__name__, other)
+    launcher_cls = type("CudaLauncher", (CudaLauncher,), {"__module__": other.__name__})
+    later = launcher_cls(functools.partial(print))
+    assert prebound._c_launch_parts(type("K", (), {"run": later, "packed_metadata": ()})()) is None
+    other._BASE_ARGS_FORMAT_LEN = 13
+    assert prebound._c_launch_parts(type("K", (), {"run": later, "packed_metadata": ()})()) is not None
 
 
 def test_launch_keys_on_grid_fixed_values_and_each_tensors_specialisation():

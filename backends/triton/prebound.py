@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import logging
 import operator
+import sys
 import threading
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
@@ -367,9 +368,9 @@ def _raw_launcher(compiled: Any, grid3: tuple, runner: Callable[..., Any]) -> Ca
 #: step's tensors mostly come back at the same addresses from the caching allocator, so a few
 #: cover the steady state; beyond it the slot starts over.
 DESCRIPTOR_CACHE = 8
-#: The launch arguments Triton's C launcher takes before the kernel's own (triton 3.6 to 3.9:
-#: grid x/y/z, stream, function, cooperative, PDL, the two scratch buffers, packed metadata, launch
-#: metadata, the two hooks).
+#: The launch arguments the C launch function of triton 3.6 takes before the kernel's own (grid
+#: x/y/z, stream, function, cooperative, PDL, the two scratch buffers, packed metadata, launch
+#: metadata, the two hooks); a driver module whose ``_BASE_ARGS_FORMAT_LEN`` differs is not used.
 _C_BASE_ARGS = 13
 
 
@@ -405,7 +406,8 @@ def c_launcher(compiled: Any, grid3: tuple, first: tuple, per_call_at: tuple[int
             expanded.extend(parts)
             # A TMA encoding (with metadata) is kept by data pointer for this layout only.
             known = {} if meta is not None else None
-            slots[i] = (at, len(parts), meta, (list(arg.shape), list(arg.strides), arg.padding), known)
+            layout = (list(arg.shape), list(arg.strides), getattr(arg, "padding", None))
+            slots[i] = (at, len(parts), meta, layout, known)
         else:
             expanded.append(arg)
             slots[i] = (at, 1, None, None, None)
@@ -422,7 +424,8 @@ def c_launcher(compiled: Any, grid3: tuple, first: tuple, per_call_at: tuple[int
         for (at, width, meta, layout, known), value in zip(per_call_slots, per_call):
             if layout is None:
                 args[at] = value
-            elif known is not None and (list(value.shape), list(value.strides), value.padding) == layout:
+            elif known is not None and (list(value.shape), list(value.strides),
+                                        getattr(value, "padding", None)) == layout:
                 ptr = value.base.data_ptr()
                 encoded = known.get(ptr)
                 if encoded is None:
@@ -441,9 +444,16 @@ def c_launcher(compiled: Any, grid3: tuple, first: tuple, per_call_at: tuple[int
 def _c_launch_parts(compiled: Any) -> tuple | None:
     """(C launch function, signature positions of TMA descriptor parameters, their metadata,
     triton's descriptor encoder, cooperative flag, PDL flag) of ``compiled``'s launcher, or None
-    where it is not a CudaLauncher of the known form, or needs scratch buffers."""
+    where it is not a ``CudaLauncher`` of the form this relies on (triton 3.6's: its driver module
+    names ``_BASE_ARGS_FORMAT_LEN`` 13 and ``make_tensordesc_arg``, and a kernel with descriptor
+    parameters wraps the C function in a closure over ``launcher``, ``tensordesc_indices`` and
+    ``tensordesc_meta``), or where it needs scratch buffers."""
     run = getattr(compiled, "run", None)
     if type(run).__name__ != "CudaLauncher" or not hasattr(compiled, "packed_metadata"):
+        return None
+    driver = vars(sys.modules.get(type(run).__module__) or object)
+    encode = driver.get("make_tensordesc_arg")
+    if driver.get("_BASE_ARGS_FORMAT_LEN") != _C_BASE_ARGS or not callable(encode):
         return None
     try:
         if run.global_scratch_size or run.profile_scratch_size:
@@ -453,13 +463,11 @@ def _c_launch_parts(compiled: Any) -> tuple | None:
         return None
     code, cells = getattr(launch, "__code__", None), getattr(launch, "__closure__", None)
     if code is None:  # the C function itself: the kernel has no descriptor parameters
-        return (launch, frozenset(), [], None, cooperative, pdl) if callable(launch) else None
+        return (launch, frozenset(), [], encode, cooperative, pdl) if callable(launch) else None
     if cells is None:
         return None
     free = dict(zip(code.co_freevars, (cell.cell_contents for cell in cells)))
-    encode = launch.__globals__.get("make_tensordesc_arg")
     c_launch, desc_at, metas = free.get("launcher"), free.get("tensordesc_indices"), free.get("tensordesc_meta")
-    if (not callable(c_launch) or not callable(encode) or desc_at is None or metas is None
-            or launch.__globals__.get("_BASE_ARGS_FORMAT_LEN") != _C_BASE_ARGS or len(metas) != len(desc_at)):
+    if not callable(c_launch) or desc_at is None or metas is None or len(metas) != len(desc_at):
         return None
     return c_launch, frozenset(desc_at), list(metas), encode, cooperative, pdl
