@@ -235,6 +235,16 @@ def test_a_descriptor_of_another_layout_is_encoded_as_tritons_launcher_would(mon
     assert calls[-2] == calls[-1] and calls[-1][13][3:] == (tuple(odd.shape), tuple(odd.strides), odd.padding)
 
 
+def test_the_switch_keeps_plans_bound_after_it_on_tritons_launcher(monkeypatch):
+    monkeypatch.setenv(prebound.C_LAUNCH_ENV, "0")
+    jit, plan, calls, _ = _c_plan(monkeypatch)
+    assert not isinstance(plan, prebound._PerCallPlan)
+    plan("x1", _Desc(_Ptr(48)), _Desc(_Ptr(64)))
+    assert calls[-1][:9] == (6, 2, 1, 77, _RawCompiled.function, False, True, None, None)
+    monkeypatch.setenv(prebound.C_LAUNCH_ENV, "1")
+    assert isinstance(_c_plan(monkeypatch)[1], prebound._PerCallPlan)
+
+
 def test_a_launcher_that_needs_scratch_or_has_another_form_keeps_tritons_launcher(monkeypatch):
     jit, plan, calls, _ = _c_plan(monkeypatch, scratch=256)
     assert not isinstance(plan, prebound._PerCallPlan)

@@ -33,11 +33,14 @@ from __future__ import annotations
 import functools
 import logging
 import operator
+import os
 import sys
 import threading
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import torch
+
+from turbo_dispatch.env import parse_bool
 
 log = logging.getLogger("turbo_dispatch.backends.triton.prebound")
 
@@ -158,7 +161,9 @@ class PreboundKernel:
             normal = self.kernel[grid3]
             launch = (lambda *args: normal(*args, **options)) if options else normal
         per_call_at = tuple(order.index(j) for j in range(len(self.per_call)))
-        fast = c_launcher(compiled, grid3, full, per_call_at, launch, pick, fixed_values) if direct else None
+        fast = None
+        if direct and c_launch_enabled():
+            fast = c_launcher(compiled, grid3, full, per_call_at, launch, pick, fixed_values)
         if fast is not None:
             plan = _PerCallPlan(fast, pick, fixed_values, direct, state)
         else:
@@ -362,6 +367,17 @@ def _raw_launcher(compiled: Any, grid3: tuple, runner: Callable[..., Any]) -> Ca
             run(gx, gy, gz, _current_stream(), function, packed, None, None, None, *args)
 
     return launch
+
+
+#: Set to 0/false to keep every plan bound from then on on Triton's launcher object (``c_launcher``
+#: off): read when a plan is bound.
+C_LAUNCH_ENV = "PRIMUS_TURBO_TRITON_C_LAUNCH"
+
+
+def c_launch_enabled() -> bool:
+    """Whether plans bound now launch through ``c_launcher`` (``PRIMUS_TURBO_TRITON_C_LAUNCH``, on
+    unless set to a false value)."""
+    return parse_bool(os.environ.get(C_LAUNCH_ENV), C_LAUNCH_ENV) is not False
 
 
 #: How many TMA descriptors (one per data pointer) a plan keeps per descriptor argument. A training

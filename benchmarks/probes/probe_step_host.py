@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import os
 import statistics
 import sys
 import time
@@ -375,12 +376,10 @@ def main(argv=None) -> int:
                         help="also print the TOP functions by own time (cProfile) of the whole step's loop")
     parser.add_argument("--launcher-object", action="store_true",
                         help="launch Triton kernels through Triton's launcher object instead of its C function "
-                             "(prebound.c_launcher off): the A/B of that path")
+                             "(PRIMUS_TURBO_TRITON_C_LAUNCH=0): the A/B of that path")
     args = parser.parse_args(argv)
     if args.launcher_object:
-        from turbo_dispatch.backends.triton import prebound
-
-        prebound.c_launcher = lambda *_, **__: None  # before any plan is bound
+        os.environ["PRIMUS_TURBO_TRITON_C_LAUNCH"] = "0"  # read when each plan is bound, all below
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     g, t, n, k = args.groups, args.tokens_per_group, args.n, args.k
     GlobalBackendManager.reset()
