@@ -7,12 +7,11 @@ memory), the offsets computed on the device, and the splits the autotuner times 
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
-from ..env import parse_bool
+from ..env import env_text_reader, parse_bool
 
 _I64 = torch.int64
 #: The dtypes group_offs may have.
@@ -21,6 +20,8 @@ _INT32_MAX = 2**31 - 1
 
 #: Opt-in on GPUs: checking group_lens values there costs a device->host sync per call.
 VALIDATE_ENV = "PRIMUS_TURBO_VALIDATE_GROUP_LENS"
+#: Read on every GPU call of the grouped ops, so through the cheap reader.
+_read_validate = env_text_reader(VALIDATE_ENV)
 
 
 def value_check_skipped(x: torch.Tensor) -> bool:
@@ -30,7 +31,7 @@ def value_check_skipped(x: torch.Tensor) -> bool:
         return False  # free on the CPU
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return True
-    return not parse_bool(os.environ.get(VALIDATE_ENV), VALIDATE_ENV)
+    return not parse_bool(_read_validate(), VALIDATE_ENV)
 
 
 def check_group_lens_values(op: str, group_lens: torch.Tensor, group_offs: Optional[torch.Tensor],
