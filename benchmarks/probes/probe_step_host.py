@@ -58,16 +58,16 @@ def host_us(fn: Callable[[], Any], device: torch.device, calls: int, rounds: int
     return statistics.median(per_call), min(per_call)
 
 
-def in_turns(fns: list[Callable[[], Any]], device: torch.device, args: argparse.Namespace
+def in_turns(fns: list[Callable[[], Any]], device: torch.device, calls: int, rounds: int
              ) -> list[tuple[float, float]]:
     """``host_us`` of each of ``fns``, one round of each in turn per round (a machine whose speed
     drifts during the run then shifts every row alike, so rows compare within the run)."""
     for fn in fns:
         fn()  # warm
     per_round: list[list[float]] = [[] for _ in fns]
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for times, fn in zip(per_round, fns):
-            times.append(host_us(fn, device, args.calls, 1)[0])
+            times.append(host_us(fn, device, calls, 1)[0])
     return [(statistics.median(times), min(times)) for times in per_round]
 
 
@@ -393,8 +393,9 @@ def main(argv=None) -> int:
     lens = torch.full((g,), t, dtype=torch.int64, device=device)
     offs = torch.nn.functional.pad(torch.cumsum(lens, 0, dtype=torch.int32), (1, 0))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    launcher = ", launcher object" if args.launcher_object else ""
     print(f"probe_step_host: {name}, torch {torch.__version__}; G={g} x {t} tokens, N={n}, K={k}, blockwise fp8, "
-          f"backend {args.backend}{', launcher object' if args.launcher_object else ''}; host us per call, {args.calls} calls x {args.rounds} rounds, "
+          f"backend {args.backend}{launcher}; host us per call, {args.calls} calls x {args.rounds} rounds, "
           "the rows in turn each round")
     rows = step_pieces(a, b, lens, offs, grad, cfg) + primitives(device, (g * t, n), offs)
     if device.type == "cuda":
@@ -402,7 +403,8 @@ def main(argv=None) -> int:
     print("| what | host us per call (median) | min |")
     print("|---|---:|---:|")
     pieces_sum = 0.0
-    for label, (median, low) in zip((label for label, _ in rows), in_turns([fn for _, fn in rows], device, args)):
+    timed = in_turns([fn for _, fn in rows], device, args.calls, args.rounds)
+    for (label, _), (median, low) in zip(rows, timed):
         if label.startswith("plan:"):
             pieces_sum += median
         print(f"| {label} | {median:.1f} | {low:.1f} |", flush=True)
