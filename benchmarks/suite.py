@@ -3,7 +3,8 @@ collects their reports in one output folder.
 
 A family is a list of runs of the scripts in this folder (bench_gemm.py, bench_grouped_gemm.py,
 bench_dispatch_overhead.py, bench_blaslt_switch.py, bench_wrappers.py, bench_fused_producers.py,
-bench_attention.py, probes/probe_attention.py, bench_model.py, bench_moe_layer.py),
+bench_attention.py, probes/probe_attention.py, probes/probe_step_host.py, bench_model.py,
+bench_moe_layer.py),
 each with the arguments that produce the figures in docs/performance.md. Every run is a
 subprocess: its stdout and stderr go to ``<out>/<run>.log``, the harness benches write their
 CSV/markdown/PNG reports into ``<out>`` too, and one JSON line per run (status, seconds, command)
@@ -119,6 +120,16 @@ FAMILIES: dict[str, tuple[Run, ...]] = {
                    for config in ("llama3.1-8b", "llama3.1-70b-tp8", "deepseek-v3-ep8")),
     # the script spawns one process per rank itself (gloo on a CPU); too few GPUs give a SKIP row
     "moe_layer": tuple(Run(f"moe_layer_ep{ep}", "bench_moe_layer.py", full=("--nproc", str(ep))) for ep in (2, 4)),
+    # where the eager fp8 step's host time goes (the probe, with Triton's C launch and with its launcher
+    # object: the A/B of prebound.c_launcher), and the step's wall time at Qwen3-30B-A3B down against bf16's
+    "step_host": (
+        Run("step_host", "probes/probe_step_host.py", kind="log", needs_gpu="always"),
+        Run("step_host_launcher_object", "probes/probe_step_host.py", ("--launcher-object",), kind="log",
+            needs_gpu="always"),
+        Run("step_wall_qwen3_down", "bench_grouped_gemm.py", BLOCKWISE,
+            full=("--models", "qwen3-30b-a3b", "--ep", "8", "--tokens-per-expert", "4096", "--routings", "balanced",
+                  "--backends", "TRITON", "--tune-budget-ms", "100")),
+    ),
 }
 
 

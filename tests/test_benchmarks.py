@@ -621,6 +621,7 @@ def test_suite_dry_run_names_each_command_or_why_it_cannot_run(tmp_path):
     assert f"bench_dispatch_overhead.py --iters 2000 --rounds 3 --device cpu --json {tmp_path}" in out
     assert "bf16_grouped_gemm_tpe4096: skipped (its quick form is bf16_grouped_gemm_tpe512's)" in out
     assert "blaslt_switch/blaslt_switch: skipped (needs a CUDA/ROCm GPU" in out
+    assert "step_host/step_host_launcher_object: skipped (needs a CUDA/ROCm GPU" in out  # the probe's A/B
     assert not any(tmp_path.iterdir())  # a dry run writes nothing
     full = _suite("--family", "grouped_gemm_fp8", "--family", "dispatch_overhead", "--device", "cpu", "--dry-run")
     assert full.stdout.count("a full run needs a GPU") == 3 and "dispatch_overhead: dry-run" in full.stdout
