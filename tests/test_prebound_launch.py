@@ -14,10 +14,12 @@ GPU (``gpu``): the second call launches the compiled kernel directly, with the s
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import logging
 import sys
 import types
+import weakref
 
 import pytest
 import torch
@@ -209,6 +211,20 @@ def test_a_plan_launches_the_c_function_with_what_tritons_launcher_would_pass(mo
     hooks[0] = _Chain([print])  # a profiler's hook: Triton's launcher calls it
     plan(*per_call)
     assert jit.log[-1] == ("direct", (6, 2, 1), (per_call[1], "x1", 32, per_call[2], 7), {})
+
+
+def test_a_plan_keeps_no_tensor_of_its_first_call(monkeypatch):
+    jit, plan, calls, _ = _c_plan(monkeypatch)
+    first = torch.zeros(4)
+    kept = weakref.ref(first)
+    kernel = PreboundKernel(jit, per_call=("x", "a_desc", "b_desc"))
+    plan = kernel.bind("key", (6, 2), (first, _Desc(_Ptr(16)), _Desc(_Ptr(32))), {"n": 7, "BLOCK": 32}, {})
+    jit.log.clear()  # the stand-in kernel's record of the first launch
+    del first
+    gc.collect()
+    assert kept() is None  # the template holds the per-call positions empty
+    plan("x1", _Desc(_Ptr(48)), _Desc(_Ptr(64)))
+    assert calls[-1][14:18] == (64, 32, 32, 1) and calls[-1][18] == "x1"  # a_desc's shape and strides, x
 
 
 def test_descriptor_encodings_are_kept_per_data_pointer(monkeypatch):

@@ -428,6 +428,8 @@ def c_launcher(compiled: Any, grid3: tuple, first: tuple, per_call_at: tuple[int
             expanded.append(arg)
             slots[i] = (at, 1, None, None, None)
     per_call_slots = tuple(slots[i] for i in per_call_at)
+    for at, *_ in per_call_slots:  # each call sets these: the plan must not keep the first call's tensors alive
+        expanded[at] = None
     gx, gy, gz = grid3
     function, packed = compiled.function, compiled.packed_metadata
 
