@@ -159,8 +159,9 @@ def prepare_zero_padded_tail(out: torch.Tensor, offs: torch.Tensor):
 
 @functools.lru_cache(maxsize=None)
 def _zero_rows_launcher() -> CallKeyedKernel:
-    """``zero_rows_past_kernel``'s pre-bound launcher (it runs after every warp-specialised
-    grouped GEMM: per-call binding would be host time on every step)."""
+    """``zero_rows_past_kernel``'s pre-bound launcher (it runs on every call of the TORCH grouped
+    GEMMs with a padded tail and of the Gluon varlen attention: per-call binding would be host
+    time on every step)."""
     from .grouped_kernels import zero_rows_past_kernel
 
     return CallKeyedKernel(zero_rows_past_kernel, ("c_ptr", "offs_ptr"))

@@ -342,6 +342,13 @@ def _hooked(hook: Any) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def _hooks_installed() -> bool:
+    """Whether a launch enter or exit hook is installed now: then only Triton's own launcher
+    calls them with the metadata they expect."""
+    enter, leave = _launch_hooks()
+    return _hooked(enter) or _hooked(leave)
+
+
 def _raw_launcher(compiled: Any, grid3: tuple, runner: Callable[..., Any]) -> Callable[..., Any] | None:
     """A launch straight into the compiled kernel's C launcher (``compiled.run``) with its function
     handle and packed metadata, or None where this Triton's CompiledKernel lacks them.
@@ -360,8 +367,7 @@ def _raw_launcher(compiled: Any, grid3: tuple, runner: Callable[..., Any]) -> Ca
     gx, gy, gz = grid3
 
     def launch(*args: Any) -> None:
-        enter, leave = _launch_hooks()
-        if _hooked(enter) or _hooked(leave):
+        if _hooks_installed():
             runner(*args)
         else:
             run(gx, gy, gz, _current_stream(), function, packed, None, None, None, *args)
@@ -434,8 +440,7 @@ def c_launcher(compiled: Any, grid3: tuple, first: tuple, per_call_at: tuple[int
     function, packed = compiled.function, compiled.packed_metadata
 
     def fast(*per_call: Any) -> None:
-        enter, leave = _launch_hooks()
-        if _hooked(enter) or _hooked(leave):
+        if _hooks_installed():
             launch(*pick(per_call + fixed))
             return
         args = expanded.copy()

@@ -33,6 +33,7 @@ import torch
 
 import turbo_dispatch as turbo
 from turbo_dispatch import GlobalBackendManager, host_cover
+from turbo_dispatch.backends.triton import prebound
 from turbo_dispatch.low_precision import Float8QuantConfig
 from turbo_dispatch.ops import grouped_gemm_fp8_step, grouped_gemm_grads, grouped_gemm_plan
 
@@ -379,7 +380,7 @@ def main(argv=None) -> int:
                              "(PRIMUS_TURBO_TRITON_C_LAUNCH=0): the A/B of that path")
     args = parser.parse_args(argv)
     if args.launcher_object:
-        os.environ["PRIMUS_TURBO_TRITON_C_LAUNCH"] = "0"  # read when each plan is bound, all below
+        os.environ[prebound.C_LAUNCH_ENV] = "0"  # read when each plan is bound, all below
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     g, t, n, k = args.groups, args.tokens_per_group, args.n, args.k
     GlobalBackendManager.reset()
