@@ -1,5 +1,5 @@
-"""Fused fp8 producers (RMSNorm + quantise, SwiGLU + quantise) against the copy bandwidth of the
-same GPU and against the unfused pair, in one run.
+"""Fused fp8 producers (RMSNorm + quantise, SwiGLU + quantise) and the rotary embedding's split
+against the copy bandwidth of the same GPU and against the unfused torch ops, in one run.
 
 Cases: the activations a dense layer's fp8 GEMMs read, ``--tokens`` rows (default 8192):
 
@@ -30,8 +30,15 @@ that): its bytes are counted at the same minimum, so its rate is what a caller g
 Check: the fused result dequantised against the op computed in float32, SNR >= 25 dB (the
 unfused row the same); a failing row is not timed and the script exits 1.
 
+``rope`` cases (``--ops``): ``ops.split_qkv_rotary_emb`` of one layer's q/k/v projection output
+``[T, (Hq + 2 Hkv) 128]`` (Llama-3.1-8B 32/8 heads, Llama-3.1-70B TP8 8/1, Qwen2.5-7B 28/4), forward
+(split, rotate q and k, copy v) and backward (the three gradients into one packed gradient),
+against the same step in torch ops (examples/train_llama.py's ``torch_split_rotary``, the bench's
+torch peer) and the copy rate; bytes: the projection read and q, k, v written (backward alike);
+checked against float64 at SNR >= 40 dB.
+
 Usage:
-    python benchmarks/bench_fused_producers.py [--tokens 8192] [--models ...] [--recipes ...] [--quick]
+    python benchmarks/bench_fused_producers.py [--tokens 8192] [--models ...] [--recipes ...] [--ops ...] [--quick]
 """
 from __future__ import annotations
 
@@ -41,16 +48,23 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import harness as H  # noqa: E402
+from train_llama import torch_split_rotary  # noqa: E402
+from turbo_dispatch.ops import split_qkv_rotary_emb  # noqa: E402
 from turbo_dispatch.low_precision import ScalingGranularity, dequantize  # noqa: E402
 from turbo_dispatch.low_precision.fast_quantize import quantize_rows  # noqa: E402
 
 #: (hidden, FFN width per rank) of the models the cases come from.
 MODELS = {"llama3.1-8b": (4096, 14336), "llama3.1-70b-tp8": (8192, 3584), "qwen2.5-7b": (3584, 18944)}
+#: (q heads, kv heads) per rank of the same models, head dim 128.
+HEADS = {"llama3.1-8b": (32, 8), "llama3.1-70b-tp8": (8, 1), "qwen2.5-7b": (28, 4)}
+OPS = ("rms_norm", "swiglu", "rope")
+ROPE_MIN_SNR_DB = 40.0
 RECIPES = ("rowwise", "blockwise", "tensorwise")
 E4M3 = torch.float8_e4m3fn
 BLOCK = 128
@@ -116,11 +130,69 @@ def check(call, ref: torch.Tensor) -> H.Check:
     return H.gate([("out", out, ref)], min_snr_db=MIN_SNR_DB)
 
 
+def rope_rows(model: str, t: int, device, timer, rows: list[H.Row]) -> bool:
+    """The ``rope`` case of ``model`` (module docstring): forward and backward rows in turns."""
+    hq, hkv = HEADS[model]
+    dim = 128
+    width = (hq + 2 * hkv) * dim
+    qkv = torch.randn(1, t, width, device=device, dtype=torch.bfloat16, requires_grad=True)
+    angle = torch.outer(torch.arange(t, device=device, dtype=torch.float64),
+                        500000.0 ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim))
+    cos, sin = angle.cos().float(), angle.sin().float()
+    grads = [torch.randn(1, t, h, dim, device=device, dtype=torch.bfloat16) for h in (hq, hkv, hkv)]
+    ref = [o.double() for o in torch_split_rotary(qkv.detach().double(), hq, hkv, cos.double(), sin.double())]
+    qkv64 = qkv.detach().double().requires_grad_(True)
+    ref_g = torch.autograd.grad(torch_split_rotary(qkv64, hq, hkv, cos.double(), sin.double()), qkv64,
+                                [g.double() for g in grads])[0]
+    moved = 2 * 2 * t * width
+    dst = torch.empty_like(qkv)
+    ok = True
+    for direction in ("fwd", "bwd"):
+        made = []
+        for label, fn, peer in (("turbo split_qkv_rotary_emb", split_qkv_rotary_emb, False),
+                                ("torch ops", torch_split_rotary, True), ("torch copy", None, False)):
+            row = H.Row(op=f"rope_{direction}", shape=f"{model}/rope", backend=label, model=model, m=t, n=width,
+                        peer=peer, extra={"recipe": "bf16", "bytes_mb": round(moved / 1e6, 2)})
+            if fn is None:
+                row.check, call = H.Check(), (lambda: dst.copy_(qkv.detach()))
+            else:
+                try:
+                    outs = fn(qkv, hq, hkv, cos, sin)
+                    grad = torch.autograd.grad(outs, qkv, grads, retain_graph=True)[0]
+                    pairs = [("q", outs[0], ref[0]), ("k", outs[1], ref[1]), ("v", outs[2], ref[2])]
+                    row.check = H.gate(pairs if direction == "fwd" else [("dqkv", grad, ref_g)],
+                                       min_snr_db=ROPE_MIN_SNR_DB)
+                except Exception as exc:  # a failing kernel is a FAIL row, not a crash of the whole run
+                    row.check, outs = H.failed(H.error_note(exc)), None
+                if direction == "fwd":
+                    call = (lambda fn=fn: fn(qkv, hq, hkv, cos, sin))
+                else:
+                    call = (lambda outs=outs: torch.autograd.grad(outs, qkv, grads, retain_graph=True))
+                ok = ok and row.check.ok
+            rows.append(row)
+            if row.passed:
+                made.append((row, call))
+        for (row, _), ms in zip(made, timer.time_interleaved([c for _, c in made]) if made else []):
+            row.fwd_ms = ms
+            row.extra["gb_s"] = float(f"{row.extra['bytes_mb'] / ms:.4g}")
+        copy_row = next((r for r, _ in made if r.backend == "torch copy"), None)
+        for row, _ in made:
+            if copy_row is not None and row is not copy_row:
+                row.extra["of_copy"] = float(f"{copy_row.fwd_ms / row.fwd_ms:.3g}")  # same bytes as the copy
+        print(f"{model}/rope {direction} T={t}: " + ", ".join(
+            f"{r.backend}={r.check.status}" + (f" {r.extra['gb_s']} GB/s" if "gb_s" in r.extra else "")
+            for r in rows[-3:]), flush=True)
+    return ok
+
+
 def run(args, device, timer, rows: list[H.Row]) -> bool:
     FP, why_not = _producers()
     ok = True
+    for model in args.models if "rope" in args.ops else ():
+        ok = rope_rows(model, args.tokens, device, timer, rows) and ok
+        H.free_memory(device)
     cases = [(op, model, args.tokens, MODELS[model][0 if op == "rms_norm" else 1], recipe)
-             for model in args.models for op in ("rms_norm", "swiglu") for recipe in args.recipes]
+             for model in args.models for op in ("rms_norm", "swiglu") if op in args.ops for recipe in args.recipes]
     for i, (op, model, t, n, recipe) in enumerate(cases):
         t0 = time.time()
         ref, fused, fused_out, unfused, copy, copy_in = case_calls(op, t, n, recipe, device, FP)
@@ -168,13 +240,16 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=None, help="rows per case (default 8192; 64 with --quick on CPU)")
     parser.add_argument("--models", default=None, help=f"comma-separated subset of {','.join(MODELS)}")
     parser.add_argument("--recipes", default=None, help=f"comma-separated subset of {','.join(RECIPES)}")
+    parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
     H.add_common_args(parser)
     args = parser.parse_args(argv)
     device = H.pick_device(args.device)
     cpu = device.type == "cpu"
     args.models = args.models.split(",") if args.models else (["llama3.1-8b"] if args.quick else list(MODELS))
     args.recipes = args.recipes.split(",") if args.recipes else list(RECIPES)
-    for name, given, known in (("--models", args.models, MODELS), ("--recipes", args.recipes, RECIPES)):
+    args.ops = args.ops.split(",")
+    for name, given, known in (("--models", args.models, MODELS), ("--recipes", args.recipes, RECIPES),
+                               ("--ops", args.ops, OPS)):
         for v in given:
             if v not in known:
                 raise SystemExit(f"{name}: unknown {v!r}; valid: {', '.join(known)}")
@@ -188,14 +263,15 @@ def main(argv=None) -> int:
     rows: list[H.Row] = []
     with H.interruptible() as stopped:
         ok = run(args, device, timer, rows)
-    notes = [f"models: {', '.join(args.models)}; recipes {', '.join(args.recipes)}; {args.tokens} tokens",
+    notes = [f"models: {', '.join(args.models)}; ops {', '.join(args.ops)}; recipes {', '.join(args.recipes)}; "
+             f"{args.tokens} tokens",
              "gb_s: the op's minimum bytes (inputs read, fp8 data and scales written; +out: and the bf16 output) "
              "per second; of_copy: over the copy row's rate; ratio: the unfused pair's time over this row's",
              f"elapsed {time.time() - t0:.0f} s"]
     if stopped:
         notes = [f"INTERRUPTED ({stopped[0]}): partial results"] + notes
     H.write_reports(rows, name=args.name or "fused_producers" + ("_quick" if args.quick else ""), device=device,
-                    out_dir=args.out_dir, notes=notes, title="Fused fp8 producers", plot_metric="gb_s",
+                    out_dir=args.out_dir, notes=notes, title="Fused fp8 producers and RoPE", plot_metric="gb_s",
                     breakdown=("recipe",))
     return 0 if ok else 1
 

@@ -10,7 +10,8 @@ built from a ``LayerKit``:
   elsewhere). It is the peer: ``ratio_vs_best_peer`` is its step time over the variant's.
 * ``turbo``: the library's modules and ops (``modules.RMSNormLinear`` for the attention's norm and
   q/k/v projection, ``modules.SwiGLUMLP``, ``modules.Linear``, ``modules.GroupedLinear``,
-  ``ops.flash_attn_func``); with an fp8 recipe on a GPU the norm and the SwiGLU write their GEMM's
+  ``ops.flash_attn_func``, ``ops.split_qkv_rotary_emb`` for the q/k/v split and rotation, which
+  the torch peer writes as torch ops); with an fp8 recipe on a GPU the norm and the SwiGLU write their GEMM's
   fp8 input themselves (the fused producers).
 * ``unfused`` (a variant flag): the same with the norm and the SwiGLU as separate torch ops before
   each ``modules.Linear``, which shows what the fused producers buy.
@@ -92,7 +93,7 @@ import torch.nn.functional as F  # noqa: E402
 import harness as H  # noqa: E402
 from bench_grouped_gemm import TorchGroupedMM, grouped_mm_usable, loop_grouped  # noqa: E402
 from train_llama import (TURBO_KIT, BigramCorpus, Decoder, LayerKit, fp8_config,  # noqa: E402
-                         next_token_loss)
+                         next_token_loss, torch_split_rotary)
 
 import turbo_dispatch as turbo  # noqa: E402
 from turbo_dispatch import GlobalBackendManager  # noqa: E402
@@ -224,11 +225,12 @@ class SwiGLU(torch.nn.Module):
 
 
 def unfused_kit(linear: Callable[[int, int, Optional[Float8QuantConfig]], torch.nn.Module],
-                attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> LayerKit:
+                attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                split_rotary: Callable[..., tuple] = torch_split_rotary) -> LayerKit:
     """A kit whose norms and SwiGLU are torch ops around ``linear`` projections."""
     return LayerKit(linear=linear, norm_linear=lambda h, o, eps, fp8: NormLinear(h, eps, linear(h, o, fp8)),
                     mlp=lambda h, f, fp8: SwiGLU(linear(h, f, fp8), linear(h, f, fp8), linear(f, h, fp8)),
-                    attend=attend)
+                    attend=attend, split_rotary=split_rotary)
 
 
 def torch_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -263,7 +265,7 @@ class SplitKLinear(torch.nn.Linear):
 
 
 REPLAY_KIT = unfused_kit(lambda i, o, fp8: SplitKLinear(i, o, bias=False), torch_attend)
-UNFUSED_KIT = unfused_kit(TURBO_KIT.linear, TURBO_KIT.attend)
+UNFUSED_KIT = unfused_kit(TURBO_KIT.linear, TURBO_KIT.attend, TURBO_KIT.split_rotary)  # unfused fp8 producers only
 
 
 class TorchGroupedLinear(torch.nn.Module):

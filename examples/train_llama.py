@@ -95,7 +95,10 @@ class LayerKit:
     ``norm_linear(hidden, out, eps, fp8)``: ``linear(RMSNorm(x))`` as a module with children
     ``norm`` and ``linear``; ``mlp(hidden, ffn, fp8)``: the SwiGLU MLP with children
     ``gate_proj``, ``up_proj``, ``down_proj``; ``attend(q, k, v)``: causal attention of
-    ``[B, S, H, D]`` tensors, k and v with fewer heads than q (grouped-query).
+    ``[B, S, H, D]`` tensors, k and v with fewer heads than q (grouped-query);
+    ``split_rotary(qkv, heads, kv_heads, cos, sin)``: the q/k/v projection's output
+    ``[B, S, (heads + 2 kv_heads) D]`` split into contiguous ``[B, S, H, D]`` q, k, v with q and
+    k rotated by position (rotate-half, float32 arithmetic).
 
     Every kit names its parameters alike, so one state_dict loads into a decoder of each kit
     (benchmarks/bench_model.py builds the same model from plain torch and from this library)."""
@@ -104,6 +107,7 @@ class LayerKit:
     norm_linear: Callable[[int, int, float, Optional[Float8QuantConfig]], torch.nn.Module]
     mlp: Callable[[int, int, Optional[Float8QuantConfig]], torch.nn.Module]
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    split_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 #: The library's modules: ``RMSNormLinear`` and ``SwiGLUMLP`` write their GEMM's fp8 input from
@@ -114,6 +118,7 @@ TURBO_KIT = LayerKit(
     norm_linear=lambda h, o, eps, fp8: turbo.modules.RMSNormLinear(h, o, eps=eps, fp8_config=fp8),
     mlp=lambda h, f, fp8: turbo.modules.SwiGLUMLP(h, f, fp8_config=fp8),
     attend=lambda q, k, v: turbo.ops.flash_attn_func(q, k, v, causal=True),
+    split_rotary=turbo.ops.split_qkv_rotary_emb,
 )
 
 
@@ -132,6 +137,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
+def torch_split_rotary(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor,
+                       sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A ``LayerKit.split_rotary`` in plain torch ops: split, rotate q and k, copy v."""
+    b, s, width = qkv.shape
+    head_dim = width // (heads + 2 * kv_heads)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q = apply_rotary(q.view(b, s, heads, head_dim), cos, sin)
+    k = apply_rotary(k.view(b, s, kv_heads, head_dim), cos, sin)
+    return q, k, v.reshape(b, s, kv_heads, head_dim).contiguous()
+
+
 class Attention(torch.nn.Module):
     """The pre-norm attention branch ``out(attend(rope(qkv(norm(x)))))``: causal, ``kv_heads``
     key/value heads shared by ``heads`` query heads of ``head_dim`` (default hidden / heads;
@@ -145,14 +161,12 @@ class Attention(torch.nn.Module):
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim or hidden // heads
         self.qkv = kit.norm_linear(hidden, (heads + 2 * kv_heads) * self.head_dim, NORM_EPS, fp8)
         self.out = kit.linear(heads * self.head_dim, hidden, fp8)
-        self.attend = kit.attend
+        self.attend, self.split_rotary = kit.attend, kit.split_rotary
 
     def forward(self, x: torch.Tensor, rotary) -> torch.Tensor:
         b, s, _ = x.shape
-        q, k, v = self.qkv(x).split([self.heads * self.head_dim] + [self.kv_heads * self.head_dim] * 2, dim=-1)
-        q = apply_rotary(q.view(b, s, self.heads, self.head_dim), *rotary)
-        k = apply_rotary(k.view(b, s, self.kv_heads, self.head_dim), *rotary)
-        o = self.attend(q, k, v.reshape(b, s, self.kv_heads, self.head_dim).contiguous())
+        q, k, v = self.split_rotary(self.qkv(x), self.heads, self.kv_heads, *rotary)
+        o = self.attend(q, k, v)
         return self.out(o.reshape(b, s, -1))
 
 

@@ -270,12 +270,19 @@ def test_probe_step_host_cpu_smoke():
 
 def test_bench_fused_producers_cpu_smoke(tmp_path):
     """Every case has a fused row (SKIP on a CPU without the interpreter, saying why), a checked
-    unfused row and a copy row, each timed one with its GB/s and the fraction of the copy's."""
+    unfused row and a copy row, each timed one with its GB/s and the fraction of the copy's; the
+    RoPE case has its op's, the torch peer's and the copy's rows, forward and backward, checked."""
     rows = _run("bench_fused_producers.py", ["--recipes", "rowwise,blockwise"], tmp_path)
     shapes = {r["shape"] for r in rows}
     assert shapes == {f"llama3.1-8b/{op}/{recipe}" for op in ("rms_norm", "swiglu") for recipe in ("rowwise",
-                                                                                                 "blockwise")}
-    for r in rows:
+                                                                                                 "blockwise")} | {
+        "llama3.1-8b/rope"}
+    rope = [r for r in rows if r["shape"] == "llama3.1-8b/rope"]
+    assert sorted((r["op"], r["backend"]) for r in rope) == sorted(
+        (f"rope_{d}", b) for d in ("fwd", "bwd") for b in ("turbo split_qkv_rotary_emb", "torch ops", "torch copy"))
+    assert all(r["check"] == "PASS" and float(r["gb_s"]) > 0 for r in rope)
+    assert all(float(r["snr_db"]) >= 40 for r in rope if r["backend"] != "torch copy")
+    for r in (r for r in rows if r not in rope):
         if r["backend"] == "turbo fused":
             assert r["check"] == "SKIP" and "fused kernel not run" in r["note"]
         else:

@@ -170,7 +170,8 @@ def test_kernel_modules_are_named_in_the_registry_and_imported_on_first_use(tmp_
     reg = load_registry(extra_files=[])
     assert reg.kernels == {"fp8_quantize": "turbo_dispatch.backends.triton.quantize",
                            "fp8_dual_quantize": "turbo_dispatch.backends.triton.dual_quantize",
-                           "fused_fp8_producers": "turbo_dispatch.backends.triton.fused_producers"}
+                           "fused_fp8_producers": "turbo_dispatch.backends.triton.fused_producers",
+                           "rotary": "turbo_dispatch.backends.triton.rotary"}
     extra = write(tmp_path, """
         version: 1
         ops: {}

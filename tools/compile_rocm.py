@@ -283,10 +283,27 @@ def _attention_families() -> list[Family]:
     return fams
 
 
+def _rotary_families() -> list[Family]:
+    """The rotary kernel at Llama-3.1-8B's attention input: q rotated forward and backward
+    (rotate-half and interleaved), v copied."""
+    from turbo_dispatch.backends.triton import rotary as ROT
+
+    packed = torch.empty((2, 4096, 48, 128), dtype=BF16)
+    q = torch.empty((2, 4096, 32, 128), dtype=BF16)
+    table = torch.empty((1, 4096, 64))
+    launches = {
+        "rotary_fwd": lambda il: ROT.rotate_into(packed[:, :, :32], q, table, table, 64, il, False),
+        "rotary_bwd": lambda il: ROT.rotate_into(q, packed[:, :, :32], table, table, 64, il, True),
+        "rotary_copy": lambda il: ROT.rotate_into(packed[:, :, 40:], q[:, :, :8], None, None, 0, il, False),
+    }
+    return [Family(name, [(False,), (True,)], lambda cfg, fn=fn: fn(cfg[0])) for name, fn in launches.items()]
+
+
 def families(arch: str = "gfx942") -> dict[str, Family]:
     """Every family, its configs as the adapters offer them on ``arch`` (the default first)."""
     with pretend_gpu(arch):
-        table = _dense_families(arch) + _grouped_families(arch) + _quantiser_families() + _attention_families()
+        table = (_dense_families(arch) + _grouped_families(arch) + _quantiser_families() + _attention_families()
+                 + _rotary_families())
     return {f.name: f for f in table}
 
 

@@ -63,6 +63,7 @@ from turbo_dispatch.backends.triton import fused_producers as FP  # noqa: E402
 from turbo_dispatch.backends.triton import gemm_kernels as GK  # noqa: E402
 from turbo_dispatch.backends.triton import grouped_gemm as GG  # noqa: E402
 from turbo_dispatch.backends.triton import grouped_kernels as GKK  # noqa: E402
+from turbo_dispatch.backends.triton import rotary as ROT  # noqa: E402
 from turbo_dispatch.low_precision import ScalingGranularity  # noqa: E402
 
 #: Hopper per-SM limits: 4 sub-partitions of 16384 registers, 228 KiB shared memory (1 KiB of it
@@ -396,6 +397,27 @@ def _fused_producer(cfg: tuple):
     return FP._producer_kernel.warmup(**tensors, **launch.fixed, **launch.options, grid=(1,))
 
 
+#: The rotary kernel's launches at Llama-3.1-8B's attention input (B2 S4096, 32 q / 8 kv heads of
+#: 128): (dtype, head dim, rotated pairs, interleaved, inverse, warps, occupancy, section) where the
+#: section is q or k (rotated) or v (copied), forward and backward.
+ROTARY_CASES = [(dt, d, r, il, inv, ROT.WARPS, 1, sec) for dt in ("bfloat16", "float32")
+                for d, r in ((128, 64), (64, 16)) for il in (False, True) for inv in (False, True) for sec in ("q", "v")]
+
+
+def _rotary(cfg: tuple):
+    dtype = getattr(torch, cfg[0])
+    dim, half, interleaved, inverse, section = cfg[1], cfg[2], cfg[3], cfg[4], cfg[7]
+    bsz, seq, heads = 2, 4096, 32
+    packed = torch.empty((bsz, seq, heads + 16, dim), dtype=dtype)
+    out = torch.empty((bsz, seq, heads, dim), dtype=dtype)
+    src, dst = (packed[:, :, :heads], out) if not inverse else (out, packed[:, :, :heads])
+    table = torch.empty((1, seq, half))
+    rotate = section != "v"
+    grid, tensors, fixed, options = ROT.launch(src, dst, table if rotate else None, table if rotate else None,
+                                               half if rotate else 0, interleaved, inverse)
+    return ROT._rotary_kernel.warmup(*tensors, **fixed, **options, grid=grid)
+
+
 def triton_only(configs: list) -> list:
     """The grouped configs that run the Triton kernel. On an sm_90 host the adapter offers the
     warp-specialised Gluon configs first; they have families of their own and compiled through the
@@ -469,7 +491,8 @@ def families() -> dict:
         ("dense_fp8_blockwise_gluon_ws", gluon_ws, _dense_fp8_gluon_ws, dense),
         ("grouped_fp8_blockwise_gluon_ws", [C.TileConfig(*c[:6], 1, C.KERNEL_GLUON_WS) for c in GG.WS_CONFIGS],
          _grouped_fp8_gluon_ws, dense),
-        ("dense_fp8_rowwise", C.fp8_candidates(M_DENSE, N_DENSE, K_DENSE), lambda c: _dense_fp8(c, FK.SCALE_ROW), dense),
+        ("dense_fp8_rowwise", C.fp8_candidates(M_DENSE, N_DENSE, K_DENSE), lambda c: _dense_fp8(c, FK.SCALE_ROW),
+         dense),
         ("dense_bf16", C.gemm_candidates(M_DENSE, N_DENSE, 4096, 2), _dense_bf16, dense),
         ("grouped_fp8_blockwise", triton_only(GG._fp8_configs(_grouped_problem(B, False, M_MOE, N_MOE))),
          lambda c: _grouped_fixed_k(c, 3, E4), grouped),
@@ -510,6 +533,7 @@ def families() -> dict:
                                         for d in (128, 64) for causal in (False, True)], _attention_gluon_bwd,
          len(AGB.GluonAttnBwdConfig._fields)),
         ("fused_producers", _fused_configs(), _fused_producer, 6),
+        ("rotary", ROTARY_CASES, _rotary, 6),
     ]
     return {name: (cfgs, build, occ_at) for name, cfgs, build, occ_at in table}
 
@@ -542,7 +566,7 @@ def run(table: dict, only: list[str] | None, occupancy_only: bool, cc: int, firs
                 if row["loop_spills"] > LOOP_SPILL_ALLOWANCE:
                     problems.append(f"spills inside its wgmma loop ({row['loop_spills']} LDL/STL, "
                                     f"{row['stack']} bytes of stack)")
-                if name == "fused_producers" and row["stack"]:
+                if name in ("fused_producers", "rotary") and row["stack"]:
                     problems.append(f"spills ({row['stack']} bytes of stack)")
                 if name == "fused_producers" and row["fit"] < FUSED_MIN_FIT:
                     problems.append(f"{row['fit']} programs fit per SM, fewer than {FUSED_MIN_FIT}")
