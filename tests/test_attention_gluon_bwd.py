@@ -273,7 +273,7 @@ def recorded_launches(switched_on, monkeypatch):
         return first_out, second_out
 
     monkeypatch.setattr(AGB, "side_by_side", side_by_side)
-    for var in _variant_switches():
+    for var in (*_variant_switches(), AGB.ATTN_GLUON_BWD_SELF_DELTA_ENV):
         monkeypatch.delenv(var, raising=False)
     return AGB, log
 
@@ -331,6 +331,52 @@ def test_backward_heavy_first_switch_reaches_both_kernels(recorded_launches, mon
     (_, dkdv_grid, dkdv_kw), (_, dq_grid, dq_kw) = log[1:]
     assert dkdv_kw["HEAVY_FIRST"] is dq_kw["HEAVY_FIRST"] is causal
     assert (dkdv_grid, dq_grid) == (((4, 4), (16, 3)) if causal else ((4, 4), (3, 16)))
+
+
+def test_self_delta_switch_is_off_by_default_and_read_per_call(monkeypatch):
+    AGB = _agb()
+    var = AGB.ATTN_GLUON_BWD_SELF_DELTA_ENV
+    monkeypatch.delenv(var, raising=False)
+    assert AGB.self_delta_setting() is False
+    for value, want in (("1", True), ("on", True), ("0", False), ("no", False)):
+        monkeypatch.setenv(var, value)
+        assert AGB.self_delta_setting() is want
+    monkeypatch.setenv(var, "maybe")
+    with pytest.raises(ConfigError, match=var):
+        AGB.self_delta_setting()
+
+
+def test_self_delta_moves_the_preprocess_onto_the_side_stream(recorded_launches, monkeypatch):
+    """With the switch on and the overlap running: the preprocess and the dK/dV kernel on the side
+    stream, the dQ kernel (its ``SELF_DELTA`` variant) on the current one; without the overlap the
+    switch changes nothing."""
+    AGB, log = recorded_launches
+    monkeypatch.setenv(AGB.ATTN_GLUON_BWD_SELF_DELTA_ENV, "1")
+    _launch_backward(AGB)
+    assert [entry[0] for entry in log] == ["fork", "preprocess", "dkdv", "dq", "join"]
+    assert log[3][2]["SELF_DELTA"] is True
+    monkeypatch.setenv(AGB.ATTN_GLUON_BWD_OVERLAP_ENV, "0")
+    log.clear()
+    _launch_backward(AGB)
+    assert [entry[0] for entry in log] == ["preprocess", "dkdv", "dq"]
+    assert log[2][2]["SELF_DELTA"] is False
+
+
+def test_self_delta_launch_reads_the_forwards_out_and_lse():
+    """The SELF_DELTA launch passes the natural-log lse where the default passes lse2, and a
+    descriptor over out where the default's stands in with dout's."""
+    AGB = _agb()
+    if AGB.gluon is None:
+        pytest.skip("triton.experimental.gluon is missing")
+    q, k, v, dout, *_ = _launch_tensors()
+    dq = torch.empty_like(q)
+    lse2, delta, lse = (torch.empty(2, 8, 300) for _ in range(3))
+    out = torch.empty_like(q)
+    _, plain, plain_kw = AGB.dq_launch_args(q, k, v, dout, dq, lse2, delta, 0.1, True)
+    _, own, own_kw = AGB.dq_launch_args(q, k, v, dout, dq, lse2, delta, 0.1, True, self_delta=(out, lse))
+    assert plain_kw["SELF_DELTA"] is False and own_kw["SELF_DELTA"] is True
+    assert plain[5].base is dout and own[5].base is out
+    assert plain[6] is lse2 and own[6] is lse and plain[7] is own[7] is delta
 
 
 # -- the adapter's wiring -----------------------------------------------------------------------------------
@@ -505,6 +551,35 @@ def test_gpu_variants_match_reference_and_default(case, gpu, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
+def test_gpu_self_delta_matches_reference_and_keeps_dk_dv(case, gpu, monkeypatch):
+    """The dQ kernel's own delta (with the overlap): every gradient against the float32
+    reference, deterministic; dk and dv bit-identical to the default's (the preprocess still
+    feeds the dK/dV kernel), dq within rounding of the default's (delta summed in another order)."""
+    from test_attention import randn
+
+    b, sq, sk, hq, hk, d, dtype, causal = case
+    q, k, v = (randn(s, dtype).cuda() for s in ((b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, d)))
+    dout = randn((b, sq, hq, d), dtype).cuda()
+    monkeypatch.setenv(gpu.ATTN_GLUON_BWD_OVERLAP_ENV, "1")
+    monkeypatch.setenv(gpu.ATTN_GLUON_BWD_SELF_DELTA_ENV, "0")
+    p, default = _check_case(gpu, q, k, v, dout, causal)
+    launches, dq_launch_args = [], gpu.dq_launch_args
+
+    def recorded(*args, **kwargs):
+        launches.append(kwargs.get("self_delta"))
+        return dq_launch_args(*args, **kwargs)
+
+    monkeypatch.setattr(gpu, "dq_launch_args", recorded)
+    monkeypatch.setenv(gpu.ATTN_GLUON_BWD_SELF_DELTA_ENV, "1")
+    _, own = _check_case(gpu, q, k, v, dout, causal)
+    assert launches and all(own_args is not None for own_args in launches)
+    assert torch.equal(own[1], default[1]) and torch.equal(own[2], default[2])
+    scale = float(default[0].float().abs().max()) or 1.0
+    assert float((own[0].float() - default[0].float()).abs().max()) <= 2 * torch.finfo(dtype).eps * scale
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_gpu_backward_captures_in_a_cuda_graph(gpu, monkeypatch, variant):
     """The backward (with the overlap: its fork and join) captured in a CUDA graph and replayed
@@ -618,6 +693,10 @@ def test_switch_settings_have_their_own_tuning_identity(monkeypatch):
     assert TritonAttention().identity() == default
     for var in variants:
         monkeypatch.delenv(var)
+    assert TritonAttention().identity() == default
+    monkeypatch.setenv(AGB.ATTN_GLUON_BWD_SELF_DELTA_ENV, "1")
+    assert TritonAttention().identity() not in seen | {plain_backward}
+    monkeypatch.setenv(AGB.ATTN_GLUON_BWD_SELF_DELTA_ENV, "0")
     assert TritonAttention().identity() == default
 
 
@@ -742,8 +821,8 @@ def test_varlen_backward_launches(switched_on, monkeypatch, causal, head_dim):
     assert kv_kw["VARLEN"] is True and q_kw["VARLEN"] is True
     assert kv_args[8] is cu_q and kv_args[9] is cu_k and kv_args[10] is dk and kv_args[11] is dv
     assert kv_args[12] == 2 * head_dim and kv_args[13:17] == (1029, 1029, 2, 4) and kv_args[17:19] == (0, 1410)
-    assert q_args[7] is cu_q and q_args[8] is cu_k and q_args[9] is dq
-    assert q_args[10] == 8 * head_dim and q_args[11:15] == (1029, 1029, 8, 4) and q_args[15:17] == (0, 1410)
+    assert q_args[8] is cu_q and q_args[9] is cu_k and q_args[10] is dq  # [5] is the (unread) out descriptor
+    assert q_args[11] == 8 * head_dim and q_args[12:16] == (1029, 1029, 8, 4) and q_args[16:18] == (0, 1410)
     blocks = -(-1029 // AGB.BLOCK)
     assert kv_grid == ((5 * 2, blocks) if causal else (blocks, 5 * 2))
     assert q_grid == ((5 * 8, blocks) if causal else (blocks, 5 * 8))

@@ -282,8 +282,9 @@ def _attention_gluon_bwd(cfg: AGB.GluonAttnBwdConfig):
         _, args, kwargs = AGB.dkdv_launch_args(q, k, v, dout, dk, dv, lse2, delta, d ** -0.5, cfg.causal,
                                                cfg.heavy_first, window, **seqs)
         return AGB.attn_bwd_dkdv_gluon_kernel.warmup(*args, **kwargs, grid=(1,))
+    own = (torch.empty_like(dout), torch.empty_like(lse2)) if cfg.self_delta else None  # (out, lse)
     _, args, kwargs = AGB.dq_launch_args(q, k, v, dout, dq, lse2, delta, d ** -0.5, cfg.causal, cfg.heavy_first,
-                                         window, **seqs)
+                                         window, **seqs, self_delta=own)
     return AGB.attn_bwd_dq_gluon_kernel.warmup(*args, **kwargs, grid=(1,))
 
 
@@ -514,6 +515,11 @@ def families() -> dict:
          len(AGB.GluonAttnBwdConfig._fields)),
         ("attention_gluon_bwd_heavy_first", [make(d, True, heavy_first=True) for make in
                                              (AGB.dkdv_config, AGB.dq_config) for d in (128, 64)],
+         _attention_gluon_bwd, len(AGB.GluonAttnBwdConfig._fields)),
+        ("attention_gluon_bwd_self_delta", [AGB.dq_config(d, causal, heavy_first=causal, window=window, varlen=varlen,
+                                                          self_delta=True)
+                                            for d in (128, 64) for causal in (False, True) for window in (False, True)
+                                            for varlen in (False, True)],
          _attention_gluon_bwd, len(AGB.GluonAttnBwdConfig._fields)),
         ("attention_gluon_fwd_pipelined", [AG.config_for(d, causal, pipeline=True) for d in (128, 64)
                                            for causal in (False, True)], _attention_gluon_fwd,

@@ -95,6 +95,9 @@ ATTN_GLUON_BWD_ENV = "PRIMUS_TURBO_ATTN_GLUON_BWD"
 ATTN_GLUON_BWD_HEAVY_FIRST_ENV = "PRIMUS_TURBO_ATTN_GLUON_BWD_HEAVY_FIRST"
 #: The dK/dV and dQ kernels run side by side on two streams unless set to 0/false.
 ATTN_GLUON_BWD_OVERLAP_ENV = "PRIMUS_TURBO_ATTN_GLUON_BWD_OVERLAP"
+#: Set to 1/true to have the dQ kernel work out its rows' delta itself while the preprocess and the
+#: dK/dV kernel run on the side stream (with the overlap only; off until timed on a GPU).
+ATTN_GLUON_BWD_SELF_DELTA_ENV = "PRIMUS_TURBO_ATTN_GLUON_BWD_SELF_DELTA"
 #: Bumped whenever a kernel's code changes.
 KERNEL_REVISION = "attn-gluon-bwd-r4"
 #: Rows one math warpgroup owns: keys in the dK/dV kernel, queries in the dQ kernel (one wgmma M).
@@ -115,8 +118,8 @@ class GluonAttnBwdConfig(NamedTuple):
     """One compiled variant of ``kernel`` ("dkdv" or "dq"): ``block_m`` query rows and
     ``block_n`` keys per step or program, ``stages`` ring slots, programs in the heavy-first order
     if ``heavy_first`` (causal only), the sliding-window mask where ``window`` (``WINDOW``), packed
-    sequences where ``varlen`` (``VARLEN``). Fields 4 and 5 are where tools/compile_sm90.py reads
-    stages and warps."""
+    sequences where ``varlen`` (``VARLEN``), the dQ kernel's own delta where ``self_delta``
+    (``SELF_DELTA``). Fields 4 and 5 are where tools/compile_sm90.py reads stages and warps."""
 
     block_m: int
     block_n: int
@@ -128,6 +131,7 @@ class GluonAttnBwdConfig(NamedTuple):
     heavy_first: bool = False
     window: bool = False
     varlen: bool = False
+    self_delta: bool = False
 
 
 #: Per head dim: (query rows per dK/dV ring slot, its STAGES) and (keys per dQ ring slot, its
@@ -149,12 +153,13 @@ def dkdv_config(head_dim: int, causal: bool, heavy_first: bool = False, window: 
 
 
 def dq_config(head_dim: int, causal: bool, heavy_first: bool = False, window: bool = False,
-              varlen: bool = False) -> GluonAttnBwdConfig:
+              varlen: bool = False, self_delta: bool = False) -> GluonAttnBwdConfig:
     """The dQ kernel's variant for head dim ``head_dim`` (64 or 128); ``heavy_first``, ``window``
-    and ``varlen`` as in ``dkdv_config``."""
+    and ``varlen`` as in ``dkdv_config``; ``self_delta``: the kernel works out delta and lse2
+    itself (``SELF_DELTA``)."""
     block_n, stages = BWD_TILES[head_dim][1]
     return GluonAttnBwdConfig(BLOCK, block_n, head_dim, bool(causal), stages, WARPS, "dq",
-                              bool(causal and heavy_first), bool(window), bool(varlen))
+                              bool(causal and heavy_first), bool(window), bool(varlen), bool(self_delta))
 
 
 
@@ -245,6 +250,16 @@ if gluon is not None:
             mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
             _tma_load(a_desc, [b, row0 + wg * ROWS, col], bar, a_smem.index(wg))
             _tma_load(b_desc, [b, row0 + wg * ROWS, col], bar, b_smem.index(wg))
+
+    @gluon.jit
+    def _load_thirds(a_desc, b_desc, c_desc, a_smem, b_smem, c_smem, bars, b, row0, col, ROWS: gl.constexpr):
+        """``_load_halves`` of three tensors, all completing on ``bars[wg]``."""
+        for wg in gl.static_range(2):
+            bar = bars.index(wg)
+            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes + c_desc.block_type.nbytes)
+            _tma_load(a_desc, [b, row0 + wg * ROWS, col], bar, a_smem.index(wg))
+            _tma_load(b_desc, [b, row0 + wg * ROWS, col], bar, b_smem.index(wg))
+            _tma_load(c_desc, [b, row0 + wg * ROWS, col], bar, c_smem.index(wg))
 
     @gluon.jit
     def _start_products(a_first, a_second, ring_first, ring_second, ready_first, ready_second, slot, phase, zero,
@@ -489,18 +504,23 @@ if gluon is not None:
         ], [4, 1], [MATH_REGS, LOAD_REGS])
 
     @gluon.jit
-    def _dq_load(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, dq_ptr, stride_qt,
-                 q_smem, do_smem, k_ring, v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP,
-                 stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-                 WINDOW: gl.constexpr, VARLEN: gl.constexpr):
-        """The loader: both warpgroups' q and dO rows, then every key block of the span in ring
-        order (nothing for a varlen block past its sequence's end)."""
+    def _dq_load(q_desc, k_desc, v_desc, do_desc, dq_desc, o_desc, lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, dq_ptr,
+                 stride_qt, q_smem, do_smem, o_smem, k_ring, v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K,
+                 HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                 HEAVY_FIRST: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr, SELF_DELTA: gl.constexpr):
+        """The loader: both warpgroups' q and dO rows (``SELF_DELTA``: and the forward's out), then
+        every key block of the span in ring order (nothing for a varlen block past its sequence's
+        end)."""
         b, h, hk, m0, q_start, sq, k_start, sk, live = _query_program(cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, HEADS_Q, GROUP,
                                                                       CAUSAL, BLOCK_M, HEAVY_FIRST, VARLEN)
         if live:
             tb = tma_batch(b, VARLEN)
-            _load_halves(q_desc, do_desc, q_smem, do_smem, q_ready, tb, q_start + m0, h * HEAD_DIM, BLOCK_M // 2)
+            if SELF_DELTA:
+                _load_thirds(q_desc, do_desc, o_desc, q_smem, do_smem, o_smem, q_ready, tb, q_start + m0, h * HEAD_DIM,
+                             BLOCK_M // 2)
+            else:
+                _load_halves(q_desc, do_desc, q_smem, do_smem, q_ready, tb, q_start + m0, h * HEAD_DIM, BLOCK_M // 2)
             load_key_span(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, kv_empty, tb, hk * HEAD_DIM, k_start, m0,
                           sq, sk, LEFT, RIGHT, CAUSAL, BLOCK_M, BLOCK_N, STAGES, False, WINDOW)
 
@@ -534,15 +554,18 @@ if gluon is not None:
         return dq, step
 
     @gluon.jit
-    def _dq_math(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, dq_ptr, stride_qt,
-                 q_smem, do_smem, k_ring, v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP,
-                 stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-                 WINDOW: gl.constexpr, VARLEN: gl.constexpr, WG: gl.constexpr):
+    def _dq_math(q_desc, k_desc, v_desc, do_desc, dq_desc, o_desc, lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, dq_ptr,
+                 stride_qt, q_smem, do_smem, o_smem, k_ring, v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K,
+                 HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                 HEAVY_FIRST: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr, SELF_DELTA: gl.constexpr,
+                 WG: gl.constexpr):
         """Math warpgroup ``WG``: query rows ``m0 + WG * 64`` to ``m0 + WG * 64 + 63``. ``WINDOW``:
         masked key blocks at both edges of the program's window span, unmasked between.
         ``VARLEN``: rows and keys of this program's sequence, nothing at all for a block past its
-        end."""
+        end. ``SELF_DELTA``: ``lse2_ptr`` is the forward's natural-log lse, and the warpgroup works
+        out its rows' lse2 and delta = rowsum(dO * O) itself (O from ``o_smem``) instead of reading
+        the preprocess kernel's."""
         Q_ROWS: gl.constexpr = BLOCK_M // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -558,9 +581,21 @@ if gluon is not None:
             rows = row0 + gl.arange(0, Q_ROWS, layout=gl.SliceLayout(1, s_layout))
             # Varlen: stride_lb is 0 and the sequence's rows start at token q_start.
             l_base = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start
-            # Rows past sq: lse2 = +inf makes their probabilities 0.
-            lse2 = gl.load(lse2_ptr + l_base + rows, mask=rows < sq, other=float("inf"))
-            delta = gl.load(delta_ptr + l_base + rows, mask=rows < sq, other=0.0)
+            if SELF_DELTA:
+                # As the preprocess kernel: lse2 = lse * log2(e), +inf where lse is -inf (and past sq).
+                lse = gl.load(lse2_ptr + l_base + rows, mask=rows < sq, other=float("-inf"))
+                lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+                tile_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+                mbarrier.wait(q_ready.index(WG), 0)
+                o_rows = o_smem.index(WG).reshape([Q_ROWS, HEAD_DIM]).load(tile_layout).to(gl.float32)
+                do_rows = do_smem.index(WG).reshape([Q_ROWS, HEAD_DIM]).load(tile_layout).to(gl.float32)
+                delta = gl.convert_layout(gl.sum(o_rows * do_rows, axis=1), gl.SliceLayout(1, s_layout))
+                # Rows past a varlen sequence's end read the next one's tokens: their P is 0 anyway.
+                delta = gl.where(rows < sq, delta, 0.0)
+            else:
+                # Rows past sq: lse2 = +inf makes their probabilities 0.
+                lse2 = gl.load(lse2_ptr + l_base + rows, mask=rows < sq, other=float("inf"))
+                delta = gl.load(delta_ptr + l_base + rows, mask=rows < sq, other=0.0)
 
             zero_s = gl.zeros((Q_ROWS, BLOCK_N), dtype=gl.float32, layout=s_layout)
             dq = gl.zeros((Q_ROWS, HEAD_DIM), dtype=gl.float32, layout=acc_layout)
@@ -588,37 +623,43 @@ if gluon is not None:
             tma.store_wait(0)
 
     @gluon.jit
-    def attn_bwd_dq_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr,
-                                 dq_ptr, stride_qt, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale,
-                                 sm_scale, LEFT, RIGHT, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+    def attn_bwd_dq_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, o_desc, lse2_ptr, delta_ptr, cu_q_ptr,
+                                 cu_k_ptr, dq_ptr, stride_qt, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh,
+                                 qk_scale, sm_scale, LEFT, RIGHT, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                                  MATH_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-                                 WINDOW: gl.constexpr, VARLEN: gl.constexpr):
+                                 WINDOW: gl.constexpr, VARLEN: gl.constexpr, SELF_DELTA: gl.constexpr = False):
         """Grid ``(cdiv(Sq, BLOCK_M), B * Hq)`` (the forward's), swapped with ``HEAVY_FIRST``
         (``_grid_position``); launched with 4 warps and ``maxnreg``. Scales, ``lse2``/``delta``,
         ``LEFT``/``RIGHT``, ``WINDOW`` and ``VARLEN`` (cu_seqlens, and ``dq_ptr`` with
         ``stride_qt`` elements per token for the tiles that run past a sequence's end) as
         ``attn_bwd_dkdv_gluon_kernel``'s; q, dO and dq descriptors have ``BLOCK_M / 2`` rows per
-        block, k and v ``BLOCK_N``."""
+        block, k and v ``BLOCK_N``. ``SELF_DELTA`` (see ``_dq_math``): ``o_desc`` reads the
+        forward's out as ``do_desc`` reads dO, and ``lse2_ptr`` is the natural-log lse; without it
+        ``o_desc`` is not read."""
         Q_ROWS: gl.constexpr = BLOCK_M // 2
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 1, Q_ROWS, HEAD_DIM], q_desc.layout)
         do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, 1, Q_ROWS, HEAD_DIM], do_desc.layout)
+        if SELF_DELTA:
+            o_smem = gl.allocate_shared_memory(o_desc.dtype, [2, 1, Q_ROWS, HEAD_DIM], o_desc.layout)
+        else:
+            o_smem = do_smem  # not read
         k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
         q_ready, k_ready, v_ready, kv_empty = ring_barriers(STAGES)
         gl.warp_specialize([
-            (_dq_math, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, dq_ptr,
-                        stride_qt, q_smem, do_smem, k_ring, v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K,
-                        HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL, BLOCK_M,
-                        BLOCK_N, HEAD_DIM, STAGES, HEAVY_FIRST, WINDOW, VARLEN, 0)),
-            (_dq_math, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, dq_ptr,
-                        stride_qt, q_smem, do_smem, k_ring, v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K,
-                        HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL, BLOCK_M,
-                        BLOCK_N, HEAD_DIM, STAGES, HEAVY_FIRST, WINDOW, VARLEN, 1)),
-            (_dq_load, (q_desc, k_desc, v_desc, do_desc, dq_desc, lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, dq_ptr,
-                        stride_qt, q_smem, do_smem, k_ring, v_ring, q_ready, k_ready, v_ready, kv_empty, SEQ_Q, SEQ_K,
-                        HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT, CAUSAL, BLOCK_M,
-                        BLOCK_N, HEAD_DIM, STAGES, HEAVY_FIRST, WINDOW, VARLEN)),
+            (_dq_math, (q_desc, k_desc, v_desc, do_desc, dq_desc, o_desc, lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr,
+                        dq_ptr, stride_qt, q_smem, do_smem, o_smem, k_ring, v_ring, q_ready, k_ready, v_ready,
+                        kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT,
+                        CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HEAVY_FIRST, WINDOW, VARLEN, SELF_DELTA, 0)),
+            (_dq_math, (q_desc, k_desc, v_desc, do_desc, dq_desc, o_desc, lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr,
+                        dq_ptr, stride_qt, q_smem, do_smem, o_smem, k_ring, v_ring, q_ready, k_ready, v_ready,
+                        kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT,
+                        CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HEAVY_FIRST, WINDOW, VARLEN, SELF_DELTA, 1)),
+            (_dq_load, (q_desc, k_desc, v_desc, do_desc, dq_desc, o_desc, lse2_ptr, delta_ptr, cu_q_ptr, cu_k_ptr,
+                        dq_ptr, stride_qt, q_smem, do_smem, o_smem, k_ring, v_ring, q_ready, k_ready, v_ready,
+                        kv_empty, SEQ_Q, SEQ_K, HEADS_Q, GROUP, stride_lb, stride_lh, qk_scale, sm_scale, LEFT, RIGHT,
+                        CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, HEAVY_FIRST, WINDOW, VARLEN, SELF_DELTA)),
         ], [4, 1], [MATH_REGS, LOAD_REGS])
 
 
@@ -637,6 +678,7 @@ def switch_refusal() -> Optional[str]:
 
 _read_heavy_first = env_text_reader(ATTN_GLUON_BWD_HEAVY_FIRST_ENV)
 _read_overlap = env_text_reader(ATTN_GLUON_BWD_OVERLAP_ENV)
+_read_self_delta = env_text_reader(ATTN_GLUON_BWD_SELF_DELTA_ENV)
 
 
 def heavy_first_setting() -> bool:
@@ -653,10 +695,20 @@ def overlap_setting() -> bool:
     return parse_bool(_read_overlap(), ATTN_GLUON_BWD_OVERLAP_ENV) is not False
 
 
+def self_delta_setting() -> bool:
+    """``PRIMUS_TURBO_ATTN_GLUON_BWD_SELF_DELTA`` read now: True only if set to a true value (the
+    dQ kernel computes its rows' delta and lse2 itself, so that the preprocess runs on the side
+    stream next to it, before the dK/dV kernel; used only where the overlap runs). A malformed
+    value raises ConfigError naming the variable."""
+    return parse_bool(_read_self_delta(), ATTN_GLUON_BWD_SELF_DELTA_ENV) is True
+
+
 def variant_tag() -> str:
-    """The variants switched off as an identity suffix ("" by default, else "+no-heavy-first"
-    and/or "+no-overlap"), so that timings of one setting never stand for another's."""
-    return ("" if heavy_first_setting() else "+no-heavy-first") + ("" if overlap_setting() else "+no-overlap")
+    """The variants away from their defaults as an identity suffix ("" by default, else
+    "+no-heavy-first", "+no-overlap" and/or "+self-delta"), so that timings of one setting never
+    stand for another's."""
+    return (("" if heavy_first_setting() else "+no-heavy-first") + ("" if overlap_setting() else "+no-overlap")
+            + ("+self-delta" if self_delta_setting() else ""))
 
 
 def machine_refusal() -> Optional[str]:
@@ -745,21 +797,28 @@ def dq_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torc
                    lse2: torch.Tensor, delta: torch.Tensor, softmax_scale: float, causal: bool,
                    heavy_first: bool = False, window: Optional[tuple[int, int]] = None,
                    cu_seqlens: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                   max_seqlens: Optional[tuple[int, int]] = None) -> tuple[tuple, tuple, dict]:
+                   max_seqlens: Optional[tuple[int, int]] = None,
+                   self_delta: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[tuple, tuple, dict]:
     """``(grid, args, kwargs)`` of the dQ launch writing ``dq``, its causal programs in the
     heavy-first order if ``heavy_first`` (and the grid holds it), ``window``, ``cu_seqlens`` and
-    ``max_seqlens`` as in ``dkdv_launch_args``; tools/compile_sm90.py compiles with them."""
+    ``max_seqlens`` as in ``dkdv_launch_args``; ``self_delta`` = ``(out, lse)`` (the forward's,
+    out laid out as TMA reads it, lse in ``lse2``'s layout) launches the ``SELF_DELTA`` kernel,
+    which reads neither ``lse2`` nor ``delta``. tools/compile_sm90.py compiles with them."""
     varlen = cu_seqlens is not None
     b, sq, sk, hq, hk, d = _shapes(q, k, cu_seqlens, max_seqlens)
-    cfg = dq_config(d, causal, _heavy_first(causal, heavy_first, sq), window is not None, varlen)
+    cfg = dq_config(d, causal, _heavy_first(causal, heavy_first, sq), window is not None, varlen,
+                    self_delta is not None)
     rows = cfg.block_m // 2
     cu_q, cu_k = cu_seqlens if varlen else (lse2, lse2)  # stand-ins: read under VARLEN only
+    o_desc, lse_in = (descriptor(self_delta[0], rows), self_delta[1]) if self_delta is not None else \
+        (descriptor(dout, rows), lse2)  # without SELF_DELTA the out descriptor is a stand-in, never read
     args = (descriptor(q, rows), descriptor(k, cfg.block_n), descriptor(v, cfg.block_n), descriptor(dout, rows),
-            descriptor(dq, rows), lse2, delta, cu_q, cu_k, dq, hq * d if varlen else 0, sq, sk, hq, hq // hk,
-            *_lse_strides(lse2, varlen), softmax_scale * _LOG2E, softmax_scale, *window_bounds(*(window or (-1, -1))))
+            descriptor(dq, rows), o_desc, lse_in, delta, cu_q, cu_k, dq, hq * d if varlen else 0, sq, sk, hq,
+            hq // hk, *_lse_strides(lse2, varlen), softmax_scale * _LOG2E, softmax_scale,
+            *window_bounds(*(window or (-1, -1))))
     kwargs = dict(CAUSAL=bool(causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.stages,
                   MATH_REGS=MATH_REGS, LOAD_REGS=LOAD_REGS, HEAVY_FIRST=cfg.heavy_first, WINDOW=cfg.window,
-                  VARLEN=varlen, num_warps=4, maxnreg=MAXNREG)
+                  VARLEN=varlen, SELF_DELTA=cfg.self_delta, num_warps=4, maxnreg=MAXNREG)
     return _grid(-(-sq // cfg.block_m), b * hq, cfg.heavy_first), args, kwargs
 
 
@@ -782,7 +841,10 @@ def attend_backward(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     (``side_streams.overlappable``), the dK/dV kernel goes on a side stream and is launched first,
     the dQ kernel on the current stream (``side_streams.side_by_side``): both read only what the
     preprocess wrote before the fork, write disjoint outputs allocated before it, and the current
-    stream waits for both before returning."""
+    stream waits for both before returning. With ``PRIMUS_TURBO_ATTN_GLUON_BWD_SELF_DELTA`` on as
+    well, the preprocess moves onto the side stream ahead of the dK/dV kernel and the dQ kernel
+    computes its rows' delta from out and dout itself: dk and dv are unchanged, dq's delta is
+    summed in another order (the last bits of dq may differ from the default's)."""
     dout = _tma_readable(dout.to(q.dtype))
     lse = lse.contiguous()
     # Rows outside every sequence (varlen) are never read: the kernels mask rows past each end.
@@ -791,10 +853,15 @@ def attend_backward(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     varlen = p.varlen
     cu_q = cu_seqlens_q if varlen else lse  # a stand-in, never read without VARLEN
     lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
-    AK.attn_bwd_preprocess_kernel[(p.batch * p.heads_q, -(-p.seqlen_q // PRE_BLOCK_M))](
-        out, dout, lse, lse2, delta, cu_q, *((0, *out.stride()) if varlen else out.stride()),
-        *((0, *dout.stride()) if varlen else dout.stride()), *lse_strides, p.seqlen_q, p.heads_q, VARLEN=varlen,
-        D_V=d, BLOCK_DV=d, BLOCK_M=PRE_BLOCK_M)
+
+    def preprocess() -> None:
+        AK.attn_bwd_preprocess_kernel[(p.batch * p.heads_q, -(-p.seqlen_q // PRE_BLOCK_M))](
+            out, dout, lse, lse2, delta, cu_q, *((0, *out.stride()) if varlen else out.stride()),
+            *((0, *dout.stride()) if varlen else dout.stride()), *lse_strides, p.seqlen_q, p.heads_q,
+            VARLEN=varlen, D_V=d, BLOCK_DV=d, BLOCK_M=PRE_BLOCK_M)
+
+    overlap = overlap_setting() and overlappable(q)
+    self_delta = overlap and self_delta_setting()
     # Contiguous, whatever q, k, v's strides: the descriptors store packed heads.
     dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
     heavy_first = heavy_first_setting()
@@ -803,9 +870,11 @@ def attend_backward(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     dkdv_launch = dkdv_launch_args(q, k, v, dout, dk, dv, lse2, delta, p.softmax_scale, p.causal, heavy_first,
                                    window, **seqs)
     dq_launch = dq_launch_args(q, k, v, dout, dq, lse2, delta, p.softmax_scale, p.causal, heavy_first, window,
-                               **seqs)
+                               **seqs, self_delta=(_tma_readable(out.to(q.dtype)), lse) if self_delta else None)
 
     def run_dkdv() -> None:
+        if self_delta:
+            preprocess()
         grid, args, kwargs = dkdv_launch
         attn_bwd_dkdv_gluon_kernel[grid](*args, **kwargs)
 
@@ -813,7 +882,9 @@ def attend_backward(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
         grid, args, kwargs = dq_launch
         attn_bwd_dq_gluon_kernel[grid](*args, **kwargs)
 
-    if overlap_setting() and overlappable(q):
+    if not self_delta:
+        preprocess()
+    if overlap:
         side_by_side(run_dq, run_dkdv, q.device)
     else:
         run_dkdv()
@@ -825,7 +896,8 @@ def attend_backward(p, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     return dq, dk, dv
 
 
-__all__ = ["ATTN_GLUON_BWD_ENV", "ATTN_GLUON_BWD_HEAVY_FIRST_ENV", "ATTN_GLUON_BWD_OVERLAP_ENV", "KERNEL_REVISION",
+__all__ = ["ATTN_GLUON_BWD_ENV", "ATTN_GLUON_BWD_HEAVY_FIRST_ENV", "ATTN_GLUON_BWD_OVERLAP_ENV",
+           "ATTN_GLUON_BWD_SELF_DELTA_ENV", "KERNEL_REVISION", "self_delta_setting",
            "GluonAttnBwdConfig", "attend_backward", "dkdv_config", "dkdv_launch_args", "dq_config", "dq_launch_args",
            "gluon_backward_refusal", "heavy_first_setting", "machine_refusal", "overlap_setting", "switch_refusal",
            "variant_tag", "window_query_span_host"]
