@@ -402,7 +402,8 @@ def _fused_producer(cfg: tuple):
 #: 128): (dtype, head dim, rotated pairs, interleaved, inverse, warps, occupancy, section) where the
 #: section is q or k (rotated) or v (copied), forward and backward.
 ROTARY_CASES = [(dt, d, r, il, inv, ROT.WARPS, 1, sec) for dt in ("bfloat16", "float32")
-                for d, r in ((128, 64), (64, 16)) for il in (False, True) for inv in (False, True) for sec in ("q", "v")]
+                for d, r in ((128, 64), (64, 16)) for il in (False, True) for inv in (False, True)
+                for sec in ("q", "v")]
 
 
 def _rotary(cfg: tuple):
