@@ -22,7 +22,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from subprocess_results import assert_check_passed, collect_results  # noqa: E402
+from subprocess_results import assert_check_passed, interpreter_checks  # noqa: E402
 
 from turbo_dispatch.ops import apply_rotary_emb, split_qkv_rotary_emb  # noqa: E402
 from turbo_dispatch.ops import rotary  # noqa: E402
@@ -162,11 +162,7 @@ def test_the_torch_path_matches_float64():
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop(rotary.TRITON_ENV, None)
-    proc = subprocess.run([sys.executable, __file__, "--interpreter-checks"], env=env, capture_output=True,
-                          text=True, timeout=600)
-    return collect_results(proc)
+    return interpreter_checks(__file__, timeout=600)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -309,5 +305,6 @@ def test_doctests():
 
 
 if __name__ == "__main__" and "--interpreter-checks" in sys.argv:
+    os.environ.pop(rotary.TRITON_ENV, None)  # the checks are of the kernel
     for result in _checks("cpu", kernel_expected=True):
         print("RESULT " + json.dumps(result), flush=True)
