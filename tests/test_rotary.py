@@ -248,6 +248,21 @@ def test_torch_compile_traces_both_ops_without_graph_breaks():
         assert torch.allclose(a, b, atol=1e-6)
 
 
+def test_the_kernel_paths_second_derivative_raises_instead_of_being_wrong():
+    """Under the interpreter (a subprocess) the kernel path's backward refuses to be
+    differentiated again rather than handing back a graph without the rotation."""
+    pytest.importorskip("triton")
+    code = ("import torch\nfrom turbo_dispatch.ops import apply_rotary_emb\n"
+            "x = torch.randn(1, 3, 2, 8, requires_grad=True)\na = torch.randn(3, 4)\n"
+            "y = apply_rotary_emb(x, a.cos(), a.sin())\n"
+            "(g,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)\n"
+            "try:\n    g.sum().backward()\nexcept RuntimeError as exc:\n    print('raised', 'twice' in str(exc))\n")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop(rotary.TRITON_ENV, None)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.stdout.strip() == "raised True", proc.stdout + proc.stderr[-2000:]
+
+
 def test_zero_size_inputs_give_empty_results():
     cos, sin = torch.ones(0, 4), torch.zeros(0, 4)
     x = torch.randn(2, 0, 3, 8, requires_grad=True)

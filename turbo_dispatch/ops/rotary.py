@@ -14,7 +14,8 @@ Contract (both ops):
   per sequence; ``[T, R]`` for packed ``[T, H, D]`` input), any float dtype, with ``1 <= 2R <= D``.
   The first ``2R`` features of each head are rotated, the rest pass through unchanged (partial
   rotary). They are constants: no gradient flows to them, and one that requires grad while
-  autograd records is refused.
+  autograd records is refused. The kernel path's backward is differentiable once (a second
+  derivative raises); the torch path's as often as torch's.
 * Pairs: rotate-half (``(i, i + R)``, the Llama / GPT-NeoX layout) or, with
   ``interleaved=True``, adjacent features ``(2i, 2i + 1)`` (GPT-J). For a pair ``(x1, x2)`` at
   angle ``a``: ``(x1 cos a - x2 sin a, x2 cos a + x1 sin a)``.
@@ -38,6 +39,7 @@ from types import ModuleType
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..env import env_text_reader, parse_bool
 from ..registry import kernel_module
@@ -153,6 +155,7 @@ class _Rotary(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
         grad_x = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
@@ -182,6 +185,7 @@ class _SplitQkvRotary(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dq, dk, dv):
         cos, sin = ctx.saved_tensors
         q_heads, kv_heads, dim = ctx.split
