@@ -263,6 +263,21 @@ def test_the_kernel_paths_second_derivative_raises_instead_of_being_wrong():
     assert proc.stdout.strip() == "raised True", proc.stdout + proc.stderr[-2000:]
 
 
+def test_traced_calls_take_the_torch_path(monkeypatch):
+    """Under a fake-tensor mode (as AOT autograd and export trace) the kernel is never launched,
+    even where it would serve the call: the torch expression gives the shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from turbo_dispatch.backends.triton import rotary as kernel
+
+    monkeypatch.setattr(kernel, "available", lambda: None)
+    monkeypatch.setattr(kernel, "serves", lambda x: True)
+    monkeypatch.setattr(kernel, "rotate_into", lambda *a, **k: pytest.fail("the kernel ran on fake tensors"))
+    with FakeTensorMode():
+        q, k, v = split_qkv_rotary_emb(torch.empty(2, 9, 64), 2, 1, torch.empty(9, 4), torch.empty(9, 4))
+        assert (q.shape, k.shape, v.shape) == ((2, 9, 2, 16), (2, 9, 1, 16), (2, 9, 1, 16))
+
+
 def test_zero_size_inputs_give_empty_results():
     cos, sin = torch.ones(0, 4), torch.zeros(0, 4)
     x = torch.randn(2, 0, 3, 8, requires_grad=True)

@@ -22,9 +22,9 @@ Contract (both ops):
 * Arithmetic in float32 (float64 for float64 input) from the tables as given, rounded once to
   ``x``'s dtype.
 * The Triton kernel (registry kernel ``rotary``) serves bf16 / fp16 / fp32 GPU tensors; other
-  calls, ``PRIMUS_TURBO_ROTARY_TRITON=0`` (read per call) and calls under ``torch.compile``
-  (whose own fusion of the torch expression is the better kernel there) take the torch path,
-  which computes the same.
+  calls, ``PRIMUS_TURBO_ROTARY_TRITON=0`` (read per call) and traced calls (``torch.compile``,
+  whose own fusion of the torch expression is the better kernel there, or a fake / proxy tensor
+  mode) take the torch path, which computes the same.
 
 >>> import torch
 >>> from turbo_dispatch.ops import apply_rotary_emb
@@ -43,6 +43,7 @@ from torch.autograd.function import once_differentiable
 
 from ..env import env_text_reader, parse_bool
 from ..registry import kernel_module
+from ..tracing import tracing
 
 __all__ = ["apply_rotary_emb", "split_qkv_rotary_emb", "TRITON_ENV"]
 
@@ -122,7 +123,7 @@ def _rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
 # -- the kernel path ---------------------------------------------------------------------------
 def _kernels(x: torch.Tensor) -> Optional[ModuleType]:
     """The kernel module when this call takes the Triton path (see the module docstring)."""
-    if torch.compiler.is_compiling() or parse_bool(_READ_SWITCH(), TRITON_ENV) is False:
+    if tracing() or parse_bool(_READ_SWITCH(), TRITON_ENV) is False:
         return None
     module, _ = kernel_module(KERNEL)
     if module is None or module.available() is not None or not module.serves(x):
