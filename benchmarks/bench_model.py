@@ -60,6 +60,10 @@ Per config and variant:
    alike. tokens/s and MFU come from ``step_ms``; MFU counts the model's FLOPs (3x the forward
    GEMMs, 3.5x the causal attention forward) against the GPU's dense bf16 peak for every
    variant, fp8 included (``--peak-tflops`` sets it where the GPU is not in the table).
+   ``layers_step_ms`` times the blocks alone the same way (forward and backward of the decoder
+   blocks on fixed random hidden states, one fixed random gradient at their output: no
+   embedding, final norm, output head or loss), the step of a layer stack as the issue measures
+   it; ``layers_ratio`` is the peer's over the variant's.
 
 Results: ``<out>/<gpu>_<date>_<name>.{csv,md,png}``, ``--out`` defaulting to
 ``$TURBO_BENCH_OUT/model``, else bench-out/model. The markdown leads with a table per config.
@@ -578,9 +582,10 @@ def _mark(gpu: bool):
     return event
 
 
-def time_variants(measured: list[Measured], batch, timer: H.Timer) -> dict[int, tuple]:
-    """Forward and forward+backward of every PASSing variant, in turns; {index: (fwd_ms,
-    step_ms, step_host_ms)}."""
+def time_variants(measured: list[Measured], batch, timer: H.Timer, hidden: int,
+                  dtype: torch.dtype) -> dict[int, tuple]:
+    """Forward, forward+backward and the blocks' forward+backward of every PASSing variant, in
+    turns; {index: (fwd_ms, step_ms, step_host_ms, layers_step_ms)}."""
     live = [(i, m) for i, m in enumerate(measured) if m.check is not None and m.check.ok and m.model is not None]
     if not live:
         return {}
@@ -600,9 +605,18 @@ def time_variants(measured: list[Measured], batch, timer: H.Timer) -> dict[int, 
     fwd = timer.time_interleaved([forward(m.model) for _, m in live], setups)
     step = timer.time_interleaved([lambda model=m.model: forward_backward(model, *batch) for _, m in live], setups)
     host = timer.last_host_ms
+    gen = torch.Generator(device=batch[0].device).manual_seed(7)
+    shape = (*batch[0].shape, hidden)
+    x0 = torch.randn(shape, generator=gen, device=batch[0].device, dtype=dtype)
+    grad = torch.randn(shape, generator=gen, device=batch[0].device, dtype=dtype) / shape[-1] ** 0.5
+
+    def layers(model: torch.nn.Module) -> Callable[[], None]:
+        return lambda: model.blocks_forward(x0).backward(grad)
+
+    layer_steps = timer.time_interleaved([layers(m.model) for _, m in live], setups)
     for model in models:
         model.zero_grad(set_to_none=True)
-    return {i: (f, s, h) for (i, _), f, s, h in zip(live, fwd, step, host)}
+    return {i: (f, s, h, ls) for (i, _), f, s, h, ls in zip(live, fwd, step, host, layer_steps)}
 
 
 def profile_variants(c: ModelConfig, measured: list[Measured], batch, iters: int, device: torch.device,
@@ -687,15 +701,17 @@ def run_config(c: ModelConfig, variants: list[Variant], args, device: torch.devi
             if v.peer:
                 replay = replay_or_note(c, state, batches, m.losses, args, device, dtype, config_notes)
         try:
-            times = time_variants(measured, batches[0], timer)
+            times = time_variants(measured, batches[0], timer, c.hidden, dtype)
         except Exception as exc:  # e.g. out of memory with every variant's model held: keep the checks and curves
             config_notes.append(f"{c.name}: timing raised {H.error_note(exc)}")
         if args.profile > 0:
             profile_variants(c, measured, batches[0], args.profile, device, dtype, args.profile_dir)
     finally:
         step_flops = model_flops(c)[1]
-        rows += [make_row(c, m, times.get(i, (None, None, None)), measured, replay, dtype, peak)
-                 for i, m in enumerate(measured)]
+        config_rows = [make_row(c, m, times.get(i, (None, None, None, None)), measured, replay, dtype, peak)
+                       for i, m in enumerate(measured)]
+        fill_layers_ratio(config_rows)
+        rows += config_rows
         notes.append(f"{c.name}: {c.note}; {c.layers} layers, hidden {c.hidden}, heads {c.heads}/{c.kv_heads} x "
                      f"{c.head_dim}, " + (f"{c.experts} experts top-{c.topk} of width {c.expert_ffn}" if c.experts
                                           else f"FFN {c.ffn}")
@@ -710,10 +726,11 @@ def run_config(c: ModelConfig, variants: list[Variant], args, device: torch.devi
 
 def make_row(c: ModelConfig, m: Measured, times: tuple, measured: list[Measured], replay: list[float],
              dtype: torch.dtype, peak: Optional[float]) -> H.Row:
-    """The report row of one variant; ``times``: its (fwd_ms, step_ms, step_host_ms), None where
-    not timed; ``measured``: every variant of the config (the loss gap is to the peer's curve);
-    ``replay``: the peer's replay curve (empty if none ran), which sets the loss tolerance."""
-    fwd_ms, step_ms, host_ms = times
+    """The report row of one variant; ``times``: its (fwd_ms, step_ms, step_host_ms,
+    layers_step_ms), None where not timed; ``measured``: every variant of the config (the loss gap
+    is to the peer's curve); ``replay``: the peer's replay curve (empty if none ran), which sets
+    the loss tolerance."""
+    fwd_ms, step_ms, host_ms, layers_ms = times
     fwd_flops, step_flops = model_flops(c)
     row = H.Row(op=c.name, shape=c.shape, backend=m.variant.label(dtype), model=c.note, mb=c.batch, m=c.tokens,
                 n=c.hidden, k=c.ffn or c.expert_ffn, flops=fwd_flops, step_flops=step_flops, check=m.check,
@@ -739,8 +756,18 @@ def make_row(c: ModelConfig, m: Measured, times: tuple, measured: list[Measured]
         "loss_tol_pct": round(tol, 3) if dev is not None else "",
         "loss_ok": ("yes" if dev <= tol else "no") if dev is not None else "",
         "setup_s": round(m.setup_s, 1) if m.setup_s is not None else "",
+        "layers_step_ms": round(layers_ms, 3) if layers_ms is not None and row.passed else "",
+        "layers_ratio": "",
     }
     return row
+
+
+def fill_layers_ratio(rows: list[H.Row]) -> None:
+    """``layers_ratio`` of each timed row: the peer's ``layers_step_ms`` of its config over its own."""
+    for op in {r.op for r in rows}:
+        peer = next((r for r in rows if r.op == op and r.peer and r.extra.get("layers_step_ms") != ""), None)
+        for r in (r for r in rows if r.op == op and peer is not None and r.extra.get("layers_step_ms") != ""):
+            r.extra["layers_ratio"] = round(peer.extra["layers_step_ms"] / r.extra["layers_step_ms"], 3)
 
 
 # -- reports ---------------------------------------------------------------------------------------
@@ -749,13 +776,13 @@ def headline(rows: list[H.Row]) -> list[str]:
     lines = ["## Training step per config (ratio = the torch peer's step time / the variant's)", ""]
     for op in dict.fromkeys(r.op for r in rows):
         lines += [f"### {op}", "", "| variant | check | ms/step | tokens/s | ratio vs torch | MFU % | peak GiB | "
-                  "ms/train step (AdamW) | loss dev % | loss tol % | loss ok |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "ms/train step (AdamW) | loss dev % | loss tol % | loss ok | layers ms/step | layers ratio |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
         for r in (r for r in rows if r.op == op):
             e = r.extra
             cells = [r.backend, r.check.status if r.check else "SKIP", H._fmt(r.step_ms, 2), e["tokens_per_s"],
                      H._fmt(r.ratio, 3), e["mfu_pct"], e["peak_mem_gib"], e["train_step_ms"], e["loss_dev_pct"],
-                     e["loss_tol_pct"], e["loss_ok"]]
+                     e["loss_tol_pct"], e["loss_ok"], e["layers_step_ms"], e["layers_ratio"]]
             lines.append("| " + " | ".join(str(x) for x in cells) + " |")
         lines.append("")
     return lines

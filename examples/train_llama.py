@@ -202,11 +202,14 @@ class Decoder(torch.nn.Module):
         self.head_dim = head_dim or hidden // heads
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        rotary = rotary_tables(tokens.shape[1], self.head_dim, tokens.device)
-        x = self.embed(tokens)
+        return self.head(self.norm(self.blocks_forward(self.embed(tokens))))
+
+    def blocks_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The blocks alone on hidden states ``x [B, S, hidden]`` (what the embedding hands them)."""
+        rotary = rotary_tables(x.shape[1], self.head_dim, x.device)
         for block in self.blocks:
             x = block(x, rotary)
-        return self.head(self.norm(x))
+        return x
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -313,6 +313,10 @@ def test_bench_model_cpu_smoke(tmp_path):
         assert mine["turbo float32"]["loss_ok"] == "yes" and float(mine["turbo float32"]["loss_tol_pct"]) >= 1.0
         assert float(mine["turbo float32"]["loss_noise_pct"]) < 1e-3  # the fp32 replay: split-K sums, same curve
         assert float(mine["turbo fp8 rowwise autotune"]["loss_dev_pct"]) < 1.0
+        # the blocks alone timed too (the layer step), their ratio to the peer's
+        assert all(float(r["layers_step_ms"]) > 0 for r in mine.values())
+        assert float(mine["torch float32"]["layers_ratio"]) == 1.0
+        assert all(float(r["layers_ratio"]) > 0 for r in mine.values())
     text = next(tmp_path.glob("cpu_*.md")).read_text()
     assert text.index("### deepseek-v3-ep8") < text.index("## Score")
     assert '"type": "result"' in (tmp_path / "model_quick_tuning.jsonl").read_text()
