@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import re
 import signal
 import subprocess
@@ -58,7 +59,8 @@ class Run:
     quick run takes the script's own quick sizes); ``quick`` only with it. ``kind`` says what the
     script takes: ``report`` (a harness bench: ``--quick``, ``--device``, ``--out``, ``--name``),
     ``json`` (``--json PATH``), ``log`` (nothing: its stdout is the result). ``needs_gpu``:
-    ``always``, ``full`` (a CPU machine runs only the quick form) or ``never``."""
+    ``always``, ``full`` (a CPU machine runs only the quick form) or ``never``. ``env``: variables
+    set for this run only (an A/B of a library switch is two runs that differ in it)."""
 
     name: str
     script: str
@@ -68,6 +70,7 @@ class Run:
     kind: str = "report"
     needs_gpu: str = "full"
     device_arg: bool = True
+    env: tuple[tuple[str, str], ...] = ()
 
 
 def _gemm(granularity: str | None) -> Run:
@@ -130,6 +133,12 @@ FAMILIES: dict[str, tuple[Run, ...]] = {
             full=("--models", "qwen3-30b-a3b", "--ep", "8", "--tokens-per-expert", "4096", "--routings", "balanced",
                   "--backends", "TRITON", "--tune-budget-ms", "100")),
     ),
+    # the Gluon attention backward with and without its dQ kernel's own delta (varlen and dense d128 rows)
+    "attention_self_delta": tuple(
+        Run(name, "bench_attention.py", ("--only", "varlen-8x,-d128-full,-d128-causal"), full=("--quick",),
+            env=env)
+        for name, env in (("attention_delta_preprocess", (("PRIMUS_TURBO_ATTN_GLUON_BWD_SELF_DELTA", "0"),)),
+                          ("attention_self_delta", (("PRIMUS_TURBO_ATTN_GLUON_BWD_SELF_DELTA", "1"),)))),
 }
 
 
@@ -170,19 +179,22 @@ def skip_reason(run: Run, ctx: Context, earlier: list[Run]) -> str | None:
     if not ctx.gpu and run.needs_gpu == "full" and not ctx.quick:
         return "a full run needs a GPU; --quick runs its CPU smoke form"
     if ctx.quick:
-        same = next((e for e in earlier if (e.script, e.args, e.quick) == (run.script, run.args, run.quick)), None)
+        same = next((e for e in earlier if (e.script, e.args, e.quick, e.env) == (run.script, run.args, run.quick,
+                                                                                 run.env)), None)
         if same is not None:
             return f"its quick form is {same.name}'s"
     return None
 
 
-def execute(cmd: list[str], log: Path, limit_s: float) -> tuple[int, bool]:
-    """Runs ``cmd`` with its output in ``log``; SIGTERM at ``limit_s``, a kill ``GRACE_S`` later.
-    Returns (exit status, whether the limit was reached)."""
+def execute(cmd: list[str], log: Path, limit_s: float, env: tuple[tuple[str, str], ...] = ()) -> tuple[int, bool]:
+    """Runs ``cmd`` (with the variables ``env`` set on top of this process's) with its output in
+    ``log``; SIGTERM at ``limit_s``, a kill ``GRACE_S`` later. Returns (exit status, whether the
+    limit was reached)."""
     with open(log, "w") as fh:
-        fh.write("$ " + " ".join(cmd) + "\n")
+        fh.write("$ " + " ".join([*(f"{k}={v}" for k, v in env), *cmd]) + "\n")
         fh.flush()
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=HERE.parent)
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=HERE.parent,
+                                env={**os.environ, **dict(env)} if env else None)
         try:
             return proc.wait(timeout=max(limit_s, 1.0)), False
         except subprocess.TimeoutExpired:
@@ -218,7 +230,8 @@ def run_family(family: str, runs: list[Run], ctx: Context, time_limit: float, dr
     for i, run in enumerate(runs):
         cmd = command(run, ctx)
         share = max(deadline - time.monotonic(), 0.0) / (len(runs) - i)
-        record = {"family": family, "run": run.name, "cmd": " ".join(cmd), "limit_s": round(share)}
+        record = {"family": family, "run": run.name, "cmd": " ".join([*(f"{k}={v}" for k, v in run.env), *cmd]),
+                  "limit_s": round(share)}
         reason = skip_reason(run, ctx, runs[:i])
         if reason:
             record.update(status="skipped", reason=reason)
@@ -229,7 +242,7 @@ def run_family(family: str, runs: list[Run], ctx: Context, time_limit: float, dr
             log = ctx.out / f"{report}.log"
             print(f"[suite] {family}/{run.name}: running, limit {share:.0f} s, log {log}", flush=True)
             t0, started = time.monotonic(), time.time() - 1.0
-            rc, limited = execute(cmd, log, share)
+            rc, limited = execute(cmd, log, share, run.env)
             turbo_fails, other_fails = failed_rows(ctx.out, report, started)
             status = "failed" if (rc != 0 and not limited) or turbo_fails else ("partial" if limited else "ok")
             record.update(status=status, rc=rc, seconds=round(time.monotonic() - t0, 1), log=str(log),

@@ -649,6 +649,23 @@ def test_suite_dry_run_names_each_command_or_why_it_cannot_run(tmp_path):
     assert bad.returncode == 2 and "no run named nothing" in bad.stderr
 
 
+def test_suite_runs_set_their_own_environment(tmp_path):
+    """A run's ``env`` reaches its process only (the A/B of a library switch is two runs), shows in
+    its command line, and keeps two quick runs that differ only in it apart."""
+    suite = _bench_module("suite")
+    log = tmp_path / "env.log"
+    code = "import os; print('SWITCH=' + os.environ.get('TURBO_SUITE_PROBE', 'unset'))"
+    assert suite.execute([sys.executable, "-c", code], log, 60, (("TURBO_SUITE_PROBE", "b"),)) == (0, False)
+    assert log.read_text().splitlines() == [f"$ TURBO_SUITE_PROBE=b {sys.executable} -c {code}", "SWITCH=b"]
+    assert "TURBO_SUITE_PROBE" not in os.environ
+    dry = _suite("--family", "attention_self_delta", "--device", "cuda", "--dry-run")
+    assert dry.stdout.count("PRIMUS_TURBO_ATTN_GLUON_BWD_SELF_DELTA=1 ") == 1
+    assert dry.stdout.count("PRIMUS_TURBO_ATTN_GLUON_BWD_SELF_DELTA=0 ") == 1
+    runs = suite.FAMILIES["attention_self_delta"]
+    ctx = suite.Context(quick=True, device="cuda", gpu=True, out=tmp_path, extra=())
+    assert suite.skip_reason(runs[1], ctx, list(runs[:1])) is None
+
+
 def test_suite_runs_a_family_and_records_each_run(tmp_path):
     proc = _suite("--family", "dispatch_overhead", "--family", "blaslt_switch", "--quick", "--device", "cpu",
                   "--out", str(tmp_path), "--", "--iters", "200", "--rounds", "2")
