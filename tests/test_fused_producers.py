@@ -207,6 +207,55 @@ def _compare_modules(fused, calls: dict, device: str) -> list[dict]:
     return results
 
 
+def _plain_swiglu_checks(device: str = "cpu") -> list[dict]:
+    """The unquantised SwiGLU kernel (``swiglu``) against float64 (silu rounded to the dtype before
+    the product, as ``F.silu(gate) * up``; within four units in the last place, see below), on halves of one projection and on rows of one element, M = 0 empty; and
+    ``SwiGLUMLP`` without fp8 through it (``swiglu``, then ``swiglu_backward``) against the torch
+    expression: output, input and parameter gradients."""
+    from turbo_dispatch.backends.triton import fused_producers as fp
+    from turbo_dispatch.modules import fused
+
+    gen = torch.Generator().manual_seed(3)
+    results = []
+    for dname, dtype in DTYPES.items():
+        for m, n in ((7, 200), (3, 4100), (1, 1), (0, 64)):
+            gu = (4 * torch.rand((m, 2 * n), generator=gen, dtype=torch.float64) - 2).to(dtype).to(device)
+            g, u = gu[:, :n], gu[:, n:]
+            h = fp.swiglu(g, u)
+            silu = (g.double() * torch.sigmoid(g.double())).to(dtype).double()
+            want = silu * u.double()
+            err = (h.double() - want).abs()
+            # silu's fast division (2 float32 ulp) may move its rounding by one unit, the product's
+            # rounding another (the interpreter truncates): four units of the dtype bound both
+            bound = 4 * torch.finfo(dtype).eps * want.abs()
+            ok = h.shape == (m, n) and h.is_contiguous() and bool((err <= bound + 1e-30).all())
+            results.append(dict(name=f"swiglu[{m}x{n}-{dname}]", ok=ok,
+                                detail=f"max err {float(err.max()) if err.numel() else 0.0:.3g}"))
+    calls = []
+    originals = {name: getattr(fp, name) for name in ("swiglu", "swiglu_backward")}
+    for name, original in originals.items():
+        setattr(fp, name, lambda *a, _o=original, _n=name: (calls.append(_n), _o(*a))[1])
+    try:
+        torch.manual_seed(4)
+        mlp = modules.SwiGLUMLP(48, 300).to(device)
+        x = torch.randn(2, 9, 48, device=device, requires_grad=True)
+        out = mlp(x)
+        got = [out, *torch.autograd.grad(out.square().sum(), [x, *mlp.parameters()])]
+        kernels, fused._kernels = fused._kernels, (lambda: None)
+        try:
+            ref = mlp(x)
+            want = [ref, *torch.autograd.grad(ref.square().sum(), [x, *mlp.parameters()])]
+        finally:
+            fused._kernels = kernels
+    finally:
+        for name, original in originals.items():
+            setattr(fp, name, original)
+    errs = [float((a - b).norm() / b.norm()) for a, b in zip(got, want)]
+    results.append(dict(name="module_swiglu[plain]", ok=calls == ["swiglu", "swiglu_backward"] and max(errs) < 1e-5,
+                        detail=f"kernel calls {calls}, rel errs {[f'{e:.2g}' for e in errs]}"))
+    return results
+
+
 def _kernel_names(shapes) -> list[str]:
     return [f"{what}[{m}x{n}-{d}-{g}-{bs}-{fp8}]" for (m, n) in shapes for d in DTYPES for g, bs in RECIPES
             for what in ("rms", "swiglu") for fp8 in (("e4m3fn", "e5m2") if g == "ROWWISE" else ("e4m3fn",))]
@@ -216,6 +265,8 @@ KERNEL_NAMES = _kernel_names(SHAPES)
 EDGE_NAMES = ([f"nonfinite_{w}[{m}x{n}-{g}-{bs}]" for m, n in ((4, 200), (3, 9000)) for g, bs in RECIPES[:3]
                for w in ("rms", "swiglu")] + [f"empty_{w}[{g}-{bs}]" for g, bs in RECIPES for w in ("rms", "swiglu")])
 MODULE_NAMES = [f"module_{w}[{g}]" for g, _ in RECIPES[:3] for w in ("rms", "swiglu")]
+PLAIN_NAMES = [f"swiglu[{m}x{n}-{d}]" for d in DTYPES for m, n in ((7, 200), (3, 4100), (1, 1), (0, 64))] + [
+    "module_swiglu[plain]"]
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +278,7 @@ def interpreter_results() -> dict:
     return collect_results(proc)
 
 
-@pytest.mark.parametrize("name", KERNEL_NAMES + EDGE_NAMES + MODULE_NAMES)
+@pytest.mark.parametrize("name", KERNEL_NAMES + EDGE_NAMES + MODULE_NAMES + PLAIN_NAMES)
 def test_interpreter(interpreter_results, name):
     assert_check_passed(interpreter_results, name)
 
@@ -240,13 +291,13 @@ GPU_SHAPES = SHAPES + [(37, 4096), (37, 8192), (37, 3584), (37, 14336), (37, 189
 @pytest.fixture(scope="module")
 def gpu_results() -> dict:
     results = {r["name"]: r for r in _kernel_checks("cuda", GPU_SHAPES) + _edge_checks("cuda")
-               + _module_checks("cuda")}
+               + _module_checks("cuda") + _plain_swiglu_checks("cuda")}
     torch.cuda.synchronize()
     return results
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", _kernel_names(GPU_SHAPES) + EDGE_NAMES + MODULE_NAMES)
+@pytest.mark.parametrize("name", _kernel_names(GPU_SHAPES) + EDGE_NAMES + MODULE_NAMES + PLAIN_NAMES)
 def test_gpu(gpu_results, name):
     """The interpreter's checks on a GPU (its own cast instruction, fast exp), at the benchmark's
     row lengths too, and the modules' fused path against their unfused one."""
@@ -380,7 +431,7 @@ def test_doctests(monkeypatch):
 
 
 if __name__ == "__main__" and "--interpreter-checks" in sys.argv:
-    for check in (_kernel_checks, _edge_checks, _module_checks):
+    for check in (_kernel_checks, _edge_checks, _module_checks, _plain_swiglu_checks):
         try:
             for r in check():
                 print("RESULT " + json.dumps(r), flush=True)

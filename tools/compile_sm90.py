@@ -392,6 +392,15 @@ def _fused_configs() -> list:
     return rows
 
 
+def _plain_swiglu(cfg: tuple):
+    """The unquantised SwiGLU kernel (``fused_producers.swiglu``) on halves of one [64, 2 x 14336]
+    projection of dtype ``cfg[0]``."""
+    gate_up = torch.empty((_FUSED_M, 2 * 14336), dtype=getattr(torch, cfg[0]))
+    h = torch.empty((_FUSED_M, 14336), dtype=gate_up.dtype)
+    return FP._swiglu_kernel.warmup(gate_up, gate_up[:, 14336:], h, 14336, 2 * 14336, 2 * 14336, 14336,
+                                    BLOCK=FP.SWIGLU_BLOCK, num_warps=cfg[5], grid=(1,))
+
+
 def _fused_producer(cfg: tuple):
     launch = _fused_launches(*cfg[:4])[cfg[4]]
     tensors = dict(zip(FP._LAUNCHER.per_call, launch.tensors))
@@ -541,6 +550,7 @@ def families() -> dict:
          len(AGB.GluonAttnBwdConfig._fields)),
         ("fused_producers", _fused_configs(), _fused_producer, 6),
         ("rotary", ROTARY_CASES, _rotary, 6),
+        ("fused_swiglu", [(dt, 14336, 0, 0, 0, 8, 1) for dt in ("bfloat16", "float32")], _plain_swiglu, 6),
     ]
     return {name: (cfgs, build, occ_at) for name, cfgs, build, occ_at in table}
 
@@ -573,7 +583,7 @@ def run(table: dict, only: list[str] | None, occupancy_only: bool, cc: int, firs
                 if row["loop_spills"] > LOOP_SPILL_ALLOWANCE:
                     problems.append(f"spills inside its wgmma loop ({row['loop_spills']} LDL/STL, "
                                     f"{row['stack']} bytes of stack)")
-                if name in ("fused_producers", "rotary") and row["stack"]:
+                if name in ("fused_producers", "rotary", "fused_swiglu") and row["stack"]:
                     problems.append(f"spills ({row['stack']} bytes of stack)")
                 if name == "fused_producers" and row["fit"] < FUSED_MIN_FIT:
                     problems.append(f"{row['fit']} programs fit per SM, fewer than {FUSED_MIN_FIT}")

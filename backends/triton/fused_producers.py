@@ -55,7 +55,7 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
     tl = None
 
 __all__ = ["MAX_ROW", "available", "serves", "rms_norm_quantize", "swiglu_quantize", "rms_norm_backward",
-           "swiglu_backward", "launches"]
+           "swiglu_backward", "swiglu", "launches"]
 
 #: The longest row served: column offsets are int32 inside the kernels.
 MAX_ROW = 1 << 30
@@ -309,6 +309,22 @@ if triton is not None:
 _LAUNCHER = (PreboundKernel(_producer_kernel, per_call=("a_ptr", "b_ptr", "out_ptr", "data_ptr", "scale_ptr",
                                                          "amax_ptr")) if triton is not None else None)
 
+#: Columns per program of the unquantised SwiGLU: 8 warps of 16-byte bf16 vectors, twice over.
+SWIGLU_BLOCK = 2048
+
+if triton is not None:
+
+    @triton.jit
+    def _swiglu_kernel(g_ptr, u_ptr, h_ptr, F, sg, su, sh, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < F
+        g = tl.load(g_ptr + row * sg + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * su + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(h_ptr + row * sh + cols, _op_out(g, u, 0.0, h_ptr.dtype.element_ty, 1), mask=mask)
+
+    _SWIGLU_LAUNCHER = PreboundKernel(_swiglu_kernel, per_call=("g_ptr", "u_ptr", "h_ptr"))
+
 
 class Plan(NamedTuple):
     """How one launch walks a row (see the module docstring): ``single`` (the row in registers,
@@ -461,6 +477,26 @@ def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: 
         raise ValueError(f"rms_norm_quantize: weight must be contiguous of shape ({x.shape[1]},); got "
                          f"{tuple(weight.shape)}")
     return _produce(_OP_RMS_NORM, x, weight, 0, float(eps), dtype, gran, block_size, return_out)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``h = silu(gate) * up`` for ``gate, up [M, F]`` of one dtype (views of one ``[M, 2F]``
+    projection are fine: only the last stride must be 1), unquantised: one read of each input and
+    one write, silu rounded to the dtype before the product as ``F.silu(gate) * up`` rounds it
+    (its division the fast one, as in ``swiglu_quantize``). A fresh contiguous ``[M, F]`` tensor;
+    its backward is ``swiglu_backward``."""
+    _check_2d("swiglu", gate=gate, up=up)
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
+        raise ValueError(f"swiglu: gate and up must match; got {gate.dtype}{tuple(gate.shape)} on {gate.device} "
+                         f"and {up.dtype}{tuple(up.shape)} on {up.device}")
+    gate, up = (t if t.stride(-1) == 1 else t.contiguous() for t in (gate, up))
+    m, f = gate.shape
+    h = torch.empty((m, f), dtype=gate.dtype, device=gate.device)
+    if m and f:
+        _SWIGLU_LAUNCHER.launch((m, triton.cdiv(f, SWIGLU_BLOCK)), (gate, up, h),
+                                dict(F=f, sg=gate.stride(0), su=up.stride(0), sh=f, BLOCK=SWIGLU_BLOCK),
+                                dict(num_warps=8))
+    return h
 
 
 def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype, granularity: ScalingGranularity | str,
