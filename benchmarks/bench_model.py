@@ -10,9 +10,10 @@ built from a ``LayerKit``:
   elsewhere). It is the peer: ``ratio_vs_best_peer`` is its step time over the variant's.
 * ``turbo``: the library's modules and ops (``modules.RMSNormLinear`` for the attention's norm and
   q/k/v projection, ``modules.SwiGLUMLP``, ``modules.Linear``, ``modules.GroupedLinear``,
-  ``ops.flash_attn_func``, ``ops.split_qkv_rotary_emb`` for the q/k/v split and rotation, which
-  the torch peer writes as torch ops); with an fp8 recipe on a GPU the norm and the SwiGLU write their GEMM's
-  fp8 input themselves (the fused producers).
+  ``ops.flash_attn_func``, ``ops.split_qkv_rotary_emb`` for the q/k/v split and rotation and
+  ``ops.swiglu`` for the experts' activation, which the torch peer writes as torch ops); with an
+  fp8 recipe on a GPU the norm and the SwiGLU write their GEMM's fp8 input themselves (the fused
+  producers).
 * ``unfused`` (a variant flag): the same with the norm and the SwiGLU as separate torch ops before
   each ``modules.Linear``, which shows what the fused producers buy.
 
@@ -217,24 +218,33 @@ class NormLinear(torch.nn.Module):
         return self.linear(self.norm(x))
 
 
-class SwiGLU(torch.nn.Module):
-    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` as separate ops, modules.SwiGLUMLP's names."""
+def torch_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
-    def __init__(self, gate_proj: torch.nn.Module, up_proj: torch.nn.Module, down_proj: torch.nn.Module) -> None:
+
+class SwiGLU(torch.nn.Module):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` as separate ops, modules.SwiGLUMLP's names;
+    ``swiglu(gate, up)`` computes the activation."""
+
+    def __init__(self, gate_proj: torch.nn.Module, up_proj: torch.nn.Module, down_proj: torch.nn.Module,
+                 swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch_swiglu) -> None:
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self.swiglu = swiglu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 def unfused_kit(linear: Callable[[int, int, Optional[Float8QuantConfig]], torch.nn.Module],
                 attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-                split_rotary: Callable[..., tuple] = torch_split_rotary) -> LayerKit:
-    """A kit whose norms and SwiGLU are torch ops around ``linear`` projections."""
+                split_rotary: Callable[..., tuple] = torch_split_rotary,
+                swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch_swiglu) -> LayerKit:
+    """A kit whose norms and SwiGLU are separate ops around ``linear`` projections (torch ops
+    unless ``split_rotary`` / ``swiglu`` say otherwise)."""
     return LayerKit(linear=linear, norm_linear=lambda h, o, eps, fp8: NormLinear(h, eps, linear(h, o, fp8)),
-                    mlp=lambda h, f, fp8: SwiGLU(linear(h, f, fp8), linear(h, f, fp8), linear(f, h, fp8)),
-                    attend=attend, split_rotary=split_rotary)
+                    mlp=lambda h, f, fp8: SwiGLU(linear(h, f, fp8), linear(h, f, fp8), linear(f, h, fp8), swiglu),
+                    attend=attend, split_rotary=split_rotary, swiglu=swiglu)
 
 
 def torch_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -269,7 +279,8 @@ class SplitKLinear(torch.nn.Linear):
 
 
 REPLAY_KIT = unfused_kit(lambda i, o, fp8: SplitKLinear(i, o, bias=False), torch_attend)
-UNFUSED_KIT = unfused_kit(TURBO_KIT.linear, TURBO_KIT.attend, TURBO_KIT.split_rotary)  # unfused fp8 producers only
+# the fp8 producers unfused, the other ops the library's
+UNFUSED_KIT = unfused_kit(TURBO_KIT.linear, TURBO_KIT.attend, TURBO_KIT.split_rotary, TURBO_KIT.swiglu)
 
 
 class TorchGroupedLinear(torch.nn.Module):
@@ -305,6 +316,7 @@ class LocalMoE(torch.nn.Module):
         self.routing: Optional[torch.Tensor] = None
         self.last_routing: Optional[torch.Tensor] = None
         self.router = kit.linear(hidden, experts, None)
+        self.swiglu = kit.swiglu
         self.up_gate = grouped(experts, hidden, 2 * ffn, fp8)
         self.down = grouped(experts, ffn, hidden, fp8)
 
@@ -324,7 +336,7 @@ class LocalMoE(torch.nn.Module):
         # scatter_add, not bincount: bincount sizes its output from the data (a host sync on a GPU)
         group_lens = flat.new_zeros(self.experts).scatter_add_(0, flat, torch.ones_like(flat))
         gate, up = self.up_gate(tokens[rows], group_lens).chunk(2, dim=-1)
-        out = self.down(F.silu(gate) * up, group_lens)
+        out = self.down(self.swiglu(gate, up), group_lens)
         weighted = out * top_probs.flatten()[order].unsqueeze(-1).to(out.dtype)
         return torch.zeros_like(tokens).index_add(0, rows, weighted).view_as(x)
 

@@ -98,7 +98,8 @@ class LayerKit:
     ``[B, S, H, D]`` tensors, k and v with fewer heads than q (grouped-query);
     ``split_rotary(qkv, heads, kv_heads, cos, sin)``: the q/k/v projection's output
     ``[B, S, (heads + 2 kv_heads) D]`` split into contiguous ``[B, S, H, D]`` q, k, v with q and
-    k rotated by position (rotate-half, float32 arithmetic).
+    k rotated by position (rotate-half, float32 arithmetic); ``swiglu(gate, up)``:
+    ``silu(gate) * up`` (the MoE experts' activation).
 
     Every kit names its parameters alike, so one state_dict loads into a decoder of each kit
     (benchmarks/bench_model.py builds the same model from plain torch and from this library)."""
@@ -108,6 +109,7 @@ class LayerKit:
     mlp: Callable[[int, int, Optional[Float8QuantConfig]], torch.nn.Module]
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     split_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 #: The library's modules: ``RMSNormLinear`` and ``SwiGLUMLP`` write their GEMM's fp8 input from
@@ -119,6 +121,7 @@ TURBO_KIT = LayerKit(
     mlp=lambda h, f, fp8: turbo.modules.SwiGLUMLP(h, f, fp8_config=fp8),
     attend=lambda q, k, v: turbo.ops.flash_attn_func(q, k, v, causal=True),
     split_rotary=turbo.ops.split_qkv_rotary_emb,
+    swiglu=turbo.ops.swiglu,
 )
 
 

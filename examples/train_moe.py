@@ -36,7 +36,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_llama import BigramCorpus, Decoder, add_common_args, fill_preset, fp8_config, train  # noqa: E402
@@ -90,7 +89,7 @@ class MoE(torch.nn.Module):
         rows, slots = rows[order], slots[order]
         group_lens = torch.tensor(tokens_per_expert, dtype=torch.int64, device=x.device)
         gate, up = self.up_gate(recv_x[rows], group_lens).chunk(2, dim=-1)
-        out = self.down(F.silu(gate) * up, group_lens)
+        out = self.down(turbo.ops.swiglu(gate, up), group_lens)
         weighted = out * recv_probs[rows, slots].unsqueeze(-1).to(out.dtype)
         per_row = torch.zeros_like(recv_x).index_add(0, rows, weighted)
         return turbo.ops.moe_combine(per_row, self.group, handle).view_as(x)

@@ -210,10 +210,11 @@ def _compare_modules(fused, calls: dict, device: str) -> list[dict]:
 def _plain_swiglu_checks(device: str = "cpu") -> list[dict]:
     """The unquantised SwiGLU kernel (``swiglu``) against float64 (silu rounded to the dtype before
     the product, as ``F.silu(gate) * up``; within four units in the last place, see below), on halves of one projection and on rows of one element, M = 0 empty; and
-    ``SwiGLUMLP`` without fp8 through it (``swiglu``, then ``swiglu_backward``) against the torch
-    expression: output, input and parameter gradients."""
+    ``SwiGLUMLP`` without fp8 through it (``ops.swiglu``: ``swiglu``, then ``swiglu_backward``)
+    against the torch expression (``PRIMUS_TURBO_SWIGLU_TRITON=0``): output, input and parameter
+    gradients."""
     from turbo_dispatch.backends.triton import fused_producers as fp
-    from turbo_dispatch.modules import fused
+    from turbo_dispatch.ops import activation as swiglu_op
 
     gen = torch.Generator().manual_seed(3)
     results = []
@@ -241,12 +242,12 @@ def _plain_swiglu_checks(device: str = "cpu") -> list[dict]:
         x = torch.randn(2, 9, 48, device=device, requires_grad=True)
         out = mlp(x)
         got = [out, *torch.autograd.grad(out.square().sum(), [x, *mlp.parameters()])]
-        kernels, fused._kernels = fused._kernels, (lambda: None)
+        os.environ[swiglu_op.TRITON_ENV] = "0"  # the torch expression
         try:
             ref = mlp(x)
             want = [ref, *torch.autograd.grad(ref.square().sum(), [x, *mlp.parameters()])]
         finally:
-            fused._kernels = kernels
+            del os.environ[swiglu_op.TRITON_ENV]
     finally:
         for name, original in originals.items():
             setattr(fp, name, original)

@@ -7,10 +7,7 @@ the modules are the unfused pair (plain-torch norm / SwiGLU, then ``modules.Line
 read the same parameters, so the choice never changes a state_dict.
 
 Without fp8 (or with a recipe the producers do not serve), ``SwiGLUMLP``'s ``silu(gate) * up`` is
-still one kernel each way where the kernel module runs (``_SwiGLU``: the module's ``swiglu`` and
-``swiglu_backward``, one read of each input and one write of each output, where the torch
-expression makes three passes forward and saves ``silu(gate)`` for four more backward); traced
-calls (torch.compile, fake tensors) keep the torch expression, which the compiler fuses itself.
+``ops.swiglu``: still one kernel each way where the kernel module runs.
 
 Training through the fused path (``_ProducedLinear``): ``gemm_fp8`` has no backward for a
 pre-quantised operand, so the Function saves what ``gemm_fp8``'s own autograd saves (the
@@ -26,16 +23,14 @@ from types import ModuleType
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from ..low_precision import Float8QuantConfig, QuantizedTensor, ScalingGranularity
 from ..ops.gemm import gemm_fp8
 from ..ops.gemm_autograd import fp8_gemm_backward
 from ..ops.gemm_fp8_step import saved_as_quantized, wgrad_operand
 from ..ops.gemm_problem import forward_fp8_problem
+from ..ops.activation import swiglu
 from ..registry import kernel_module
-from ..tracing import tracing
 from .linear import Linear
 
 __all__ = ["RMSNormLinear", "SwiGLUMLP"]
@@ -63,38 +58,6 @@ def _fused_kernels(x: torch.Tensor, cfg: Optional[Float8QuantConfig], width: int
     if module is None or width > module.MAX_ROW or not module.serves(x):
         return None
     return module
-
-
-def _swiglu_kernels(gate: torch.Tensor) -> Optional[ModuleType]:
-    """The kernel module when an unquantised SwiGLU of ``gate``'s kind runs it (see the module docstring)."""
-    if gate.dtype not in _FUSED_DTYPES or tracing():
-        return None
-    module = _kernels()
-    return module if module is not None and module.serves(gate) else None
-
-
-class _SwiGLU(torch.autograd.Function):
-    """``apply(kernels, gate, up)``: ``silu(gate) * up`` of 2-D tensors through the kernel module."""
-
-    @staticmethod
-    def forward(ctx, kernels, gate, up):
-        ctx.kernels = kernels
-        ctx.save_for_backward(gate, up)
-        return kernels.swiglu(gate, up)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dh):
-        gate, up = ctx.saved_tensors
-        dgate, dup = ctx.kernels.swiglu_backward(gate, up, dh)
-        return None, dgate, dup
-
-
-def _swiglu(kernels: ModuleType, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for tensors of any leading shape, through ``_SwiGLU``."""
-    width = gate.shape[-1]
-    out = _SwiGLU.apply(kernels, gate.reshape(-1, width), up.reshape(-1, width))
-    return out.reshape(gate.shape)
 
 
 def _recipe(cfg: Float8QuantConfig) -> tuple[torch.dtype, ScalingGranularity, Optional[int]]:
@@ -213,5 +176,4 @@ class SwiGLUMLP(torch.nn.Module):
         kernels = _fused_kernels(x, self.fp8_config, gate.shape[-1])
         if kernels is not None:
             return _produced_linear(kernels, _SWIGLU, gate, up, 0.0, self.down_proj)
-        plain = _swiglu_kernels(gate)
-        return self.down_proj(F.silu(gate) * up if plain is None else _swiglu(plain, gate, up))
+        return self.down_proj(swiglu(gate, up))

@@ -5,6 +5,7 @@ from .gemm import gemm, gemm_fp8
 from .grouped_gemm import grouped_gemm, grouped_gemm_fp8
 from .moe import moe_combine, moe_dispatch
 from .rotary import apply_rotary_emb, split_qkv_rotary_emb
+from .activation import swiglu
 
 __all__ = [
     "apply_rotary_emb",
@@ -18,4 +19,5 @@ __all__ = [
     "moe_combine",
     "moe_dispatch",
     "split_qkv_rotary_emb",
+    "swiglu",
 ]
