@@ -28,6 +28,15 @@ def assert_check_passed(results: dict, name: str) -> None:
     assert results[name]["ok"], results[name]["detail"]
 
 
+def assert_all_passed(results: list[dict], names: list[str]) -> None:
+    """Fails unless ``results`` (check dicts run in this process) are exactly the checks ``names``
+    and each passed; the message lists the missing or extra ones, or those that failed."""
+    by_name = {r["name"]: r for r in results}
+    assert sorted(by_name) == sorted(names), sorted(set(names) ^ set(by_name))
+    failed = [f"{n}: {r['detail']}" for n, r in by_name.items() if not r["ok"]]
+    assert not failed, failed
+
+
 def interpreter_checks(script: str, timeout: float = 240) -> dict:
     """Runs ``script --interpreter-checks`` under the Triton interpreter (``TRITON_INTERPRET=1``)
     and returns its results (``collect_results``)."""

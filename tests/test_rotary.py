@@ -22,7 +22,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from subprocess_results import assert_check_passed, interpreter_checks  # noqa: E402
+from subprocess_results import assert_all_passed, assert_check_passed, interpreter_checks  # noqa: E402
 
 from turbo_dispatch.ops import apply_rotary_emb, split_qkv_rotary_emb  # noqa: E402
 from turbo_dispatch.ops import rotary  # noqa: E402
@@ -153,10 +153,7 @@ NAMES = _names()
 
 
 def test_the_torch_path_matches_float64():
-    results = {r["name"]: r for r in _checks("cpu", kernel_expected=False)}
-    assert sorted(results) == sorted(NAMES)
-    failed = [f"{n}: {r['detail']}" for n, r in results.items() if not r["ok"]]
-    assert not failed, failed
+    assert_all_passed(_checks("cpu", kernel_expected=False), NAMES)
 
 
 @pytest.fixture(scope="module")
@@ -173,9 +170,7 @@ def test_the_kernel_under_the_interpreter(interpreter_results, name):
 @pytest.mark.gpu
 def test_gpu_kernel_matches_float64(monkeypatch):
     monkeypatch.delenv(rotary.TRITON_ENV, raising=False)
-    results = {r["name"]: r for r in _checks("cuda", kernel_expected=True)}
-    failed = [f"{n}: {r['detail']}" for n, r in results.items() if not r["ok"]]
-    assert sorted(results) == sorted(NAMES) and not failed, failed
+    assert_all_passed(_checks("cuda", kernel_expected=True), NAMES)
 
 
 @pytest.mark.gpu

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from subprocess_results import assert_check_passed, interpreter_checks  # noqa: E402
+from subprocess_results import assert_all_passed, assert_check_passed, interpreter_checks  # noqa: E402
 
 from turbo_dispatch.ops import activation, swiglu  # noqa: E402
 
@@ -74,10 +74,7 @@ def _checks(device: str, kernel_expected: bool) -> list[dict]:
 
 
 def test_the_torch_path_matches_float64():
-    results = {r["name"]: r for r in _checks("cpu", kernel_expected=False)}
-    assert sorted(results) == sorted(NAMES)
-    failed = [f"{n}: {r['detail']}" for n, r in results.items() if not r["ok"]]
-    assert not failed, failed
+    assert_all_passed(_checks("cpu", kernel_expected=False), NAMES)
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +91,7 @@ def test_the_kernels_under_the_interpreter(interpreter_results, name):
 @pytest.mark.gpu
 def test_gpu_kernels_match_float64(monkeypatch):
     monkeypatch.delenv(activation.TRITON_ENV, raising=False)
-    results = {r["name"]: r for r in _checks("cuda", kernel_expected=True)}
-    failed = [f"{n}: {r['detail']}" for n, r in results.items() if not r["ok"]]
-    assert sorted(results) == sorted(NAMES) and not failed, failed
+    assert_all_passed(_checks("cuda", kernel_expected=True), NAMES)
 
 
 def test_zero_size_and_the_switch(monkeypatch):
