@@ -7,7 +7,7 @@
 #
 #   FAMILY         gemm, gemm_fp8, grouped_gemm, grouped_gemm_fp8, dispatch_overhead,
 #                  blaslt_switch, wrappers, fused_producers, attention, model, moe_layer,
-#                  step_host
+#                  step_host, attention_self_delta
 #                  (`python3 benchmarks/suite.py --list`); all.
 #   --time-limit S seconds per family (default 540).
 #   --quick        each script's smoke form (runs on a CPU-only machine too).
