@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ..env import env_text_reader, parse_bool
-from ..registry import kernel_module
-from ..tracing import tracing
+from ..env import env_text_reader
+from ._common import HIGH_PRECISION
+from .eager_kernels import eager_kernel_module
 
 __all__ = ["swiglu", "TRITON_ENV"]
 
@@ -37,17 +37,13 @@ __all__ = ["swiglu", "TRITON_ENV"]
 TRITON_ENV = "PRIMUS_TURBO_SWIGLU_TRITON"
 _READ_SWITCH = env_text_reader(TRITON_ENV)
 KERNEL = "fused_fp8_producers"
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def kernels_for(gate: torch.Tensor) -> Optional[ModuleType]:
     """The kernel module when a SwiGLU of ``gate``'s kind runs it here (module docstring), else None."""
-    if gate.dtype not in _DTYPES or tracing() or parse_bool(_READ_SWITCH(), TRITON_ENV) is False:
+    if gate.dtype not in HIGH_PRECISION:
         return None
-    module, _ = kernel_module(KERNEL)
-    if module is None or module.available() is not None or not module.serves(gate):
-        return None
-    return module
+    return eager_kernel_module(KERNEL, gate, _READ_SWITCH, TRITON_ENV)
 
 
 class _SwiGLU(torch.autograd.Function):

@@ -41,9 +41,9 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..env import env_text_reader, parse_bool
-from ..registry import kernel_module
-from ..tracing import tracing
+from ..env import env_text_reader
+from ._common import require_bool
+from .eager_kernels import eager_kernel_module
 
 __all__ = ["apply_rotary_emb", "split_qkv_rotary_emb", "TRITON_ENV"]
 
@@ -123,12 +123,7 @@ def _rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
 # -- the kernel path ---------------------------------------------------------------------------
 def _kernels(x: torch.Tensor) -> Optional[ModuleType]:
     """The kernel module when this call takes the Triton path (see the module docstring)."""
-    if tracing() or parse_bool(_READ_SWITCH(), TRITON_ENV) is False:
-        return None
-    module, _ = kernel_module(KERNEL)
-    if module is None or module.available() is not None or not module.serves(x):
-        return None
-    return module
+    return eager_kernel_module(KERNEL, x, _READ_SWITCH, TRITON_ENV)
 
 
 def _kernel_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,6 +159,11 @@ class _Rotary(torch.autograd.Function):
         return None, grad_x, None, None, None, None
 
 
+def _qkv_sections(q_heads: int, kv_heads: int) -> tuple[tuple[int, int, bool], ...]:
+    """(first head, heads, rotated) of q, k and v in a packed projection's heads."""
+    return (0, q_heads, True), (q_heads, kv_heads, True), (q_heads + kv_heads, kv_heads, False)
+
+
 class _SplitQkvRotary(torch.autograd.Function):
     """``qkv [B, S, (Hq + 2 Hkv) D]`` into contiguous q, k (rotated) and v through the kernel; the
     backward writes the three gradients into one packed one."""
@@ -175,8 +175,7 @@ class _SplitQkvRotary(torch.autograd.Function):
         packed = qkv.as_strided((bsz, seq, q_heads + 2 * kv_heads, dim), (qkv.stride(0), qkv.stride(1), dim, 1),
                                 qkv.storage_offset())
         outs = []
-        for first, heads, rotate in ((0, q_heads, True), (q_heads, kv_heads, True), (q_heads + kv_heads, kv_heads,
-                                                                                       False)):
+        for first, heads, rotate in _qkv_sections(q_heads, kv_heads):
             out = torch.empty((bsz, seq, heads, dim), dtype=qkv.dtype, device=qkv.device)
             kernels.rotate_into(packed[:, :, first:first + heads], out, cos if rotate else None,
                                 sin if rotate else None, half if rotate else 0, interleaved, False)
@@ -193,8 +192,7 @@ class _SplitQkvRotary(torch.autograd.Function):
         bsz, seq = dq.shape[:2]  # autograd hands zeros for an output the loss did not use
         grad = torch.empty((bsz, seq, (q_heads + 2 * kv_heads) * dim), dtype=dq.dtype, device=dq.device)
         packed = grad.view(bsz, seq, q_heads + 2 * kv_heads, dim)
-        for g, first, heads, rotate in ((dq, 0, q_heads, True), (dk, q_heads, kv_heads, True),
-                                        (dv, q_heads + kv_heads, kv_heads, False)):
+        for g, (first, heads, rotate) in zip((dq, dk, dv), _qkv_sections(q_heads, kv_heads)):
             section = packed[:, :, first:first + heads]
             ctx.kernels.rotate_into(_unit_last(g), section, cos if rotate else None, sin if rotate else None,
                                     ctx.half if rotate else 0, ctx.interleaved, True)
@@ -214,8 +212,7 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
     """
     op = "apply_rotary_emb"
     x = _require_float(op, "x", x, (3, 4), "[B, S, H, D] or [T, H, D]")
-    if not isinstance(interleaved, bool):
-        raise TypeError(f"{op}: interleaved must be a bool; got {interleaved!r}")
+    require_bool(op, "interleaved", interleaved)
     packed = x.dim() == 3
     half = _tables(op, cos, sin, tuple(x.shape), x.shape[-1], packed)
     _same_device(op, x=x, cos=cos, sin=sin)
@@ -245,8 +242,7 @@ def split_qkv_rotary_emb(qkv: torch.Tensor, q_heads: int, kv_heads: int, cos: to
     for name, value in (("q_heads", q_heads), ("kv_heads", kv_heads)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{op}: {name} must be a positive int; got {value!r}")
-    if not isinstance(interleaved, bool):
-        raise TypeError(f"{op}: interleaved must be a bool; got {interleaved!r}")
+    require_bool(op, "interleaved", interleaved)
     heads = q_heads + 2 * kv_heads
     width = qkv.shape[-1]
     if width % heads or width == 0:
