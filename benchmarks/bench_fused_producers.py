@@ -130,6 +130,21 @@ def check(call, ref: torch.Tensor) -> H.Check:
     return H.gate([("out", out, ref)], min_snr_db=MIN_SNR_DB)
 
 
+def time_rows(made: list, timer) -> None:
+    """Times the ``(row, call)`` pairs of one case in turns: each row's ms, ``gb_s`` (its
+    ``bytes_mb`` per ms) and ``of_copy`` (that rate over the case's ``torch copy`` row's)."""
+    times = timer.time_interleaved([call for _, call in made]) if made else []
+    for (row, _), ms in zip(made, times):
+        row.fwd_ms = ms
+        # four significant digits, not a fixed decimal: a CPU smoke run's rates are far below 0.1 GB/s
+        row.extra["gb_s"] = float(f"{row.extra['bytes_mb'] / ms:.4g}")  # MB / ms = GB/s
+    copy_row = next((r for r, _ in made if r.backend == "torch copy"), None)
+    for row, _ in made:
+        if copy_row is not None and row is not copy_row:
+            rate = row.extra["bytes_mb"] / row.fwd_ms / (copy_row.extra["bytes_mb"] / copy_row.fwd_ms)
+            row.extra["of_copy"] = float(f"{rate:.3g}")
+
+
 def rope_rows(model: str, t: int, device, timer, rows: list[H.Row]) -> bool:
     """The ``rope`` case of ``model`` (module docstring): forward and backward rows in turns."""
     hq, hkv = HEADS[model]
@@ -172,13 +187,7 @@ def rope_rows(model: str, t: int, device, timer, rows: list[H.Row]) -> bool:
             rows.append(row)
             if row.passed:
                 made.append((row, call))
-        for (row, _), ms in zip(made, timer.time_interleaved([c for _, c in made]) if made else []):
-            row.fwd_ms = ms
-            row.extra["gb_s"] = float(f"{row.extra['bytes_mb'] / ms:.4g}")
-        copy_row = next((r for r, _ in made if r.backend == "torch copy"), None)
-        for row, _ in made:
-            if copy_row is not None and row is not copy_row:
-                row.extra["of_copy"] = float(f"{copy_row.fwd_ms / row.fwd_ms:.3g}")  # same bytes as the copy
+        time_rows(made, timer)
         print(f"{model}/rope {direction} T={t}: " + ", ".join(
             f"{r.backend}={r.check.status}" + (f" {r.extra['gb_s']} GB/s" if "gb_s" in r.extra else "")
             for r in rows[-3:]), flush=True)
@@ -216,16 +225,7 @@ def run(args, device, timer, rows: list[H.Row]) -> bool:
             rows.append(row)
             if row.passed:
                 made.append((row, call))
-        times = timer.time_interleaved([call for _, call in made]) if made else []
-        for (row, _), ms in zip(made, times):
-            row.fwd_ms = ms
-            # four significant digits, not a fixed decimal: a CPU smoke run's rates are far below 0.1 GB/s
-            row.extra["gb_s"] = float(f"{row.extra['bytes_mb'] / ms:.4g}")  # MB / ms = GB/s
-        copy_row = next((r for r, _ in made if r.backend == "torch copy"), None)
-        for row, _ in made:
-            if copy_row is not None and row is not copy_row:
-                rate = row.extra["bytes_mb"] / row.fwd_ms / (copy_row.extra["bytes_mb"] / copy_row.fwd_ms)
-                row.extra["of_copy"] = float(f"{rate:.3g}")
+        time_rows(made, timer)
         print(f"[{i + 1}/{len(cases)}] {shape} T={t} N={n}: " + ", ".join(
             f"{r.backend}={r.check.status if r.check else 'SKIP'}"
             + (f" {r.extra['gb_s']} GB/s" if "gb_s" in r.extra else "") for r in rows[-len(runs):])
