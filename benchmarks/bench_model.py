@@ -775,10 +775,10 @@ def make_row(c: ModelConfig, m: Measured, times: tuple, measured: list[Measured]
 
 
 def fill_layers_ratio(rows: list[H.Row]) -> None:
-    """``layers_ratio`` of each timed row: the peer's ``layers_step_ms`` of its config over its own."""
-    for op in {r.op for r in rows}:
-        peer = next((r for r in rows if r.op == op and r.peer and r.extra.get("layers_step_ms") != ""), None)
-        for r in (r for r in rows if r.op == op and peer is not None and r.extra.get("layers_step_ms") != ""):
+    """``layers_ratio`` of each timed row of one config: the peer's ``layers_step_ms`` over its own."""
+    peer = next((r for r in rows if r.peer and r.extra["layers_step_ms"] != ""), None)
+    for r in rows:
+        if peer is not None and r.extra["layers_step_ms"] != "":
             r.extra["layers_ratio"] = round(peer.extra["layers_step_ms"] / r.extra["layers_step_ms"], 3)
 
 
