@@ -186,12 +186,17 @@ def skip_reason(run: Run, ctx: Context, earlier: list[Run]) -> str | None:
     return None
 
 
+def command_line(cmd: list[str], env: tuple[tuple[str, str], ...]) -> str:
+    """``cmd`` as a shell line, prefixed with the run's own variables."""
+    return " ".join([*(f"{k}={v}" for k, v in env), *cmd])
+
+
 def execute(cmd: list[str], log: Path, limit_s: float, env: tuple[tuple[str, str], ...] = ()) -> tuple[int, bool]:
     """Runs ``cmd`` (with the variables ``env`` set on top of this process's) with its output in
     ``log``; SIGTERM at ``limit_s``, a kill ``GRACE_S`` later. Returns (exit status, whether the
     limit was reached)."""
     with open(log, "w") as fh:
-        fh.write("$ " + " ".join([*(f"{k}={v}" for k, v in env), *cmd]) + "\n")
+        fh.write("$ " + command_line(cmd, env) + "\n")
         fh.flush()
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=HERE.parent,
                                 env={**os.environ, **dict(env)} if env else None)
@@ -230,8 +235,7 @@ def run_family(family: str, runs: list[Run], ctx: Context, time_limit: float, dr
     for i, run in enumerate(runs):
         cmd = command(run, ctx)
         share = max(deadline - time.monotonic(), 0.0) / (len(runs) - i)
-        record = {"family": family, "run": run.name, "cmd": " ".join([*(f"{k}={v}" for k, v in run.env), *cmd]),
-                  "limit_s": round(share)}
+        record = {"family": family, "run": run.name, "cmd": command_line(cmd, run.env), "limit_s": round(share)}
         reason = skip_reason(run, ctx, runs[:i])
         if reason:
             record.update(status="skipped", reason=reason)
