@@ -145,6 +145,12 @@ def time_rows(made: list, timer) -> None:
             row.extra["of_copy"] = float(f"{rate:.3g}")
 
 
+def summary(rows: list[H.Row]) -> str:
+    """``backend=status [GB/s]`` of each row, for the progress line."""
+    return ", ".join(f"{r.backend}={r.check.status if r.check else 'SKIP'}"
+                     + (f" {r.extra['gb_s']} GB/s" if "gb_s" in r.extra else "") for r in rows)
+
+
 def rope_rows(model: str, t: int, device, timer, rows: list[H.Row]) -> bool:
     """The ``rope`` case of ``model`` (module docstring): forward and backward rows in turns."""
     hq, hkv = HEADS[model]
@@ -188,9 +194,7 @@ def rope_rows(model: str, t: int, device, timer, rows: list[H.Row]) -> bool:
             if row.passed:
                 made.append((row, call))
         time_rows(made, timer)
-        print(f"{model}/rope {direction} T={t}: " + ", ".join(
-            f"{r.backend}={r.check.status}" + (f" {r.extra['gb_s']} GB/s" if "gb_s" in r.extra else "")
-            for r in rows[-3:]), flush=True)
+        print(f"{model}/rope {direction} T={t}: " + summary(rows[-3:]), flush=True)
     return ok
 
 
@@ -226,10 +230,8 @@ def run(args, device, timer, rows: list[H.Row]) -> bool:
             if row.passed:
                 made.append((row, call))
         time_rows(made, timer)
-        print(f"[{i + 1}/{len(cases)}] {shape} T={t} N={n}: " + ", ".join(
-            f"{r.backend}={r.check.status if r.check else 'SKIP'}"
-            + (f" {r.extra['gb_s']} GB/s" if "gb_s" in r.extra else "") for r in rows[-len(runs):])
-            + f" ({time.time() - t0:.1f}s)", flush=True)
+        print(f"[{i + 1}/{len(cases)}] {shape} T={t} N={n}: " + summary(rows[-len(runs):])
+              + f" ({time.time() - t0:.1f}s)", flush=True)
         del ref, fused, fused_out, unfused, copy
         H.free_memory(device)
     return ok
